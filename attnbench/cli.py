@@ -1,0 +1,289 @@
+"""The command line: a thin Typer layer that parses, calls the harness functions and renders with rich.
+
+Exit codes: 0 ok · 1 a verdict failed (gate SLOWER, spot-check FAIL, verify failed) · 2 bad input
+(matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 130 interrupted.
+User mistakes get one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="attnbench: clean-GPU benchmarks of attention kernels against PyTorch SDPA.")
+console = Console()
+err = Console(stderr=True)
+
+DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML gate, CUDA events) or cpu (Triton interpreter, system-load gate)")
+
+
+def fail(message: str, code: int) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _user_errors():
+    """The exceptions that mean 'the user asked for something wrong' → one line, exit 2."""
+    from attnbench.backends import BackendError
+    from attnbench.matrix import MatrixError
+    from attnbench.store import RunDirError
+
+    return (MatrixError, BackendError, RunDirError)
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cuda", "cpu"):
+        fail(f"--device {device!r}: allowed cuda, cpu", 2)
+    from attnbench.runner import prepare_device
+
+    prepare_device(device)
+
+
+def _reader():
+    from attnbench.gpu import NoGpuError, PynvmlReader
+
+    try:
+        return PynvmlReader()
+    except NoGpuError as exc:
+        fail(str(exc), 3)
+
+
+def _gate(matrix_gate: dict | None, max_util: float | None, min_free_gb: float | None):
+    from attnbench.gpu import Gate
+
+    g = Gate(**(matrix_gate or {}))
+    if max_util is not None:
+        g.max_util_pct = max_util
+    if min_free_gb is not None:
+        g.min_free_gb = min_free_gb
+    return g
+
+
+# --- gpu-status --------------------------------------------------------------------------------
+
+@app.command("gpu-status")
+def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+               max_util: float = typer.Option(8.0, help="gate: max utilisation %"),
+               min_free_gb: float = typer.Option(12.0, help="gate: min free memory, GB"),
+               sample_s: float = typer.Option(1.0, help="utilisation sampling window, seconds")):
+    """Every visible GPU (utilisation sampled over a window, memory, clocks, power, throttle reasons, processes) and the system."""
+    from attnbench.gpu import status_all
+
+    status = status_all(_reader(), _gate(None, max_util, min_free_gb), sample_s=sample_s)
+    if as_json:
+        print(json.dumps(status, indent=2, default=str))
+        return
+    t = Table(title=f"GPUs at {status['utc']}  (gate: util ≤ {max_util:g}%, free ≥ {min_free_gb:g} GB)")
+    for col in ("idx", "name", "util % (max/median)", "mem used/free/total GB", "temp", "SM clock", "power",
+                "clock events", "processes", "gate"):
+        t.add_column(col)
+    for g in status["gpus"]:
+        samples = sorted(g["util_samples"]) or [float("nan")]
+        procs = ", ".join(f"{p['pid']} {p['name']} {p['mem_mb'] or 0:.0f}MB" for p in g["processes"]) or "-"
+        t.add_row(str(g["index"]), f"{g['name']}\n{g['uuid']}",
+                  f"{g['util_pct']:.0f} / {samples[len(samples) // 2]:.0f} ({len(g['util_samples'])} samples)",
+                  f"{g['mem_used_gb']:.1f} / {g['mem_free_gb']:.1f} / {g['mem_total_gb']:.1f}",
+                  f"{g['temp_c']} C", f"{g['sm_clock_mhz']} / {g['sm_clock_max_mhz']} MHz",
+                  f"{(g['power_w'] or 0):.0f} / {(g['power_limit_w'] or 0):.0f} W",
+                  ", ".join(g["throttle_reasons"]) or "none", procs,
+                  "[green]PASS[/]" if g["passes_gate"] else "[red]FAIL[/] " + "; ".join(g["gate_failures"]))
+    console.print(t)
+    s = status["system"]
+    load = " ".join(f"{x:.2f}" for x in s["load_avg"] or [])
+    console.print(f"system: CPU {s['cpu_pct']:.0f}% · load {load} · RAM {s['ram_used_gb']:.1f}/{s['ram_total_gb']:.1f} GB")
+    console.print("busiest: " + ", ".join(f"{p['pid']} {p['name']} {p['cpu_pct']:.0f}% {p['rss_mb']:.0f}MB"
+                                          for p in s["top_processes"]))
+
+
+# --- list --------------------------------------------------------------------------------------
+
+@app.command("list")
+def list_backends():
+    """The backend registry: what each implementation supports (our kernels and the PyTorch baselines)."""
+    from attnbench.backends import registry_rows
+
+    t = Table(title="backends")
+    for col in ("name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options", "description"):
+        t.add_column(col, overflow="fold")
+    for r in registry_rows():
+        if r["status"] != "ok":
+            t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * 7)
+        else:
+            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["devices"],
+                      r["options"], r["description"])
+    console.print(t)
+
+
+# --- run-matrix --------------------------------------------------------------------------------
+
+def _plan_table(matrix, device: str) -> Table:
+    from attnbench.runner import _skip_reason
+
+    t = Table(title=f"plan: {matrix.name} ({len(matrix.points())} points, device {device})")
+    for col in ("point", "kernel", "baseline", "dtype", "mode", "causal", "shape (B,H,N,D)", "note"):
+        t.add_column(col)
+    for p in matrix.points():
+        c = p.cell
+        shape = f"model {c.model} img {p.n} batch {c.batch}" if c.is_model else f"({c.batch},{c.heads},{p.n},{c.head_dim})"
+        note = _skip_reason(p, device) or ""
+        if not note and c.baseline_max_n is not None and p.n > c.baseline_max_n:
+            note = f"baseline skipped above N={c.baseline_max_n}"
+        t.add_row(p.id, c.kernel, c.baseline, c.dtype, c.mode, str(c.causal).lower(), shape,
+                  f"skip: {note}" if note else "")
+    return t
+
+
+def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
+         results_root: Path, max_attempts: Optional[int], argv: list[str]) -> Path:
+    """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from attnbench.gpu import NoGpuError
+    from attnbench.runner import GateFailed, Runner, RunInterrupted, RunOptions
+
+    reader = None
+    if device == "cuda":
+        reader = _reader()
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("torch sees no CUDA device (NVML does); check the driver / CUDA_VISIBLE_DEVICES, or use --device cpu", 3)
+    opts = RunOptions(device=device, results_root=results_root, gate=gate, gpu=gpu, wait_s=wait,
+                      max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
+    state = {"task": None, "status_line": None}
+
+    def on_event(kind, **d):
+        if kind == "gate_probe":
+            fails = "; ".join(f"GPU {i}: {', '.join(f)}" for i, f in d["failures"].items() if f) or "clean"
+            err.print(f"[dim]gate probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
+        elif kind == "start":
+            where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
+            err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} points to measure")
+            progress.start()
+            state["task"] = progress.add_task("starting", total=d["total"], completed=d["total"] - d["todo"])
+        elif kind == "point_start":
+            progress.update(state["task"], description=d["point"].id)
+        elif kind == "attempt" and d["status"] == "noisy":
+            progress.console.print(f"[yellow]{d['point'].id}: attempt {d['attempt']} noisy[/] ({'; '.join(d['reasons'])})",
+                                   highlight=False)
+        elif kind == "point_done":
+            r = d["row"]
+            ratio = "-" if r["lat_ratio"] is None else f"{r['lat_ratio']:.3f}"
+            progress.console.print(f"{r['point_id']}: {r['status']} lat_ratio {ratio}"
+                                   + (f" ({r['reason']})" if r["reason"] else ""), highlight=False)
+            progress.advance(state["task"])
+
+    runner = Runner(matrix, opts, reader=reader, on_event=on_event)
+    try:
+        return runner.run(resume=resume)
+    except GateFailed as exc:
+        fail(f"{exc} (after waiting {wait:g}s; use --wait to wait longer)", 4)
+    except NoGpuError as exc:
+        fail(str(exc), 3)
+    except RunInterrupted as exc:
+        progress.stop()
+        err.print(f"[yellow]interrupted[/]: everything measured is kept in {exc.run_dir}; "
+                  f"finish it with: attnbench run-matrix {matrix.path} --resume {exc.run_dir}")
+        raise typer.Exit(130)
+    finally:
+        progress.stop()
+
+
+def _summary_table(run_dir: Path) -> Table:
+    from attnbench.store import load_run
+
+    run = load_run(run_dir)
+    t = Table(title=f"summary: {run_dir}")
+    for col in ("point", "kernel ms", "baseline ms", "lat_ratio [p10–p90]", "mem_ratio", "status", "note"):
+        t.add_column(col, overflow="fold")
+
+    def f(v, fmt="{:.3f}"):
+        return "-" if v != v or v is None else fmt.format(v)
+
+    for _, r in run.points.iterrows():
+        ratio = "-" if r.lat_ratio != r.lat_ratio else f"{r.lat_ratio:.3f} [{r.lat_ratio_p10:.3f}–{r.lat_ratio_p90:.3f}]"
+        t.add_row(r.point_id, f(r.kernel_ms), f(r.baseline_ms), ratio, f(r.mem_ratio), r.status,
+                  "" if r.reason != r.reason else str(r.reason))
+    return t
+
+
+@app.command("run-matrix")
+def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see matrices/README.md)"),
+               device: str = DeviceOpt,
+               dry_run: bool = typer.Option(False, "--dry-run", help="print the expanded plan; touch no GPU"),
+               resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted run directory"),
+               gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (default: the cleanest passing one)"),
+               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation % (default 8, or the matrix's)"),
+               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB (default 12, or the matrix's)"),
+               wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
+               max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
+               results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created")):
+    """Run a YAML matrix: gate the GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
+    from attnbench.matrix import load_matrix
+
+    _check_device(device)
+    try:
+        matrix = load_matrix(matrix_path, device=device)
+        if dry_run:
+            console.print(_plan_table(matrix, device))
+            return
+        gate = _gate(matrix.gate, max_util, min_free_gb)
+        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:])
+        console.print(_summary_table(run_dir))
+        console.print(f"run directory: {run_dir}")
+    except _user_errors() as exc:
+        fail(str(exc), 2)
+
+
+# --- verify-2pass ------------------------------------------------------------------------------
+
+@app.command("verify-2pass")
+def verify_2pass(device: str = DeviceOpt):
+    """Instrument real ELSA launches and show that the forward is a two-pass parallel scan (phase 1 → HBM → phase 2)."""
+    _check_device(device)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("no CUDA device; use --device cpu", 3)
+    try:
+        from attnbench.verify_2pass import verify_two_pass
+    except ImportError:
+        fail("verify-2pass needs the ELSA kernel, which is not implemented yet", 2)
+    rows, ok, failures = verify_two_pass(device)
+    t = Table(title=f"ELSA two-pass verification ({device})")
+    cols = list(rows[0].keys()) if rows else []
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(*[str(r[c]) for c in cols])
+    console.print(t)
+    if ok:
+        console.print("VERIFY: TWO-PASS PARALLEL SCAN CONFIRMED (phase1->global summaries->phase2 reduce, no FA fusion)")
+    else:
+        console.print(f"VERIFY: FAILED {'; '.join(failures)}")
+        raise typer.Exit(1)
+
+
+def main():
+    # Triton's interpreter must be configured before anything imports triton.
+    if "--device" in sys.argv:
+        i = sys.argv.index("--device")
+        if i + 1 < len(sys.argv) and sys.argv[i + 1] == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif any(a.startswith("--device=cpu") for a in sys.argv):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    app()
+
+
+if __name__ == "__main__":
+    main()

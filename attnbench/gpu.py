@@ -1,0 +1,278 @@
+"""GPU and system snapshots (NVML + psutil), the clean-GPU gate, and the choice of the cleanest GPU.
+
+NVML is reached through a small adapter (``PynvmlReader``) so tests can drive the gate with a fake
+that reports busy, low-memory, throttled or foreign-process states. Utilisation is *sampled* over a
+window (several readings, ≥ 1 s by default), never read once: one instant says little about a GPU
+someone else is using in bursts.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+# NVML clock-event ("throttle") reason bits, decoded to words.
+CLOCK_EVENT_REASONS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+BENIGN_REASONS = {"gpu_idle"}
+
+
+class NoGpuError(RuntimeError):
+    """No GPU or no NVML where one is needed (CLI: one line, exit 3)."""
+
+
+def decode_reasons(mask: int) -> list[str]:
+    words = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    unknown = mask & ~sum(CLOCK_EVENT_REASONS)
+    if unknown:
+        words.append(f"unknown_0x{unknown:x}")
+    return words
+
+
+class PynvmlReader:
+    """The real NVML, through nvidia-ml-py's ``pynvml``. Raises NoGpuError if NVML or a GPU is missing."""
+
+    def __init__(self):
+        try:
+            import pynvml
+        except ImportError:
+            raise NoGpuError("NVML is not available (pip install nvidia-ml-py); use --device cpu on a machine without a GPU") from None
+        self.nv = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise NoGpuError(f"no NVIDIA GPU/driver found (NVML: {exc}); use --device cpu on a machine without a GPU") from None
+        if pynvml.nvmlDeviceGetCount() == 0:
+            raise NoGpuError("NVML reports no GPU; use --device cpu on a machine without a GPU")
+
+    def device_count(self) -> int:
+        return self.nv.nvmlDeviceGetCount()
+
+    def _safe(self, fn, *args, default=None):
+        try:
+            return fn(*args)
+        except self.nv.NVMLError:
+            return default
+
+    def read(self, index: int) -> dict:
+        nv, h = self.nv, self.nv.nvmlDeviceGetHandleByIndex(index)
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        util = self._safe(nv.nvmlDeviceGetUtilizationRates, h)
+        procs = self._safe(nv.nvmlDeviceGetComputeRunningProcesses, h, default=[]) or []
+        name = nv.nvmlDeviceGetName(h)
+        uuid = nv.nvmlDeviceGetUUID(h)
+        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return {
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+            "util_pct": None if util is None else float(util.gpu),
+            "mem_used": mem.used, "mem_free": mem.free, "mem_total": mem.total,
+            "temp_c": self._safe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+            "sm_clock_mhz": self._safe(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+            "sm_clock_max_mhz": self._safe(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM),
+            "power_mw": self._safe(nv.nvmlDeviceGetPowerUsage, h),
+            "power_limit_mw": self._safe(nv.nvmlDeviceGetEnforcedPowerLimit, h),
+            "clock_event_mask": self._safe(reasons_fn, h, default=0) or 0,
+            "processes": [(p.pid, p.usedGpuMemory) for p in procs],
+        }
+
+
+def visible_indices(count: int) -> list[int]:
+    """NVML indices that CUDA_VISIBLE_DEVICES lets this process use (integers only; UUIDs are matched later)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or env.strip() == "":
+        return list(range(count)) if env is None else []
+    out = []
+    for item in env.split(","):
+        item = item.strip()
+        if item.isdigit() and int(item) < count:
+            out.append(int(item))
+        elif item.startswith("GPU-"):
+            return list(range(count))  # UUIDs: the caller filters by uuid
+    return out
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OSError):
+        return "?"
+
+
+@dataclass
+class GpuStatus:
+    index: int
+    name: str
+    uuid: str
+    util_pct: float                  # max of the sampled readings: a burst counts
+    util_samples: list[float]
+    mem_used_gb: float
+    mem_free_gb: float
+    mem_total_gb: float
+    temp_c: float | None
+    sm_clock_mhz: float | None
+    sm_clock_max_mhz: float | None
+    power_w: float | None
+    power_limit_w: float | None
+    throttle_reasons: list[str]
+    processes: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def sample_gpus(reader, indices: list[int], sample_s: float = 1.0, samples: int = 10) -> list[GpuStatus]:
+    """Read every GPU in `indices` `samples` times over `sample_s` seconds."""
+    reads: dict[int, list[dict]] = {i: [] for i in indices}
+    interval = sample_s / max(samples - 1, 1)
+    for k in range(samples):
+        for i in indices:
+            reads[i].append(reader.read(i))
+        if k < samples - 1 and sample_s > 0:
+            time.sleep(interval)
+    out = []
+    for i in indices:
+        last = reads[i][-1]
+        utils = [r["util_pct"] for r in reads[i] if r["util_pct"] is not None]
+        mask = 0
+        for r in reads[i]:
+            mask |= r["clock_event_mask"]
+        pids = {}
+        for r in reads[i]:
+            for pid, used in r["processes"]:
+                pids[pid] = used
+        gb = 1024 ** 3
+        out.append(GpuStatus(
+            index=i, name=last["name"], uuid=last["uuid"],
+            util_pct=max(utils) if utils else float("nan"), util_samples=utils,
+            mem_used_gb=last["mem_used"] / gb, mem_free_gb=min(r["mem_free"] for r in reads[i]) / gb,
+            mem_total_gb=last["mem_total"] / gb, temp_c=last["temp_c"],
+            sm_clock_mhz=last["sm_clock_mhz"], sm_clock_max_mhz=last["sm_clock_max_mhz"],
+            power_w=None if last["power_mw"] is None else last["power_mw"] / 1000,
+            power_limit_w=None if last["power_limit_mw"] is None else last["power_limit_mw"] / 1000,
+            throttle_reasons=decode_reasons(mask),
+            processes=[{"pid": pid, "name": _process_name(pid), "mem_mb": None if used is None else used / 2**20}
+                       for pid, used in sorted(pids.items())],
+        ))
+    return out
+
+
+def system_snapshot(top: int = 5) -> dict:
+    vm = psutil.virtual_memory()
+    procs = []
+    for p in psutil.process_iter(["pid", "name", "cpu_percent", "memory_info"]):
+        info = p.info
+        rss = info["memory_info"].rss / 2**20 if info.get("memory_info") else 0.0
+        procs.append({"pid": info["pid"], "name": info["name"], "cpu_pct": info.get("cpu_percent") or 0.0, "rss_mb": rss})
+    procs.sort(key=lambda r: (-r["cpu_pct"], -r["rss_mb"]))
+    return {
+        "cpu_pct": psutil.cpu_percent(interval=None),
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "ram_used_gb": (vm.total - vm.available) / 1024**3, "ram_total_gb": vm.total / 1024**3,
+        "top_processes": procs[:top],
+    }
+
+
+def _prime_cpu_counters() -> None:
+    # psutil's cpu_percent compares with the previous call: prime it so the next reading covers the window
+    psutil.cpu_percent(interval=None)
+    for p in psutil.process_iter(["cpu_percent"]):
+        pass
+
+
+@dataclass
+class Gate:
+    max_util_pct: float = 8.0
+    min_free_gb: float = 12.0
+    max_cpu_pct: float = 90.0        # the system-load gate used with --device cpu
+
+    def failures(self, gpu: GpuStatus, own_pids: set[int] | None = None) -> list[str]:
+        """Why `gpu` is not clean (empty list: it passes)."""
+        own_pids = own_pids if own_pids is not None else {os.getpid()}
+        out = []
+        if not gpu.util_pct <= self.max_util_pct:
+            out.append(f"util {gpu.util_pct:.0f}% > {self.max_util_pct:g}%")
+        if gpu.mem_free_gb < self.min_free_gb:
+            out.append(f"free {gpu.mem_free_gb:.1f} GB < {self.min_free_gb:g} GB")
+        foreign = [p for p in gpu.processes if p["pid"] not in own_pids]
+        if foreign:
+            out.append("foreign process " + ", ".join(f"{p['pid']} ({p['name']})" for p in foreign))
+        return out
+
+
+def snapshot(reader, index: int | None, sample_s: float = 1.0, samples: int = 10) -> dict:
+    """The full before/after record: one GPU (or none on the CPU path) plus the system."""
+    _prime_cpu_counters()
+    if reader is not None and index is not None:
+        gpu = sample_gpus(reader, [index], sample_s, samples)[0].as_dict()
+    else:
+        time.sleep(min(sample_s, 0.5))
+        gpu = None
+    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": gpu, "system": system_snapshot()}
+
+
+def status_all(reader, gate: Gate, sample_s: float = 1.0, samples: int = 10) -> dict:
+    """What `attnbench gpu-status` shows: every visible GPU with its gate verdict, plus the system."""
+    _prime_cpu_counters()
+    gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s, samples)
+    rows = []
+    for g in gpus:
+        fails = gate.failures(g)
+        rows.append({**g.as_dict(), "passes_gate": not fails, "gate_failures": fails})
+    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gate": gate.__dict__,
+            "gpus": rows, "system": system_snapshot()}
+
+
+def choose_gpu(gpus: list[GpuStatus], gate: Gate, wanted: str | None = None) -> tuple[GpuStatus | None, dict]:
+    """The cleanest passing GPU (lowest util, then most free memory), or the one named by index/UUID.
+
+    Returns (choice or None, {index: failures}) so the caller can name what failed.
+    """
+    if wanted is not None:
+        named = [g for g in gpus if str(g.index) == str(wanted) or g.uuid == wanted]
+        if not named:
+            known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
+            raise NoGpuError(f"GPU '{wanted}' not found (visible: {known})")
+        gpus = named
+    failures = {g.index: gate.failures(g) for g in gpus}
+    passing = [g for g in gpus if not failures[g.index]]
+    passing.sort(key=lambda g: (g.util_pct, -g.mem_free_gb))
+    return (passing[0] if passing else None), failures
+
+
+def wait_for_clean_gpu(reader, gate: Gate, wanted: str | None, wait_s: float, on_probe=None,
+                       sample_s: float = 1.0, clock=time.monotonic, sleep=time.sleep) -> tuple[GpuStatus | None, list[GpuStatus], dict]:
+    """Probe until a GPU passes the gate or `wait_s` runs out; `on_probe(gpus, failures, remaining_s)` shows a live line."""
+    deadline = clock() + wait_s
+    while True:
+        gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s)
+        choice, failures = choose_gpu(gpus, gate, wanted)
+        remaining = deadline - clock()
+        if on_probe is not None:
+            on_probe(gpus, failures, max(remaining, 0.0))
+        if choice is not None or remaining <= 0:
+            return choice, gpus, failures
+        sleep(min(5.0, max(remaining, 0.0)))
+
+
+def gate_failure_line(gpus: list[GpuStatus], failures: dict) -> str:
+    """One line naming each GPU and the numbers that failed."""
+    parts = [f"GPU {g.index} ({g.name}, {g.uuid[:12]}): {'; '.join(failures.get(g.index, []))}" for g in gpus
+             if failures.get(g.index)]
+    return "no clean GPU: " + " | ".join(parts) if parts else "no clean GPU"
+
+
+def cpu_gate_failures(gate: Gate, snap: dict) -> list[str]:
+    cpu = snap["system"]["cpu_pct"]
+    return [f"cpu {cpu:.0f}% > {gate.max_cpu_pct:g}%"] if cpu > gate.max_cpu_pct else []

@@ -1,0 +1,254 @@
+"""YAML matrices → Matrix / Cell / Point dataclasses.
+
+Every validation error is a ``MatrixError`` whose one-line message names the file, the cell id, the
+field, the bad value and what is allowed, so the CLI can print it and exit 2 without a traceback.
+The schema is documented in ``matrices/README.md``.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from attnbench.backends import DTYPES, MODES, BackendError, get_backend
+
+MODEL_MODES = ("fwd", "train")
+
+TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "min_reps": 10, "max_reps": 400, "flush_l2": True}
+RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 10.0, "max_cv": 0.03, "min_clock_frac": 0.90}
+GATE_DEFAULTS = {"max_util_pct": 8.0, "min_free_gb": 12.0}
+
+ATTENTION_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "heads", "head_dim", "seq_lens", "causal",
+                  "kernel_options", "baseline_options", "timing", "retry", "baseline_max_n", "allow_skip",
+                  "description"}
+MODEL_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "model", "img_sizes", "timing", "retry",
+              "allow_skip", "description"}
+DEFAULT_KEYS = (ATTENTION_KEYS | MODEL_KEYS) - {"id", "seq_lens", "img_sizes", "model", "description"}
+TOP_KEYS = {"name", "description", "gate", "defaults", "cells"}
+
+
+class MatrixError(ValueError):
+    """A matrix the harness refuses to run; the message is the one line the user sees."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    id: str
+    kernel: str
+    baseline: str
+    dtype: str
+    mode: str
+    batch: int
+    seq_lens: tuple[int, ...]          # sequence lengths, or image sizes for model cells
+    causal: bool = False
+    heads: int | None = None
+    head_dim: int | None = None
+    model: str | None = None
+    kernel_options: dict = field(default_factory=dict)
+    baseline_options: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=lambda: dict(TIMING_DEFAULTS))
+    retry: dict = field(default_factory=lambda: dict(RETRY_DEFAULTS))
+    baseline_max_n: int | None = None  # baseline skipped above this length (e.g. math in reasonable time)
+    allow_skip: bool = False           # unsupported points become `skipped` instead of a validation error
+    description: str = ""
+
+    @property
+    def is_model(self) -> bool:
+        return self.model is not None
+
+
+@dataclass(frozen=True)
+class Point:
+    cell: Cell
+    n: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.cell.id}@{self.n}"
+
+
+@dataclass
+class Matrix:
+    name: str
+    path: Path
+    sha256: str
+    description: str
+    gate: dict
+    cells: list[Cell]
+    checks: list = field(default_factory=list)   # spot-check rules, evaluated by attnbench.spotcheck
+
+    def points(self) -> list[Point]:
+        return [Point(cell, n) for cell in self.cells for n in cell.seq_lens]
+
+
+def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False) -> Matrix:
+    """Read and validate a matrix file for running on `device` ("cuda" or "cpu")."""
+    path = Path(path)
+    if not path.is_file():
+        raise MatrixError(f"{path}: no such matrix file")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise MatrixError(f"{path}: YAML syntax error at {where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise MatrixError(f"{path}: top level must be a mapping with 'defaults' and 'cells'")
+    allowed_top = TOP_KEYS | ({"checks"} if allow_checks else set())
+    for key in data:
+        if key not in allowed_top:
+            raise MatrixError(f"{path}: unknown top-level key '{key}' (allowed: {', '.join(sorted(allowed_top))})")
+    gate = dict(GATE_DEFAULTS)
+    gate.update(_mapping(path, "(matrix)", "gate", data.get("gate") or {}, GATE_DEFAULTS.keys()))
+    for key, value in gate.items():
+        _number(path, "(matrix)", f"gate.{key}", value, minimum=0)
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise MatrixError(f"{path}: 'defaults' must be a mapping")
+    for key in defaults:
+        if key not in DEFAULT_KEYS:
+            raise MatrixError(f"{path}: defaults: unknown key '{key}' (allowed: {', '.join(sorted(DEFAULT_KEYS))})")
+    cells_raw = data.get("cells")
+    if not isinstance(cells_raw, list) or not cells_raw:
+        raise MatrixError(f"{path}: 'cells' must be a non-empty list")
+    cells, seen = [], set()
+    for index, raw in enumerate(cells_raw):
+        if not isinstance(raw, dict):
+            raise MatrixError(f"{path}: cell #{index + 1}: must be a mapping")
+        cell = _parse_cell(path, index, raw, defaults, device)
+        if cell.id in seen:
+            raise MatrixError(f"{path}: cell '{cell.id}': duplicate id (ids must be unique)")
+        seen.add(cell.id)
+        cells.append(cell)
+    checks = data.get("checks") or []
+    if not isinstance(checks, list):
+        raise MatrixError(f"{path}: 'checks' must be a list")
+    return Matrix(name=str(data.get("name") or path.stem), path=path,
+                  sha256=hashlib.sha256(text.encode()).hexdigest(), description=str(data.get("description") or ""),
+                  gate=gate, cells=cells, checks=checks)
+
+
+def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str) -> Cell:
+    cid = raw.get("id")
+    if not isinstance(cid, str) or not cid.strip() or any(c in cid for c in " @/,"):
+        raise MatrixError(f"{path}: cell #{index + 1}: field 'id' = {cid!r}: need a non-empty name without spaces, '@', '/' or ','")
+    is_model = "model" in raw
+    allowed = MODEL_KEYS if is_model else ATTENTION_KEYS
+    for key in raw:
+        if key not in allowed:
+            kind = "model" if is_model else "attention"
+            raise MatrixError(f"{path}: cell '{cid}': unknown key '{key}' for an {kind} cell (allowed: {', '.join(sorted(allowed))})")
+    merged = {k: v for k, v in defaults.items() if k in allowed}
+    merged.update(raw)
+    where = f"{path}: cell '{cid}'"
+
+    def need(key):
+        if key not in merged:
+            raise MatrixError(f"{where}: missing field '{key}'")
+        return merged[key]
+
+    dtype = need("dtype")
+    if dtype not in DTYPES:
+        raise MatrixError(f"{where}: field 'dtype' = {dtype!r}: allowed {', '.join(DTYPES)}")
+    mode = need("mode")
+    modes = MODEL_MODES if is_model else MODES
+    if mode not in modes:
+        raise MatrixError(f"{where}: field 'mode' = {mode!r}: allowed {', '.join(modes)}")
+    timing = dict(TIMING_DEFAULTS)
+    timing.update(_mapping(path, cid, "timing", merged.get("timing") or {}, TIMING_DEFAULTS.keys()))
+    for key in ("warmup_ms", "rep_ms", "min_reps", "max_reps"):
+        _number(path, cid, f"timing.{key}", timing[key], minimum=0 if key == "warmup_ms" else 1)
+    retry = dict(RETRY_DEFAULTS)
+    retry.update(_mapping(path, cid, "retry", merged.get("retry") or {}, RETRY_DEFAULTS.keys()))
+    _number(path, cid, "retry.max_attempts", retry["max_attempts"], minimum=1, integer=True)
+    _number(path, cid, "retry.backoff_s", retry["backoff_s"], minimum=0)
+    _number(path, cid, "retry.max_cv", retry["max_cv"], minimum=0)
+    batch = _number(path, cid, "batch", merged.get("batch", 8 if is_model else 1), minimum=1, integer=True)
+    allow_skip = bool(merged.get("allow_skip", False))
+    common = dict(id=cid, dtype=dtype, mode=mode, batch=batch, timing=timing, retry=retry, allow_skip=allow_skip,
+                  description=str(merged.get("description") or ""))
+
+    if is_model:
+        model = merged["model"]
+        if not isinstance(model, str) or not model:
+            raise MatrixError(f"{where}: field 'model' = {model!r}: need a timm model name")
+        sizes = _lengths(path, cid, "img_sizes", need("img_sizes"))
+        kernel, baseline = need("kernel"), merged.get("baseline", "native")
+        if baseline != "native":
+            raise MatrixError(f"{where}: field 'baseline' = {baseline!r}: model cells compare against 'native'")
+        if kernel != "native":
+            _backend(path, cid, "kernel", kernel)
+        return Cell(kernel=kernel, baseline=baseline, model=model, seq_lens=sizes, **common)
+
+    heads = _number(path, cid, "heads", need("heads"), minimum=1, integer=True)
+    head_dim = _number(path, cid, "head_dim", need("head_dim"), minimum=1, integer=True)
+    seq_lens = _lengths(path, cid, "seq_lens", need("seq_lens"))
+    causal = merged.get("causal", False)
+    if not isinstance(causal, bool):
+        raise MatrixError(f"{where}: field 'causal' = {causal!r}: allowed true, false")
+    baseline_max_n = merged.get("baseline_max_n")
+    if baseline_max_n is not None:
+        _number(path, cid, "baseline_max_n", baseline_max_n, minimum=1, integer=True)
+    cell = Cell(kernel=need("kernel"), baseline=need("baseline"), heads=heads, head_dim=head_dim,
+                seq_lens=seq_lens, causal=causal, baseline_max_n=baseline_max_n,
+                kernel_options=_mapping(path, cid, "kernel_options", merged.get("kernel_options") or {}),
+                baseline_options=_mapping(path, cid, "baseline_options", merged.get("baseline_options") or {}),
+                **common)
+    for slot in ("kernel", "baseline"):
+        backend = _backend(path, cid, slot, getattr(cell, slot))
+        options = getattr(cell, f"{slot}_options")
+        for key in options:
+            if key not in backend.options:
+                allowed = ", ".join(sorted(backend.options)) or "none"
+                raise MatrixError(f"{where}: field '{slot}_options.{key}': unknown option for {backend.name} (allowed: {allowed})")
+        if not cell.allow_skip:
+            reason = backend.unsupported_reason(dtype=dtype, mode=mode, causal=causal, head_dim=head_dim, device=device)
+            if reason:
+                raise MatrixError(f"{where}: {slot} {reason} (set allow_skip: true to record such points as skipped)")
+    return cell
+
+
+def _backend(path, cid, slot, name):
+    if not isinstance(name, str):
+        raise MatrixError(f"{path}: cell '{cid}': field '{slot}' = {name!r}: need a backend name")
+    try:
+        return get_backend(name)
+    except BackendError as exc:
+        raise MatrixError(f"{path}: cell '{cid}': field '{slot}': {exc}") from None
+
+
+def _mapping(path, cid, fieldname, value, allowed_keys=None) -> dict:
+    if not isinstance(value, dict):
+        raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: need a mapping")
+    if allowed_keys is not None:
+        for key in value:
+            if key not in allowed_keys:
+                raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}.{key}': unknown key (allowed: {', '.join(allowed_keys)})")
+    return dict(value)
+
+
+def _number(path, cid, fieldname, value, *, minimum, integer=False):
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or value < minimum:
+        kind = "an integer" if integer else "a number"
+        raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: need {kind} ≥ {minimum}")
+    return value
+
+
+def _lengths(path, cid, fieldname, value) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: need a non-empty list of positive integers")
+    for n in value:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' has {n!r}: lengths must be positive integers")
+    if len(set(value)) != len(value):
+        raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: duplicate lengths")
+    return tuple(value)
+
+
+def with_overrides(cell: Cell, **changes) -> Cell:
+    return replace(cell, **changes)

@@ -1,0 +1,362 @@
+"""The point loop: gate, snapshots, interleaved measurement, verdict, retries, resume.
+
+For every point: snapshot(before) → measure kernel ⇄ baseline → snapshot(after) → verdict. A noisy
+verdict is retried after a back-off, up to the cell's max_attempts; every attempt is appended to
+attempts.jsonl as it is made, and the point's final row to points.csv. Ctrl-C leaves the run directory
+consistent and resumable. Nothing here prints: progress goes to an `on_event` callback.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnbench import gpu as gpumod
+from attnbench.backends import get_backend, make_attention_workload
+from attnbench.matrix import Matrix, Point
+from attnbench.measure import ClockMonitor, SideResult, is_oom, measure_pair, robust_cv, stats
+from attnbench.store import RunStore, utc_now
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C during a run; the directory is consistent and can be resumed."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
+@dataclass
+class RunOptions:
+    device: str = "cuda"                      # "cuda" or "cpu"
+    results_root: Path = Path("results/runs")
+    gate: gpumod.Gate = field(default_factory=gpumod.Gate)
+    gpu: str | None = None                    # index or UUID; None = cleanest
+    wait_s: float = 0.0                       # how long to wait for a clean GPU before giving up
+    max_attempts: int | None = None           # override every cell's retry.max_attempts
+    snapshot_s: float = 1.0                   # NVML sampling window of each snapshot
+    argv: list[str] = field(default_factory=list)
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions(reader=None) -> dict:
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    driver = None
+    if reader is not None:
+        try:
+            d = reader.nv.nvmlSystemGetDriverVersion()
+            driver = d.decode() if isinstance(d, bytes) else d
+        except Exception:
+            driver = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "driver": driver}
+
+
+def prepare_device(device: str) -> None:
+    """The CPU path runs Triton kernels through the interpreter; it must be set before triton is imported."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _skip_reason(point: Point, device: str) -> str | None:
+    cell = point.cell
+    if cell.is_model:
+        return None
+    reasons = []
+    for slot in ("kernel", "baseline"):
+        backend = get_backend(getattr(cell, slot))
+        reason = backend.unsupported_reason(dtype=cell.dtype, mode=cell.mode, causal=cell.causal,
+                                            head_dim=cell.head_dim, device=device)
+        if reason:
+            reasons.append(reason)
+    return "; ".join(reasons) or None
+
+
+def _make_workload(point: Point, slot: str, device: str):
+    cell = point.cell
+    name = getattr(cell, slot)
+    if cell.is_model:
+        from attnbench.models import make_model_workload
+
+        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device)
+    backend = get_backend(name)
+    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.n, head_dim=cell.head_dim,
+                                   dtype=cell.dtype, mode=cell.mode, causal=cell.causal, device=device,
+                                   options=getattr(cell, f"{slot}_options"))
+
+
+def measure_point(point: Point, device: str, monitor=None) -> dict:
+    """One attempt at one point: both workloads built, timed interleaved, released. Never raises for kernel errors."""
+    import torch
+
+    cell = point.cell
+    kernel_side, baseline_side, ratios = SideResult(cell.kernel), SideResult(cell.baseline), []
+    workloads = {}
+    timing = dict(cell.timing)
+    if cell.is_model:
+        timing["flush_l2"] = False   # a whole model streams far more than L2 holds; flushing adds nothing
+    try:
+        for slot in ("kernel", "baseline"):
+            if slot == "baseline" and cell.baseline_max_n is not None and point.n > cell.baseline_max_n:
+                continue
+            try:
+                workloads[slot] = _make_workload(point, slot, device)
+            except Exception as exc:
+                side = kernel_side if slot == "kernel" else baseline_side
+                side.status = "oom" if is_oom(exc) else "error"
+                side.message = f"setup: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        if "baseline" not in workloads and baseline_side.status == "ok":
+            baseline_side.status = "skipped"
+            baseline_side.message = f"{cell.baseline} skipped above N={cell.baseline_max_n}"
+        if set(workloads) == {"kernel", "baseline"}:
+            kernel_side, baseline_side, ratios = measure_pair(
+                workloads["kernel"], workloads["baseline"], kernel_name=cell.kernel, baseline_name=cell.baseline,
+                timing=timing, device=device, monitor=monitor)
+        elif workloads:
+            # one side could not be set up: still time the other alone, so the table shows what it costs
+            slot, wl = next(iter(workloads.items()))
+            alone, _, _ = measure_pair(wl, _NOOP, kernel_name=getattr(cell, slot), baseline_name="none",
+                                       timing=timing, device=device, monitor=monitor)
+            if slot == "kernel":
+                kernel_side = alone
+            else:
+                baseline_side = alone
+    finally:
+        for wl in workloads.values():
+            if wl.release:
+                wl.release()
+        workloads.clear()
+        import gc
+
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"kernel": kernel_side, "baseline": baseline_side, "ratios": ratios}
+
+
+class _Noop:
+    prepare = None
+    flops = None
+    release = None
+
+    @staticmethod
+    def run():
+        return None
+
+
+_NOOP = _Noop()
+
+
+def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summary: dict | None,
+            gate: gpumod.Gate, own_pid: int, device: str) -> tuple[str, list[str], str | None]:
+    """(status, noisy reasons, message) for one attempt."""
+    k, b = result["kernel"], result["baseline"]
+    for side in (k, b):
+        if side.status == "oom":
+            return "oom", [], f"{side.backend} OOM" + (f" ({side.message})" if side.message else "")
+    for side in (k, b):
+        if side.status == "error":
+            return "error", [], f"{side.backend}: {side.message}"
+    reasons = []
+    if device == "cuda" and before.get("gpu"):
+        status = gpumod.GpuStatus(**before["gpu"])
+        reasons += [f"gate failed before: {r}" for r in gate.failures(status, {own_pid})]
+        for snap, label in ((before, "before"), (after, "after")):
+            foreign = [p for p in (snap.get("gpu") or {}).get("processes", []) if p["pid"] != own_pid]
+            if foreign and label == "after":
+                reasons.append("foreign process after: " + ", ".join(f"{p['pid']} ({p['name']})" for p in foreign))
+        if monitor_summary:
+            bad = [r for r in monitor_summary["reasons"] if r not in gpumod.BENIGN_REASONS]
+            if bad:
+                reasons.append("clock-event reasons during run: " + ", ".join(bad))
+            foreign = [p for p in monitor_summary["pids"] if p != own_pid]
+            if foreign:
+                reasons.append("foreign process during run: " + ", ".join(map(str, foreign)))
+            lo, hi = monitor_summary["sm_clock_min_mhz"], monitor_summary["sm_clock_max_mhz"]
+            frac = point.cell.retry["min_clock_frac"]
+            if lo is not None and hi and lo < frac * hi:
+                reasons.append(f"SM clock sagged to {lo:.0f} MHz (< {frac:.0%} of {hi:.0f})")
+    elif device == "cpu":
+        reasons += [f"gate failed before: {r}" for r in gpumod.cpu_gate_failures(gate, before)]
+    spread = robust_cv(result["ratios"])
+    max_cv = point.cell.retry["max_cv"]
+    if spread is not None and spread > max_cv:
+        reasons.append(f"ratio spread CV {spread:.1%} > {max_cv:.0%}")
+    if b.status == "skipped":
+        return "skipped", [], b.message
+    return ("noisy" if reasons else "clean"), reasons, None
+
+
+def _attempt_record(point: Point, attempt: int, status: str, reasons, message, result, before, after, monitor_summary):
+    ratio = None
+    if result and result["ratios"]:
+        s = stats(result["ratios"])
+        ratio = {"median": s["median"], "p10": s["p10"], "p90": s["p90"], "samples": [round(r, 6) for r in result["ratios"]]}
+    k = result["kernel"].summary() if result else None
+    b = result["baseline"].summary() if result else None
+    mem_ratio = None
+    if k and b and k["mem_mb"] is not None and b["mem_mb"]:
+        mem_ratio = k["mem_mb"] / b["mem_mb"]
+    return {"point_id": point.id, "cell_id": point.cell.id, "n": point.n, "attempt": attempt, "utc": utc_now(),
+            "status": status, "noisy_reasons": list(reasons), "message": message, "kernel": k, "baseline": b,
+            "ratio": ratio, "mem_ratio": mem_ratio, "monitor": monitor_summary, "before": before, "after": after}
+
+
+def _point_row(point: Point, record: dict, attempts: int) -> dict:
+    cell = point.cell
+    k, b, r = record["kernel"] or {}, record["baseline"] or {}, record["ratio"] or {}
+    reason = record["message"] or ("; ".join(record["noisy_reasons"]) if record["noisy_reasons"] else None)
+    return {"point_id": point.id, "cell_id": cell.id, "kernel": cell.kernel if not cell.is_model else f"{cell.model}:{cell.kernel}",
+            "baseline": cell.baseline, "dtype": cell.dtype, "mode": cell.mode, "causal": cell.causal,
+            "batch": cell.batch, "heads": cell.heads, "head_dim": cell.head_dim, "n": point.n,
+            "kernel_ms": k.get("ms_median"), "kernel_ms_p10": k.get("ms_p10"), "kernel_ms_p90": k.get("ms_p90"),
+            "baseline_ms": b.get("ms_median"), "baseline_ms_p10": b.get("ms_p10"), "baseline_ms_p90": b.get("ms_p90"),
+            "lat_ratio": r.get("median"), "lat_ratio_p10": r.get("p10"), "lat_ratio_p90": r.get("p90"),
+            "kernel_mem_mb": k.get("mem_mb"), "baseline_mem_mb": b.get("mem_mb"), "mem_ratio": record["mem_ratio"],
+            "kernel_tflops": k.get("tflops"), "baseline_tflops": b.get("tflops"),
+            "status": record["status"], "attempts": attempts, "reason": reason}
+
+
+class Runner:
+    """Runs a Matrix into a run directory. `reader` is an NVML adapter (None on the CPU path)."""
+
+    def __init__(self, matrix: Matrix, options: RunOptions, reader=None, on_event=None, sleep=time.sleep):
+        self.matrix, self.opt, self.reader = matrix, options, reader
+        self.on_event = on_event or (lambda kind, **data: None)
+        self.sleep = sleep
+        self.gpu_index: int | None = None
+        self.own_pid = os.getpid()
+
+    def _snapshot(self) -> dict:
+        return gpumod.snapshot(self.reader, self.gpu_index, sample_s=self.opt.snapshot_s)
+
+    def select_gpu(self) -> gpumod.GpuStatus | None:
+        """Gate before the run: choose the cleanest GPU or wait; returns None if none passed in time."""
+        if self.opt.device != "cuda":
+            return None
+
+        def on_probe(gpus, failures, remaining):
+            self.on_event("gate_probe", gpus=gpus, failures=failures, remaining_s=remaining)
+
+        choice, gpus, failures = gpumod.wait_for_clean_gpu(self.reader, self.opt.gate, self.opt.gpu, self.opt.wait_s,
+                                                           on_probe=on_probe, sample_s=self.opt.snapshot_s,
+                                                           sleep=self.sleep)
+        if choice is None:
+            raise GateFailed(gpumod.gate_failure_line(gpus, failures))
+        self.gpu_index = choice.index
+        return choice
+
+    def _bind_torch_device(self, choice) -> None:
+        import torch
+
+        for i in range(torch.cuda.device_count()):
+            uuid = str(getattr(torch.cuda.get_device_properties(i), "uuid", ""))
+            if uuid and choice.uuid.endswith(uuid.replace("GPU-", "")):
+                torch.cuda.set_device(i)
+                return
+        torch.cuda.set_device(0)
+
+    def manifest(self, choice) -> dict:
+        import torch
+
+        gpu = None
+        if choice is not None:
+            gpu = {"index": choice.index, "name": choice.name, "uuid": choice.uuid,
+                   "sm_count": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
+        return {"matrix_path": str(self.matrix.path), "matrix_name": self.matrix.name,
+                "matrix_sha256": self.matrix.sha256, "argv": self.opt.argv, "git_commit": _git_commit(),
+                "started_utc": utc_now(), "finished_utc": None, "device": self.opt.device,
+                "versions": versions(self.reader), "gpu": gpu,
+                "gate": {"max_util_pct": self.opt.gate.max_util_pct, "min_free_gb": self.opt.gate.min_free_gb,
+                         **({"max_cpu_pct": self.opt.gate.max_cpu_pct} if self.opt.device == "cpu" else {})},
+                "host": socket.gethostname(), "interrupted": False, "python_executable": sys.executable}
+
+    def run(self, resume: Path | None = None) -> Path:
+        prepare_device(self.opt.device)
+        choice = self.select_gpu()
+        if choice is not None:
+            self._bind_torch_device(choice)
+        if resume is not None:
+            store = RunStore.open_existing(resume)
+            manifest = store.read_manifest()
+            if manifest.get("matrix_sha256") != self.matrix.sha256:
+                from attnbench.store import RunDirError
+
+                raise RunDirError(f"{resume}: the matrix {self.matrix.path} changed since this run started "
+                                  f"(sha256 {manifest.get('matrix_sha256', '?')[:12]} → {self.matrix.sha256[:12]}); start a new run")
+            done = store.finished_point_ids()
+            store.update_manifest(interrupted=False, resumed_utc=utc_now())
+        else:
+            store = RunStore.create(self.opt.results_root, self.matrix.name, self.manifest(choice))
+            done = set()
+        points = self.matrix.points()
+        todo = [p for p in points if p.id not in done]
+        self.on_event("start", run_dir=store.path, total=len(points), todo=len(todo), gpu=choice)
+        try:
+            for point in todo:
+                self.on_event("point_start", point=point)
+                row = self.run_point(point, store)
+                self.on_event("point_done", point=point, row=row)
+        except KeyboardInterrupt:
+            store.update_manifest(interrupted=True)
+            raise RunInterrupted(store.path) from None
+        store.update_manifest(finished_utc=utc_now(), interrupted=False)
+        self.on_event("finish", run_dir=store.path)
+        return store.path
+
+    def run_point(self, point: Point, store: RunStore) -> dict:
+        cell = point.cell
+        max_attempts = self.opt.max_attempts or cell.retry["max_attempts"]
+        skip = _skip_reason(point, self.opt.device)
+        if skip:
+            snap = self._snapshot()
+            record = _attempt_record(point, 1, "skipped", [], skip, None, snap, snap, None)
+            store.append_attempt(record)
+            row = _point_row(point, record, 1)
+            store.append_point(row)
+            return row
+        record = None
+        for attempt in range(1, max_attempts + 1):
+            before = self._snapshot()
+            monitor = ClockMonitor(self.reader, self.gpu_index) if self.reader is not None and self.gpu_index is not None else None
+            result = measure_point(point, self.opt.device, monitor)
+            after = self._snapshot()
+            monitor_summary = monitor.summary() if monitor else None
+            status, reasons, message = verdict(point, result, before, after, monitor_summary, self.opt.gate,
+                                               self.own_pid, self.opt.device)
+            record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary)
+            store.append_attempt(record)
+            self.on_event("attempt", point=point, attempt=attempt, status=status, reasons=reasons)
+            if status != "noisy" or attempt == max_attempts:
+                break
+            self.sleep(cell.retry["backoff_s"] * attempt)
+        row = _point_row(point, record, record["attempt"])
+        store.append_point(row)
+        return row
+
+
+class GateFailed(RuntimeError):
+    """No GPU passed the gate within --wait (CLI: one line, exit 4)."""

@@ -1,0 +1,30 @@
+"""Test set-up: CPU runs Triton kernels through the interpreter; `-m gpu` runs on a CUDA device.
+
+TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection time.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """The device kernel tests run on: CUDA when present, else CPU (Triton interpreter)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
