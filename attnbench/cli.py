@@ -140,21 +140,24 @@ def _plan_table(matrix, device: str) -> Table:
     return t
 
 
+def _require_gpu():
+    """The NVML reader for the GPU path; no GPU/NVML/CUDA → one line, exit 3 (before anything else is done)."""
+    reader = _reader()
+    import torch
+
+    if not torch.cuda.is_available():
+        fail("torch sees no CUDA device (NVML does); check the driver / CUDA_VISIBLE_DEVICES, or use --device cpu", 3)
+    return reader
+
+
 def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
-         results_root: Path, max_attempts: Optional[int], argv: list[str]) -> Path:
+         results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None) -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from attnbench.gpu import NoGpuError
     from attnbench.runner import GateFailed, Runner, RunInterrupted, RunOptions
 
-    reader = None
-    if device == "cuda":
-        reader = _reader()
-        import torch
-
-        if not torch.cuda.is_available():
-            fail("torch sees no CUDA device (NVML does); check the driver / CUDA_VISIBLE_DEVICES, or use --device cpu", 3)
     opts = RunOptions(device=device, results_root=results_root, gate=gate, gpu=gpu, wait_s=wait,
                       max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -231,13 +234,14 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     from attnbench.matrix import load_matrix
 
     _check_device(device)
+    reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
         matrix = load_matrix(matrix_path, device=device)
         if dry_run:
             console.print(_plan_table(matrix, device))
             return
         gate = _gate(matrix.gate, max_util, min_free_gb)
-        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:])
+        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:

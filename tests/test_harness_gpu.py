@@ -1,0 +1,62 @@
+"""Harness checks that need the real H100: NVML readings, each SDPA backend really forced, the OOM path."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_real_nvml_readings():
+    from attnbench.gpu import PynvmlReader, sample_gpus
+
+    reader = PynvmlReader()
+    g = sample_gpus(reader, [0], sample_s=1.0, samples=10)[0]
+    assert g.name and g.uuid.startswith("GPU-")
+    assert len(g.util_samples) == 10 and 0 <= g.util_pct <= 100
+    assert 0 < g.mem_free_gb <= g.mem_total_gb and g.mem_total_gb > 70
+    assert g.sm_clock_max_mhz and g.sm_clock_max_mhz >= 1000
+    assert g.power_limit_w and g.power_limit_w > 100
+    assert isinstance(g.throttle_reasons, list)
+
+
+@pytest.mark.parametrize("name, kernel_hint", [("flash", "flash"), ("efficient", "fmha"), ("cudnn", "cudnn"),
+                                               ("math", "gemm")])
+def test_each_sdpa_backend_is_really_forced(name, kernel_hint):
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnbench.backends import get_backend
+
+    q, k, v = (torch.randn(1, 8, 1024, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    fn = get_backend(name).fn
+    fn(q, k, v)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(q, k, v)
+        torch.cuda.synchronize()
+    names = " ".join(e.name.lower() for e in prof.events() if e.device_type.name == "CUDA")
+    if name == "math":
+        assert "flash" not in names and "fmha" not in names and "cudnn" not in names
+        assert "softmax" in names
+    else:
+        assert kernel_hint in names or (name == "cudnn" and ("sm90" in names or "cudnn" in names)), names[:500]
+
+
+def test_forced_backend_refuses_instead_of_falling_back():
+    from attnbench.backends import get_backend
+
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float32) for _ in range(3))
+    with pytest.raises(RuntimeError):
+        get_backend("flash").fn(q, k, v)
+
+
+def test_oom_is_a_result_and_memory_is_released():
+    from attnbench.matrix import Cell, Point
+    from attnbench.runner import measure_point
+
+    free_before = torch.cuda.mem_get_info()[0]
+    # math at N=256K materialises 8·256K² fp16 scores = 1 TB: must OOM on an 80 GB card
+    cell = Cell(id="oom", kernel="flash", baseline="math", dtype="float16", mode="fwd", batch=1, seq_lens=(262144,),
+                heads=8, head_dim=64, timing={"warmup_ms": 1, "rep_ms": 5, "min_reps": 3, "max_reps": 5, "flush_l2": True})
+    result = measure_point(Point(cell, 262144), "cuda")
+    assert result["baseline"].status == "oom"
+    assert result["kernel"].status == "ok" and len(result["kernel"].samples_ms) >= 3
+    torch.cuda.synchronize()
+    assert torch.cuda.mem_get_info()[0] > free_before - 2 * 2**30
