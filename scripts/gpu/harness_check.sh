@@ -11,6 +11,6 @@ python3 -m attnbench gpu-status | tail -12
 for i in 1 2; do
   python3 -m attnbench run-matrix matrices/sdpa_h100.yaml --results-root /tmp/runs/r$i > /tmp/run$i.log 2>&1
   echo "run $i rc=$?"; tail -45 /tmp/run$i.log | grep -v "^│ *│"
-  d=$(ls -d /tmp/runs/r$i/*/ | head -1); mkdir -p "$OUT/run$i"; cp "$d"/* "$OUT/run$i/"; echo "$d" > "$OUT/run$i/dirname.txt"
+  d=$(ls -d /tmp/runs/r$i/*/ | head -1); mkdir -p "$OUT/run$i"; cp "$d"/* "$OUT/run$i/"; echo "run dir $d"
 done
 python3 scripts/calibrate.py --out "$OUT/calibration.json"
