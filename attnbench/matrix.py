@@ -17,7 +17,7 @@ from attnbench.backends import DTYPES, MODES, BackendError, get_backend
 MODEL_MODES = ("fwd", "train")
 
 TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "min_reps": 10, "max_reps": 400, "flush_l2": True}
-RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 10.0, "max_cv": 0.03, "min_clock_frac": 0.90}
+RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 3.0, "max_cv": 0.03, "min_clock_frac": 0.90}
 GATE_DEFAULTS = {"max_util_pct": 8.0, "min_free_gb": 12.0}
 
 ATTENTION_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "heads", "head_dim", "seq_lens", "causal",

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from attnbench import runner as runner_mod
+from attnbench.gpu import Gate
 from attnbench.matrix import load_matrix
 from attnbench.measure import SideResult
 from attnbench.runner import Runner, RunInterrupted, RunOptions
@@ -50,7 +51,8 @@ def fake_results(script):
 
 
 def make_runner(m, tmp_path, **kw):
-    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0)
+    # the CPU gate is opened wide: other test processes may share this machine
+    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, gate=Gate(max_cpu_pct=1e9))
     return Runner(m, opts, reader=None, sleep=lambda s: None, **kw)
 
 
