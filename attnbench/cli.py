@@ -272,10 +272,84 @@ def verify_2pass(device: str = DeviceOpt):
         t.add_row(*[str(r[c]) for c in cols])
     console.print(t)
     if ok:
-        console.print("VERIFY: TWO-PASS PARALLEL SCAN CONFIRMED (phase1->global summaries->phase2 reduce, no FA fusion)")
+        console.print("VERIFY: TWO-PASS PARALLEL SCAN CONFIRMED (phase1->global summaries->phase2 reduce, no FA fusion)",
+                      soft_wrap=True, highlight=False)
     else:
-        console.print(f"VERIFY: FAILED {'; '.join(failures)}")
+        console.print(f"VERIFY: FAILED {'; '.join(failures)}", soft_wrap=True, highlight=False)
         raise typer.Exit(1)
+
+
+# --- report / gate / spot-check ----------------------------------------------------------------
+
+@app.command("report")
+def report(run_dirs: List[Path] = typer.Argument(..., help="run directories (one GPU model)"),
+           out: Optional[Path] = typer.Option(None, "--out", help="markdown path (default results/RESULTS_<GPU>.md)"),
+           plots_dir: Optional[Path] = typer.Option(None, "--plots-dir", help="where the PNGs go"),
+           no_plots: bool = typer.Option(False, "--no-plots", help="tables only")):
+    """Regenerate the RESULTS markdown (tables, trends, load summary) and the plots from stored runs."""
+    from attnbench.report import build_report
+
+    try:
+        path = build_report(run_dirs, out, plots_dir, plots=not no_plots)
+    except (*_user_errors(), ValueError) as exc:
+        fail(str(exc), 2)
+    console.print(f"wrote {path}", highlight=False)
+
+
+@app.command("gate")
+def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run dir (or a folder of runs: the newest)"),
+             current: Path = typer.Option(..., "--current", help="current run dir"),
+             tolerance: float = typer.Option(0.07, "--tolerance", help="relative change that counts as SLOWER/FASTER"),
+             out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)")):
+    """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER."""
+    from attnbench import gate as gatemod
+    from attnbench.analysis import resolve_run_dir
+
+    try:
+        b, c = resolve_run_dir(baseline), resolve_run_dir(current)
+        rows = gatemod.compare_runs(b, c, tolerance=tolerance)
+    except (*_user_errors(), ValueError) as exc:
+        fail(str(exc), 2)
+    md = gatemod.gate_markdown(rows, baseline=str(b), current=str(c), tolerance=tolerance)
+    (out or c / "gate.md").write_text(md)
+    console.print(md, highlight=False, soft_wrap=True)
+    raise typer.Exit(gatemod.gate_exit_code(rows))
+
+
+@app.command("spot-check")
+def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml"), help="spot-check YAML (cells + checks)"),
+               device: str = DeviceOpt,
+               gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID"),
+               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation %"),
+               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB"),
+               wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
+               results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept")):
+    """Run the spot-check points and print PASS/FAIL per point; exit 0 only if every point passes."""
+    from attnbench import spotcheck
+    from attnbench.store import load_run
+
+    _check_device(device)
+    reader = _require_gpu() if device == "cuda" else None
+    try:
+        plan = spotcheck.load_spot_check(matrix_path, device=device)
+        run = None
+        if plan.matrix is not None:
+            gate = _gate(plan.matrix.gate, max_util, min_free_gb)
+            run = load_run(_run(plan.matrix, device, gate, gpu, wait, None, results_root, None, sys.argv[1:], reader))
+        torch_device = device
+        if device == "cuda":
+            import torch
+
+            torch_device = f"cuda:{torch.cuda.current_device()}"   # the GPU the gate chose, not blindly GPU 0
+        results = spotcheck.evaluate_checks(plan, run, device=torch_device)
+    except _user_errors() as exc:
+        fail(str(exc), 2)
+    table = spotcheck.spot_check_table(results)
+    console.print(table, highlight=False, soft_wrap=True)
+    if run is not None:
+        (run.path / "spot_check.md").write_text(table)
+        console.print(f"run directory: {run.path}", highlight=False)
+    raise typer.Exit(spotcheck.spot_check_exit_code(results))
 
 
 def main():

@@ -190,15 +190,17 @@ def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summa
             if foreign and label == "after":
                 reasons.append("foreign process after: " + ", ".join(f"{p['pid']} ({p['name']})" for p in foreign))
         if monitor_summary:
-            bad = [r for r in monitor_summary["reasons"] if r not in gpumod.BENIGN_REASONS]
+            lo, hi = monitor_summary["sm_clock_min_mhz"], monitor_summary["sm_clock_max_mhz"]
+            frac = point.cell.retry["min_clock_frac"]
+            sagged = lo is not None and bool(hi) and lo < frac * hi
+            bad = [r for r in monitor_summary["reasons"] if r not in gpumod.BENIGN_REASONS
+                   and (sagged or r not in gpumod.STEADY_STATE_REASONS)]
             if bad:
                 reasons.append("clock-event reasons during run: " + ", ".join(bad))
             foreign = [p for p in monitor_summary["pids"] if p != own_pid]
             if foreign:
                 reasons.append("foreign process during run: " + ", ".join(map(str, foreign)))
-            lo, hi = monitor_summary["sm_clock_min_mhz"], monitor_summary["sm_clock_max_mhz"]
-            frac = point.cell.retry["min_clock_frac"]
-            if lo is not None and hi and lo < frac * hi:
+            if sagged:
                 reasons.append(f"SM clock sagged to {lo:.0f} MHz (< {frac:.0%} of {hi:.0f})")
     elif device == "cpu":
         reasons += [f"gate failed before: {r}" for r in gpumod.cpu_gate_failures(gate, before)]
@@ -348,7 +350,7 @@ class Runner:
             row = _point_row(point, record, 1)
             store.append_point(row)
             return row
-        record = None
+        record = previous = None
         for attempt in range(1, max_attempts + 1):
             before = self._snapshot(reuse_s=3.0 if attempt == 1 else 0.0)
             monitor = ClockMonitor(self.reader, self.gpu_index) if self.reader is not None and self.gpu_index is not None else None
@@ -360,12 +362,29 @@ class Runner:
             record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary)
             store.append_attempt(record)
             self.on_event("attempt", point=point, attempt=attempt, status=status, reasons=reasons)
-            if status != "noisy" or attempt == max_attempts:
+            if status != "noisy" or attempt == max_attempts or _persistent_spread(record, previous, cell):
                 break
+            previous = record
             self.sleep(cell.retry["backoff_s"] * attempt)
         row = _point_row(point, record, record["attempt"])
         store.append_point(row)
         return row
+
+
+def _persistent_spread(record: dict, previous: dict | None, cell) -> bool:
+    """Stop retrying when two attempts in a row were noisy *only* through the ratio spread and agree on
+    the median: the spread is then a property of the point (launch-bound kernels of ~0.1 ms), not of a
+    noisy window, and more attempts would only cost time. The point stays `noisy`."""
+    if previous is None:
+        return False
+
+    def spread_only(r):
+        return r["noisy_reasons"] and all(x.startswith("ratio spread") for x in r["noisy_reasons"])
+
+    if not (spread_only(record) and spread_only(previous)) or not record["ratio"] or not previous["ratio"]:
+        return False
+    a, b = record["ratio"]["median"], previous["ratio"]["median"]
+    return b > 0 and abs(a / b - 1) <= cell.retry["max_cv"]
 
 
 class GateFailed(RuntimeError):

@@ -42,7 +42,9 @@ def fake_results(script):
         calls.append(point.id)
         if kind == "interrupt":
             raise KeyboardInterrupt
-        ratios = [0.2, 0.9, 0.5, 1.4] if kind == "noisy" else [0.5, 0.5, 0.5, 0.5]
+        drift = 1 + 0.2 * len(calls)      # a noisy window: the median moves between attempts
+        ratios = {"noisy": [0.2 * drift, 0.9 * drift, 0.5 * drift, 1.4 * drift],
+                  "spread": [0.2, 0.9, 0.5, 1.4]}.get(kind, [0.5, 0.5, 0.5, 0.5])
         k = SideResult(point.cell.kernel, samples_ms=[1.0, 1.1, 1.0, 1.0], flops=1e9)
         b = SideResult(point.cell.baseline, samples_ms=[2.0, 2.0, 2.1, 2.0], flops=1e9)
         return {"kernel": k, "baseline": b, "ratios": ratios}
@@ -80,6 +82,26 @@ def test_always_noisy_ends_noisy_after_max_attempts(tmp_path, monkeypatch):
     assert len(attempts_of(run_dir, "a@16")) == 4
     assert set(run.points.status) == {"noisy"} and set(run.points.attempts) == {4}
     assert all("ratio spread CV" in r for r in run.points.reason)
+
+
+def test_persistent_spread_with_a_stable_median_stops_retrying(tmp_path, monkeypatch):
+    fake, calls = fake_results(["spread"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake)
+    run_dir = make_runner(matrix(tmp_path, attempts=4), tmp_path).run()
+    assert [a["status"] for a in attempts_of(run_dir, "a@16")] == ["noisy", "noisy"]
+    assert load_run(run_dir).points.set_index("point_id").loc["a@16"].status == "noisy"
+
+
+def test_power_cap_alone_is_steady_state_but_counts_with_a_clock_sag():
+    from fakes import OWN_PID, FakeReader, gpu_state
+    from test_gpu_gate import _monitor, _point, _result, _snap
+
+    s = _snap(FakeReader([[gpu_state()]]))
+    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"]), Gate(), OWN_PID, "cuda")
+    assert status == "clean"
+    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"], lo=1500), Gate(),
+                                            OWN_PID, "cuda")
+    assert status == "noisy" and any("sw_power_cap" in r for r in reasons) and any("sagged" in r for r in reasons)
 
 
 def test_store_round_trip_and_snapshots_before_after(tmp_path, monkeypatch):

@@ -1,0 +1,192 @@
+"""``attnbench gate``: is the current run slower than the baseline run, beyond the noise?
+
+Per point present in both runs, the quantity compared is the *paired* lat_ratio (kernel / SDPA
+baseline, interleaved A B A B …), so a GPU that is a bit faster or slower tonight cancels out.
+From the final attempt of the point in each run we take its ratio samples and bootstrap the change
+
+    change = median(current samples) / median(baseline samples)
+
+(both sides resampled independently, ``n_boot`` times) into a 95 % interval [lo, hi]. With the
+tolerance band [1 − t, 1 + t] (t = 0.07 by default):
+
+- SLOWER  the whole interval is above 1 + t            (exit 1)
+- FASTER  the whole interval is below 1 − t
+- SAME    the whole interval lies inside the band
+- NOISY   the interval crosses a band edge: we cannot tell; or either side is not a clean point
+- BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
+- MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
+
+So a shift inside the noise is never called a regression: SLOWER needs the entire interval past the band.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnbench.analysis import final_attempts, format_n, format_ratio, md_table, resolve_run_dir
+from attnbench.store import Run, load_run
+
+VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "FASTER", "SAME")
+FAILING = ("SLOWER", "BROKEN")
+MIN_SAMPLES = 3
+
+
+@dataclass
+class GateRow:
+    point_id: str
+    cell_id: str
+    n: int | None
+    verdict: str
+    change: float | None = None         # median(current) / median(baseline) of the ratio samples
+    ci_low: float | None = None
+    ci_high: float | None = None
+    baseline_ratio: float | None = None  # each run's median lat_ratio
+    current_ratio: float | None = None
+    detail: str = ""
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def bootstrap_change(baseline_samples, current_samples, n_boot: int = 2000, seed: int = 0,
+                     key: str = "") -> tuple[float, float, float]:
+    """(median ratio change, 2.5 %, 97.5 % bootstrap quantiles). Deterministic per (seed, key)."""
+    b = np.asarray([x for x in baseline_samples if _finite(x) and x > 0], dtype=float)
+    c = np.asarray([x for x in current_samples if _finite(x) and x > 0], dtype=float)
+    # one generator per point, seeded by its id, so a verdict does not depend on which other points exist
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    bb = np.median(b[rng.integers(0, len(b), size=(n_boot, len(b)))], axis=1)
+    cc = np.median(c[rng.integers(0, len(c), size=(n_boot, len(c)))], axis=1)
+    stat = cc / bb
+    lo, hi = np.quantile(stat, [0.025, 0.975])
+    return float(np.median(c) / np.median(b)), float(lo), float(hi)
+
+
+def _side_status(attempt: dict | None, side: str) -> str | None:
+    s = (attempt or {}).get(side) or {}
+    return s.get("status") if isinstance(s, dict) else None
+
+
+def _samples(attempt: dict | None):
+    ratio = (attempt or {}).get("ratio") or {}
+    samples = ratio.get("samples") if isinstance(ratio, dict) else None
+    return [float(x) for x in samples if _finite(x)] if samples else []
+
+
+def _reason(row) -> str:
+    r = row.get("reason")
+    return f" ({r})" if isinstance(r, str) and r.strip() else ""
+
+
+def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int = 2000, seed: int = 0) -> list[GateRow]:
+    """Verdict per point of the union of both runs' points, sorted by cell id then N.
+
+    Each run is a Run, a run directory, or a folder holding run directories (e.g. results/baselines/h100/,
+    whose newest run is used).
+    """
+    base: Run = _load(baseline_run)
+    cur: Run = _load(current_run)
+    bpts = {r["point_id"]: r for r in base.points.to_dict("records")}
+    cpts = {r["point_id"]: r for r in cur.points.to_dict("records")}
+    batt, catt = final_attempts(base), final_attempts(cur)
+    rows = []
+    for pid in sorted(set(bpts) | set(cpts)):
+        b, c = bpts.get(pid), cpts.get(pid)
+        src = c or b
+        n = int(src["n"]) if _finite(src.get("n")) else None
+        row = GateRow(point_id=pid, cell_id=str(src["cell_id"]), n=n, verdict="MISSING")
+        if b is not None and _finite(b.get("lat_ratio")):
+            row.baseline_ratio = float(b["lat_ratio"])
+        if c is not None and _finite(c.get("lat_ratio")):
+            row.current_ratio = float(c["lat_ratio"])
+        if b is None:
+            row.detail = "new point: not in the baseline run"
+            rows.append(row)
+            continue
+        if c is None:
+            row.detail = "not in the current run"
+            rows.append(row)
+            continue
+        bstat, cstat = b["status"], c["status"]
+        bs, cs = _samples(batt.get(pid)), _samples(catt.get(pid))
+        if len(bs) >= MIN_SAMPLES and len(cs) >= MIN_SAMPLES:
+            row.change, row.ci_low, row.ci_high = bootstrap_change(bs, cs, n_boot, seed, pid)
+        measured = ("clean", "noisy")
+        kernel_failed = cstat in ("error", "oom") and _side_status(catt.get(pid), "kernel") in ("error", "oom")
+        if bstat in measured and kernel_failed:
+            row.verdict = "BROKEN"
+            row.detail = f"kernel {cstat} in the current run{_reason(c)}; baseline run measured it ({bstat})"
+        elif bstat not in measured or cstat not in measured:
+            if bstat == cstat:
+                row.verdict, row.detail = "MISSING", f"no ratio: {cstat} in both runs{_reason(c)}"
+            elif cstat not in measured:
+                row.verdict, row.detail = "NOISY", f"current run: {cstat}{_reason(c)}"
+            else:
+                row.verdict, row.detail = "NOISY", f"baseline run: {bstat}{_reason(b)}"
+        elif bstat != "clean" or cstat != "clean":
+            which = [f"{name} run noisy{_reason(r)}" for name, r in (("baseline", b), ("current", c)) if r["status"] != "clean"]
+            row.verdict, row.detail = "NOISY", "; ".join(which)
+        elif row.change is None:
+            row.verdict = "NOISY"
+            row.detail = f"too few ratio samples (baseline {len(bs)}, current {len(cs)}; need {MIN_SAMPLES})"
+        else:
+            lo, hi = row.ci_low, row.ci_high
+            if lo > 1 + tolerance:
+                row.verdict = "SLOWER"
+            elif hi < 1 - tolerance:
+                row.verdict = "FASTER"
+            elif lo >= 1 - tolerance and hi <= 1 + tolerance:
+                row.verdict = "SAME"
+            else:
+                row.verdict = "NOISY"
+                row.detail = f"95 % interval crosses the ±{tolerance:.0%} band"
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r.cell_id, r.n if r.n is not None else -1, r.point_id))
+
+
+def _load(run_or_dir) -> Run:
+    return run_or_dir if isinstance(run_or_dir, Run) else load_run(resolve_run_dir(run_or_dir))
+
+
+def gate_exit_code(rows: list[GateRow]) -> int:
+    """1 if any point is SLOWER (or BROKEN: the kernel now fails where it used to run), else 0."""
+    return 1 if any(r.verdict in FAILING for r in rows) else 0
+
+
+def _change_text(r: GateRow) -> str:
+    if r.change is None:
+        return "–"
+    pct = (r.change - 1) * 100
+    return f"{pct:+.1f} % [{(r.ci_low - 1) * 100:+.1f}, {(r.ci_high - 1) * 100:+.1f}]"
+
+
+def gate_markdown(rows: list[GateRow], *, baseline: str | None = None, current: str | None = None,
+                  tolerance: float = 0.07, n_boot: int = 2000) -> str:
+    """The gate summary: verdict counts, then one row per point (failing verdicts first)."""
+    counts = {v: sum(1 for r in rows if r.verdict == v) for v in VERDICTS}
+    failed = gate_exit_code(rows) != 0
+    lines = ["# Perf gate\n"]
+    if baseline or current:
+        lines.append(f"baseline run: `{baseline or '?'}`  \ncurrent run: `{current or '?'}`\n")
+    lines.append(f"Compared: the paired lat_ratio (kernel / baseline) of each point; change = median(current) / "
+                 f"median(baseline) with a 95 % bootstrap interval ({n_boot} resamples); tolerance ±{tolerance:.0%}. "
+                 "SLOWER only when the whole interval is above the band.\n")
+    verdict = "FAIL" if failed else "PASS"
+    summary = " · ".join(f"{v} {counts[v]}" for v in VERDICTS if counts[v])
+    lines.append(f"**Gate: {verdict}** ({summary or 'no points'})\n")
+    order = {v: i for i, v in enumerate(VERDICTS)}
+    body = []
+    for r in sorted(rows, key=lambda r: (order.get(r.verdict, 99), r.cell_id, r.n or -1, r.point_id)):
+        n_txt = format_n(r.n) if r.n is not None else "–"
+        body.append([f"`{r.cell_id}`", n_txt, r.verdict, format_ratio(r.baseline_ratio), format_ratio(r.current_ratio),
+                     _change_text(r), r.detail])
+    lines.append(md_table(["cell", "N", "verdict", "baseline lat_ratio", "current lat_ratio",
+                           "change [95 % CI]", "detail"], body))
+    return "\n".join(lines)

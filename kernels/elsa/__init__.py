@@ -1,0 +1,24 @@
+"""ELSA: exact softmax attention as a two-pass parallel scan over key partitions (Triton).
+
+Phase 1 writes one (m, z, s) monoid summary per (query row, key partition) to global memory; phase 2,
+a separate launch, merges them and writes out = s / z. See NOTES.md and shared/specs/elsa.md.
+"""
+from .attention import HEAD_DIMS, PRECISIONS, elsa_attention
+from .trace import trace_launches
+
+BACKENDS = {
+    "elsa": dict(
+        fn=elsa_attention,
+        dtypes=("float32", "float16", "bfloat16"),
+        cpu_dtypes=("float32", "float16"),        # bf16 is wrong under the Triton CPU interpreter
+        modes=("fwd", "bwd", "fwdbwd"),
+        causal=(False, True),
+        head_dims=HEAD_DIMS,
+        devices=("cuda", "cpu"),
+        options={"precision": "tf32x3"},
+        description="ELSA two-pass parallel scan: phase-1 partition summaries (m,z,s) in HBM, "
+                    "phase-2 merge; exact recompute backward (float32 dots: tf32x3 by default)",
+    ),
+}
+
+__all__ = ["elsa_attention", "trace_launches", "BACKENDS", "PRECISIONS", "HEAD_DIMS"]

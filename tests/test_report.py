@@ -1,0 +1,86 @@
+"""RESULTS markdown: content, plots, and byte-identical regeneration."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from attnbench.report import build_report
+from test_analysis import make_run, seed_cells
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "results" / "runs"
+    a = make_run(root, seed_cells(), name="full")
+    model_pts = [dict(cell_id="vit_t_fp16_fwd", kernel="elsa", baseline="native", dtype="float16", n=n, ratio=r,
+                      heads=None, head_dim=None, batch=8, mem_ratio=1.0) for n, r in [(224, 1.14), (512, 1.36)]]
+    b = make_run(root, model_pts, name="models", started="2026-11-22T04:00:00Z",
+                 when=datetime(2026, 11, 22, 4, tzinfo=timezone.utc))
+    return [a, b]
+
+
+def test_report_content(tmp_path, runs):
+    out = build_report(runs, results_root=tmp_path / "results", plots=False)
+    assert out == tmp_path / "results" / "RESULTS_H100.md"
+    text = out.read_text()
+    assert text.startswith("# attnbench results: H100\n")
+    assert "perf numbers on CPU" not in text
+    # environment and gate thresholds from the manifests
+    assert "NVIDIA H100 80GB HBM3 (132 SMs" in text and "580.159.04" in text and "`abc123def456`" in text
+    assert "util ≤ 8.0 %, free ≥ 12.0 GB" in text
+    # the seed-shaped table with computed trends, marks and notes
+    assert "| 1K 0.44 · 4K 0.44 · 8K 0.36 (math OOM @16K) |" in text
+    assert "crosses < 1 at ~32K" in text and "64K 1.70*" in text and "`*` = still noisy" in text
+    assert "(skipped @1K, 4K)" in text and "2K 0.76 · (error @4K) · 8K 0.45" in text
+    assert "### Full models (n = image size)" in text and "224 1.14 · 512 1.36" in text
+    # load summary and every point
+    assert "## Load during the measurements" in text and "sw_power_cap" in text
+    assert "## All points" in text
+    # relative links to the plots and the runs
+    for name in ("elsa_fp32_fwd_vs_math.png", "vit_t_fp16_fwd.png", "overview_elsa_attention.png"):
+        assert f"](plots/H100/{name})" in text
+    assert "](runs/20261122T010000Z_full)" in text
+
+
+def test_plots_are_written(tmp_path):
+    pts = [p for p in seed_cells() if p["cell_id"] == "elsa_fp32_fwd_vs_math"]
+    pts += [dict(cell_id="vit_t_fp16_fwd", kernel="elsa", baseline="native", dtype="float16", n=n, ratio=r,
+                 heads=None, head_dim=None, batch=8, mem_ratio=1.0) for n, r in [(224, 1.14), (512, 1.36)]]
+    run = make_run(tmp_path / "runs", pts)
+    out = build_report([run], tmp_path / "R.md", tmp_path / "figs")
+    text = out.read_text()
+    for name in ("elsa_fp32_fwd_vs_math.png", "vit_t_fp16_fwd.png", "overview_elsa_attention.png"):
+        png = tmp_path / "figs" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+        assert f"](figs/{name})" in text
+    # regenerating with plots gives the same markdown too
+    first = text
+    assert build_report([run], tmp_path / "R.md", tmp_path / "figs").read_text() == first
+
+
+def test_report_is_byte_identical(tmp_path, runs):
+    out1 = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False)
+    first = out1.read_bytes()
+    out2 = build_report(list(reversed(runs)), tmp_path / "a.md", tmp_path / "plots", plots=False)
+    assert out2.read_bytes() == first
+    assert b"nan" not in first.lower().replace(b"nanoseconds", b"")
+
+
+def test_cpu_report_has_banner(tmp_path):
+    run = make_run(tmp_path, [dict(cell_id="smoke", kernel="flash", baseline="math", n=256, ratio=0.8)],
+                   device="cpu", name="smoke_cpu")
+    out = build_report([run], results_root=tmp_path, plots=False)
+    assert out.name == "RESULTS_CPU.md"
+    text = out.read_text()
+    assert "performance numbers on CPU mean nothing" in text
+    assert "| CPU |" in text  # environment row
+
+
+def test_mixed_gpus_refused(tmp_path):
+    a = make_run(tmp_path, [dict(cell_id="c", n=1024, ratio=0.5)])
+    b = make_run(tmp_path, [dict(cell_id="c", n=1024, ratio=0.5)], gpu={"index": 0, "name": "NVIDIA A100-SXM4-80GB",
+                                                                        "uuid": "x", "sm_count": 108},
+                 when=datetime(2026, 11, 22, 5, tzinfo=timezone.utc))
+    with pytest.raises(ValueError, match="different GPUs"):
+        build_report([a, b], results_root=tmp_path, plots=False)

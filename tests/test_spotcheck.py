@@ -1,0 +1,304 @@
+"""Spot-check schema, verdict logic (PASS / FAIL / NOT_LANDED / ERROR) and the correctness checks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import attnbench.spotcheck as sc
+from attnbench.backends import Backend, BackendError, get_backend
+from attnbench.matrix import MatrixError
+from attnbench.spotcheck import (
+    CheckResult, evaluate_checks, load_spot_check, run_correctness_check, spot_check_exit_code, spot_check_table,
+    validate_checks,
+)
+from attnbench.store import load_run
+from test_analysis import make_run
+
+REPO = Path(__file__).resolve().parents[1]
+K = 1024
+
+
+def _cell(cell_id, ratios, mems=None, **extra):
+    mems = mems or {}
+    return [dict(cell_id=cell_id, n=n, ratio=r, mem_ratio=mems.get(n, 0.5), **extra) for n, r in ratios.items()]
+
+
+def seed_spot_run(tmp_path):
+    """The seed's A100 numbers for the six attention cells of matrices/spot_check.yaml (all PASS there)."""
+    pts = (_cell("spot_elsa_fp32_fwd_vs_math", {K: 0.44, 4 * K: 0.44}, {K: 0.09, 4 * K: 0.05})
+           + _cell("spot_elsa_fp32_fwd_vs_efficient", {4 * K: 1.63, 32 * K: 0.99}, baseline="efficient")
+           + _cell("spot_elsa_fp16_fwd_vs_flash", {4 * K: 2.83, 16 * K: 1.26}, baseline="flash", dtype="float16")
+           + _cell("spot_elsa_fp32_fwdbwd_vs_math", {2 * K: 0.76, 8 * K: 0.45}, {2 * K: 0.05, 8 * K: 0.02}, mode="fwdbwd")
+           + _cell("spot_elsa_fp32_fwdbwd_vs_efficient", {8 * K: 1.27, 16 * K: 1.02}, {8 * K: 0.8, 16 * K: 0.8},
+                   baseline="efficient", mode="fwdbwd")
+           + _cell("spot_elsa_fp16_fwdbwd_vs_flash", {8 * K: 2.12, 16 * K: 2.21}, {8 * K: 0.77, 16 * K: 0.77},
+                   baseline="flash", dtype="float16", mode="fwdbwd"))
+    return load_run(make_run(tmp_path, pts, name="spot_check"))
+
+
+# -- the real spot-check files ------------------------------------------------------------------------------
+
+def test_spot_check_yaml_has_the_seed_16_points():
+    plan = load_spot_check(REPO / "matrices" / "spot_check.yaml", device="cuda")
+    ids = [c["id"] for c in plan.checks]
+    assert ids == ["C1", "C2"] + [f"P{i}" for i in range(1, 15)]
+    assert [c["kind"] for c in plan.checks].count("correctness") == 2
+    # model cells stay NOT_LANDED until attnbench.models exists
+    if not sc.model_support_landed():
+        assert all(f"spot_{m}" in plan.not_landed for m in ("vit_t_fp16_fwd", "swin_t_fp32_train"))
+
+
+def test_spot_check_kernels_yaml_has_three_kernels():
+    plan = load_spot_check(REPO / "matrices" / "spot_check_kernels.yaml", device="cuda")
+    kinds = [(c["id"], c["kind"]) for c in plan.checks]
+    assert sum(k == "correctness" for _, k in kinds) == 3 and sum(k == "perf" for _, k in kinds) == 3
+    perf_cells = [c["cells"][0] for c in plan.checks if c["kind"] == "perf"]
+    assert {c.split("_")[1] for c in perf_cells} == {"cron", "pasa", "cqsa"}
+
+
+def test_seed_numbers_pass_and_models_are_not_landed(tmp_path):
+    plan = load_spot_check(REPO / "matrices" / "spot_check.yaml", device="cuda")
+    not_landed = {k: v for k, v in plan.not_landed.items() if "model" in v}   # only the model cells
+    not_landed.update({f"spot_{m}": "model cells are not supported by the harness yet" for m in (
+        "vit_t_fp16_fwd", "vit_t_fp32_fwd", "swin_t_fp16_fwd", "swin_t_fp32_fwd",
+        "vit_t_fp16_train", "vit_t_fp32_train", "swin_t_fp16_train", "swin_t_fp32_train")})
+    results = evaluate_checks(plan.checks, seed_spot_run(tmp_path), not_landed=not_landed, run_correctness=False)
+    got = {r.id: r.verdict for r in results}
+    assert all(got[f"P{i}"] == "PASS" for i in range(1, 7)), results
+    assert all(got[f"P{i}"] == "NOT_LANDED" for i in range(7, 15))
+    assert spot_check_exit_code(results) == 1   # NOT_LANDED is never a pass
+    p2 = next(r for r in results if r.id == "P2")
+    assert "lat falling 4K → 32K: 1.63 → 0.99 ✓" in p2.detail and "32K 0.99 ✓" in p2.detail
+
+
+# -- perf verdicts -------------------------------------------------------------------------------------------
+
+CHECKS = [
+    {"id": "band", "cells": ["c"], "rules": [{"lat_max": 1.0}, {"mem_max": 0.9}]},
+    {"id": "at", "cells": ["c"], "rules": [{"lat_max": 0.6, "at": 1024}]},
+    {"id": "tight", "cells": ["c"], "rules": [{"lat_max": 0.6}]},
+    {"id": "falling", "cells": ["c"], "rules": [{"lat_decreasing": [1024, 4096]}]},
+    {"id": "rising", "cells": ["c"], "rules": [{"lat_decreasing": [4096, 1024]}]},
+    {"id": "floor", "cells": ["c"], "rules": [{"lat_min": 0.1}, {"mem_min": 0.1}]},
+    {"id": "oom", "cells": ["d"], "rules": [{"lat_max": 1.0}]},
+    {"id": "absent", "cells": ["c"], "rules": [{"lat_max": 1.0, "at": [8192]}]},
+    {"id": "unlanded", "cells": ["e"], "rules": [{"lat_max": 1.0}]},
+    {"id": "skipped_not_impl", "cells": ["f"], "rules": [{"lat_max": 1.0}]},
+    {"id": "noisy_ok", "cells": ["g"], "rules": [{"lat_max": 1.0}]},
+    {"id": "noisy_strict", "cells": ["g"], "allow_noisy": False, "rules": [{"lat_max": 1.0}]},
+    {"id": "two_cells", "cells": ["c", "g"], "rules": [{"lat_max": 1.0}, {"lat_max": 0.6, "cell": "c", "at": 1024}]},
+]
+
+
+@pytest.fixture
+def run(tmp_path):
+    pts = _cell("c", {1024: 0.5, 4096: 0.7}, {1024: 0.3, 4096: 0.4})
+    pts += [dict(cell_id="d", n=1024, ratio=0.5), dict(cell_id="d", n=4096, status="oom", reason="math OOM")]
+    pts += [dict(cell_id="f", n=1024, status="skipped", reason="kernel 'cqsa' is not implemented yet")]
+    pts += [dict(cell_id="g", n=1024, ratio=0.8, status="noisy", reason="cv 4% > 3%")]
+    return load_run(make_run(tmp_path, pts))
+
+
+def test_perf_verdicts(run):
+    results = evaluate_checks(CHECKS, run, not_landed={"e": "kernel 'elsa' is not implemented yet"})
+    got = {r.id: r.verdict for r in results}
+    assert got == {"band": "PASS", "at": "PASS", "tight": "FAIL", "falling": "FAIL", "rising": "PASS",
+                   "floor": "PASS", "oom": "FAIL", "absent": "ERROR", "unlanded": "NOT_LANDED",
+                   "skipped_not_impl": "NOT_LANDED", "noisy_ok": "PASS", "noisy_strict": "FAIL", "two_cells": "PASS"}
+    detail = {r.id: r.detail for r in results}
+    assert "4K 0.70 ✗" in detail["tight"] and "1K 0.50 ✓" in detail["tight"]
+    assert "d@4K: oom (math OOM) ✗" in detail["oom"]
+    assert "c@8192 not in the run" in detail["absent"]
+    assert "1K 0.80* ✓" in detail["noisy_ok"]
+
+
+def test_no_run_and_unrunnable():
+    checks = [{"id": "x", "cells": ["c"], "rules": [{"lat_max": 1.0}]},
+              {"id": "y", "cells": ["u"], "rules": [{"lat_max": 1.0}]}]
+    results = evaluate_checks(checks, None, unrunnable={"u": "efficient: device cpu unsupported"}, device="cpu")
+    assert [r.verdict for r in results] == ["ERROR", "ERROR"]
+    assert "device cpu" in results[1].detail
+
+
+def test_table_and_exit_code():
+    ok = [CheckResult("P1", "perf", "PASS", "lat < 1: 1K 0.44 ✓")]
+    text = spot_check_table(ok)
+    assert text.rstrip().endswith("SPOT CHECK: 1/1 PASS\nSPOTCHECK_ALL_PASS") and spot_check_exit_code(ok) == 0
+    mixed = ok + [CheckResult("P2", "perf", "NOT_LANDED", "kernel 'elsa' is not implemented yet"),
+                  CheckResult("C1", "correctness", "FAIL", "1 WRONG")]
+    text = spot_check_table(mixed)
+    assert "SPOT CHECK: 1/3 PASS · 1 FAIL · 1 NOT_LANDED" in text and text.rstrip().endswith("SPOTCHECK_FAILED")
+    assert spot_check_exit_code(mixed) == 1 and spot_check_exit_code([]) == 1
+
+
+# -- schema --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("check,message", [
+    ({"id": "a", "cells": ["nope"], "rules": [{"lat_max": 1}]}, "unknown cell 'nope'"),
+    ({"id": "a", "cells": ["c"], "rules": [{"lat_maxx": 1}]}, "unknown key 'lat_maxx'"),
+    ({"id": "a", "cells": ["c"], "rules": [{"lat_max": 1, "mem_max": 1}]}, "exactly one of"),
+    ({"id": "a", "cells": ["c"], "rules": [{"lat_max": "fast"}]}, "need a positive number"),
+    ({"id": "a", "cells": ["c"], "rules": [{"lat_decreasing": [1024]}]}, "list of ≥ 2 lengths"),
+    ({"id": "a", "cells": ["c"], "rules": []}, "non-empty list"),
+    ({"id": "a", "cells": ["c"], "rules": [{"lat_max": 1}], "bands": 1}, "unknown key 'bands'"),
+    ({"id": "a", "kind": "speed", "cells": ["c"]}, "field 'kind'"),
+    ({"id": "a", "kind": "correctness", "kernel": "elsa", "shapes": [[1, 2, 64, 64, "float16"]],
+      "max_abs": {"float32": 1e-5}}, "no max_abs given for float16"),
+    ({"id": "a", "kind": "correctness", "kernel": "elsa", "shapes": [[1, 2, 64, "float32"]],
+      "max_abs": {"float32": 1e-5}}, "[B, H, N, D, dtype]"),
+    ({"id": "a", "kind": "correctness", "kernel": "elsa", "direction": "up", "shapes": [[1, 2, 64, 64, "float32"]],
+      "max_abs": {"float32": 1e-5}}, "field 'direction'"),
+])
+def test_schema_errors(check, message):
+    with pytest.raises(MatrixError) as exc:
+        validate_checks([check], {"c"}, where="m.yaml")
+    assert message in str(exc.value) and str(exc.value).startswith("m.yaml: ")
+    assert "\n" not in str(exc.value)
+
+
+def test_duplicate_check_ids():
+    with pytest.raises(MatrixError, match="duplicate id"):
+        validate_checks([{"id": "a", "cells": ["c"], "rules": [{"lat_max": 1}]}] * 2, {"c"})
+
+
+# -- loading a spot-check file with cells that have not landed -----------------------------------------------
+
+SMALL = """\
+name: tiny_spot
+defaults: {batch: 1, heads: 2, head_dim: 64, dtype: float32, mode: fwd}
+cells:
+  - {id: sdpa_cpu, kernel: flash, baseline: math, seq_lens: [128]}
+  - {id: elsa_cell, kernel: elsa, baseline: math, seq_lens: [128]}
+  - {id: eff_cell, kernel: efficient, baseline: math, seq_lens: [128]}
+  - {id: model_cell, kernel: flash, baseline: native, model: vit_tiny_patch16_224, dtype: float16, mode: fwd, batch: 8, img_sizes: [224]}
+checks:
+  - {id: A, cells: [sdpa_cpu], rules: [{lat_max: 100}]}
+  - {id: B, cells: [elsa_cell], rules: [{lat_max: 1.0}]}
+  - {id: M, cells: [model_cell], rules: [{lat_max: 1.0}]}
+  - {id: E, cells: [eff_cell], rules: [{lat_max: 1.0}]}
+"""
+
+
+def _fake_lookup(monkeypatch, broken=None):
+    def lookup(name):
+        if name == "elsa":
+            raise BackendError("kernel 'elsa' is not implemented yet")
+        if broken and name == "broken":
+            return broken
+        return get_backend(name)
+    monkeypatch.setattr(sc, "get_backend", lookup)
+
+
+def test_load_spot_check_splits_landed(tmp_path, monkeypatch):
+    _fake_lookup(monkeypatch)
+    monkeypatch.setattr(sc, "model_support_landed", lambda: False)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(SMALL)
+    plan = load_spot_check(path, device="cpu")
+    assert [c.id for c in plan.matrix.cells] == ["sdpa_cpu"]
+    assert plan.matrix.path == path and plan.matrix.name == "tiny_spot" and len(plan.matrix.checks) == 4
+    assert plan.not_landed["elsa_cell"] == "kernel 'elsa' is not implemented yet"
+    assert "model cells" in plan.not_landed["model_cell"]
+    assert "device cpu unsupported" in plan.unrunnable["eff_cell"]
+    run = load_run(make_run(tmp_path, [dict(cell_id="sdpa_cpu", kernel="flash", n=128, ratio=0.9)], device="cpu"))
+    got = {r.id: r.verdict for r in evaluate_checks(plan, run)}
+    assert got == {"A": "PASS", "B": "NOT_LANDED", "M": "NOT_LANDED", "E": "ERROR"}
+
+
+def test_load_spot_check_nothing_landed(tmp_path, monkeypatch):
+    _fake_lookup(monkeypatch)
+    monkeypatch.setattr(sc, "model_support_landed", lambda: False)
+    path = tmp_path / "only_elsa.yaml"
+    path.write_text("cells:\n  - {id: e, kernel: elsa, baseline: math, dtype: float32, mode: fwd, heads: 1, "
+                    "head_dim: 64, seq_lens: [64]}\nchecks:\n  - {id: B, cells: [e], rules: [{lat_max: 1.0}]}\n")
+    plan = load_spot_check(path, device="cpu")
+    assert plan.matrix is None
+    assert [r.verdict for r in evaluate_checks(plan, None, device="cpu")] == ["NOT_LANDED"]
+
+
+def test_load_spot_check_reports_errors_against_the_real_file(tmp_path, monkeypatch):
+    _fake_lookup(monkeypatch)
+    path = tmp_path / "bad.yaml"
+    path.write_text(SMALL.replace("seq_lens: [128]}\n  - {id: elsa_cell", "seq_lens: [-1]}\n  - {id: elsa_cell"))
+    with pytest.raises(MatrixError) as exc:
+        load_spot_check(path, device="cpu")
+    assert str(path) in str(exc.value) and "tmp" not in str(exc.value).replace(str(tmp_path), "")
+
+
+# -- correctness checks ------------------------------------------------------------------------------------------
+
+def _corr(kernel="math", direction="fwd", **extra):
+    check = {"id": "C", "kind": "correctness", "kernel": kernel, "direction": direction,
+             "shapes": [[1, 2, 65, 32, "float32"], [1, 1, 33, 64, "float32"]], "max_abs": {"float32": 1e-5}}
+    check.update(extra)
+    return check
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "fwdbwd"])
+def test_correctness_pass_on_sdpa_math(direction):
+    r = run_correctness_check(_corr(direction=direction, causal=True), "cpu")
+    assert r.verdict == "PASS", r.detail
+    assert r.detail.startswith(f"2 OK, 0 WRONG ({direction})")
+
+
+def _scaled_math(scale_err):
+    math_fn = get_backend("math").fn
+
+    def fn(q, k, v, causal=False, scale=None):
+        return math_fn(q, k, v, causal=causal, scale=scale) * (1 + scale_err)
+    return Backend("broken", fn, ("float32",), devices=("cpu",))
+
+
+def test_correctness_fail_on_wrong_kernel(monkeypatch):
+    _fake_lookup(monkeypatch, broken=_scaled_math(1e-2))
+    r = run_correctness_check(_corr(kernel="broken"), "cpu")
+    assert r.verdict == "FAIL" and "WRONG" in r.detail and "(tol 1e-05)" in r.detail
+    r = run_correctness_check(_corr(kernel="broken", direction="bwd"), "cpu")
+    assert r.verdict == "FAIL"
+
+
+def test_correctness_min_ok_and_skips(monkeypatch):
+    _fake_lookup(monkeypatch, broken=_scaled_math(0.0))
+    check = _corr(kernel="broken", shapes=[[1, 1, 33, 64, "float32"], [1, 1, 33, 64, "float16"]],
+                  max_abs={"float32": 1e-5, "float16": 1e-2}, min_ok=2)
+    r = run_correctness_check(check, "cpu")
+    assert r.verdict == "FAIL" and "1 skipped" in r.detail and "need 2" in r.detail
+    r = run_correctness_check(dict(check, shapes=[[1, 1, 33, 64, "float16"]]), "cpu")
+    assert r.verdict == "ERROR" and "no shape could run" in r.detail
+
+
+def test_correctness_kernel_exception_is_wrong(monkeypatch):
+    def boom(q, k, v, causal=False, scale=None):
+        raise RuntimeError("triton: out of resources\nmore lines")
+    _fake_lookup(monkeypatch, broken=Backend("broken", boom, ("float32",), devices=("cpu",)))
+    r = run_correctness_check(_corr(kernel="broken"), "cpu")
+    assert r.verdict == "FAIL" and "RuntimeError: triton: out of resources" in r.detail and "more lines" not in r.detail
+
+
+def test_correctness_not_landed(monkeypatch):
+    _fake_lookup(monkeypatch)
+    r = run_correctness_check(_corr(kernel="elsa"), "cpu")
+    assert r.verdict == "NOT_LANDED" and "not implemented yet" in r.detail
+
+
+def test_correctness_uses_backend_reference(monkeypatch):
+    # a kernel computing a different function passes against its own reference, fails against dense attention
+    from kernels.reference import reference_attention
+
+    def half(q, k, v, causal=False, scale=None):
+        return 0.5 * get_backend("math").fn(q, k, v, causal=causal, scale=scale)
+
+    def half_ref(q, k, v, causal=False, scale=None):
+        return 0.5 * reference_attention(q, k, v, causal=causal, scale=scale)
+
+    _fake_lookup(monkeypatch, broken=Backend("broken", half, ("float32",), devices=("cpu",), reference=half_ref))
+    assert run_correctness_check(_corr(kernel="broken", direction="fwdbwd"), "cpu").verdict == "PASS"
+    _fake_lookup(monkeypatch, broken=Backend("broken", half, ("float32",), devices=("cpu",)))
+    assert run_correctness_check(_corr(kernel="broken"), "cpu").verdict == "FAIL"
+
+
+def test_correctness_uses_cpu_shapes_on_cpu():
+    check = _corr(shapes=[[64, 64, 4096, 64, "float32"]], cpu_shapes=[[1, 1, 17, 64, "float32"]])
+    r = run_correctness_check(check, "cpu")   # the huge GPU shape is never built here
+    assert r.verdict == "PASS" and r.detail.startswith("1 OK")
