@@ -151,7 +151,8 @@ def _require_gpu():
 
 
 def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
-         results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None) -> Path:
+         results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
+         slowdown: Optional[dict] = None) -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -159,7 +160,8 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     from attnbench.runner import GateFailed, Runner, RunInterrupted, RunOptions
 
     opts = RunOptions(device=device, results_root=results_root, gate=gate, gpu=gpu, wait_s=wait,
-                      max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2)
+                      max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2,
+                      slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
     state = {"task": None, "status_line": None}
@@ -229,11 +231,19 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB (default 12, or the matrix's)"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
-               results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created")):
+               results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created"),
+               slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=K: call BACKEND K times per timed call "
+                                                  "(a deliberate, recorded regression to prove the perf gate)")):
     """Run a YAML matrix: gate the GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
     from attnbench.matrix import load_matrix
 
     _check_device(device)
+    slow = {}
+    for item in slowdown:
+        name, _, k = item.partition("=")
+        if not k.isdigit() or int(k) < 1:
+            fail(f"--slowdown {item!r}: expected BACKEND=K with an integer K ≥ 1", 2)
+        slow[name] = int(k)
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
         matrix = load_matrix(matrix_path, device=device)
@@ -241,7 +251,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
             console.print(_plan_table(matrix, device))
             return
         gate = _gate(matrix.gate, max_util, min_free_gb)
-        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader)
+        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:

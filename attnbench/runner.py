@@ -42,9 +42,12 @@ class RunOptions:
     snapshot_s: float = 1.0                   # NVML sampling window of each snapshot
     settle_s: float = 1.0                     # idle time before a snapshot, so NVML util no longer sees our own work
     argv: list[str] = field(default_factory=list)
+    slowdown: dict = field(default_factory=dict)   # backend name → repeat count (gate proof only; in the manifest)
 
 
 def _git_commit() -> str | None:
+    if os.environ.get("ATTNBENCH_GIT_COMMIT"):   # set where the tree travels without .git (the device machine)
+        return os.environ["ATTNBENCH_GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
@@ -96,7 +99,7 @@ def _skip_reason(point: Point, device: str) -> str | None:
     return "; ".join(reasons) or None
 
 
-def _make_workload(point: Point, slot: str, device: str):
+def _make_workload(point: Point, slot: str, device: str, slowdown: dict | None = None):
     cell = point.cell
     name = getattr(cell, slot)
     if cell.is_model:
@@ -106,10 +109,10 @@ def _make_workload(point: Point, slot: str, device: str):
     backend = get_backend(name)
     return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.n, head_dim=cell.head_dim,
                                    dtype=cell.dtype, mode=cell.mode, causal=cell.causal, device=device,
-                                   options=getattr(cell, f"{slot}_options"))
+                                   options=getattr(cell, f"{slot}_options"), repeat=(slowdown or {}).get(name, 1))
 
 
-def measure_point(point: Point, device: str, monitor=None) -> dict:
+def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None = None) -> dict:
     """One attempt at one point: both workloads built, timed interleaved, released. Never raises for kernel errors."""
     import torch
 
@@ -124,7 +127,7 @@ def measure_point(point: Point, device: str, monitor=None) -> dict:
             if slot == "baseline" and cell.baseline_max_n is not None and point.n > cell.baseline_max_n:
                 continue
             try:
-                workloads[slot] = _make_workload(point, slot, device)
+                workloads[slot] = _make_workload(point, slot, device, slowdown)
             except Exception as exc:
                 side = kernel_side if slot == "kernel" else baseline_side
                 side.status = "oom" if is_oom(exc) else "error"
@@ -304,7 +307,7 @@ class Runner:
                 "versions": versions(self.reader), "gpu": gpu,
                 "gate": {"max_util_pct": self.opt.gate.max_util_pct, "min_free_gb": self.opt.gate.min_free_gb,
                          **({"max_cpu_pct": self.opt.gate.max_cpu_pct} if self.opt.device == "cpu" else {})},
-                "host": socket.gethostname(), "interrupted": False, "python_executable": sys.executable}
+                "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown, "python_executable": sys.executable}
 
     def run(self, resume: Path | None = None) -> Path:
         prepare_device(self.opt.device)
@@ -354,7 +357,7 @@ class Runner:
         for attempt in range(1, max_attempts + 1):
             before = self._snapshot(reuse_s=3.0 if attempt == 1 else 0.0)
             monitor = ClockMonitor(self.reader, self.gpu_index) if self.reader is not None and self.gpu_index is not None else None
-            result = measure_point(point, self.opt.device, monitor)
+            result = measure_point(point, self.opt.device, monitor, **({"slowdown": self.opt.slowdown} if self.opt.slowdown else {}))
             after = self._snapshot()
             monitor_summary = monitor.summary() if monitor else None
             status, reasons, message = verdict(point, result, before, after, monitor_summary, self.opt.gate,
