@@ -92,6 +92,9 @@ def _flex(q, k, v, causal=False, scale=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex_compiled is None:
+        # one compiled graph per sequence length: raise dynamo's recompile limit (default 8), past which it
+        # would silently fall back to eager flex, which materialises the full score matrix
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if causal:
@@ -263,7 +266,7 @@ def check_accuracy(backend: Backend, *, batch: int, heads: int, n: int, head_dim
     with torch.no_grad():
         out = backend.fn(q, k, v, causal=causal, scale=None, **kwargs).double()
         ref_fn = backend.reference or reference_attention
-        ref = ref_fn(q, k, v, causal=causal, scale=None)
+        ref = ref_fn(q, k, v, causal=causal, scale=None, **(kwargs if backend.reference else {}))
     err = (out - ref)
     return {"max_abs": err.abs().max().item(),
             "rel_rms": (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300)).item(),

@@ -6,3 +6,14 @@ q, k, v of shape [B, H, N, D], returning [B, H, N, D]; gradients flow through au
 Each kernel package exports ``BACKENDS``: a dict mapping a backend name to its capabilities
 (see ``attnbench.backends``), so the harness can register it without the kernels importing the harness.
 """
+
+_LAZY = {"patch_timm_attention": "kernels.timm_patch", "patch_timm_attention_train": "kernels.timm_patch"}
+
+
+def __getattr__(name):
+    # Lazy so that `import kernels` stays light (no timm, no Triton) until the drop-in is asked for.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

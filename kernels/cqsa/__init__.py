@@ -1,0 +1,29 @@
+"""Stream-CQSA: exact attention as independent cyclic-quorum subsequence tasks (arXiv:2604.20819).
+
+``cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=None)`` computes exact
+softmax attention by CQS Divide: c**itr subsequence tasks whose responsibility masks partition the
+N×N score matrix, merged with a log-sum-exp rule. Resident mode batches the tasks into slot waves;
+streaming mode (``mem_budget`` or host inputs) schedules them under a memory budget with the OOM
+guardrail. Causal attention is supported (an extension beyond the paper): sorted gather keeps
+tokens in global order, so the causal mask composes with the responsibility mask.
+"""
+from .attention import cqsa_attention, last_stats
+from .divide import INTEREST_SETS, balanced_layout, build_tasks, coverage_counts, is_difference_set, owner, refine
+
+BACKENDS = {
+    "cqsa": dict(
+        fn=cqsa_attention,
+        dtypes=("float32", "float16", "bfloat16"),
+        cpu_dtypes=("float32", "float16"),       # the Triton CPU interpreter gets bf16 wrong
+        modes=("fwd", "bwd", "fwdbwd"),
+        causal=(False, True),
+        head_dims=(32, 64, 128),
+        devices=("cuda", "cpu"),
+        options={"c": 7, "itr": 1},
+        description="Stream-CQSA: exact attention as c**itr CQS subsequence tasks merged by log-sum-exp "
+                    "(resident slot waves; mem_budget streams tasks under a budget)",
+    ),
+}
+
+__all__ = ["cqsa_attention", "last_stats", "BACKENDS", "INTEREST_SETS", "balanced_layout", "build_tasks",
+           "coverage_counts", "is_difference_set", "owner", "refine"]

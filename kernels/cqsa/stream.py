@@ -1,0 +1,843 @@
+"""The streaming engine: CQS tasks scheduled under a memory budget, with the OOM guardrail.
+
+Inputs may stay where they are (on the compute device: tasks read them in place and only their
+partial outputs are allocated) or live on the host, ideally pinned: then each task's pieces are
+copied into a compact device buffer. Pieces are contiguous global runs, so that copy is a few
+memcpy calls per task, not a token gather; pageable inputs are first staged through a pinned
+buffer ("gather" in the stats).
+
+Pipelining on CUDA (double buffering): three streams — copy (H2D of task i+1), compute (kernel of
+task i) and merge (log-sum-exp merge of task i-1 into the accumulator, serialised on one stream).
+The host admits up to n_cap tasks; retiring the oldest waits for its merge, so the memory of a
+retired task is free before the next admission and the budget check below is exact.
+On the CPU the same loop runs synchronously (no streams), which is what the tests drive.
+
+Guardrail (spec §5.4, paper §2.5): a task that hits OOM (a real one, the budget check, or one
+injected by ``oom_hook``) is evicted — nothing of it merged — and requeued; n_cap drops by one;
+at n_cap = 1 the failing task (``refine="hybrid"``) or every queued task (``"uniform"``) is
+refined one level deeper and a calibration pass (one task alone, peak measured) re-sizes n_cap.
+Merges are idempotent per task path; the engine checks at the end that the merged tasks' kept
+pairs sum to exactly N² (each pair once), so a lost or doubled contribution cannot go unnoticed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .attention import check_bf16_device, lse_log2, row_delta, validate
+from .divide import Task, build_tasks, interest_set, max_depth, refine
+from .kernel import config, launch_bwd_dkdv, launch_bwd_dq, launch_fwd, precision_for
+from .schedule import task_schedule
+
+OOM = torch.OutOfMemoryError
+
+
+class MergeError(RuntimeError):
+    """A merge failed after it had started writing: the accumulator is no longer trustworthy."""
+
+
+@dataclass
+class StreamStats:
+    mode: str
+    c: int
+    itr_start: int
+    itr_final: int = 0
+    n_tasks: int = 0                        # tasks merged
+    task_lengths: dict = field(default_factory=dict)   # L -> count of merged tasks
+    n_cap_history: list = field(default_factory=list)
+    evictions: list = field(default_factory=list)      # (path, reason)
+    escalations: list = field(default_factory=list)    # (path or "all", new depth)
+    calibrations: list = field(default_factory=list)   # dict(path, delta_bytes, n_cap)
+    acc: str = "device"
+    inputs: str = "device"                  # device (read in place) | host
+    budget: int | None = None
+    peak_bytes: int | None = None           # max bytes allocated on the compute device during the run
+    times_s: dict = field(default_factory=lambda: dict(plan=0.0, gather=0.0, h2d=0.0, compute=0.0, merge=0.0,
+                                                          d2h=0.0, finalize=0.0, wall=0.0))
+    gpu_compute_fraction: float | None = None   # kernel time / wall time (CUDA only)
+    gpu_busy_fraction: float | None = None      # union of kernel and merge intervals / wall
+    pairs_covered: int = 0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["task_lengths"] = {int(k): int(v) for k, v in self.task_lengths.items()}
+        d["evictions"] = [(list(p) if isinstance(p, tuple) else p, r) for p, r in self.evictions]
+        d["escalations"] = [(list(p) if isinstance(p, tuple) else p, t) for p, t in self.escalations]
+        return d
+
+
+_last = [None]
+
+
+def last_run_stats():
+    return _last[0]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def _layout(t: torch.Tensor) -> str:
+    if t.is_contiguous():
+        return "head_major"
+    if t.permute(0, 2, 1, 3).is_contiguous():
+        return "token_major"
+    return "other"
+
+
+def _empty_like_layout(layout, B, H, L, D, dtype, device, pin=False):
+    if layout == "token_major":
+        return torch.empty((B, L, H, D), dtype=dtype, device=device, pin_memory=pin).permute(0, 2, 1, 3)
+    return torch.empty((B, H, L, D), dtype=dtype, device=device, pin_memory=pin)
+
+
+def _copy_pieces(dst, src, task: Task, layout: str, non_blocking: bool):
+    """dst[..., local piece, :] <- src[..., global piece, :], in dense memcpy-able units."""
+    B, H = src.shape[0], src.shape[1]
+    for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
+        if layout == "token_major":
+            for b in range(B):
+                dst[b, :, l:l + n].copy_(src[b, :, g:g + n], non_blocking=non_blocking)
+        else:
+            for b in range(B):
+                for h in range(H):
+                    dst[b, h, l:l + n].copy_(src[b, h, g:g + n], non_blocking=non_blocking)
+
+
+def _rows(t: torch.Tensor, task: Task) -> torch.Tensor:
+    """[B, H, N] -> [B, H, L]: the task's rows (small; per-row vectors such as lse and δ)."""
+    return torch.cat([t[:, :, g:g + n] for g, n in zip(task.gstart.tolist(), task.length.tolist())], dim=2)
+
+
+def _task_pairs(task: Task) -> int:
+    keep = task.keep_pieces()
+    n = task.length.astype(np.float64)
+    return int(round(float((keep * np.outer(n, n)).sum())))
+
+
+def _depth_bound(n: int, c: int, itr: int) -> int:
+    """Upper bound of the longest task at depth itr (L -> l * ceil(L / c) per level)."""
+    l = len(interest_set(c))
+    L = n
+    for _ in range(itr):
+        L = l * -(-L // c)
+    return min(L, n)
+
+
+class _Timer:
+    """Stage timing: CUDA events on a stream (read once at the end) or host wall time."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pending = []        # (stage, start_event, end_event)
+        self.host = Counter()
+
+    def start(self, stream=None):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            return e
+        return time.perf_counter()
+
+    def stop(self, stage, start, stream=None):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            self.pending.append((stage, start, e))
+        else:
+            self.host[stage] += time.perf_counter() - start
+
+    def totals(self, origin=None):
+        tot = Counter(self.host)
+        intervals = {}
+        for stage, s, e in self.pending:
+            tot[stage] += s.elapsed_time(e) / 1e3
+            if origin is not None:
+                intervals.setdefault(stage, []).append((origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3))
+        return tot, intervals
+
+
+def _union_length(intervals) -> float:
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+# --- accumulators ------------------------------------------------------------------------------
+
+class StableAccumulator:
+    """Per-token fp32 (m, s, acc) merged with the log-sum-exp rule (spec §3.3), idempotent per task."""
+
+    def __init__(self, B, H, N, D, device):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.m = torch.full((B, H, N), float("-inf"), **f32)
+        self.s = torch.zeros((B, H, N), **f32)
+        self.acc = torch.zeros((B, H, N, D), **f32)
+        self.done: set = set()
+        self.dirty = False
+
+    @staticmethod
+    def nbytes(B, H, N, D) -> int:
+        return 4 * B * H * N * (D + 2)
+
+    def merge(self, task: Task, out_i: torch.Tensor, lse_i: torch.Tensor) -> bool:
+        """Fold a task's (out_i [B,H,L,D], lse_i [B,H,L]) in. False if it was merged already."""
+        if self.dirty:
+            raise MergeError("cqsa: accumulator is dirty after a failed merge")
+        if task.path in self.done:
+            return False
+        # every temporary first: an OOM here leaves the state untouched and the task can be retried
+        plan = []
+        for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
+            lse_p = lse_i[:, :, l:l + n]
+            ok = torch.isfinite(lse_p)
+            m0 = self.m[:, :, g:g + n]
+            m1 = torch.maximum(m0, torch.where(ok, lse_p, torch.full_like(lse_p, float("-inf"))))
+            m1_ref = torch.where(torch.isfinite(m1), m1, torch.zeros_like(m1))
+            a = torch.where(torch.isfinite(m0), torch.exp(m0 - m1_ref), torch.zeros_like(m0))
+            w = torch.where(ok, torch.exp(lse_p - m1_ref), torch.zeros_like(lse_p))
+            plan.append((g, l, n, m1, a, w))
+        try:
+            for g, l, n, m1, a, w in plan:
+                acc_v = self.acc[:, :, g:g + n]
+                acc_v.mul_(a.unsqueeze(-1))
+                # rows without a kept key carry out = 0 and w = 0: no NaN can enter
+                acc_v.addcmul_(out_i[:, :, l:l + n], w.unsqueeze(-1))
+                self.s[:, :, g:g + n].mul_(a).add_(w)
+                self.m[:, :, g:g + n].copy_(m1)
+        except Exception as exc:
+            self.dirty = True
+            raise MergeError(f"cqsa: merge of task {task.path} failed midway: {exc}") from exc
+        self.done.add(task.path)
+        return True
+
+    def finalize(self, out: torch.Tensor, lse: torch.Tensor, chunk: int = 1 << 16, timer=None, stream=None):
+        """out[..] = acc / s (in out's dtype, on out's device), lse = m + log s; chunked along N."""
+        N = self.m.shape[2]
+        for s0 in range(0, N, chunk):
+            sl = slice(s0, s0 + chunk)
+            ssum = self.s[:, :, sl]
+            has = ssum > 0
+            o = (self.acc[:, :, sl] / torch.where(has, ssum, torch.ones_like(ssum)).unsqueeze(-1)).to(out.dtype)
+            l_ = torch.where(has, self.m[:, :, sl] + torch.log(torch.where(has, ssum, torch.ones_like(ssum))),
+                             torch.full_like(ssum, float("-inf")))
+            out[:, :, sl].copy_(o, non_blocking=True)
+            lse[:, :, sl].copy_(l_, non_blocking=True)
+
+
+class GradAccumulator:
+    """fp32 dQ, dK, dV; a task's contribution is added once (idempotent per path)."""
+
+    def __init__(self, B, H, N, D, device):
+        self.g = [torch.zeros((B, H, N, D), dtype=torch.float32, device=device) for _ in range(3)]
+        self.done: set = set()
+        self.dirty = False
+
+    @staticmethod
+    def nbytes(B, H, N, D) -> int:
+        return 12 * B * H * N * D
+
+    def merge(self, task: Task, parts) -> bool:
+        if self.dirty:
+            raise MergeError("cqsa: gradient accumulator is dirty after a failed merge")
+        if task.path in self.done:
+            return False
+        try:
+            for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
+                for acc, part in zip(self.g, parts):
+                    acc[:, :, g:g + n].add_(part[:, :, l:l + n])
+        except Exception as exc:
+            self.dirty = True
+            raise MergeError(f"cqsa: gradient merge of task {task.path} failed midway: {exc}") from exc
+        self.done.add(task.path)
+        return True
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+class _Handle:
+    __slots__ = ("task", "bufs", "parts", "need", "compute_done", "t_launch")
+
+    def __init__(self, task):
+        self.task = task
+        self.bufs = []
+        self.parts = []
+        self.need = 0
+        self.compute_done = None
+
+
+class _Engine:
+    """Shared task loop; subclasses say what a task allocates, computes and merges."""
+
+    def __init__(self, mode, inputs, *, causal, scale, c, itr, mem_budget, device, n_cap, n_cap_max, acc,
+                 refine_mode, gather, input_precision, oom_hook, peak_hook, calib_coef):
+        q = inputs[0]
+        self.B, self.H, self.N, self.D = q.shape
+        self.dtype = q.dtype
+        self.src_device = q.device
+        self.dev = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.dev.type == "cuda" and self.dev.index is None:
+            self.dev = torch.device("cuda", torch.cuda.current_device())
+        check_bf16_device(self.dtype, self.dev)
+        self.cuda = self.dev.type == "cuda"
+        self.inputs_in_place = (q.device == self.dev) and gather != "always"
+        self.causal, self.scale, self.c = causal, scale, c
+        self.prec = precision_for(self.dtype, input_precision)
+        self.budget = mem_budget
+        self.acc_mode = acc
+        self.refine_mode = refine_mode
+        self.oom_hook, self.peak_hook = oom_hook, peak_hook
+        self.coef = calib_coef
+        self.n_cap_max = n_cap_max if n_cap_max is not None else (2 if self.cuda else 1)
+        self.n_cap_user = n_cap
+        self.itr_min = itr
+        if self.inputs_in_place:      # the kernels read rows in place and need a unit stride along D
+            inputs = [x if x.dim() != 4 or x.stride(-1) == 1 else x.contiguous() for x in inputs]
+        self.need_scale = 1.0
+        self.ledger = 0                  # bytes held by the engine (the CPU's stand-in for memory_allocated)
+        self.peak_seen = 0
+        self.inputs = inputs
+        self.layouts = [_layout(t) if not self.inputs_in_place else "head_major" for t in self.gathered()]
+        self.stats = StreamStats(mode=mode, c=c, itr_start=itr, budget=mem_budget,
+                                 inputs="device" if self.inputs_in_place else "host")
+        self.timer = _Timer(self.cuda)
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.dev)
+            self.copy_s, self.comp_s, self.merge_s = (torch.cuda.Stream(self.dev) for _ in range(3))
+            for s in (self.copy_s, self.comp_s, self.merge_s):
+                s.wait_stream(cur)
+        else:
+            self.copy_s = self.comp_s = self.merge_s = None
+
+    # memory -------------------------------------------------------------------------------------
+    def mem_now(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.dev)
+        return self.ledger
+
+    def task_need(self, L: int) -> int:
+        raise NotImplementedError
+
+    def floor_bytes(self, acc_on_device: bool) -> int:
+        raise NotImplementedError
+
+    def _stream_ctx(self, s):
+        return torch.cuda.stream(s) if s is not None else _nullctx()
+
+    # planning -----------------------------------------------------------------------------------
+    def plan(self) -> tuple[int, str]:
+        cap = max_depth(self.N, self.c)
+        accs = [self.acc_mode] if self.acc_mode != "auto" else ["device", "host"]
+        if self.budget is None:
+            return self.itr_min, accs[0]
+        base = self.mem_now()
+        slots = self.n_cap_max if self.cuda else 1
+        for acc in accs:
+            floor = base + self.floor_bytes(acc == "device")
+            for itr in range(self.itr_min, max(cap, self.itr_min) + 1):
+                if floor + slots * self.task_need(_depth_bound(self.N, self.c, itr)) <= 0.95 * self.budget:
+                    return itr, acc
+        # nothing fits by the estimate: start at the deepest level; the guardrail raises if it really fails
+        return max(cap, self.itr_min), accs[-1]
+
+    # the loop ----------------------------------------------------------------------------------
+    def run(self):
+        t_wall = time.perf_counter()
+        origin = None
+        if self.cuda:
+            # the engine resets the device's peak counter; stats.peak_bytes is the run's own peak
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            self.peak_seen = torch.cuda.max_memory_allocated(self.dev)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record(torch.cuda.current_stream(self.dev))
+        t0 = time.perf_counter()
+        itr, acc_loc = self.plan()
+        self.stats.itr_start, self.stats.acc = itr, acc_loc
+        self.acc_on_device = acc_loc == "device"
+        self.setup()
+        if self.cuda:     # the accumulator and per-row vectors were made on the caller's stream
+            cur = torch.cuda.current_stream(self.dev)
+            for s in (self.copy_s, self.comp_s, self.merge_s):
+                s.wait_stream(cur)
+        queue = deque(build_tasks(self.N, self.c, itr))
+        self.stats.times_s["plan"] += time.perf_counter() - t0
+        cap_depth = max_depth(self.N, self.c)
+        n_cap = 1
+        state = "calibrate" if self.n_cap_user is None else "run"
+        if self.n_cap_user is not None:
+            n_cap = self.n_cap_user
+        self.stats.n_cap_history.append(n_cap)
+        inflight: deque = deque()
+        while queue or inflight:
+            if state == "calibrate":
+                if inflight:
+                    self.retire(inflight.popleft())
+                    continue
+                task = queue.popleft()
+                if self.merged(task):
+                    continue
+                base = self.mem_now()
+                if self.cuda:
+                    self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(self.dev))
+                    torch.cuda.reset_peak_memory_stats(self.dev)
+                try:
+                    h = self.launch(task, 0)
+                except OOM as exc:
+                    self.stats.evictions.append((task.path, f"calibration: {str(exc).splitlines()[0][:120]}"))
+                    queue.appendleft(task)
+                    self.escalate(task, queue, cap_depth)
+                    continue
+                self.retire(h)
+                if self.peak_hook is not None:
+                    delta = int(self.peak_hook(task))
+                elif self.cuda:
+                    delta = max(torch.cuda.max_memory_allocated(self.dev) - base, 1)
+                else:
+                    delta = max(h.need, 1)
+                # admissions from now on charge each task the measured footprint when it beats the estimate
+                self.need_scale = max(1.0, delta / max(h.need, 1))
+                free = (self.budget - self.mem_now()) if self.budget is not None else math.inf
+                n_cap = self.n_cap_max if math.isinf(free) else int(self.coef * free // delta)
+                n_cap = max(1, min(n_cap, self.n_cap_max))
+                self.stats.calibrations.append(dict(path=list(task.path), delta_bytes=int(delta), n_cap=n_cap))
+                self.stats.n_cap_history.append(n_cap)
+                state = "run"
+                continue
+            while queue and len(inflight) < n_cap:
+                task = queue.popleft()
+                if self.merged(task):
+                    continue
+                try:
+                    h = self.launch(task, len(inflight))
+                except OOM as exc:
+                    self.stats.evictions.append((task.path, str(exc).splitlines()[0][:120]))
+                    queue.appendleft(task)
+                    if n_cap > 1:
+                        n_cap -= 1
+                        self.stats.n_cap_history.append(n_cap)
+                    elif not inflight:
+                        self.escalate(task, queue, cap_depth)
+                        state = "calibrate"
+                        n_cap = 1
+                    break
+                inflight.append(h)
+            if inflight:
+                self.retire(inflight.popleft())
+        self.finish(origin, t_wall)
+        return self.stats
+
+    def merged(self, task) -> bool:
+        return task.path in self.acc_done()
+
+    def escalate(self, task: Task, queue: deque, cap_depth: int):
+        """n_cap is 1 and `task` still does not fit: go one level deeper (the paper's itr + 1)."""
+        if task.depth + 1 > cap_depth:
+            raise OOM(f"cqsa: task {task.path} (L={task.L}) does not fit even at the depth cap itr={task.depth} "
+                      f"(N={self.N}, c={self.c}); raise the budget or use a larger c")
+        if self.refine_mode == "hybrid":
+            queue.popleft()
+            kids = [k for k in refine(task, self.c) if k.L > 0]
+            for k in reversed(kids):
+                queue.appendleft(k)
+            self.stats.escalations.append((task.path, task.depth + 1))
+        else:
+            old = list(queue)
+            queue.clear()
+            for t in old:
+                if t.depth <= task.depth:
+                    queue.extend(k for k in refine(t, self.c) if k.L > 0)
+                else:
+                    queue.append(t)
+            self.stats.escalations.append(("all", task.depth + 1))
+
+    def final_chunk(self, bytes_per_token: int) -> int:
+        """Tokens per finalisation slab: temporaries stay inside the budget (and under 64K tokens)."""
+        if self.budget is None:
+            return 1 << 16
+        free = self.budget - self.mem_now() - (1 << 20)
+        return int(max(256, min(1 << 16, free // max(bytes_per_token, 1))))
+
+    def admit_check(self, task: Task, need: int, resident: int):
+        if self.oom_hook is not None:
+            self.oom_hook(task, resident)          # may raise torch.OutOfMemoryError (tests)
+        need = int(need * self.need_scale)
+        if self.budget is not None and self.mem_now() + need > self.budget:
+            raise OOM(f"cqsa budget: task {task.path} needs {need} B, {self.mem_now()} B held, "
+                      f"budget {self.budget} B")
+
+    def finish(self, origin, t_wall):
+        st = self.stats
+        t0 = time.perf_counter()
+        self.finalize()
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        st.times_s["finalize"] += time.perf_counter() - t0
+        st.times_s["wall"] = time.perf_counter() - t_wall
+        tot, intervals = self.timer.totals(origin)
+        for k, v in tot.items():
+            st.times_s[k] = st.times_s.get(k, 0.0) + v
+        if self.cuda:
+            st.peak_bytes = int(max(self.peak_seen, torch.cuda.max_memory_allocated(self.dev)))
+            wall = st.times_s["wall"]
+            comp = intervals.get("compute", [])
+            st.gpu_compute_fraction = _union_length(comp) / wall if wall > 0 else None
+            st.gpu_busy_fraction = _union_length(comp + intervals.get("merge", [])) / wall if wall > 0 else None
+        else:
+            st.peak_bytes = int(self.peak_seen)
+        if st.pairs_covered != self.N * self.N:
+            raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected N²={self.N ** 2}")
+        _last[0] = st
+
+    def note_merged(self, task: Task):
+        st = self.stats
+        st.n_tasks += 1
+        st.task_lengths[task.L] = st.task_lengths.get(task.L, 0) + 1
+        st.itr_final = max(st.itr_final, task.depth)
+        st.pairs_covered += _task_pairs(task)
+
+    # gathered inputs -----------------------------------------------------------------------------
+    def load_inputs(self, h: _Handle, tensors, layouts):
+        """Device copies of the task's pieces of `tensors` (only when inputs are not in place)."""
+        task = h.task
+        L = task.L
+        out = []
+        for t, lay in zip(tensors, layouts):
+            if self.inputs_in_place:
+                out.append(t)
+                continue
+            lay = lay if lay != "other" else "head_major"
+            with self._stream_ctx(self.copy_s):
+                buf = _empty_like_layout(lay, self.B, self.H, L, self.D, t.dtype, self.dev)
+            h.bufs.append(buf)
+            if t.device.type == "cpu" and self.cuda and not (t.is_pinned() and _layout(t) == lay):
+                g0 = self.timer.start()
+                stage = _empty_like_layout(lay, self.B, self.H, L, self.D, t.dtype, "cpu", pin=True)
+                _copy_pieces(stage, t, task, _layout(t) if _layout(t) != "other" else "head_major", False)
+                self.timer.stop("gather", g0)
+                s0 = self.timer.start(self.copy_s)
+                with self._stream_ctx(self.copy_s):
+                    buf.copy_(stage, non_blocking=True)
+                self.timer.stop("h2d", s0, self.copy_s)
+                h.bufs.append(stage)
+            else:
+                s0 = self.timer.start(self.copy_s)
+                with self._stream_ctx(self.copy_s):
+                    _copy_pieces(buf, t, task, lay if _layout(t) == lay else "head_major", self.cuda)
+                self.timer.stop("h2d", s0, self.copy_s)
+            out.append(buf)
+        return out
+
+    def tables(self, task: Task, block_rows: int):
+        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place)
+        r = torch.from_numpy(sched.ranges)
+        w = torch.from_numpy(sched.waves[0])
+        if self.cuda:
+            r, w = r.pin_memory().to(self.dev, non_blocking=True), w.pin_memory().to(self.dev, non_blocking=True)
+        return r, w
+
+    def to_dev_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
+        """Per-row vector [B,H,N] -> the task's rows on the compute device (in-place inputs: whole)."""
+        if self.inputs_in_place:
+            return t
+        rows = _rows(t, task)
+        if self.cuda and rows.device.type == "cpu":
+            return rows.pin_memory().to(self.dev, non_blocking=True)
+        return rows.to(self.dev)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _FwdEngine(_Engine):
+    def gathered(self):
+        return self.inputs[:3]
+
+    def task_need(self, L: int) -> int:
+        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
+        inputs = 0 if self.inputs_in_place else 3 * s * L * BH * D
+        # out_i, lse_i, merge temporaries (m1, a, w per row), tables, allocator rounding slack
+        return inputs + 4 * L * BH * D + 4 * L * BH + 12 * L * BH + (2 << 20)
+
+    def floor_bytes(self, acc_on_device: bool) -> int:
+        B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
+        acc = StableAccumulator.nbytes(B, H, N, D) if acc_on_device else 0
+        out = (s * B * H * N * D + 4 * B * H * N) if self.src_device == self.dev else 0
+        return acc + out + (4 << 20)
+
+    def setup(self):
+        B, H, N, D = self.B, self.H, self.N, self.D
+        acc_dev = self.dev if self.acc_on_device else torch.device("cpu")
+        self.acc = StableAccumulator(B, H, N, D, acc_dev)
+        if not self.cuda:
+            self.ledger += StableAccumulator.nbytes(B, H, N, D)
+        self.block = config("fwd", D, self.dtype, self.dev)
+
+    def acc_done(self):
+        return self.acc.done
+
+    def launch(self, task: Task, resident: int) -> _Handle:
+        h = _Handle(task)
+        h.need = self.task_need(task.L)
+        self.admit_check(task, h.need, resident)
+        B, H, L, D = self.B, self.H, task.L, self.D
+        q, k, v = self.load_inputs(h, self.gathered(), self.layouts)
+        if self.cuda:
+            self.comp_s.wait_stream(self.copy_s)
+        with self._stream_ctx(self.comp_s):
+            ranges, items = self.tables(task, self.block[0])
+            out_i = torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev)
+            lse_i = torch.empty((B, H, L), dtype=torch.float32, device=self.dev)
+            c0 = self.timer.start(self.comp_s)
+            if not self.cuda:
+                self.ledger += h.need
+                self.peak_seen = max(self.peak_seen, self.ledger)
+            launch_fwd(q, k, v, out_i, lse_i, items, ranges, causal=self.causal, scale=self.scale,
+                       block=self.block, precision=self.prec, mode=0)
+            self.timer.stop("compute", c0, self.comp_s)
+            if self.cuda:
+                h.compute_done = torch.cuda.Event()
+                h.compute_done.record(self.comp_s)
+                for b in h.bufs:
+                    if b.device.type == "cuda":
+                        b.record_stream(self.comp_s)
+        h.parts = [out_i, lse_i]
+        return h
+
+    def retire(self, h: _Handle):
+        out_i, lse_i = h.parts
+        if self.cuda:
+            self.merge_s.wait_event(h.compute_done)
+        if self.acc_on_device:
+            with self._stream_ctx(self.merge_s):
+                m0 = self.timer.start(self.merge_s)
+                merged = self.acc.merge(h.task, out_i, lse_i)
+                self.timer.stop("merge", m0, self.merge_s)
+                if self.cuda:
+                    out_i.record_stream(self.merge_s)
+                    lse_i.record_stream(self.merge_s)
+                    done = torch.cuda.Event()
+                    done.record(self.merge_s)
+        else:
+            with self._stream_ctx(self.merge_s):
+                d0 = self.timer.start(self.merge_s)
+                oh = torch.empty(out_i.shape, dtype=torch.float32, pin_memory=self.cuda)
+                lh = torch.empty(lse_i.shape, dtype=torch.float32, pin_memory=self.cuda)
+                oh.copy_(out_i, non_blocking=self.cuda)
+                lh.copy_(lse_i, non_blocking=self.cuda)
+                self.timer.stop("d2h", d0, self.merge_s)
+                if self.cuda:
+                    out_i.record_stream(self.merge_s)
+                    lse_i.record_stream(self.merge_s)
+                    done = torch.cuda.Event()
+                    done.record(self.merge_s)
+            if self.cuda:
+                done.synchronize()
+            m0 = time.perf_counter()
+            merged = self.acc.merge(h.task, oh, lh)
+            self.timer.host["merge"] += time.perf_counter() - m0
+        if self.cuda:
+            done.synchronize()       # the task's memory is free before the next admission
+        else:
+            self.ledger -= h.need
+        h.parts, h.bufs = [], []
+        if merged:
+            self.note_merged(h.task)
+
+    def finalize(self):
+        B, H, N, D = self.B, self.H, self.N, self.D
+        out_dev = self.src_device
+        pin = out_dev.type == "cpu" and self.cuda
+        self.out = torch.empty((B, H, N, D), dtype=self.dtype, device=out_dev, pin_memory=pin)
+        self.lse = torch.empty((B, H, N), dtype=torch.float32, device=out_dev, pin_memory=pin)
+        if self.cuda:
+            torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
+        d0 = self.timer.start()
+        BHD = self.B * self.H * self.D
+        chunk = self.final_chunk(BHD * (4 + 2 * self.dtype.itemsize) + 16 * self.B * self.H)
+        self.acc.finalize(self.out, self.lse, chunk=chunk)
+        if out_dev != self.acc.m.device:
+            self.timer.stop("d2h", d0)
+        self.acc = None
+
+
+class _BwdEngine(_Engine):
+    def gathered(self):     # q, k, v, dO are copied per task; lse2 and δ rows ride along
+        q, k, v, _o, _lse, do = self.inputs
+        return [q, k, v, do]
+
+    def task_need(self, L: int) -> int:
+        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
+        inputs = 0 if self.inputs_in_place else (4 * s * L * BH * D + 8 * L * BH)
+        return inputs + 12 * L * BH * D + (2 << 20)
+
+    def floor_bytes(self, acc_on_device: bool) -> int:
+        B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
+        acc = GradAccumulator.nbytes(B, H, N, D) if acc_on_device else 0
+        rows = 8 * B * H * N if self.inputs_in_place else 0
+        grads = 3 * s * B * H * N * D if self.src_device == self.dev else 0
+        return acc + rows + grads + (4 << 20)
+
+    def setup(self):
+        B, H, N, D = self.B, self.H, self.N, self.D
+        q, k, v, o, lse, do = self.inputs
+        self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"))
+        if not self.cuda:
+            self.ledger += GradAccumulator.nbytes(B, H, N, D)
+        self.delta = row_delta(do, o)              # where O and dO live (host inputs: on the host)
+        self.lse2 = lse_log2(lse).contiguous()
+        self.block = config("bwd", D, self.dtype, self.dev)
+
+    def acc_done(self):
+        return self.acc.done
+
+    def launch(self, task: Task, resident: int) -> _Handle:
+        h = _Handle(task)
+        h.need = self.task_need(task.L)
+        self.admit_check(task, h.need, resident)
+        B, H, L, D = self.B, self.H, task.L, self.D
+        q, k, v, do = self.load_inputs(h, self.gathered(), self.layouts)
+        with self._stream_ctx(self.copy_s):
+            lse2 = self.to_dev_rows(self.lse2, task)
+            delta = self.to_dev_rows(self.delta, task)
+        if self.cuda:
+            self.comp_s.wait_stream(self.copy_s)
+        bm, bn, _, _ = self.block
+        with self._stream_ctx(self.comp_s):
+            rq, iq = self.tables(task, bm)
+            rk, ik = self.tables(task, bn)
+            parts = [torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev) for _ in range(3)]
+            if not self.cuda:
+                self.ledger += h.need
+                self.peak_seen = max(self.peak_seen, self.ledger)
+            c0 = self.timer.start(self.comp_s)
+            kw = dict(causal=self.causal, scale=self.scale, block=self.block, precision=self.prec)
+            launch_bwd_dq(q, k, v, do, lse2, delta, parts[0], iq, rq, **kw)
+            launch_bwd_dkdv(q, k, v, do, lse2, delta, parts[1], parts[2], ik, rk, **kw)
+            self.timer.stop("compute", c0, self.comp_s)
+            if self.cuda:
+                h.compute_done = torch.cuda.Event()
+                h.compute_done.record(self.comp_s)
+                for b in h.bufs + ([lse2, delta] if not self.inputs_in_place else []):
+                    if b.device.type == "cuda":
+                        b.record_stream(self.comp_s)
+        h.parts = parts
+        return h
+
+    def retire(self, h: _Handle):
+        if self.cuda:
+            self.merge_s.wait_event(h.compute_done)
+        parts = h.parts
+        with self._stream_ctx(self.merge_s):
+            if not self.acc_on_device:
+                d0 = self.timer.start(self.merge_s)
+                host = [torch.empty(p.shape, dtype=torch.float32, pin_memory=self.cuda) for p in parts]
+                for hp, p in zip(host, parts):
+                    hp.copy_(p, non_blocking=self.cuda)
+                self.timer.stop("d2h", d0, self.merge_s)
+            if self.cuda:
+                for p in parts:
+                    p.record_stream(self.merge_s)
+                done = torch.cuda.Event()
+                done.record(self.merge_s)
+        if self.acc_on_device:
+            with self._stream_ctx(self.merge_s):
+                m0 = self.timer.start(self.merge_s)
+                merged = self.acc.merge(h.task, parts)
+                self.timer.stop("merge", m0, self.merge_s)
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(self.merge_s)
+        else:
+            if self.cuda:
+                done.synchronize()
+            m0 = time.perf_counter()
+            merged = self.acc.merge(h.task, host)
+            self.timer.host["merge"] += time.perf_counter() - m0
+        if self.cuda:
+            done.synchronize()
+        else:
+            self.ledger -= h.need
+        h.parts, h.bufs = [], []
+        if merged:
+            self.note_merged(h.task)
+
+    def finalize(self):
+        dev = self.src_device
+        pin = dev.type == "cpu" and self.cuda
+        if self.cuda:
+            torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
+        d0 = self.timer.start()
+        self.grads = []
+        for g in self.acc.g:
+            out = torch.empty(g.shape, dtype=self.dtype, device=dev, pin_memory=pin)
+            chunk = self.final_chunk(2 * self.B * self.H * self.D * self.dtype.itemsize)
+            for s0 in range(0, self.N, chunk):
+                out[:, :, s0:s0 + chunk].copy_(g[:, :, s0:s0 + chunk].to(self.dtype), non_blocking=True)
+            self.grads.append(out)
+        if dev != self.acc.g[0].device:
+            self.timer.stop("d2h", d0)
+        self.acc = None
+
+
+def _engine_kwargs(kw):
+    allowed = dict(device=None, n_cap=None, n_cap_max=None, acc="auto", refine="uniform", gather="auto",
+                   oom_hook=None, peak_hook=None, calib_coef=1.0, mem_budget=None)
+    unknown = set(kw) - set(allowed)
+    if unknown:
+        raise ValueError(f"cqsa: unknown streaming option(s): {', '.join(sorted(unknown))}")
+    allowed.update(kw)
+    if allowed["acc"] not in ("auto", "device", "host"):
+        raise ValueError(f"cqsa: acc must be 'auto', 'device' or 'host', got {allowed['acc']!r}")
+    if allowed["refine"] not in ("uniform", "hybrid"):
+        raise ValueError(f"cqsa: refine must be 'uniform' or 'hybrid', got {allowed['refine']!r}")
+    if allowed["gather"] not in ("auto", "always"):
+        raise ValueError(f"cqsa: gather must be 'auto' or 'always', got {allowed['gather']!r}")
+    mb = allowed["mem_budget"]
+    if mb is not None and (not isinstance(mb, (int, float)) or mb <= 0):
+        raise ValueError(f"cqsa: mem_budget must be a positive number of bytes, got {mb!r}")
+    allowed["mem_budget"] = int(mb) if mb is not None else None
+    allowed["refine_mode"] = allowed.pop("refine")
+    return allowed
+
+
+def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, input_precision="tf32x3", **kw):
+    """Exact attention forward through the task engine. Returns (out, lse, stats); out and the
+    natural-log lse [B,H,N] live on q's device."""
+    validate(q, k, v, causal, scale, c, itr, input_precision)
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    opts = _engine_kwargs(kw)
+    eng = _FwdEngine("fwd", [q, k, v], causal=causal, scale=scale, c=c, itr=itr, input_precision=input_precision,
+                     **opts)
+    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        B, H, N, D = q.shape
+        return torch.empty_like(q), torch.empty((B, H, N), device=q.device), eng.stats
+    stats = eng.run()
+    return eng.out, eng.lse, stats
+
+
+def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, input_precision="tf32x3", **kw):
+    """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine."""
+    validate(q, k, v, causal, scale, c, itr, input_precision)
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    opts = _engine_kwargs(kw)
+    eng = _BwdEngine("bwd", [q, k, v, out, lse, do], causal=causal, scale=scale, c=c, itr=itr,
+                     input_precision=input_precision, **opts)
+    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), eng.stats
+    stats = eng.run()
+    dq, dk, dv = eng.grads
+    return dq, dk, dv, stats

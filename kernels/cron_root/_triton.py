@@ -1,0 +1,420 @@
+"""Triton kernels for Cron Root attention (causal; local window + strided anchors + relay block means).
+
+Index rules (see ``reference.py`` and the spec), with W = ceil(sqrt(N)) and i the query row:
+  local   key j        visible iff  i - W < j <= i
+  anchor  key s*W      visible iff  (s + 1) * W <= i          (strictly before the local window)
+  relay   block mean r visible iff  (r + 2) * W <= i + 1      (the whole block before the local window)
+All three kinds of slot take part in ONE online softmax per query row.
+
+Kernels (one idea each):
+  _fwd            query-tiled forward: O and the row log-sum-exp (base 2) for the backward.
+  _bwd_dq         query-tiled dQ over all three phases; also writes Delta_i = sum_d O*dO.
+  _bwd_global     dK/dV of the *global* slots (anchors, relay means): grid over (slot chunk, query segment),
+                  fp32 atomic_add into a small [BH, n_anchor + n_relay, D] buffer (few segments -> low contention).
+  _bwd_local      key-block-major dK/dV of the local band (no atomics: each key block owns its rows), whose
+                  epilogue adds the global-slot gradients: anchor s*W gets dG[s]; every token of relay block r
+                  gets dG_relay[r] / W (the Jacobian of the block mean).
+
+Every loop is split into chunks that need the per-element visibility mask (edges) and chunks every row of
+the tile sees entirely (MASKED=False): the mask is pure overhead there, and at large N most chunks are such.
+Rows past N are loaded as zeros (q, dO, LSE, Delta = 0), which makes their gradient contributions exactly 0,
+so unmasked chunks may include them.
+
+N, W and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
+tile sizes, the head dim and the dot precision are constexpr.
+"""
+import triton
+import triton.language as tl
+
+_RUNTIME = ["H", "N", "W", "n_anchor", "n_relay", "seg_len"]
+
+
+# --- forward -------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_update(acc, m_i, l_i, s, v, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step for scores s (log2 domain, masked entries -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # a row with no visible slot yet keeps m = -inf; shift by 0 then, so exp2 never sees (-inf) - (-inf)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new  # every row has a finite score in this chunk
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to the value dtype before the PV product, as in FlashAttention
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, c_lo, c_hi, i_last, W, qk_scale,
+              BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Local keys c_lo .. c_hi-1 (contiguous rows of K/V)."""
+    for start in range(c_lo, c_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            ld = (offs_n <= i_last)[:, None] & d_ok[None, :]
+        else:
+            ld = d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASKED:
+            vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] + W > offs_m[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        acc, m_i, l_i = _fwd_update(acc, m_i, l_i, s, v, PREC, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_gather(acc, m_i, l_i, q, k_base, v_base, k_step, v_step, c_lo, c_hi, n_valid, offs_m, offs_d, d_ok, W,
+                qk_scale, A: tl.constexpr, B: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Gathered slots s in [c_lo, c_hi): key row at k_base + s*k_step, visible iff (s + A) * W <= i + B
+    (anchors: A=1, B=0, rows s*W of K; relay: A=2, B=1, rows s of the relay buffer)."""
+    for start in range(c_lo, c_hi, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        if MASKED:
+            ld = (offs_s < n_valid)[:, None] & d_ok[None, :]
+        else:
+            ld = d_ok[None, :]
+        k = tl.load(k_base + offs_s[:, None] * k_step + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_base + offs_s[:, None] * v_step + offs_d[None, :], mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASKED:
+            vis = (offs_s[None, :] + A) * W <= offs_m[:, None] + B
+            s = tl.where(vis, s, float("-inf"))
+        acc, m_i, l_i = _fwd_update(acc, m_i, l_i, s, v, PREC, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _band_split(i_first, i_last, W, BLOCK: tl.constexpr):
+    """Local band of a query tile: keys lo..i_last on a chunk grid from lo; chunks [mid_lo, mid_hi) are seen
+    entirely by every row (keys in [i_last - W + 1, i_first])."""
+    lo = tl.maximum(i_first - W + 1, 0)
+    full_lo = tl.maximum(i_last - W + 1, 0)
+    k1 = tl.cdiv(full_lo - lo, BLOCK)
+    k2 = tl.maximum((i_first - lo + 1) // BLOCK, k1)
+    return lo, lo + k1 * BLOCK, lo + k2 * BLOCK
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _fwd(Q, K, V, RK, RV, O, LSE,
+         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+         H, N, W, n_relay, qk_scale,
+         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+    # later query tiles see more anchors/relays: launch them first so the tail of the grid is short
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    # relay buffers are ours: contiguous [B*H, n_relay, HEAD_DIM]
+    rk_base = RK + bh.to(tl.int64) * n_relay * HEAD_DIM
+    rv_base = RV + bh.to(tl.int64) * n_relay * HEAD_DIM
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=(offs_m < N)[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    i_first = pid_m * BLOCK_M
+    i_last = tl.minimum(i_first + BLOCK_M, N) - 1
+
+    # Phase 1, local band: keys ls(i_first) .. i_last, one contiguous run of <= W + BLOCK_M - 1 keys
+    lo, mid_lo, mid_hi = _band_split(i_first, i_last, W, BLOCK_N)
+    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, lo, mid_lo,
+                              i_last, W, qk_scale, BLOCK_N, PREC, True)
+    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_lo, mid_hi,
+                              i_last, W, qk_scale, BLOCK_N, PREC, False)
+    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_hi, i_last + 1,
+                              i_last, W, qk_scale, BLOCK_N, PREC, True)
+
+    # Phase 2, strided anchors s*W: the tile's LAST row bounds the count, its FIRST row the unmasked part
+    n_anc = i_last // W
+    n_full = (i_first // W) // BLOCK_S * BLOCK_S
+    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, k_base, v_base, W * skn, W * svn, 0, n_full, n_anc, offs_m,
+                                offs_d, d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, False)
+    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, k_base, v_base, W * skn, W * svn, n_full, n_anc, n_anc, offs_m,
+                                offs_d, d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, True)
+
+    # Phase 3, relay block means (n_relay == 0 when relay is off: both loops are empty)
+    n_rel = tl.minimum(tl.maximum((i_last + 1) // W - 1, 0), n_relay)
+    n_full = tl.minimum(tl.maximum((i_first + 1) // W - 1, 0), n_relay) // BLOCK_S * BLOCK_S
+    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, rk_base, rv_base, HEAD_DIM, HEAD_DIM, 0, n_full, n_rel, offs_m,
+                                offs_d, d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, False)
+    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, rk_base, rv_base, HEAD_DIM, HEAD_DIM, n_full, n_rel, n_rel,
+                                offs_m, offs_d, d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, True)
+
+    # every real row sees its own diagonal, so l >= 1 there; rows past N may have l == 0 and are not stored
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    row_ok = offs_m < N
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
+
+
+# --- backward: dQ (query-tiled, all phases) --------------------------------------------------------------------
+
+@triton.jit
+def _dq_band(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, c_lo, c_hi, i_last, W,
+             qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    for start in range(c_lo, c_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            ld = (offs_n <= i_last)[:, None] & d_ok[None, :]
+        else:
+            ld = d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        if MASKED:
+            vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] + W > offs_m[:, None])
+            p = tl.where(vis, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_gather(dq, q, do, lse, delta, k_base, v_base, k_step, v_step, c_lo, c_hi, n_valid, offs_m, offs_d, d_ok,
+               W, qk_scale, A: tl.constexpr, B: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
+               MASKED: tl.constexpr):
+    for start in range(c_lo, c_hi, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        if MASKED:
+            ld = (offs_s < n_valid)[:, None] & d_ok[None, :]
+        else:
+            ld = d_ok[None, :]
+        k = tl.load(k_base + offs_s[:, None] * k_step + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_base + offs_s[:, None] * v_step + offs_d[None, :], mask=ld, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        if MASKED:
+            vis = (offs_s[None, :] + A) * W <= offs_m[:, None] + B
+            p = tl.where(vis, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_dq(Q, K, V, RK, RV, O, DO, DQ, LSE, DELTA,
+            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
+            H, N, W, n_relay, qk_scale, scale,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    rk_base = RK + bh.to(tl.int64) * n_relay * HEAD_DIM
+    rv_base = RV + bh.to(tl.int64) * n_relay * HEAD_DIM
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < N
+    tile_ok = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=tile_ok, other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :], mask=tile_ok, other=0.0)
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=tile_ok, other=0.0)
+    # Delta from the *stored* O (input dtype), as the FA2 backward expects; the dK/dV kernels read it back
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * N + offs_m, delta, mask=row_ok)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    i_first = pid_m * BLOCK_M
+    i_last = tl.minimum(i_first + BLOCK_M, N) - 1
+
+    lo, mid_lo, mid_hi = _band_split(i_first, i_last, W, BLOCK_N)
+    dq = _dq_band(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, lo, mid_lo, i_last, W,
+                  qk_scale, BLOCK_N, PREC, True)
+    dq = _dq_band(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_lo, mid_hi, i_last,
+                  W, qk_scale, BLOCK_N, PREC, False)
+    dq = _dq_band(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_hi, i_last + 1,
+                  i_last, W, qk_scale, BLOCK_N, PREC, True)
+
+    n_anc = i_last // W
+    n_full = (i_first // W) // BLOCK_S * BLOCK_S
+    dq = _dq_gather(dq, q, do, lse, delta, k_base, v_base, W * skn, W * svn, 0, n_full, n_anc, offs_m, offs_d,
+                    d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, False)
+    dq = _dq_gather(dq, q, do, lse, delta, k_base, v_base, W * skn, W * svn, n_full, n_anc, n_anc, offs_m, offs_d,
+                    d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, True)
+
+    n_rel = tl.minimum(tl.maximum((i_last + 1) // W - 1, 0), n_relay)
+    n_full = tl.minimum(tl.maximum((i_first + 1) // W - 1, 0), n_relay) // BLOCK_S * BLOCK_S
+    dq = _dq_gather(dq, q, do, lse, delta, rk_base, rv_base, HEAD_DIM, HEAD_DIM, 0, n_full, n_rel, offs_m, offs_d,
+                    d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, False)
+    dq = _dq_gather(dq, q, do, lse, delta, rk_base, rv_base, HEAD_DIM, HEAD_DIM, n_full, n_rel, n_rel, offs_m,
+                    offs_d, d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, True)
+
+    dq = dq * scale
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=tile_ok)
+
+
+# --- backward: dK/dV (key-major: global slots, then the local band with the scatter epilogue) -----------------
+
+@triton.jit
+def _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, LSE_bh, DELTA_bh, offs_k, offs_d, d_ok, c_lo, c_hi,
+                 q_end, W, thr, qk_scale, LOCAL: tl.constexpr, BLOCK_Q: tl.constexpr, PREC: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Accumulate dK/dV of a key tile (rows = keys) over queries c_lo .. c_hi-1 (loads masked at q_end).
+    Visibility: LOCAL -> key j seen by i in [j, j+W); else slot seen by i >= thr[slot]."""
+    for start in range(c_lo, c_hi, BLOCK_Q):
+        offs_q = start + tl.arange(0, BLOCK_Q)
+        q_ok = offs_q < q_end
+        tq = q_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + offs_q[:, None] * sqn + offs_d[None, :], mask=tq, other=0.0)
+        do = tl.load(do_base + offs_q[:, None] * sdon + offs_d[None, :], mask=tq, other=0.0)
+        # zero LSE/Delta past the end: with q = dO = 0 there, those columns contribute exactly 0
+        lse = tl.load(LSE_bh + offs_q, mask=q_ok, other=0.0)
+        delta = tl.load(DELTA_bh + offs_q, mask=q_ok, other=0.0)
+        pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+        if MASKED:
+            if LOCAL:
+                vis = (offs_q[None, :] >= offs_k[:, None]) & (offs_q[None, :] < offs_k[:, None] + W)
+            else:
+                vis = thr[:, None] <= offs_q[None, :]
+            pT = tl.where(vis, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
+        dsT = pT * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_global(Q, K, V, RK, RV, DO, LSE, DELTA, DG_K, DG_V,
+                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                H, N, W, n_anchor, n_relay, seg_len, qk_scale, scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                PREC: tl.constexpr):
+    chunk = tl.program_id(0)
+    seg = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n_anchor_chunks = tl.cdiv(n_anchor, BLOCK_G)
+    # slot chunk -> key rows, first visible query of each slot (thresholds grow with the slot index), DG row
+    if chunk < n_anchor_chunks:
+        g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+        g_last = tl.minimum(chunk * BLOCK_G + BLOCK_G, n_anchor) - 1
+        slot_ok = g < n_anchor
+        ld = slot_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + b * skb + h * skh + (g * W)[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(V + b * svb + h * svh + (g * W)[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
+        thr = (g + 1) * W
+        first_q = (chunk * BLOCK_G + 1) * W
+        all_q = (g_last + 1) * W
+        out_row = g
+    else:
+        r0 = (chunk - n_anchor_chunks) * BLOCK_G
+        g = r0 + tl.arange(0, BLOCK_G)
+        g_last = tl.minimum(r0 + BLOCK_G, n_relay) - 1
+        slot_ok = g < n_relay
+        ld = slot_ok[:, None] & d_ok[None, :]
+        rbase = bh.to(tl.int64) * n_relay * HEAD_DIM
+        k = tl.load(RK + rbase + g[:, None] * HEAD_DIM + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(RV + rbase + g[:, None] * HEAD_DIM + offs_d[None, :], mask=ld, other=0.0)
+        thr = (g + 2) * W - 1
+        first_q = (r0 + 2) * W - 1
+        all_q = (g_last + 2) * W - 1
+        out_row = n_anchor + g
+    # queries before the chunk's first threshold see none of it; from all_q on they see every valid slot
+    # (invalid slots are zero rows whose results are never stored)
+    q_lo = tl.maximum(seg * seg_len, first_q)
+    q_hi = tl.minimum((seg + 1) * seg_len, N)
+    if q_lo < q_hi:
+        dk = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        lse_bh = LSE + bh.to(tl.int64) * N
+        delta_bh = DELTA + bh.to(tl.int64) * N
+        q_mid = tl.minimum(q_lo + tl.cdiv(tl.maximum(all_q - q_lo, 0), BLOCK_Q) * BLOCK_Q, q_hi)
+        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, g, offs_d, d_ok,
+                              q_lo, q_mid, q_hi, W, thr, qk_scale, False, BLOCK_Q, PREC, True)
+        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, g, offs_d, d_ok,
+                              q_mid, q_hi, q_hi, W, thr, qk_scale, False, BLOCK_Q, PREC, False)
+        n_slots = n_anchor + n_relay
+        dst = bh.to(tl.int64) * n_slots * HEAD_DIM + out_row[:, None] * HEAD_DIM + offs_d[None, :]
+        # few query segments per slot, so contention on these fp32 atomics is low
+        tl.atomic_add(DG_K + dst, dk * scale, mask=ld)
+        tl.atomic_add(DG_V + dst, dv, mask=ld)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _bwd_local(Q, K, V, DO, LSE, DELTA, DG_K, DG_V, DK, DV,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+               sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+               H, N, W, n_anchor, n_relay, qk_scale, scale, inv_w,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+               PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    key_ok = offs_n < N
+    tk = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=tk, other=0.0)
+    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=tk, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    q_base = Q + b * sqb + h * sqh
+    do_base = DO + b * sdob + h * sdoh
+    lse_bh = LSE + bh.to(tl.int64) * N
+    delta_bh = DELTA + bh.to(tl.int64) * N
+
+    # key j is local to queries j .. j+W-1: the tile's queries form one run of <= BLOCK_N + W - 1 rows, of which
+    # rows [j_first + BLOCK_N - 1, j_first + W) see every key of the tile
+    j_first = pid_n * BLOCK_N
+    q_hi = tl.minimum(j_first + BLOCK_N - 1 + W, N)
+    k1 = tl.cdiv(BLOCK_N - 1, BLOCK_Q)
+    k2 = tl.maximum(W // BLOCK_Q, k1)
+    mid_lo = tl.minimum(j_first + k1 * BLOCK_Q, q_hi)
+    mid_hi = tl.minimum(j_first + k2 * BLOCK_Q, q_hi)
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
+                          j_first, mid_lo, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, True)
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
+                          mid_lo, mid_hi, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, False)
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
+                          mid_hi, q_hi, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, True)
+    dk = dk * scale
+
+    # epilogue: gradients of the global slots that are copies (anchors) or means (relay) of these rows
+    n_slots = n_anchor + n_relay
+    gbase = bh.to(tl.int64) * n_slots * HEAD_DIM
+    blk = offs_n // W
+    is_anchor = key_ok & (offs_n % W == 0) & (blk < n_anchor)
+    src = gbase + blk[:, None] * HEAD_DIM + offs_d[None, :]
+    m_a = is_anchor[:, None] & d_ok[None, :]
+    dk += tl.load(DG_K + src, mask=m_a, other=0.0)
+    dv += tl.load(DG_V + src, mask=m_a, other=0.0)
+    in_relay = key_ok & (blk < n_relay)
+    src = gbase + (n_anchor + blk)[:, None] * HEAD_DIM + offs_d[None, :]
+    m_r = in_relay[:, None] & d_ok[None, :]
+    dk += tl.load(DG_K + src, mask=m_r, other=0.0) * inv_w
+    dv += tl.load(DG_V + src, mask=m_r, other=0.0) * inv_w
+
+    tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=tk)
+    tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=tk)

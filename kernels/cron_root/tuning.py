@@ -1,0 +1,40 @@
+"""Per-GPU tuning data (tuning.json): the hybrid's crossover length and optional tile configs.
+
+Written from a GPU run of scripts/gpu/cron_root_tune.py (it emits a merged tuning.json under its --out);
+read once per process and device.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import torch
+
+TUNING_FILE = pathlib.Path(__file__).with_name("tuning.json")
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> dict:
+    return json.loads(TUNING_FILE.read_text())
+
+
+def device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_entry(name: str | None) -> dict:
+    """The tuning entry of a GPU name ({} when none is stored)."""
+    return dict(table()["gpus"].get(name, {})) if name else {}
+
+
+def crossover_for(name: str | None) -> int:
+    """The hybrid's crossover for a GPU name (None or not listed: the default)."""
+    entry = gpu_entry(name)
+    return int(entry["crossover"]) if "crossover" in entry else int(table()["default"]["crossover"])
+
+
+def tuned_configs(name: str | None, dim_bucket: int) -> dict:
+    """Stored tile configs {kernel: {BLOCK_*: ..., num_warps: ...}} for a GPU name and head-dim bucket."""
+    return gpu_entry(name).get("configs", {}).get(str(dim_bucket), {})

@@ -1,0 +1,24 @@
+"""PASA: FlashAttention with online pseudo-average shifting, overflow-free in fp16 (arXiv:2503.01873).
+
+Forward only, Triton. ``pasa_attention`` is the kernel; ``fa16_attention`` is the partially
+low-precision FlashAttention (fp16 scores, no shift) the paper shows overflowing; ``beta`` solves the
+paper's optimal-accuracy condition; ``emulate`` is a PyTorch model of the kernel's roundings.
+"""
+from kernels.pasa.attention import BACKWARD_ERROR, fa16_attention, pasa_attention
+from kernels.pasa.beta import default_beta, solve_beta
+
+_COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, True), head_dims=(64, 128),
+               devices=("cuda", "cpu"))
+
+BACKENDS = {
+    "pasa": dict(fn=pasa_attention, options={"beta": None, "state_dtype": "fp16"},
+                 description="PASA: fp16 scores and fp16 softmax state, K shifted by its block pseudo-average "
+                             "(no fp16 overflow); forward only, bf16 converted to fp16",
+                 **_COMMON),
+    "fa16": dict(fn=fa16_attention, options={},
+                 description="FA16-FP32 comparator: unscaled QKᵀ rounded to fp16 (overflows past 65504), "
+                             "fp32 softmax; forward only, bf16 converted to fp16",
+                 **_COMMON),
+}
+
+__all__ = ["BACKENDS", "BACKWARD_ERROR", "pasa_attention", "fa16_attention", "solve_beta", "default_beta"]

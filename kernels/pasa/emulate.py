@@ -1,0 +1,113 @@
+"""A PyTorch model of the Triton PASA forward, rounding where the kernel rounds (spec §7 D's emulation).
+
+It exists to check the kernel (same windows, same block order, same fp16 roundings up to the order of
+fp32 summations) and to explore the precision allocation on the CPU without the Triton interpreter.
+Everything is computed in float32 and rounded to the state format after each operation, which is what
+fp16 arithmetic does.  Forward only; slow-ish but vectorised over batch, heads and rows.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
+
+M_INIT = -60000.0   # initial running max (spec pitfall 3): finite, so inf − inf never happens
+
+
+def _rounder(state_dtype: str):
+    if state_dtype == "fp16":
+        return lambda t: t.half().float()
+    if state_dtype in ("fp32", "exact"):
+        return lambda t: t
+    raise ValueError(f"state_dtype must be 'fp16', 'fp32' or 'exact', got {state_dtype!r}")
+
+
+def kv_windows(n_keys: int, block_n: int):
+    """(start, first_new_key) for each KV block: the last, ragged block reuses the window [N − n, N)
+    and masks the keys an earlier block already covered (spec §3), so every window has n real keys
+    whenever N ≥ n; with N < n the single window is zero-padded."""
+    t_c = math.ceil(n_keys / block_n)
+    return [(min(j * block_n, max(n_keys - block_n, 0)), j * block_n) for j in range(t_c)]
+
+
+def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, block_m=128, state_dtype="fp16",
+                 round_ybar=False):
+    """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, H, N, D] (float64 if exact).
+
+    ``state_dtype="exact"`` rounds nothing and computes in float64 with the unrounded λM: Algorithm 1
+    is then exact, so it must equal dense softmax attention to ~1e-13 (the spec's §7 D gate).
+
+    ``round_ybar=True`` rounds the local pseudo-average ȳ to the state format before use, as the
+    released NPU code stores it; the kernel keeps ȳ in fp32 (see ``kernels.pasa.kernel``), and this
+    switch shows why: on biased inputs the rounding error of ȳ, times c ≈ 63.5, dominates.
+    """
+    rs = _rounder(state_dtype)
+    exact = state_dtype == "exact"
+    r16 = rs if exact else (lambda t: t.half().float())
+    work = torch.float64 if exact else torch.float32
+    q, k, v = (t.to(work) if exact else t.to(torch.float16).float() for t in (q, k, v))
+    bsz, heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    beta = default_beta(block_n, scale) if beta is None else float(beta)
+    dev = q.device
+    c = rs(torch.tensor(ideal_invariance(beta), device=dev, dtype=work))
+    if exact:
+        diag, off = scale * (1.0 - beta / block_n), -scale * beta / block_n
+    else:
+        diag, off = shift_entries(beta, block_n, scale, "fp16")
+    shift = (torch.full((block_n, block_n), off, device=dev, dtype=work)
+             + torch.eye(block_n, device=dev, dtype=work) * (diag - off))
+
+    rows = torch.arange(n_q, device=dev)
+    m = torch.full((bsz, heads, n_q), M_INIT, device=dev, dtype=work)
+    ell = torch.zeros(bsz, heads, n_q, device=dev, dtype=work)
+    acc = torch.zeros(bsz, heads, n_q, d, device=dev, dtype=work)
+    g = torch.zeros(bsz, heads, n_q, device=dev, dtype=work)
+    for j, (start, first_new) in enumerate(kv_windows(n_k, block_n)):
+        keys = torch.arange(start, start + block_n, device=dev)
+        real = keys < n_k
+        k_win = torch.zeros(bsz, heads, block_n, d, device=dev, dtype=work)
+        v_win = torch.zeros(bsz, heads, block_n, d, device=dev, dtype=work)
+        k_win[:, :, real] = k[:, :, keys[real]]
+        v_win[:, :, real] = v[:, :, keys[real]]
+        k_shift = r16(shift @ k_win)                                   # ② K̃ = fp16(M·K), fp32 accumulation
+        s32 = q @ k_shift.transpose(-1, -2)                            # scaled and shifted logits, fp32
+        ybar32 = s32.mean(-1)                                          # ③ local pseudo-average, from fp32
+        if round_ybar:
+            ybar32 = rs(ybar32)
+        visible = (real & (keys >= first_new))[None, :].expand(n_q, -1)
+        if causal:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        s = rs(r16(s32)).masked_fill(~visible, float("-inf"))          # the fp16 score tile
+        mu = torch.clamp(s.amax(-1), min=M_INIT)
+        p = rs(torch.exp(rs(s - mu[..., None])))
+        s_sum = rs(p.sum(-1))
+        pv = rs(r16(p) @ v_win)
+
+        # global recovery (eq 15) and the corrected update (④), in the state format
+        g_old = rs(ybar32) if j == 0 else g
+        g_new = rs(g_old + rs((ybar32 - g_old) / (j + 1)))
+        d_cur = rs(c * rs(ybar32 - g_new))
+        d_prev = rs(c * rs(g_old - g_new))
+        cand_new = rs(mu + d_cur)
+        cand_old = rs(m + d_prev)
+        m_new = torch.maximum(cand_new, cand_old)
+        alpha = rs(torch.exp(rs(cand_old - m_new)))
+        gamma = rs(torch.exp(rs(cand_new - m_new)))
+        ell_new = rs(rs(alpha * ell) + rs(gamma * s_sum))
+        acc_new = rs(rs(alpha[..., None] * acc) + rs(gamma[..., None] * pv))
+
+        # the kernel visits block j only for query tiles that can see it (causal skips the rest)
+        if causal:
+            tile_end = (rows // block_m + 1) * block_m
+            seen = (j * block_n < tile_end)
+        else:
+            seen = torch.ones(n_q, dtype=torch.bool, device=dev)
+        m = torch.where(seen, m_new, m)
+        ell = torch.where(seen, ell_new, ell)
+        g = torch.where(seen, g_new, g)
+        acc = torch.where(seen[:, None], acc_new, acc)
+    return rs(acc / ell[..., None])

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Compile the Cron Root Triton kernels ahead of time for a GPU target without needing the GPU, and report
+per kernel/config: registers, spills (local memory), shared memory. Catches GPU-only compile errors that the
+CPU interpreter cannot see, and configs that spill or exceed shared memory.
+
+    python3 scripts/gpu/cron_root_compile_check.py [--target cuda:90:32] [--json out.json]
+
+Uses the Triton AOT path (ASTSource + triton.compile with an explicit target) and the cuobjdump that ships
+with Triton for the resource usage. Arguments are specialised like a launch on contiguous [B, H, N, D]
+tensors: pointers and strides divisible by 16, the D stride is 1 (not passed), N/W/slot counts plain i32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.getcwd())
+from kernels.cron_root import _triton as tk  # noqa: E402
+import torch  # noqa: E402
+from kernels.cron_root.attention import _block_d, default_gpu_configs  # noqa: E402
+
+PTR_ARGS = {"Q", "K", "V", "RK", "RV", "O", "LSE", "DO", "DQ", "DELTA", "DG_K", "DG_V", "DK", "DV"}
+FP32_PTRS = {"LSE", "DELTA", "DG_K", "DG_V"}
+FLOAT_ARGS = {"qk_scale", "scale", "inv_w"}
+STRIDE_RE = re.compile(r"^s[a-z]+[bhn]$")
+
+
+def compile_one(fn, dtype, d, cfg, prec, target):
+    sig, consts, attrs = {}, {}, {}
+    meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
+    meta.update(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=prec)
+    for i, name in enumerate(fn.arg_names):
+        if name in meta:
+            sig[name] = "constexpr"
+            consts[name] = meta[name]
+        elif name in PTR_ARGS:
+            sig[name] = "*fp32" if name in FP32_PTRS else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if STRIDE_RE.match(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)})
+    ccinfo = triton.compile(src, target=target, options=options.__dict__)
+    usage = {"shared": ccinfo.metadata.shared}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(ccinfo.asm["cubin"])
+        path = f.name
+    try:
+        out = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
+                              "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m:
+        usage.update(regs=int(m.group(1)), stack=int(m.group(2)), local=int(m.group(4)))
+    return usage
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--target", default="cuda:90:32")
+    p.add_argument("--json")
+    p.add_argument("--dims", default="64,128")
+    p.add_argument("--dtypes", default="fp16,bf16,fp32")
+    p.add_argument("--precs", default="tf32x3,ieee", help="fp32 dot precisions to compile")
+    args = p.parse_args()
+    backend, arch, warp = args.target.split(":")
+    target = GPUTarget(backend, int(arch), int(warp))
+    kernels = {"fwd": tk._fwd, "fwd_small": tk._fwd, "dq": tk._bwd_dq, "glob": tk._bwd_global, "loc": tk._bwd_local}
+    rows, failures = [], 0
+    for d in (int(x) for x in args.dims.split(",")):
+        for dtype in args.dtypes.split(","):
+            precs = args.precs.split(",") if dtype == "fp32" else ["tf32"]
+            for prec in precs:
+                for kname, fn in kernels.items():
+                    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+                    cfg = default_gpu_configs(d, tdtype, prec if dtype == "fp32" else "tf32x3")[kname]
+                    row = dict(kernel=kname, D=d, dtype=dtype, prec=prec, cfg=cfg)
+                    try:
+                        row.update(compile_one(fn, dtype, d, cfg, prec, target))
+                    except Exception as exc:  # report and continue
+                        failures += 1
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                    rows.append(row)
+                    print(f"{kname:9s} D={d:3d} {dtype} {prec:6s} " + (
+                        f"regs={row.get('regs')} spill_stack={row.get('stack')} shared={row.get('shared')}"
+                        if "error" not in row else row["error"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(target=args.target, triton=triton.__version__, rows=rows), f, indent=1)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

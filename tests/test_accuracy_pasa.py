@@ -1,0 +1,87 @@
+"""attnbench.accuracy: the PASA paper's overflow/accuracy grid, on a tiny grid on the CPU."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from attnbench.accuracy import (accuracy_grid, accuracy_table_markdown, check_accuracy_targets, make_inputs,
+                                paper_grid, plot_accuracy_heatmaps, summarize_accuracy)
+
+
+def test_paper_grid_and_inputs():
+    grid = paper_grid()
+    assert len(grid) == 2 * 4 * 4 + 6
+    assert dict(dist="hybrid", x0=20.0, am=200.0) in grid and dict(dist="uniform", x0=30.0, am=0.5) in grid
+    q, k, v = make_inputs("uniform", 10.0, 0.5, heads_q=4, heads_kv=2, n=300, head_dim=64, seed=1)
+    assert q.shape == k.shape == v.shape == (1, 4, 300, 64) and q.dtype == torch.float16
+    assert q.double().mean().item() == pytest.approx(10.0, abs=0.01)
+    assert q.min().item() >= 9.5 and q.max().item() <= 10.5
+    assert torch.equal(k[:, 0], k[:, 1]) and not torch.equal(k[:, 0], k[:, 2])   # GQA groups share k, v
+    q2, _, _ = make_inputs("uniform", 10.0, 0.5, heads_q=4, heads_kv=2, n=300, head_dim=64, seed=1)
+    assert torch.equal(q, q2)                                                     # seeded
+    h, _, _ = make_inputs("hybrid", 0.0, 10.0, heads_q=2, heads_kv=1, n=1000, head_dim=64, seed=0)
+    outliers = (h.float().abs() > 6).double().mean().item()                       # N(0,1) alone: ~2e-9
+    assert 0.0002 < outliers < 0.002
+    with pytest.raises(ValueError):
+        make_inputs("gamma", 0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_grid():
+    points = [dict(dist="uniform", x0=0.0, am=0.5), dict(dist="uniform", x0=40.0, am=0.5),
+              dict(dist="hybrid", x0=20.0, am=5.0)]
+    return accuracy_grid(points, seeds=(0, 1), heads_q=2, heads_kv=1, n=96, head_dim=64, device="cpu")
+
+
+def test_accuracy_grid_on_cpu(tiny_grid):
+    df = tiny_grid
+    assert isinstance(df, pd.DataFrame)
+    assert set(df.method) == {"pasa", "fa16", "flash", "sdpa_fp32"}
+    assert "efficient" in df.attrs["skipped"] and "cpu" in df.attrs["skipped"]["efficient"]
+    assert len(df) == 3 * 2 * 4
+    # 64·40² = 102400 > 65504: fa16's fp16 scores overflow, every output element is NaN
+    over = df[(df.x0 == 40.0) & (df.method == "fa16")]
+    assert (over.nonfinite_frac == 1.0).all() and over.rel_rmse.isna().all()
+    assert (df[df.x0 == 40.0].max_qk > 65504).all()
+    # PASA, flash and float32 stay finite everywhere and are accurate
+    for method in ("pasa", "flash", "sdpa_fp32"):
+        rows = df[df.method == method]
+        assert (rows.nonfinite_frac == 0).all()
+        assert (rows.rel_rmse < 1e-2).all()
+    ok = df[df.nonfinite_frac == 0]
+    assert ok[["rmse", "rel_rmse", "rel_rmse_ref", "rel_rmse_std_v"]].notna().all().all()
+    assert (df[df.method == "sdpa_fp32"].dtype == "float32").all()
+
+
+def test_summary_targets_and_table(tiny_grid):
+    summary = summarize_accuracy(tiny_grid)
+    assert len(summary) == 3 * 4 and (summary.seeds == 2).all()
+    targets = check_accuracy_targets(tiny_grid)
+    assert targets.pasa_finite.all()
+    row = targets[(targets.x0 == 40.0)].iloc[0]
+    assert row.fa16_overflows and row.pasa_le_fa16 is None and math.isnan(row.ratio)
+    assert not targets[targets.x0 != 40.0].fa16_overflows.any()
+    md = accuracy_table_markdown(tiny_grid)
+    assert md.count("\n| uniform |") == 2 and "| hybrid |" in md
+    assert "100% non-finite" in md and "efficient skipped" in md
+    for method in ("pasa", "fa16", "flash", "sdpa_fp32"):
+        assert f" {method} " in md.splitlines()[0]
+
+
+def test_heatmaps_written(tiny_grid, tmp_path):
+    paths = plot_accuracy_heatmaps(tiny_grid, tmp_path / "plots")
+    assert [p.name for p in paths] == ["accuracy_nonfinite_frac.png", "accuracy_rel_rmse.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_pasa_variants_and_options():
+    point = [dict(dist="uniform", x0=20.0, am=0.5)]
+    df = accuracy_grid(point, methods=("pasa", "pasa_state_fp32", "pasa_beta0"), seeds=(0,), heads_q=1,
+                       heads_kv=1, n=80, head_dim=64, device="cpu", options={"pasa": {"beta": 0.9375}})
+    assert list(df.method) == ["pasa", "pasa_state_fp32", "pasa_beta0"]
+    assert (df.nonfinite_frac == 0).all() and (df.rel_rmse < 1e-2).all()
+    with pytest.raises(ValueError, match="unknown accuracy method"):
+        accuracy_grid(point, methods=("nope",), seeds=(0,), heads_q=1, heads_kv=1, n=16, head_dim=64, device="cpu")

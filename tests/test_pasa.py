@@ -1,0 +1,298 @@
+"""PASA (kernels/pasa): forward against float64, overflow behaviour against fa16, the β solver.
+
+CPU runs go through the Triton interpreter (float16 only: bfloat16 inputs are converted to float16 by
+the wrapper before any kernel runs, so they are testable here too). Tolerances, float16 inputs:
+- ordinary inputs (randn): max |err| ≤ 1e-2 and RMSE / RMS(ref) ≤ 4e-3 — PASA keeps its softmax state
+  and output accumulator in fp16 (ε = 2⁻¹¹), so it is a few times looser than an fp32-state kernel;
+- biased inputs: RMSE / std(V) ≤ 0.1, ≤ fa16's, and within 2× of the PyTorch model of the kernel's
+  roundings (the spec's §7 D gate).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.pasa import BACKWARD_ERROR, fa16_attention, pasa_attention
+from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
+                               solve_beta)
+from kernels.pasa.emulate import pasa_emulate
+from kernels.reference import reference_attention
+
+
+def rms(x):
+    return x.double().pow(2).mean().sqrt().item()
+
+
+def rel_rmse(out, ref):
+    return rms(out.double() - ref) / rms(ref)
+
+
+def biased(shape, x0, am, gen, device):
+    """The paper's uniform distribution (eq 17): mean x0, half-width am."""
+    return (x0 + am * (2 * torch.rand(shape, generator=gen, device=device) - 1)).half()
+
+
+# ---------------------------------------------------------------------------------------------- β ---
+
+@pytest.mark.parametrize("n, beta0, beta_star, c_star", [
+    (128, 1 - 2 ** -4, 0.9375, 15.0),          # M's entries exact in fp16: already a fixed point
+    (128, 1 - 2 ** -5, 0.9689939, 31.2517),    # the README's value
+    (128, 1 - 2 ** -6, 0.9844970, 63.5038),    # the released code's 0.984497
+    (64, 1 - 2 ** -5, 0.96875, 31.0),
+    (64, 1 - 2 ** -6, 0.9846191, 64.016),
+])
+def test_beta_fixed_point_reproduces_paper_values(n, beta0, beta_star, c_star):
+    beta = solve_beta(beta0, n, "fp16")
+    assert beta == pytest.approx(beta_star, abs=5e-8)
+    # at the fixed point the ideal invariance equals the realised one (eq 16)
+    assert ideal_invariance(beta) == pytest.approx(realised_invariance(beta, n, "fp16"), rel=1e-7)
+    assert ideal_invariance(beta) == pytest.approx(c_star, abs=6e-4)
+    # and the starting point's invariance was off (except where M was exact)
+    assert (realised_invariance(beta0, n, "fp16") == ideal_invariance(beta0)) == (beta_star == beta0)
+
+
+@pytest.mark.parametrize("beta0, fmt, scale, beta_star", [
+    (1 - 2 ** -4, "bf16", None, 0.9379883),             # bf16 rounding moves only this start (spec §5)
+    (1 - 2 ** -4, "fp16", 128 ** -0.5, 0.9374311),      # λ-aware fixed points for d = 128
+    (1 - 2 ** -5, "fp16", 128 ** -0.5, 0.9689529),
+    (1 - 2 ** -6, "fp16", 128 ** -0.5, 0.9847111),
+])
+def test_beta_fixed_point_with_released_mean_term(beta0, fmt, scale, beta_star):
+    # the spec's bf16 and λ-aware values come from the released solver, which adds (1 − a)/a to f
+    assert solve_beta(beta0, 128, fmt, scale=scale, mean_term=True) == pytest.approx(beta_star, abs=5e-8)
+
+
+def test_beta_lambda_caveat_and_default():
+    # the spec's λ caveat: with d = 128 the hard-coded 0.984497 realises 64.41 against c = 63.50
+    assert realised_invariance(0.984497, 128, "fp16", scale=128 ** -0.5) == pytest.approx(64.41, abs=0.01)
+    assert ideal_invariance(0.984497) == pytest.approx(63.50, abs=0.01)
+    # λ = 2⁻³ (d = 64) is a power of two: the λ-aware solution equals the paper's
+    assert default_beta(128, 64 ** -0.5) == pytest.approx(0.9844970, abs=5e-8)
+    b = default_beta(128, 128 ** -0.5)
+    assert ideal_invariance(b) == pytest.approx(realised_invariance(b, 128, "fp16", scale=128 ** -0.5), rel=1e-7)
+    with pytest.raises(ValueError, match="singular"):
+        ideal_invariance(1.0)
+    with pytest.raises(ValueError):
+        solve_beta(1.0, 128)
+
+
+def test_round_to_format_matches_numpy_fp16():
+    rng = np.random.default_rng(0)
+    xs = np.concatenate([rng.standard_normal(2000) * 10.0 ** rng.integers(-6, 4, 2000), [65504.0, 1 / 3, 2 ** -20]])
+    for x in xs:
+        assert round_to_format(float(x), "fp16") == float(np.float16(x))
+    # bf16: 8 significant bits, ties to even
+    assert round_to_format(1 + 2 ** -8, "bf16") == 1.0
+    assert round_to_format(1 + 3 * 2 ** -8, "bf16") == 1 + 2 ** -6
+    diag, off = shift_entries(0.9375, 128, 0.125)
+    assert (diag, off) == (0.125 * (1 - 0.9375 / 128), -0.125 * 0.9375 / 128)   # exact in fp16
+
+
+# ------------------------------------------------------------------------------------ forward -----
+
+@pytest.mark.parametrize("n, beta, causal, x0", [
+    (130, 0.984497, False, 0.0), (500, 0.5, True, 0.0), (512, 0.9375, False, 20.0), (500, 0.0, False, 20.0),
+    (77, 0.9689939, True, 20.0), (300, 0.984497, True, 20.0),
+])
+def test_algorithm_is_exact_in_float64(n, beta, causal, x0):
+    # The frame bookkeeping (G, δ_cur, δ_prev), the overlap window and the causal visits are exact
+    # algebra: without rounding, Algorithm 1 equals dense softmax attention (spec §7 D: ≤ 1e-12).
+    gen = torch.Generator().manual_seed(n)
+    q, k = (x0 + torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64)
+    out = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=128, block_m=64, state_dtype="exact")
+    ref = reference_attention(q, k, v, causal=causal)
+    assert out.dtype == torch.float64
+    # biased logits reach ~3200, where float64's own ulp (4.5e-13) times c ≈ 64 sets the floor
+    assert (out - ref).abs().max().item() <= (1e-12 if x0 == 0 else 1e-10)
+
+
+@pytest.mark.parametrize("n, d, causal, block_n", [
+    (200, 64, False, 64),     # 4 KV windows, the last one overlapping (ragged)
+    (200, 64, True, 64),
+    (130, 128, False, 128),   # N just past one block: the overlap window is almost all old keys
+    (77, 128, True, 64),      # N % 16 ≠ 0, causal, rows that see nothing in a block
+    (50, 64, False, 64),      # N < n: one zero-padded window
+    (256, 128, True, 128),
+])
+def test_pasa_forward_ordinary_inputs(device, n, d, causal, block_n):
+    gen = torch.Generator(device=device).manual_seed(n + d)
+    q, k, v = (torch.randn(1, 2, n, d, generator=gen, device=device).half() for _ in range(3))
+    out = pasa_attention(q, k, v, causal=causal, block_n=block_n)
+    ref = reference_attention(q, k, v, causal=causal)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= 1e-2
+    assert rel_rmse(out, ref) <= 4e-3
+    # the kernel does what the PyTorch model of its roundings does
+    emu = pasa_emulate(q, k, v, causal=causal, block_n=block_n)
+    assert rel_rmse(out, ref) <= 2 * rel_rmse(emu, ref) + 1e-4
+
+
+def test_fa16_forward_ordinary_inputs(device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    for n, d, causal in ((200, 64, True), (130, 128, False)):
+        q, k, v = (torch.randn(1, 2, n, d, generator=gen, device=device).half() for _ in range(3))
+        out = fa16_attention(q, k, v, causal=causal)
+        ref = reference_attention(q, k, v, causal=causal)
+        assert (out.double() - ref).abs().max().item() <= 5e-3
+        assert rel_rmse(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("d, x0, causal", [(128, 20.0, False), (64, 25.0, True)])
+def test_pasa_biased_inputs_more_accurate_than_fa16(device, d, x0, causal):
+    # |QKᵀ| ≈ d·x0² stays just below 65504: fa16 is finite but its fp16 scores have an ulp of 32
+    gen = torch.Generator(device=device).manual_seed(7)
+    shape = (1, 2, 192, d)
+    q, k = biased(shape, x0, 0.5, gen, device), biased(shape, x0, 0.5, gen, device)
+    v = torch.randn(shape, generator=gen, device=device).half()
+    ref = reference_attention(q, k, v, causal=causal)
+    out = pasa_attention(q, k, v, causal=causal, block_n=64)
+    fa = fa16_attention(q, k, v, causal=causal, block_n=64)
+    assert torch.isfinite(out).all() and torch.isfinite(fa).all()
+    err_pasa, err_fa16 = rms(out.double() - ref) / rms(v), rms(fa.double() - ref) / rms(v)
+    assert err_pasa <= 0.1
+    assert err_pasa <= err_fa16
+    emu = pasa_emulate(q, k, v, causal=causal, block_n=64)
+    assert err_pasa <= 2 * rms(emu.double() - ref) / rms(v) + 1e-3
+
+
+@pytest.mark.parametrize("d, x0", [(128, 30.0), (64, 40.0)])
+def test_fa16_overflows_where_pasa_stays_finite(device, d, x0):
+    # d·x0² > 65504: every unscaled score overflows fp16, so fa16's rows are all NaN (paper App. E: 100%)
+    gen = torch.Generator(device=device).manual_seed(3)
+    shape = (1, 1, 160, d)
+    q, k, v = (biased(shape, x0, 0.5, gen, device) for _ in range(3))
+    fa = fa16_attention(q, k, v)
+    assert not torch.isfinite(fa).any()
+    out = pasa_attention(q, k, v)
+    ref = reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    assert rms(out.double() - ref) / rms(v) <= 2e-3                 # relative to RMS(V), eq 19
+    assert rms(out.double() - ref) / v.double().std().item() <= 0.1  # and to V's spread
+
+
+def test_pasa_beta_zero_and_state_fp32(device):
+    gen = torch.Generator(device=device).manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 150, 64, generator=gen, device=device).half() for _ in range(3))
+    ref = reference_attention(q, k, v)
+    # β = 0: no shift, M = λI — plain FA-2 with fp16 state (spec §3)
+    out0 = pasa_attention(q, k, v, beta=0.0, block_n=64)
+    assert rel_rmse(out0, ref) <= 4e-3
+    # the paper's hybrid mode (fp16 scores, fp32 statistics) is at least as accurate; with β = 0 it is
+    # FA-2 with fp16 scores. With β ≈ 0.98 both lose ~4× on unbiased data: the fp16 rounding of K̃ enters
+    # ȳ = rowmean(Ŝ), and the recovery multiplies it by c ≈ 64 while the mean divides it by √n = 8.
+    out32 = pasa_attention(q, k, v, state_dtype="fp32", block_n=64)
+    out16 = pasa_attention(q, k, v, block_n=64)
+    out0_32 = pasa_attention(q, k, v, beta=0.0, state_dtype="fp32", block_n=64)
+    assert rel_rmse(out32, ref) <= 4e-3
+    assert rel_rmse(out32, ref) <= rel_rmse(out16, ref) * 1.05
+    assert rel_rmse(out0_32, ref) <= 1e-3
+    # an explicit β from the paper works and is as accurate on ordinary data
+    out_b = pasa_attention(q, k, v, beta=0.9375, block_n=64, scale=0.1)
+    assert rel_rmse(out_b, reference_attention(q, k, v, scale=0.1)) <= 4e-3
+
+
+def test_pasa_bfloat16_converted_to_float16(device):
+    gen = torch.Generator(device=device).manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 96, 64, generator=gen, device=device).bfloat16() for _ in range(3))
+    out = pasa_attention(q, k, v, causal=True)
+    assert out.dtype == torch.bfloat16
+    ref = reference_attention(q, k, v, causal=True)
+    assert rel_rmse(out, ref) <= 8e-3      # includes the bf16 output rounding (ε = 2⁻⁸)
+    big = q.clone()
+    big[0, 0, 0, 0] = 1e5                  # representable in bf16, not in fp16
+    with pytest.raises(ValueError, match="float16 range"):
+        pasa_attention(big, k, v)
+
+
+def test_backward_raises_clear_error(device):
+    q, k, v = (torch.randn(1, 1, 32, 64, device=device).half().requires_grad_() for _ in range(3))
+    for fn, name in ((pasa_attention, "pasa"), (fa16_attention, "fa16")):
+        out = fn(q, k, v)
+        assert torch.isfinite(out).all()
+        with pytest.raises(NotImplementedError, match="forward-only") as info:
+            out.float().sum().backward()
+        assert str(info.value) == BACKWARD_ERROR.format(name=name)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda q, k, v: (q.float(), k.float(), v.float()), "dtype torch.float32 unsupported"),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head_dim 32 unsupported"),
+    (lambda q, k, v: (q, k[:, :, :16], v), "same shape"),
+    (lambda q, k, v: (q[0], k[0], v[0]), "4-D"),
+    (lambda q, k, v: (q, k.bfloat16(), v), "one dtype"),
+])
+def test_invalid_inputs_raise_value_error(device, mutate, match):
+    q, k, v = (torch.randn(1, 1, 32, 64, device=device).half() for _ in range(3))
+    for fn in (pasa_attention, fa16_attention):
+        with pytest.raises(ValueError, match=match):
+            fn(*mutate(q, k, v))
+
+
+def test_invalid_options_raise_value_error(device):
+    q, k, v = (torch.randn(1, 1, 32, 64, device=device).half() for _ in range(3))
+    with pytest.raises(ValueError, match="beta"):
+        pasa_attention(q, k, v, beta=1.0)
+    with pytest.raises(ValueError, match="state_dtype"):
+        pasa_attention(q, k, v, state_dtype="bf16")
+    with pytest.raises(ValueError, match="block_n"):
+        pasa_attention(q, k, v, block_n=48)
+
+
+def test_registered_with_the_harness():
+    from attnbench.backends import get_backend
+
+    for name, fn in (("pasa", pasa_attention), ("fa16", fa16_attention)):
+        b = get_backend(name)
+        assert b.fn is fn and b.origin == "kernels.pasa"
+        assert b.modes == ("fwd",) and set(b.dtypes) == {"float16", "bfloat16"} and b.head_dims == (64, 128)
+        assert "mode bwd unsupported" in b.unsupported_reason(dtype="float16", mode="bwd", causal=False,
+                                                              head_dim=64, device="cuda")
+        assert b.unsupported_reason(dtype="float16", mode="fwd", causal=True, head_dim=128, device="cpu") is None
+    assert get_backend("pasa").options == {"beta": None, "state_dtype": "fp16"}
+
+
+# ----------------------------------------------------------------------------------------- GPU ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_large_n(dtype, d, causal):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    n = 4099                                           # ragged: the last window overlaps
+    q, k, v = (torch.randn(1, 4, n, d, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
+    ref = reference_attention(q, k, v, causal=causal)
+    out = pasa_attention(q, k, v, causal=causal)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = 8e-3 if dtype == torch.bfloat16 else 4e-3
+    assert rel_rmse(out, ref) <= tol
+    assert (out.double() - ref).abs().max().item() <= 3e-2
+    fa = fa16_attention(q, k, v, causal=causal)
+    assert rel_rmse(fa, ref) <= tol
+
+
+@pytest.mark.gpu
+def test_gpu_overflow_and_emulation_gate():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 8, 1407, 128)
+    q, k, v = (biased(shape, 30.0, 0.5, gen, "cuda") for _ in range(3))
+    assert not torch.isfinite(fa16_attention(q, k, v)).any()
+    out = pasa_attention(q, k, v)
+    ref = reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    emu = pasa_emulate(q, k, v, block_n=pasa_block_n(128))
+    assert rms(out.double() - ref) <= 2 * rms(emu.double() - ref) + 1e-6
+    # biased but finite for fa16: PASA is more accurate
+    q, k = biased(shape, 20.0, 0.5, gen, "cuda"), biased(shape, 20.0, 0.5, gen, "cuda")
+    v = torch.randn(shape, generator=gen, device="cuda").half()
+    ref = reference_attention(q, k, v)
+    assert rms(pasa_attention(q, k, v).double() - ref) <= rms(fa16_attention(q, k, v).double() - ref)
+
+
+def pasa_block_n(d):
+    from kernels.pasa.attention import DEFAULT_CONFIGS
+
+    return DEFAULT_CONFIGS["pasa"][d][1]
