@@ -232,6 +232,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
                results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created"),
+               only: Optional[str] = typer.Option(None, "--only", help="run only the cells whose id matches this glob"),
                slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=K: call BACKEND K times per timed call "
                                                   "(a deliberate, recorded regression to prove the perf gate)")):
     """Run a YAML matrix: gate the GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
@@ -247,6 +248,12 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
         matrix = load_matrix(matrix_path, device=device)
+        if only:
+            import fnmatch
+
+            matrix.cells = [c for c in matrix.cells if fnmatch.fnmatch(c.id, only)]
+            if not matrix.cells:
+                fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
         if dry_run:
             console.print(_plan_table(matrix, device))
             return

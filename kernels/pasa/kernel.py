@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-M_INIT = -60000.0   # initial running max: finite in fp16, so inf − inf can never happen (spec pitfall 3)
+M_INIT = tl.constexpr(-60000.0)   # (constexpr: triton 3.6 refuses plain globals in kernels) initial running max: finite in fp16, so inf − inf can never happen (spec pitfall 3)
 
 
 @triton.jit
