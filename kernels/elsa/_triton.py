@@ -14,7 +14,7 @@ are constexpr.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
 
 
 # ------------------------------------------------------------------------------------------------

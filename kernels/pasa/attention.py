@@ -8,7 +8,8 @@ import torch
 import triton
 
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
-from kernels.pasa.kernel import LOG2E, _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
+LOG2E = 1.4426950408889634   # host-side copy (the kernels use a tl.constexpr)
+from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
 HEAD_DIMS = (64, 128)
 STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or its hybrid fp32 mode

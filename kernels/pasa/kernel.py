@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
 M_INIT = tl.constexpr(-60000.0)   # (constexpr: triton 3.6 refuses plain globals in kernels) initial running max: finite in fp16, so inf − inf can never happen (spec pitfall 3)
 
 
