@@ -91,7 +91,8 @@ def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
     gamma = tl.exp2((cand_new - m_new).to(tl.float32) * LOG2E).to(STATE)
     ell = alpha * ell + gamma * s_sum
     acc = alpha[:, None] * acc + gamma[:, None] * pv
-    return m_new, ell, g_new, acc
+    # explicit casts: the loop-carried types must match the STATE the loop started with (triton 3.6 checks)
+    return m_new.to(STATE), ell.to(STATE), g_new.to(STATE), acc.to(STATE)
 
 
 @triton.jit
