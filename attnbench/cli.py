@@ -369,6 +369,39 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
     raise typer.Exit(spotcheck.spot_check_exit_code(results))
 
 
+@app.command("accuracy")
+def accuracy(device: str = DeviceOpt,
+             out_dir: Path = typer.Option(Path("results/accuracy"), "--out-dir", help="CSV, markdown table and heat-maps"),
+             n: int = typer.Option(1407, help="sequence length (the paper's)"),
+             heads_q: int = typer.Option(28, help="query heads"),
+             seeds: int = typer.Option(3, help="random seeds per grid point")):
+    """PASA's overflow/accuracy benchmark: non-finite fraction and relative RMSE of pasa, fa16, flash,
+    efficient and float32 SDPA on the paper's uniform and hybrid normal-Bernoulli grids (float64 reference)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from attnbench import accuracy as acc
+
+    _check_device(device)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("no CUDA device; use --device cpu (slow: the kernels run in the Triton interpreter)", 3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with Progress(TextColumn("accuracy grid"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
+                  TimeRemainingColumn(), console=err) as progress:
+        task = progress.add_task("grid", total=None)
+        df = acc.accuracy_grid(seeds=tuple(range(seeds)), n=n, heads_q=heads_q, device=device,
+                               on_point=lambda done, total: progress.update(task, completed=done, total=total))
+    df.to_csv(out_dir / "accuracy.csv", index=False)
+    table = acc.accuracy_table_markdown(df)
+    (out_dir / "accuracy.md").write_text(table)
+    pngs = acc.plot_accuracy_heatmaps(df, out_dir)
+    console.print(table, highlight=False, soft_wrap=True)
+    console.print(acc.check_accuracy_targets(df).to_string(), highlight=False)
+    console.print(f"wrote {out_dir}/accuracy.csv, accuracy.md and {len(pngs)} heat-maps", highlight=False)
+
+
 def main():
     # Triton's interpreter must be configured before anything imports triton.
     if "--device" in sys.argv:
