@@ -347,6 +347,11 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
     trend = lat_trend(basis["n"], basis["lat_ratio"], band) if len(basis) else "no data"
     if trend != "no data":
         trend += star
+        # a trend read off the clean points must not hide noisy points that say the opposite
+        noisy = measured[measured["status"] == "noisy"]["lat_ratio"]
+        if len(clean) and ((trend.startswith("wins all") and (noisy >= 1).any())
+                           or (trend.startswith("loses all") and (noisy < 1).any())):
+            trend += " (clean points; noisy ones disagree)"
         mq = mem_qualifier(basis["mem_ratio"])
         if mq:
             trend += f" + {mq}"

@@ -292,3 +292,13 @@ def test_runner_style_reasons_give_short_labels(tmp_path):
            dict(cell_id="c", n=65536, status="skipped", reason="math skipped above N=16384")]
     (s,) = summarize_cells(load_runs([make_run(tmp_path, pts)]))
     assert s.sweep == "1K 0.50 · (math OOM @16K) · (math skipped @32K, 64K)"
+
+
+def test_trend_from_clean_points_flags_noisy_points_that_disagree(tmp_path):
+    pts = [dict(cell_id="c", n=1024, ratio=2.0, status="noisy"), dict(cell_id="c", n=16384, ratio=0.7),
+           dict(cell_id="c", n=65536, ratio=0.68)]
+    (s,) = summarize_cells(load_runs([make_run(tmp_path, pts)]))
+    assert s.trend.startswith("wins all") and "noisy ones disagree" in s.trend
+    pts = [dict(cell_id="d", n=1024, ratio=0.9, status="noisy"), dict(cell_id="d", n=16384, ratio=0.7)]
+    (s,) = summarize_cells(load_runs([make_run(tmp_path / "b", pts)]))
+    assert s.trend.startswith("wins all") and "disagree" not in s.trend
