@@ -73,10 +73,12 @@ class Backend:
 # --- PyTorch baselines --------------------------------------------------------------------------
 
 def _sdpa_forced(sdpa_backend_name: str) -> Callable:
-    def attn(q, k, v, causal=False, scale=None):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel([getattr(SDPBackend, sdpa_backend_name)]):
+    forced = [getattr(SDPBackend, sdpa_backend_name)]   # resolved once, not on the timed path
+
+    def attn(q, k, v, causal=False, scale=None):
+        with sdpa_kernel(forced):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     attn.__name__ = f"sdpa_{sdpa_backend_name.lower()}"

@@ -12,7 +12,7 @@ it off by default as "experimental"); a kernel name patches the attention with k
 ``input_bytes`` = parameters + buffers + input images, so the peak above them is the activation and
 workspace memory. Replaying a CUDA graph allocates nothing (its memory lives in the graph's pool), so
 for fwd on CUDA the peak of one eager forward above the resident bytes is measured at build time and
-kept in ``info["peak_mb"]``: the harness should use it instead of measuring a replay.
+kept in ``info["peak_mb"]``, which ``attnbench.measure.peak_memory_mb`` uses instead of measuring a replay.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -273,7 +274,7 @@ class _Handle:
         self.compute_done = None
 
 
-class _Engine:
+class _Engine(ABC):
     """Shared task loop; subclasses say what a task allocates, computes and merges."""
 
     def __init__(self, mode, inputs, *, causal, scale, c, itr, mem_budget, device, n_cap, n_cap_max, acc,
@@ -323,11 +324,14 @@ class _Engine:
             return torch.cuda.memory_allocated(self.dev)
         return self.ledger
 
+    # The forward and backward engines differ in what one task and the resident state cost in bytes.
+    @abstractmethod
     def task_need(self, L: int) -> int:
-        raise NotImplementedError
+        """Bytes one task of L tokens needs on the device."""
 
+    @abstractmethod
     def floor_bytes(self, acc_on_device: bool) -> int:
-        raise NotImplementedError
+        """Bytes resident for the whole run (accumulators on the device or not)."""
 
     def _stream_ctx(self, s):
         return torch.cuda.stream(s) if s is not None else _nullctx()
