@@ -9,8 +9,8 @@ log() { echo "=== $* ($(date -u +%H:%M:%S), ${SECONDS}s)"; }
 # step TAG SECONDS CMD...: run one step under a timeout, keep only the summary lines on the console
 step() { local tag=$1 secs=$2; shift 2; log "$tag (limit ${secs}s)";
   timeout "$secs" "$@" > "/tmp/extra/$tag.log" 2>&1; echo "rc=$?";
-  grep -E "lat_ratio|run dir|passed|failed|error|Error|PASS|FAIL|VERDICT|resum" "/tmp/extra/$tag.log" | tail -60; }
+  grep -E "lat_ratio|run dir|passed|failed|error|Error|PASS|FAIL|VERDICT|resum" "/tmp/extra/$tag.log" | tail -60; bundle; }
 # matrix TAG SECONDS ARGS...: attnbench run-matrix into /tmp/runs/TAG
 matrix() { local tag=$1 secs=$2; shift 2; step "$tag" "$secs" python3 -m attnbench run-matrix "$@" --results-root "/tmp/runs/$tag"; }
-bundle() { log bundle; cp -r /tmp/runs /tmp/extra/ 2>/dev/null; tar czf "$OUT/bundle.tgz" -C /tmp extra; ls -la "$OUT"; }
-trap bundle EXIT
+# re-packed after every step: a call killed at its limit still returns everything finished before
+bundle() { cp -r /tmp/runs /tmp/extra/ 2>/dev/null; tar czf "$OUT/bundle.tmp" -C /tmp extra && mv "$OUT/bundle.tmp" "$OUT/bundle.tgz"; }
