@@ -152,7 +152,7 @@ def _require_gpu():
 
 def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
-         slowdown: Optional[dict] = None) -> Path:
+         slowdown: Optional[dict] = None, command: str = "run-matrix") -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -197,7 +197,7 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     except RunInterrupted as exc:
         progress.stop()
         err.print(f"[yellow]interrupted[/]: everything measured is kept in {exc.run_dir}; "
-                  f"finish it with: attnbench run-matrix {matrix.path} --resume {exc.run_dir}")
+                  f"finish it with: attnbench {command} {matrix.path} --resume {exc.run_dir}")
         raise typer.Exit(130)
     finally:
         progress.stop()
@@ -340,7 +340,8 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
                max_util: Optional[float] = typer.Option(None, help="gate: max utilisation %"),
                min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
-               results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept")):
+               results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept"),
+               resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory")):
     """Run the spot-check points and print PASS/FAIL per point; exit 0 only if every point passes."""
     from attnbench import spotcheck
     from attnbench.store import load_run
@@ -352,7 +353,8 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
         run = None
         if plan.matrix is not None:
             gate = _gate(plan.matrix.gate, max_util, min_free_gb)
-            run = load_run(_run(plan.matrix, device, gate, gpu, wait, None, results_root, None, sys.argv[1:], reader))
+            run = load_run(_run(plan.matrix, device, gate, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
+                                    command="spot-check"))
         torch_device = device
         if device == "cuda":
             import torch
