@@ -85,3 +85,22 @@ def test_pasa_variants_and_options():
     assert (df.nonfinite_frac == 0).all() and (df.rel_rmse < 1e-2).all()
     with pytest.raises(ValueError, match="unknown accuracy method"):
         accuracy_grid(point, methods=("nope",), seeds=(0,), heads_q=1, heads_kv=1, n=16, head_dim=64, device="cpu")
+
+
+def test_metrics_count_non_finite_exactly():
+    """A fully finite output must give exactly 0 (it then gets an RMSE); the share must be exact otherwise."""
+    from attnbench.accuracy import _metrics
+
+    torch.manual_seed(0)
+    ref = torch.randn(1, 3, 7, 8, dtype=torch.float64)
+    v = torch.randn(1, 3, 7, 8)
+    row = _metrics(ref.float() + 1e-3, ref, v)
+    assert row["nonfinite_frac"] == 0.0 and row["nonfinite_rows_frac"] == 0.0
+    assert 0.0 < row["rel_rmse"] < 1e-2
+    bad = ref.clone()
+    bad[0, 0, 0, :3] = math.inf       # 3 of 168 elements, 1 of 21 rows
+    bad[0, 2, 5, 0] = math.nan        # 1 more element, 1 more row
+    row = _metrics(bad, ref, v)
+    assert row["nonfinite_frac"] == 4 / 168
+    assert row["nonfinite_rows_frac"] == 2 / 21
+    assert math.isnan(row["rel_rmse"])
