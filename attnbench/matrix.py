@@ -7,7 +7,8 @@ The schema is documented in ``matrices/README.md``.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -81,6 +82,12 @@ class Matrix:
 
     def points(self) -> list[Point]:
         return [Point(cell, n) for cell in self.cells for n in cell.seq_lens]
+
+    def plan_sha256(self) -> str:
+        """Fingerprint of what would be measured: the cells (after defaults and --only), not the file's bytes.
+        A run can then be resumed after an edit elsewhere in the file (another cell, a comment)."""
+        cells = [asdict(c) for c in self.cells]
+        return hashlib.sha256(json.dumps(cells, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False) -> Matrix:

@@ -302,7 +302,7 @@ class Runner:
             gpu = {"index": choice.index, "name": choice.name, "uuid": choice.uuid,
                    "sm_count": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
         return {"matrix_path": str(self.matrix.path), "matrix_name": self.matrix.name,
-                "matrix_sha256": self.matrix.sha256, "argv": self.opt.argv, "git_commit": _git_commit(),
+                "matrix_sha256": self.matrix.sha256, "plan_sha256": self.matrix.plan_sha256(), "argv": self.opt.argv, "git_commit": _git_commit(),
                 "started_utc": utc_now(), "finished_utc": None, "device": self.opt.device,
                 "versions": versions(self.reader), "gpu": gpu,
                 "gate": {"max_util_pct": self.opt.gate.max_util_pct, "min_free_gb": self.opt.gate.min_free_gb,
@@ -317,11 +317,14 @@ class Runner:
         if resume is not None:
             store = RunStore.open_existing(resume)
             manifest = store.read_manifest()
-            if manifest.get("matrix_sha256") != self.matrix.sha256:
+            same_file = manifest.get("matrix_sha256") == self.matrix.sha256
+            same_plan = manifest.get("plan_sha256") == self.matrix.plan_sha256()   # absent in older runs
+            if not (same_file or same_plan):
                 from attnbench.store import RunDirError
 
-                raise RunDirError(f"{resume}: the matrix {self.matrix.path} changed since this run started "
-                                  f"(sha256 {manifest.get('matrix_sha256', '?')[:12]} → {self.matrix.sha256[:12]}); start a new run")
+                raise RunDirError(f"{resume}: the cells of {self.matrix.path} this run measures changed since it "
+                                  f"started (sha256 {manifest.get('matrix_sha256', '?')[:12]} → "
+                                  f"{self.matrix.sha256[:12]}); start a new run")
             done = store.finished_point_ids()
             store.update_manifest(interrupted=False, resumed_utc=utc_now())
         else:
