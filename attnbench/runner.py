@@ -371,10 +371,19 @@ class Runner:
             if status != "noisy" or attempt == max_attempts or _persistent_spread(record, previous, cell):
                 break
             previous = record
-            self.sleep(cell.retry["backoff_s"] * attempt)
+            # back off only when the window looked disturbed (load, clocks, gate): a spread on a clean GPU
+            # is the point's own launch jitter, and waiting would not change it
+            if not _spread_only(record):
+                self.sleep(cell.retry["backoff_s"] * attempt)
         row = _point_row(point, record, record["attempt"])
         store.append_point(row)
         return row
+
+
+def _spread_only(record: dict) -> bool:
+    """Noisy through the paired ratios' spread alone: no load, clock or gate reason."""
+    reasons = record["noisy_reasons"]
+    return bool(reasons) and all(x.startswith("ratio spread") for x in reasons)
 
 
 def _persistent_spread(record: dict, previous: dict | None, cell) -> bool:
@@ -383,11 +392,7 @@ def _persistent_spread(record: dict, previous: dict | None, cell) -> bool:
     noisy window, and more attempts would only cost time. The point stays `noisy`."""
     if previous is None:
         return False
-
-    def spread_only(r):
-        return r["noisy_reasons"] and all(x.startswith("ratio spread") for x in r["noisy_reasons"])
-
-    if not (spread_only(record) and spread_only(previous)) or not record["ratio"] or not previous["ratio"]:
+    if not (_spread_only(record) and _spread_only(previous)) or not record["ratio"] or not previous["ratio"]:
         return False
     a, b = record["ratio"]["median"], previous["ratio"]["median"]
     return b > 0 and abs(a / b - 1) <= cell.retry["max_cv"]

@@ -94,6 +94,30 @@ def test_persistent_spread_with_a_stable_median_stops_retrying(tmp_path, monkeyp
     assert load_run(run_dir).points.set_index("point_id").loc["a@16"].status == "noisy"
 
 
+def test_back_off_only_after_a_disturbed_window(tmp_path, monkeypatch):
+    """A spread on a clean GPU is retried at once; a window with a load/clock reason waits backoff_s × attempt."""
+    fake, _ = fake_results(["noisy"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake)
+    m = matrix(tmp_path, attempts=3)
+    m.cells = [dataclasses.replace(c, retry={**c.retry, "backoff_s": 5}) for c in m.cells[:1]]
+    slept = []
+    r = make_runner(m, tmp_path)
+    r.sleep = slept.append
+    r.run()
+    assert slept == []                           # spread only: 3 attempts per point, no waiting
+    real_verdict = runner_mod.verdict
+
+    def disturbed(*a, **kw):
+        status, reasons, msg = real_verdict(*a, **kw)
+        return "noisy", reasons + ["foreign process 4242 (python) appeared"], msg
+
+    monkeypatch.setattr(runner_mod, "verdict", disturbed)
+    r = make_runner(m, tmp_path)
+    r.sleep = slept.append
+    r.run()
+    assert slept == [5, 10] * 2                  # two points (a@16, a@32), attempts 1 and 2 back off
+
+
 def test_power_cap_alone_is_steady_state_but_counts_with_a_clock_sag():
     from fakes import OWN_PID, FakeReader, gpu_state
     from test_gpu_gate import _monitor, _point, _result, _snap
