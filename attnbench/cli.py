@@ -341,11 +341,15 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
                min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept"),
-               resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory")):
+               resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory"),
+               rescore: Optional[Path] = typer.Option(None, "--rescore", help="no measuring: score a stored spot-check "
+                                                      "run against the file's current bands (correctness checks: not run)")):
     """Run the spot-check points and print PASS/FAIL per point; exit 0 only if every point passes."""
     from attnbench import spotcheck
     from attnbench.store import load_run
 
+    if rescore is not None:
+        _rescore_spot_check(matrix_path, rescore)
     _check_device(device)
     reader = _require_gpu() if device == "cuda" else None
     try:
@@ -364,10 +368,29 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
     except _user_errors() as exc:
         fail(str(exc), 2)
     table = spotcheck.spot_check_table(results)
-    console.print(table, highlight=False, soft_wrap=True)
+    console.print(table, highlight=False, soft_wrap=True, markup=False)   # descriptions hold [seed: …]
     if run is not None:
         (run.path / "spot_check.md").write_text(table)
         console.print(f"run directory: {run.path}", highlight=False)
+    raise typer.Exit(spotcheck.spot_check_exit_code(results))
+
+
+def _rescore_spot_check(matrix_path: Path, run_dir: Path) -> None:
+    """Perf bands re-evaluated on a stored run (after a band change); writes spot_check_rescored.md beside it."""
+    from attnbench import spotcheck
+    from attnbench.store import load_run
+
+    try:
+        plan = spotcheck.load_spot_check(matrix_path, device="cuda")   # device only for validation
+        run = load_run(run_dir)
+        perf = [c for c in plan.checks if c.get("kind") != "correctness"]    # correctness needs the kernels run
+        results = spotcheck.evaluate_checks(perf, run, run_correctness=False)   # the points are all stored
+    except _user_errors() as exc:
+        fail(str(exc), 2)
+    table = (f"Perf bands of `{matrix_path}` re-scored on this stored run (`attnbench spot-check --rescore`); "
+             "the correctness checks are in the run's own spot_check.md.\n\n" + spotcheck.spot_check_table(results))
+    console.print(table, highlight=False, soft_wrap=True, markup=False)
+    (run.path / "spot_check_rescored.md").write_text(table)
     raise typer.Exit(spotcheck.spot_check_exit_code(results))
 
 
