@@ -164,33 +164,35 @@ def test_ctrl_c_leaves_a_resumable_run(tmp_path, monkeypatch):
     assert list(run.points.point_id) == ["a@16", "a@32", "b@24"] and run.manifest["interrupted"] is False
 
 
-def test_resume_refuses_a_changed_matrix_and_a_non_run_dir(tmp_path, monkeypatch):
+def interrupted_run(tmp_path, monkeypatch):
+    """A matrix and its run directory, interrupted after the first point."""
     m = matrix(tmp_path)
     fake, _ = fake_results(["clean", "interrupt"])
     monkeypatch.setattr(runner_mod, "measure_point", fake)
     with pytest.raises(RunInterrupted) as exc:
         make_runner(m, tmp_path).run()
+    return m, exc.value.run_dir
+
+
+def test_resume_refuses_a_changed_matrix_and_a_non_run_dir(tmp_path, monkeypatch):
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
     changed = copy.deepcopy(m)
     changed.sha256 = "0" * 64
     changed.cells[0] = dataclasses.replace(changed.cells[0], timing={**changed.cells[0].timing, "min_reps": 99})
     with pytest.raises(RunDirError, match="changed since it started"):
-        make_runner(changed, tmp_path).run(resume=exc.value.run_dir)
+        make_runner(changed, tmp_path).run(resume=run_dir)
     with pytest.raises(RunDirError, match="not a run directory"):
         make_runner(m, tmp_path).run(resume=tmp_path)
 
 
 def test_resume_accepts_an_edit_outside_the_measured_cells(tmp_path, monkeypatch):
     """Another cell's (or a comment's) edit changes the file's hash but not what this run measures."""
-    m = matrix(tmp_path)
-    fake, _ = fake_results(["clean", "interrupt"])
-    monkeypatch.setattr(runner_mod, "measure_point", fake)
-    with pytest.raises(RunInterrupted) as exc:
-        make_runner(m, tmp_path).run()
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
     edited = copy.deepcopy(m)
     edited.sha256 = "1" * 64
     fake2, calls2 = fake_results(["clean"])
     monkeypatch.setattr(runner_mod, "measure_point", fake2)
-    assert make_runner(edited, tmp_path).run(resume=exc.value.run_dir) == exc.value.run_dir
+    assert make_runner(edited, tmp_path).run(resume=run_dir) == run_dir
     assert calls2 == ["a@32", "b@24"]
 
 
