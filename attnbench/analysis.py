@@ -409,6 +409,43 @@ def sweep_table(summaries: list[CellSummary], spread: str = "column") -> str:
     return md_table(header, rows)
 
 
+def _growth_per_doubling(n1, t1, n2, t2) -> float:
+    return (t2 / t1) ** (1.0 / math.log2(n2 / n1))
+
+
+def _fitted_exponent(ns, ts) -> float:
+    """Least-squares slope of log t against log N: t ∝ N^p."""
+    xs, ys = [math.log(n) for n in ns], [math.log(t) for t in ts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def scaling_table(summaries: list[CellSummary], min_points: int = 3) -> str | None:
+    """Per attention cell with ≥ min_points measured lengths: the kernel's and the baseline's time growth per
+    doubling of N between consecutive lengths, and the exponent p of t ∝ N^p over the three longest lengths.
+    None when no cell qualifies. Noisy points count (their times are medians too); a step touching one has a `*`."""
+    rows = []
+    for s in summaries:
+        if s.is_model:
+            continue
+        pts = s.points[s.points["status"].isin(MEASURED)]
+        pts = pts[[(_finite(k) and k > 0 and _finite(b) and b > 0) for k, b in zip(pts["kernel_ms"], pts["baseline_ms"])]]
+        if len(pts) < min_points:
+            continue
+        ns, stars = [int(n) for n in pts["n"]], ["*" if st == "noisy" else "" for st in pts["status"]]
+        cols = []
+        for side in ("kernel_ms", "baseline_ms"):
+            ts = [float(t) for t in pts[side]]
+            steps = [f"{format_n(ns[i])}→{format_n(ns[i + 1])}{stars[i] or stars[i + 1]} "
+                     f"{_growth_per_doubling(ns[i], ts[i], ns[i + 1], ts[i + 1]):.2f}" for i in range(len(ns) - 1)]
+            cols += [" · ".join(steps), f"{_fitted_exponent(ns[-3:], ts[-3:]):.2f}"]
+        rows.append([f"`{s.cell_id}`", f"{s.kernel} vs {s.baseline}", cols[0], cols[2], f"{cols[1]} / {cols[3]}"])
+    if not rows:
+        return None
+    return md_table(["cell", "kernel vs baseline", "kernel: growth per doubling", "baseline: growth per doubling",
+                     "p (t ∝ Nᵖ, 3 longest): kernel / baseline"], rows)
+
+
 def model_table(summaries: list[CellSummary], spread: str = "column") -> str:
     """Model cells (n = image size): "model cell | model:kernel | setup | baseline | img → lat_ratio | … | trend"."""
     header = ["model cell", "model:kernel", "setup", "baseline", "img → lat_ratio"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from attnbench.analysis import (
     _sorted_runs, gpu_short_name, load_runs, load_summary, load_table, md_table, model_table,
-    notes_markdown, points_table, summarize_cells, sweep_table,
+    notes_markdown, points_table, scaling_table, summarize_cells, sweep_table,
 )
 
 CPU_BANNER = ("> **CPU run: performance numbers on CPU mean nothing.** These tables come from `--device cpu` "
@@ -113,6 +113,10 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         notes = notes_markdown(group)
         if notes:
             out.append("\n" + notes)
+        scaling = scaling_table(group)
+        if scaling:
+            out.append(f"\n{kernel}: time growth per doubling of N (N√N gives 2.83, N² gives 4.00):\n")
+            out.append(scaling)
     models = [s for s in summaries if s.is_model]
     if models:
         out.append("\n### Full models (n = image size)\n")

@@ -12,7 +12,7 @@ import pytest
 
 from attnbench.analysis import (
     format_n, format_ratio, gpu_short_name, lat_trend, load_runs, load_summary, resolve_run_dir,
-    select_final, summarize_cells, sweep_table,
+    scaling_table, select_final, summarize_cells, sweep_table,
 )
 from attnbench.store import RunDirError, RunStore, load_run
 
@@ -302,3 +302,21 @@ def test_trend_from_clean_points_flags_noisy_points_that_disagree(tmp_path):
     pts = [dict(cell_id="d", n=1024, ratio=0.9, status="noisy"), dict(cell_id="d", n=16384, ratio=0.7)]
     (s,) = summarize_cells(load_runs([make_run(tmp_path / "b", pts)]))
     assert s.trend.startswith("wins all") and "disagree" not in s.trend
+
+
+def test_scaling_table_recovers_known_exponents(tmp_path):
+    """Baseline times grow as N² (make_run), the kernel's ratio as N^-½: the kernel grows as N^1.5, i.e. ×2.83 per
+    doubling, the baseline ×4.00; a cell with two lengths gets no row; model cells none."""
+    K = 1024
+    pts = [dict(cell_id="sparse", kernel="cron_root", baseline="flash", n=n, ratio=(n / K) ** -0.5)
+           for n in (K, 4 * K, 16 * K, 64 * K)]
+    pts += [dict(cell_id="short", n=n, ratio=0.5) for n in (K, 2 * K)]
+    pts += [dict(cell_id="m", kernel="elsa", baseline="native", n=n, ratio=1.0, heads=None, head_dim=None, batch=8)
+            for n in (224, 384, 512)]
+    df = load_runs([make_run(tmp_path, pts, spread=0.0)])
+    table = scaling_table(summarize_cells(df))
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == 1 and rows[0].startswith("| `sparse` | cron_root vs flash |")
+    assert "1K→4K 2.83 · 4K→16K 2.83 · 16K→64K 2.83" in rows[0]
+    assert "1K→4K 4.00 · 4K→16K 4.00 · 16K→64K 4.00" in rows[0] and "| 1.50 / 2.00 |" in rows[0]
+    assert scaling_table(summarize_cells(df[df.cell_id == "short"])) is None
