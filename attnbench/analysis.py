@@ -594,3 +594,51 @@ def resolve_run_dir(path) -> Path:
         if subs:
             return subs[-1]
     raise RunDirError(f"{path}: not a run directory and holds none")
+
+
+def run_progress(run: Run) -> dict:
+    """How far a stored run got against the plan it was started with, and how to finish it.
+
+    Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
+    matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
+    or None when it is complete or can no longer be resumed)."""
+    import fnmatch
+    import shlex
+
+    from attnbench.matrix import MatrixError, load_matrix
+
+    m = run.manifest
+    argv = list(m.get("argv") or [])
+    command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
+    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
+    path = m.get("matrix_path") or "?"
+    measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
+    planned, problem = None, None
+    try:
+        if command == "spot-check":
+            from attnbench.spotcheck import load_spot_check
+
+            matrix = load_spot_check(path, device=m.get("device") or "cuda").matrix
+        else:
+            matrix = load_matrix(path, device=m.get("device") or "cuda")
+        if only:
+            matrix.cells = [c for c in matrix.cells if fnmatch.fnmatch(c.id, only)]
+        if m.get("matrix_sha256") == matrix.sha256 or m.get("plan_sha256") == matrix.plan_sha256():
+            planned = len(matrix.points())
+        else:
+            problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
+                       else "the matrix file changed since")
+    except (MatrixError, OSError):
+        problem = "its matrix file is missing or invalid now"
+    if m.get("finished_utc"):
+        state = "complete" + (f" ({problem})" if problem else "")
+    elif problem:
+        state = f"unfinished, not resumable: {problem}"
+    else:
+        state = "interrupted" if m.get("interrupted") else "unfinished"
+    resume = None
+    if state in ("interrupted", "unfinished"):
+        parts = ["attnbench", command, path] + (["--only", only] if only else []) + ["--resume", str(run.path)]
+        resume = " ".join(shlex.quote(p) for p in parts)
+    return dict(run=run.path.name, matrix=path, started=m.get("started_utc") or "–", measured=measured,
+                planned=planned, state=state, resume=resume)

@@ -265,6 +265,34 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         fail(str(exc), 2)
 
 
+# --- runs ---------------------------------------------------------------------------------------
+
+@app.command("runs")
+def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder holding run directories")):
+    """Every stored run: how many of its planned points it measured, and the command that finishes it."""
+    from rich.table import Table
+
+    from attnbench.analysis import run_progress
+    from attnbench.store import RunDirError, load_run
+
+    if not results_root.is_dir():
+        fail(f"{results_root}: no such folder", 2)
+    table = Table("run", "matrix", "points", "state", "to finish it")
+    count = 0
+    for run_dir in sorted(p for p in results_root.iterdir() if (p / "manifest.json").is_file()):
+        try:
+            info = run_progress(load_run(run_dir))
+        except RunDirError as exc:
+            table.add_row(run_dir.name, "–", "–", f"unreadable: {exc}", "")
+            continue
+        count += 1
+        planned = "?" if info["planned"] is None else str(info["planned"])
+        table.add_row(info["run"], info["matrix"], f"{info['measured']}/{planned}", info["state"], info["resume"] or "")
+    if not count:
+        fail(f"{results_root}: no run directories", 2)
+    console.print(table, markup=False)
+
+
 # --- verify-2pass ------------------------------------------------------------------------------
 
 @app.command("verify-2pass")

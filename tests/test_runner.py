@@ -244,3 +244,19 @@ def test_cli_without_gpu_exits_3_in_one_line(tmp_path):
 def test_cli_bad_resume_dir_exits_2(tmp_path):
     proc = cli("run-matrix", str(SMOKE), "--device", "cpu", "--resume", str(tmp_path))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_runs_lists_progress_and_the_command_that_finishes_a_run(tmp_path, monkeypatch):
+    from attnbench.analysis import run_progress
+
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
+    info = run_progress(load_run(run_dir))
+    assert (info["measured"], info["planned"], info["state"]) == (1, 3, "interrupted")
+    assert info["resume"] == f"attnbench run-matrix {m.path} --resume {run_dir}"
+    proc = cli("runs", str(run_dir.parent))
+    assert proc.returncode == 0 and "1/3" in proc.stdout and "interrupted" in proc.stdout
+    # a cell of the file edited: the run can no longer be resumed, and says so
+    m.path.write_text(m.path.read_text().replace("seq_lens: [16, 32]", "seq_lens: [16, 48]"))
+    info = run_progress(load_run(run_dir))
+    assert info["planned"] is None and info["state"].startswith("unfinished, not resumable") and info["resume"] is None
+    assert cli("runs", str(tmp_path / "nowhere")).returncode == 2
