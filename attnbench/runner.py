@@ -302,7 +302,8 @@ class Runner:
             gpu = {"index": choice.index, "name": choice.name, "uuid": choice.uuid,
                    "sm_count": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
         return {"matrix_path": str(self.matrix.path), "matrix_name": self.matrix.name,
-                "matrix_sha256": self.matrix.sha256, "plan_sha256": self.matrix.plan_sha256(), "argv": self.opt.argv, "git_commit": _git_commit(),
+                "matrix_sha256": self.matrix.sha256, "plan_sha256": self.matrix.plan_sha256(),
+                "argv": self.opt.argv, "git_commit": _git_commit(),
                 "started_utc": utc_now(), "finished_utc": None, "device": self.opt.device,
                 "versions": versions(self.reader), "gpu": gpu,
                 "gate": {"max_util_pct": self.opt.gate.max_util_pct, "min_free_gb": self.opt.gate.min_free_gb,
