@@ -36,6 +36,9 @@ BWD = {  # (dtype, D): (dkdv candidates, dq candidates)
                        [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]),
     ("float32", 64): ([(32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
                       [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]),
+    # every fp32 D=128 backward config spills (scripts/gpu/elsa_compile_check.py); these spill least
+    ("float32", 128): ([(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (32, 128, 8, 2)],
+                       [(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (64, 32, 4, 1)]),
 }
 DT = {"float16": torch.float16, "float32": torch.float32}
 TOL = {"float16": 2e-3, "float32": 1e-5}
@@ -181,7 +184,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/dev/elsa")
     ap.add_argument("--budget", type=float, default=170.0)
-    ap.add_argument("--sections", default="fwd16,bwd16,fwd32,prec,bwd32")
+    ap.add_argument("--sections", default="fwd16,bwd16,fwd32,prec,bwd32",
+                    help="comma list; bwd32d128 sweeps the fp32 D=128 backward (every config spills)")
     args = ap.parse_args()
     budget = Budget(args.budget)
     path = os.path.join(args.out, "elsa_tune.json")
@@ -199,6 +203,8 @@ def main():
                 section_bwd("float16", 128, 8192, budget)
             elif sec == "bwd32":
                 section_bwd("float32", 64, 4096, budget)
+            elif sec == "bwd32d128":
+                section_bwd("float32", 128, 4096, budget)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         write_json(path, results)
