@@ -15,17 +15,11 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-
-os.environ.pop("TRITON_INTERPRET", None)
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_compile import compile_usage, parse_target  # noqa: E402
 from kernels.cron_root import _triton as tk  # noqa: E402
 import torch  # noqa: E402
 from kernels.cron_root.attention import _block_d, default_gpu_configs  # noqa: E402
@@ -53,23 +47,7 @@ def compile_one(fn, dtype, d, cfg, prec, target):
             sig[name] = "i32"
             if STRIDE_RE.match(name):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)})
-    ccinfo = triton.compile(src, target=target, options=options.__dict__)
-    usage = {"shared": ccinfo.metadata.shared}
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(ccinfo.asm["cubin"])
-        path = f.name
-    try:
-        out = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
-                              "--dump-resource-usage", path], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    if m:
-        usage.update(regs=int(m.group(1)), stack=int(m.group(2)), local=int(m.group(4)))
-    return usage
+    return compile_usage(fn, sig, consts, attrs, cfg.get("num_warps", 4), cfg.get("num_stages", 3), target)
 
 
 def main():
@@ -80,8 +58,7 @@ def main():
     p.add_argument("--dtypes", default="fp16,bf16,fp32")
     p.add_argument("--precs", default="tf32x3,ieee", help="fp32 dot precisions to compile")
     args = p.parse_args()
-    backend, arch, warp = args.target.split(":")
-    target = GPUTarget(backend, int(arch), int(warp))
+    target = parse_target(args.target)
     kernels = {"fwd": tk._fwd, "fwd_small": tk._fwd, "dq": tk._bwd_dq, "glob": tk._bwd_global, "loc": tk._bwd_local}
     rows, failures = [], 0
     for d in (int(x) for x in args.dims.split(",")):
@@ -99,11 +76,11 @@ def main():
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                     rows.append(row)
                     print(f"{kname:9s} D={d:3d} {dtype} {prec:6s} " + (
-                        f"regs={row.get('regs')} spill_stack={row.get('stack')} shared={row.get('shared')}"
+                        f"regs={row.get('regs')} spill_stack={row.get('spill_stack')} shared={row.get('shared')}"
                         if "error" not in row else row["error"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(target=args.target, triton=triton.__version__, rows=rows), f, indent=1)
+            json.dump(dict(target=args.target, rows=rows), f, indent=1)
     sys.exit(1 if failures else 0)
 
 

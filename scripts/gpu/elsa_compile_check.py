@@ -5,7 +5,7 @@ hundreds of registers is not worth device time).
 
     python3 scripts/gpu/elsa_compile_check.py [--dtype float32] [--dim 128] [--json out.json]
 
-Same method as cron_root_compile_check.py: ASTSource + triton.compile for an explicit target, resource usage
+Same method as cron_root_compile_check.py (both through sm90_compile.py): ASTSource + triton.compile for an explicit target, resource usage
 from the cuobjdump that ships with Triton; arguments specialised like a launch on contiguous [B, H, N, D]
 tensors (pointers and strides divisible by 16, N and H plain i32). Non-causal, no bias.
 """
@@ -16,17 +16,11 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-
-os.environ.pop("TRITON_INTERPRET", None)
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sm90_compile import compile_usage, parse_target  # noqa: E402
 from kernels.elsa import _triton as tk  # noqa: E402
 
 FP32_PTRS = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
@@ -34,7 +28,6 @@ PTRS = {"Q", "K", "V", "dOut", "dQ", "dK", "dV", "Bias", "Out"} | FP32_PTRS
 FLOATS = {"qk_scale", "sm_scale"}
 STRIDE = re.compile(r"^s[a-z]+$")
 KERNELS = {"phase1": tk._elsa_phase1, "dq": tk._elsa_bwd_dq, "dkdv": tk._elsa_bwd_dkdv}
-SMEM_MAX = 232448   # sm_90: 227 KB of shared memory per block (opt-in); a config above it cannot launch
 
 
 def compile_one(fn, dtype, d, bm, bn, warps, stages, target):
@@ -55,22 +48,7 @@ def compile_one(fn, dtype, d, bm, bn, warps, stages, target):
             sig[name] = "i32"
             if STRIDE.match(name):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    backend = triton.compiler.make_backend(target)
-    options = backend.parse_options({"num_warps": warps, "num_stages": stages})
-    cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
-                        options=options.__dict__)
-    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX}
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cc.asm["cubin"])
-    try:
-        out = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
-                              "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    if m:
-        usage.update(regs=int(m.group(1)), spill_stack=int(m.group(2)))
-    return usage
+    return compile_usage(fn, sig, consts, attrs, warps, stages, target)
 
 
 def main():
@@ -84,8 +62,7 @@ def main():
     p.add_argument("--stages", default="2,3")
     p.add_argument("--json")
     a = p.parse_args()
-    be, arch, warp = a.target.split(":")
-    target = GPUTarget(be, int(arch), int(warp))
+    target = parse_target(a.target)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     rows = []
     for kname in a.kernels.split(","):
@@ -104,7 +81,7 @@ def main():
                 if "error" not in row else row["error"]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"target": a.target, "triton": triton.__version__, "rows": rows}, f, indent=1)
+            json.dump({"target": a.target, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
