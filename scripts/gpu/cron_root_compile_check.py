@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_compile import compile_usage, parse_target  # noqa: E402
+from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
 from kernels.cron_root import _triton as tk  # noqa: E402
 import torch  # noqa: E402
 from kernels.cron_root.attention import _block_d, default_gpu_configs  # noqa: E402
@@ -31,22 +31,9 @@ STRIDE_RE = re.compile(r"^s[a-z]+[bhn]$")
 
 
 def compile_one(fn, dtype, d, cfg, prec, target):
-    sig, consts, attrs = {}, {}, {}
     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
     meta.update(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=prec)
-    for i, name in enumerate(fn.arg_names):
-        if name in meta:
-            sig[name] = "constexpr"
-            consts[name] = meta[name]
-        elif name in PTR_ARGS:
-            sig[name] = "*fp32" if name in FP32_PTRS else f"*{dtype}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOAT_ARGS:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if STRIDE_RE.match(name):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, consts, attrs = launch_signature(fn, meta, dtype, PTR_ARGS, FP32_PTRS, FLOAT_ARGS, STRIDE_RE)
     return compile_usage(fn, sig, consts, attrs, cfg.get("num_warps", 4), cfg.get("num_stages", 3), target)
 
 

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sm90_compile import compile_usage, parse_target  # noqa: E402
+from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
 from kernels.elsa import _triton as tk  # noqa: E402
 
 FP32_PTRS = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
@@ -31,23 +31,11 @@ KERNELS = {"phase1": tk._elsa_phase1, "dq": tk._elsa_bwd_dq, "dkdv": tk._elsa_bw
 
 
 def compile_one(fn, dtype, d, bm, bn, warps, stages, target):
-    tdt = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
     fp32 = dtype == "float32"
     meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False, BIAS_GRAD=False, FOLD_Q=fp32,
                 SCALE_IN_EXP=not fp32, DOT_PREC="tf32x3" if fp32 else "tf32")
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in meta:
-            sig[name], consts[name] = "constexpr", meta[name]
-        elif name in PTRS:
-            sig[name] = "*fp32" if name in FP32_PTRS else f"*{tdt}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOATS:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if STRIDE.match(name):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    tdt = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+    sig, consts, attrs = launch_signature(fn, meta, tdt, PTRS, FP32_PTRS, FLOATS, STRIDE)
     return compile_usage(fn, sig, consts, attrs, warps, stages, target)
 
 

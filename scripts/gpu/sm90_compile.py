@@ -23,6 +23,26 @@ def parse_target(text: str) -> GPUTarget:
     return GPUTarget(backend, int(arch), int(warp))
 
 
+def launch_signature(fn, constexprs: dict, dtype: str, ptrs: set, fp32_ptrs: set, floats: set, stride_re):
+    """(signature, constexprs, attrs) as a launch on contiguous tensors specialises them: the constexprs as
+    given, pointers (`dtype`, or fp32 for `fp32_ptrs`) and strides (names matching `stride_re`) divisible by
+    16, `floats` as fp32, every other argument a plain i32."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name], consts[name] = "constexpr", constexprs[name]
+        elif name in ptrs or name in fp32_ptrs:
+            sig[name] = "*fp32" if name in fp32_ptrs else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if stride_re.match(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
 def compile_usage(fn, signature: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int,
                   target: GPUTarget) -> dict:
     """Compile `fn` (a @triton.jit function) for `target`; return shared, fits_smem, regs, spill_stack, wgmma, cp_async."""
