@@ -642,3 +642,42 @@ def run_progress(run: Run) -> dict:
         resume = " ".join(shlex.quote(p) for p in parts)
     return dict(run=run.path.name, matrix=path, started=m.get("started_utc") or "–", measured=measured,
                 planned=planned, state=state, resume=resume)
+
+
+RESUME_GAP_S = 300.0   # a longer gap between two attempt records is a run resumed later, not a point's duration
+
+
+def point_seconds(results_root, device: str) -> tuple[dict[str, float], int]:
+    """Wall seconds each point took in the latest stored run that measured it on `device` (its attempts,
+    snapshots and back-offs included): point_id → seconds, and how many runs were read. An attempt's time is
+    the gap since the record before it (or since the run started); gaps over RESUME_GAP_S are resumptions
+    and count as unknown. For planning device time, not for any reported number."""
+    from datetime import datetime
+
+    def ts(text):
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+
+    root = Path(results_root)
+    runs = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if (d / "manifest.json").is_file():
+            try:
+                run = load_run(d)
+            except RunDirError:
+                continue
+            if run.manifest.get("device") == device:
+                runs.append(run)
+    seconds: dict[str, float] = {}
+    for run in sorted(runs, key=lambda r: str(r.manifest.get("started_utc"))):
+        per_point: dict[str, float | None] = {}
+        prev = run.manifest.get("started_utc")
+        for a in run.attempts:
+            gap = ts(a["utc"]) - ts(prev) if prev else None
+            prev = a["utc"]
+            known = gap is not None and 0 <= gap <= RESUME_GAP_S
+            pid = a["point_id"]
+            if pid in per_point and per_point[pid] is None:
+                continue
+            per_point[pid] = (per_point.get(pid) or 0.0) + gap if known else None
+        seconds.update({pid: s for pid, s in per_point.items() if s is not None})
+    return seconds, len(runs)

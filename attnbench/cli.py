@@ -123,20 +123,29 @@ def list_backends():
 
 # --- run-matrix --------------------------------------------------------------------------------
 
-def _plan_table(matrix, device: str) -> Table:
+def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int = 0) -> Table:
+    """The expanded plan; with `history` (point_id → seconds from stored runs) each point's last wall time
+    and the total, so a run can be fitted into a limited GPU lease."""
     from attnbench.runner import _skip_reason
 
-    t = Table(title=f"plan: {matrix.name} ({len(matrix.points())} points, device {device})")
-    for col in ("point", "kernel", "baseline", "dtype", "mode", "causal", "shape (B,H,N,D)", "note"):
+    points = matrix.points()
+    known = [history[p.id] for p in points if history and p.id in history]
+    title = f"plan: {matrix.name} ({len(points)} points, device {device})"
+    if history is not None:
+        title += (f"; last time {sum(known) / 60:.1f} min for {len(known)} of them "
+                  f"(from {runs_read} stored {device} runs; {len(points) - len(known)} never measured)")
+    t = Table(title=title)
+    for col in ("point", "kernel", "baseline", "dtype", "mode", "causal", "shape (B,H,N,D)", "note", "last s"):
         t.add_column(col)
-    for p in matrix.points():
+    for p in points:
         c = p.cell
         shape = f"model {c.model} img {p.n} batch {c.batch}" if c.is_model else f"({c.batch},{c.heads},{p.n},{c.head_dim})"
         note = _skip_reason(p, device) or ""
         if not note and c.baseline_max_n is not None and p.n > c.baseline_max_n:
             note = f"baseline skipped above N={c.baseline_max_n}"
+        last = f"{history[p.id]:.0f}" if history and p.id in history else "–"
         t.add_row(p.id, c.kernel, c.baseline, c.dtype, c.mode, str(c.causal).lower(), shape,
-                  f"skip: {note}" if note else "")
+                  f"skip: {note}" if note else "", last)
     return t
 
 
@@ -255,7 +264,10 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
             if not matrix.cells:
                 fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
         if dry_run:
-            console.print(_plan_table(matrix, device))
+            from attnbench.analysis import point_seconds
+
+            history, runs_read = point_seconds(results_root, device)
+            console.print(_plan_table(matrix, device, history, runs_read))
             return
         gate = _gate(matrix.gate, max_util, min_free_gb)
         run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)

@@ -320,3 +320,24 @@ def test_scaling_table_recovers_known_exponents(tmp_path):
     assert "1K→4K 2.83 · 4K→16K 2.83 · 16K→64K 2.83" in rows[0]
     assert "1K→4K 4.00 · 4K→16K 4.00 · 16K→64K 4.00" in rows[0] and "| 1.50 / 2.00 |" in rows[0]
     assert scaling_table(summarize_cells(df[df.cell_id == "short"])) is None
+
+
+def test_point_seconds_from_attempt_times(tmp_path):
+    """Per point: the gaps between attempt records (first from the run's start), retries summed, a gap over
+    RESUME_GAP_S (a run resumed a day later) unknown; only runs of the asked device; the latest run wins."""
+    from attnbench.analysis import point_seconds
+
+    def run(name, started, device, attempts):
+        store = RunStore.create(tmp_path, name, {"matrix_name": name, "device": device, "started_utc": started},
+                                now=datetime.fromisoformat(started.replace("Z", "+00:00")))
+        for pid, utc in attempts:
+            store.append_attempt({"point_id": pid, "cell_id": pid.split("@")[0], "n": int(pid.split("@")[1]),
+                                  "attempt": 1, "utc": utc, "status": "clean"})
+
+    run("a", "2026-11-22T01:00:00Z", "cuda", [("x@1", "2026-11-22T01:00:20Z"), ("y@2", "2026-11-22T01:00:23Z"),
+                                            ("y@2", "2026-11-22T01:00:30Z"), ("z@3", "2026-11-23T09:00:00Z")])
+    run("b", "2026-11-22T02:00:00Z", "cuda", [("x@1", "2026-11-22T02:00:05Z")])
+    run("c", "2026-11-22T03:00:00Z", "cpu", [("x@1", "2026-11-22T03:00:50Z")])
+    seconds, n_runs = point_seconds(tmp_path, "cuda")
+    assert n_runs == 2 and seconds == {"x@1": 5.0, "y@2": 10.0}
+    assert point_seconds(tmp_path / "none", "cuda") == ({}, 0)

@@ -126,7 +126,8 @@ def test_cli_validation_error_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and "field 'dtype'" in lines[0] and "Traceback" not in proc.stderr
 
 
-def test_cli_dry_run_prints_plan_without_gpu():
-    proc = run_cli("run-matrix", "matrices/smoke_cpu.yaml", "--device", "cpu", "--dry-run")
+def test_cli_dry_run_prints_plan_without_gpu(tmp_path):
+    proc = run_cli("run-matrix", "matrices/smoke_cpu.yaml", "--device", "cpu", "--dry-run", "--results-root", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "flash_vs_math_fp32_fwd@64" in proc.stdout and "3 points" in proc.stdout
+    assert "last time 0.0 min for 0 of them (from 0 stored cpu runs; 3 never measured)" in proc.stdout
