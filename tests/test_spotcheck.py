@@ -320,3 +320,21 @@ def test_correctness_uses_cpu_shapes_on_cpu():
     check = _corr(shapes=[[64, 64, 4096, 64, "float32"]], cpu_shapes=[[1, 1, 17, 64, "float32"]])
     r = run_correctness_check(check, "cpu")   # the huge GPU shape is never built here
     assert r.verdict == "PASS" and r.detail.startswith("1 OK")
+
+
+def test_kernel_bands_accept_the_h100_numbers_of_the_same_cells(tmp_path):
+    """spot_check_kernels.yaml's bands against the values the same shapes measured on the H100 (full.yaml
+    runs): all PASS, and twice those ratios FAIL (the specs' first guesses passed a 2× slower Cron Root or CQSA)."""
+    plan = load_spot_check(REPO / "matrices" / "spot_check_kernels.yaml", device="cuda")
+    perf = [c for c in plan.checks if c["kind"] == "perf"]
+    pts = (_cell("spot_cron_root_fp16_fwd_vs_flash", {16 * K: 0.113, 64 * K: 0.033}, kernel="cron_root",
+                 baseline="flash", dtype="float16", causal=True)
+           + _cell("spot_pasa_fp16_fwd_vs_flash", {4 * K: 1.078, 16 * K: 1.039}, kernel="pasa", baseline="flash",
+                   dtype="float16")
+           + _cell("spot_cqsa_fp16_fwd_vs_flash", {16 * K: 1.109, 64 * K: 0.942}, kernel="cqsa", baseline="flash",
+                   dtype="float16", head_dim=128))
+    run = load_run(make_run(tmp_path, pts, name="spot_check_kernels"))
+    assert {r.id: r.verdict for r in evaluate_checks(perf, run, run_correctness=False)} == \
+        {"CR-P": "PASS", "PA-P": "PASS", "CQ-P": "PASS"}
+    slow = load_run(make_run(tmp_path / "slow", [dict(p, ratio=2 * p["ratio"]) for p in pts], name="slow"))
+    assert all(r.verdict == "FAIL" for r in evaluate_checks(perf, slow, run_correctness=False))
