@@ -125,6 +125,15 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         if notes:
             out.append("\n" + notes)
 
+    # -- spot-check verdicts kept in the run directories -----------------------------------------------------
+    verdicts = [(r, name) for r in runs for name in ("spot_check.md", "spot_check_rescored.md")
+                if (r.path / name).is_file()]
+    if verdicts:
+        out.append("## Spot-check verdicts\n")
+        for r, name in verdicts:
+            out.append(f"From [`{r.path.name}/{name}`]({_rel(r.path / name, base)}):\n")
+            out.append((r.path / name).read_text())
+
     # -- plots -------------------------------------------------------------------------------------------
     out.append("## Plots")
     items = [f"- {title}: [{path.name}]({_rel(path, base)})" for title, path in sorted(overviews.items())]

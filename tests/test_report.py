@@ -84,3 +84,10 @@ def test_mixed_gpus_refused(tmp_path):
                  when=datetime(2026, 11, 22, 5, tzinfo=timezone.utc))
     with pytest.raises(ValueError, match="different GPUs"):
         build_report([a, b], results_root=tmp_path, plots=False)
+
+
+def test_spot_check_verdicts_are_included(tmp_path, runs):
+    (runs[0] / "spot_check.md").write_text("| check | verdict |\n|---|---|\n| P1 | PASS |\n")
+    text = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False).read_text()
+    assert "## Spot-check verdicts" in text and "| P1 | PASS |" in text
+    assert f"]({runs[0].relative_to(tmp_path).as_posix()}/spot_check.md)" in text
