@@ -644,6 +644,31 @@ def run_progress(run: Run) -> dict:
                 planned=planned, state=state, resume=resume)
 
 
+def first_call_table(runs) -> str | None:
+    """Per run and cell: the first attempt the run's process made for the cell (its first length), with each
+    side's first-call wall time — compilation included when that process had not compiled the kernel yet
+    (a fresh GPU machine has empty caches, so a run's first cell of a kernel shows its cold start) — next
+    to the side's steady median. None when no attempt recorded first calls (runs before they were kept)."""
+    rows = []
+    for run in runs:
+        seen = set()
+        for a in run.attempts:
+            cell = a.get("cell_id")
+            if cell in seen:
+                continue
+            seen.add(cell)
+            k, b = a.get("kernel") or {}, a.get("baseline") or {}
+            if k.get("first_call_ms") is None and b.get("first_call_ms") is None:
+                continue
+            rows.append([f"`{run.path.name}`", f"`{cell}`", str(a.get("n")),
+                         f"{k.get('backend', '–')}: {format_ms(k.get('first_call_ms'))} (steady {format_ms(k.get('ms_median'))})",
+                         f"{b.get('backend', '–')}: {format_ms(b.get('first_call_ms'))} (steady {format_ms(b.get('ms_median'))})"])
+    if not rows:
+        return None
+    return md_table(["run", "cell", "first length", "kernel: first call ms (steady)", "baseline: first call ms (steady)"],
+                    rows)
+
+
 RESUME_GAP_S = 300.0   # a longer gap between two attempt records is a run resumed later, not a point's duration
 
 

@@ -50,6 +50,7 @@ class SideResult:
     samples_ms: list[float] = field(default_factory=list)
     mem_mb: float | None = None
     flops: float | None = None
+    first_call_ms: float | None = None   # wall time of the point's first call: compilation included, if it compiled
 
     def summary(self) -> dict:
         s = stats(self.samples_ms)
@@ -59,7 +60,7 @@ class SideResult:
         return {"backend": self.backend, "status": self.status, "message": self.message,
                 "ms_median": s["median"], "ms_p10": s["p10"], "ms_p90": s["p90"], "ms_min": s["min"],
                 "cv": s["cv"], "samples_ms": [round(x, 6) for x in self.samples_ms], "mem_mb": self.mem_mb,
-                "tflops": tflops}
+                "tflops": tflops, "first_call_ms": self.first_call_ms}
 
 
 class _Clock:
@@ -146,8 +147,11 @@ def measure_pair(kernel: Workload, baseline: Workload, *, kernel_name: str, base
     estimates = {}
     for key, (wl, res) in sides.items():
         try:
-            for _ in range(2):
-                token = _call(wl, flush, clock)
+            t0 = time.perf_counter()                 # host wall time of the first call: JIT compilation (when
+            token = _call(wl, flush, clock)          # this process has not compiled it yet) shows here, and
+            clock.sync()                             # only here, outside every timed sample
+            res.first_call_ms = (time.perf_counter() - t0) * 1e3
+            token = _call(wl, flush, clock)
             clock.sync()
             res.mem_mb = peak_memory_mb(wl, device)
             trial = [_call(wl, flush, clock) for _ in range(3)]

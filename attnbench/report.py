@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from attnbench.analysis import (
-    _sorted_runs, gpu_short_name, load_runs, load_summary, load_table, md_table, model_table,
+    _sorted_runs, first_call_table, gpu_short_name, load_runs, load_summary, load_table, md_table, model_table,
     notes_markdown, points_table, scaling_table, summarize_cells, sweep_table,
 )
 
@@ -140,6 +140,15 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     items += [f"- `{s.cell_id}` ({s.setup} vs {s.baseline}): lat_ratio, time and mem_ratio vs N: "
               f"[{path.name}]({_rel(path, base)})" for s, path in zip(summaries, cell_plots)]
     out.append("\n".join(items) if items else "_no plots_")
+
+    # -- first calls (cold start) ----------------------------------------------------------------------------
+    first_calls = first_call_table(runs)
+    if first_calls:
+        out.append("\n## First calls (compilation included)\n")
+        out.append("Each run's first attempt at each cell: the host wall time of each side's first call in the run's "
+                   "process (JIT compilation included if that process had not compiled the kernel yet; a fresh GPU "
+                   "machine starts with empty caches), next to its steady median.")
+        out.append(first_calls)
 
     # -- load, all points --------------------------------------------------------------------------------
     out.append("\n## Load during the measurements\n")

@@ -1,6 +1,7 @@
 """RESULTS markdown: content, plots, and byte-identical regeneration."""
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 import pytest
@@ -91,3 +92,15 @@ def test_spot_check_verdicts_are_included(tmp_path, runs):
     text = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False).read_text()
     assert "## Spot-check verdicts" in text and "| P1 | PASS |" in text
     assert f"]({runs[0].relative_to(tmp_path).as_posix()}/spot_check.md)" in text
+
+
+def test_first_calls_section_only_when_recorded(tmp_path, runs):
+    text = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False).read_text()
+    assert "## First calls" not in text            # these runs predate first-call records
+    with open(runs[0] / "attempts.jsonl", "a") as fh:
+        fh.write(json.dumps({"point_id": "cold@1024", "cell_id": "cold", "n": 1024, "attempt": 1, "status": "clean",
+                             "kernel": {"backend": "cron_root", "first_call_ms": 2150.0, "ms_median": 0.05},
+                             "baseline": {"backend": "flash", "first_call_ms": 3.2, "ms_median": 0.04}}) + "\n")
+    text = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False).read_text()
+    assert "## First calls (compilation included)" in text
+    assert "| `cold` | 1024 | cron_root: 2150 (steady 0.05) | flash: 3.2 (steady 0.04) |" in text

@@ -211,6 +211,14 @@ def test_real_measurement_on_cpu_gives_finite_ratios(tmp_path):
     assert set(pts.status) == {"clean"}
     assert all(math.isfinite(x) and x > 0 for x in pts.lat_ratio)
     assert all(pts.lat_ratio_p10 <= pts.lat_ratio) and all(pts.lat_ratio <= pts.lat_ratio_p90)
+    # each side's first call (outside the timed samples) is kept, and the report lists the cells' first ones
+    for a in load_run(run_dir).attempts:
+        assert a["kernel"]["first_call_ms"] > 0 and a["baseline"]["first_call_ms"] > 0
+    from attnbench.analysis import first_call_table
+
+    table = first_call_table([load_run(run_dir)])
+    assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["`a`", "`b`"]
+    assert "flash: " in table and "(steady " in table
 
 
 def cli(*args, cwd=REPO, env_extra=None):
