@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnbench.store import Run, RunDirError, load_run
+from attnbench.store import Run, RunDirError, load_run, run_dirs
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -589,10 +589,9 @@ def resolve_run_dir(path) -> Path:
     path = Path(path)
     if (path / "manifest.json").is_file():
         return path
-    if path.is_dir():
-        subs = sorted(p for p in path.iterdir() if (p / "manifest.json").is_file())
-        if subs:
-            return subs[-1]
+    subs = run_dirs(path)
+    if subs:
+        return subs[-1]
     raise RunDirError(f"{path}: not a run directory and holds none")
 
 
@@ -602,7 +601,6 @@ def run_progress(run: Run) -> dict:
     Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
     matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
     or None when it is complete or can no longer be resumed)."""
-    import fnmatch
     import shlex
 
     from attnbench.matrix import MatrixError, load_matrix
@@ -620,10 +618,10 @@ def run_progress(run: Run) -> dict:
 
             matrix = load_spot_check(path, device=m.get("device") or "cuda").matrix
         else:
-            matrix = load_matrix(path, device=m.get("device") or "cuda")
-        if only:
-            matrix.cells = [c for c in matrix.cells if fnmatch.fnmatch(c.id, only)]
-        if m.get("matrix_sha256") == matrix.sha256 or m.get("plan_sha256") == matrix.plan_sha256():
+            matrix = load_matrix(path, device=m.get("device") or "cuda").select(only)
+        if matrix is None:            # a spot-check file none of whose cells can run
+            problem = "none of its cells can run now"
+        elif matrix.can_resume(m):
             planned = len(matrix.points())
         else:
             problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
@@ -682,16 +680,14 @@ def point_seconds(results_root, device: str) -> tuple[dict[str, float], int]:
     def ts(text):
         return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
 
-    root = Path(results_root)
     runs = []
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        if (d / "manifest.json").is_file():
-            try:
-                run = load_run(d)
-            except RunDirError:
-                continue
-            if run.manifest.get("device") == device:
-                runs.append(run)
+    for d in run_dirs(results_root):
+        try:
+            run = load_run(d)
+        except RunDirError:
+            continue
+        if run.manifest.get("device") == device:
+            runs.append(run)
     seconds: dict[str, float] = {}
     for run in sorted(runs, key=lambda r: str(r.manifest.get("started_utc"))):
         per_point: dict[str, float | None] = {}

@@ -257,12 +257,8 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
         matrix = load_matrix(matrix_path, device=device)
-        if only:
-            import fnmatch
-
-            matrix.cells = [c for c in matrix.cells if fnmatch.fnmatch(c.id, only)]
-            if not matrix.cells:
-                fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
+        if not matrix.select(only).cells:
+            fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
         if dry_run:
             from attnbench.analysis import point_seconds
 
@@ -285,13 +281,13 @@ def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder 
     from rich.table import Table
 
     from attnbench.analysis import run_progress
-    from attnbench.store import RunDirError, load_run
+    from attnbench.store import RunDirError, load_run, run_dirs
 
     if not results_root.is_dir():
         fail(f"{results_root}: no such folder", 2)
     table = Table("run", "matrix", "points", "state", "to finish it")
     count = 0
-    for run_dir in sorted(p for p in results_root.iterdir() if (p / "manifest.json").is_file()):
+    for run_dir in run_dirs(results_root):
         try:
             info = run_progress(load_run(run_dir))
         except RunDirError as exc:

@@ -83,6 +83,20 @@ class Matrix:
     def points(self) -> list[Point]:
         return [Point(cell, n) for cell in self.cells for n in cell.seq_lens]
 
+    def select(self, glob: str | None) -> "Matrix":
+        """Keep only the cells whose id matches `glob` (run-matrix --only); None keeps all."""
+        if glob:
+            import fnmatch
+
+            self.cells = [c for c in self.cells if fnmatch.fnmatch(c.id, glob)]
+        return self
+
+    def can_resume(self, manifest: dict) -> bool:
+        """A stored run may be finished with this plan: the same file, or (runs that recorded it) the same
+        measured cells after an edit elsewhere in the file."""
+        return (manifest.get("matrix_sha256") == self.sha256
+                or manifest.get("plan_sha256") == self.plan_sha256())
+
     def plan_sha256(self) -> str:
         """Fingerprint of what would be measured: the cells (after defaults and --only), not the file's bytes.
         A run can then be resumed after an edit elsewhere in the file (another cell, a comment)."""

@@ -318,9 +318,7 @@ class Runner:
         if resume is not None:
             store = RunStore.open_existing(resume)
             manifest = store.read_manifest()
-            same_file = manifest.get("matrix_sha256") == self.matrix.sha256
-            same_plan = manifest.get("plan_sha256") == self.matrix.plan_sha256()   # absent in older runs
-            if not (same_file or same_plan):
+            if not self.matrix.can_resume(manifest):
                 from attnbench.store import RunDirError
 
                 raise RunDirError(f"{resume}: the cells of {self.matrix.path} this run measures changed since it "

@@ -163,6 +163,12 @@ class Run:
     attempts: list[dict]
 
 
+def run_dirs(root) -> list[Path]:
+    """The run directories directly under `root` (folders holding a manifest.json), oldest name first."""
+    root = Path(root)
+    return sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+
+
 def load_run(run_dir) -> Run:
     """Read a run directory; RunDirError (one line) if it is not one or a file is corrupt."""
     store = RunStore.open_existing(Path(run_dir))
