@@ -225,7 +225,7 @@ def test_row_finaliser_refuses_double_counts_and_lost_tasks():
     tasks = build_tasks(N, 7, 1)
     fin = _RowFinalizer(_fake_engine(N, 8), 8, "pageable")
     with pytest.raises(RuntimeError, match="more than once"):     # a task counted twice overflows a chunk
-        for t in [tasks[0]] + tasks:
+        for t in [tasks[0], *tasks]:
             fin.add(t, None)
     fin = _RowFinalizer(_fake_engine(N, 8), 8, "direct")
     for t in tasks[:-1]:
