@@ -47,10 +47,16 @@ class Schedule:
         return self._device_cache[key]
 
 
-def _task_tables(task: Task, coord: str, block_rows: int, causal: bool, range_base: int, out_local: bool):
+def _task_tables(task: Task, coord: str, block_rows: int, causal: bool, range_base: int, out_local: bool,
+                 out_global: bool = False):
     """Items and ranges of one task. Returns (items[I,6] incl. slot, ranges[R,2], work)."""
     start = task.gstart if coord == "global" else task.lstart
-    shift = (task.gstart - task.lstart) if (coord == "global" and out_local) else np.zeros_like(task.gstart)
+    if coord == "global" and out_local:
+        shift = task.gstart - task.lstart
+    elif coord == "local" and out_global:        # local inputs, global output rows (merge into shared state)
+        shift = task.lstart - task.gstart
+    else:
+        shift = np.zeros_like(task.gstart)
     n = task.length
     P = len(n)
     keep = task.keep_pieces()
@@ -89,11 +95,12 @@ def _task_tables(task: Task, coord: str, block_rows: int, causal: bool, range_ba
     return items, ranges, work
 
 
-def build_schedule(tasks, coord: str, block_rows: int, causal: bool, by_slot: bool, out_local: bool = False) -> Schedule:
+def build_schedule(tasks, coord: str, block_rows: int, causal: bool, by_slot: bool, out_local: bool = False,
+                   out_global: bool = False) -> Schedule:
     all_items, all_vis, all_ranges = [], [], []
     work = 0.0
     for t in tasks:
-        items, ranges, w = _task_tables(t, coord, block_rows, causal, len(all_ranges), out_local)
+        items, ranges, w = _task_tables(t, coord, block_rows, causal, len(all_ranges), out_local, out_global)
         for blk, vis in items:
             all_items.append(blk)
             all_vis.append(vis)
@@ -126,9 +133,10 @@ def resident_schedule(n: int, c: int, itr: int, block_rows: int, causal: bool) -
     return build_schedule(build_tasks(n, c, itr), "global", block_rows, causal, by_slot=True)
 
 
-def task_schedule(task: Task, block_rows: int, causal: bool, inputs_global: bool) -> Schedule:
+def task_schedule(task: Task, block_rows: int, causal: bool, inputs_global: bool, out_global: bool = False) -> Schedule:
     """One wave over one task (streaming). Inputs read in global coordinates when they stay in place
-    on the device, else in the task's local coordinates (gathered buffer); outputs always task-local."""
+    on the device, else in the task's local coordinates (gathered buffer); outputs task-local (the
+    task's partials), or global with ``out_global`` (the kernel merges straight into the accumulator)."""
     if inputs_global:
-        return build_schedule([task], "global", block_rows, causal, by_slot=False, out_local=True)
-    return build_schedule([task], "local", block_rows, causal, by_slot=False)
+        return build_schedule([task], "global", block_rows, causal, by_slot=False, out_local=not out_global)
+    return build_schedule([task], "local", block_rows, causal, by_slot=False, out_global=out_global)

@@ -32,7 +32,8 @@ import torch
 
 from .attention import check_bf16_device, lse_log2, row_delta, validate
 from .divide import Task, build_tasks, interest_set, max_depth, refine
-from .kernel import config, launch_bwd_dkdv, launch_bwd_dq, launch_fwd, precision_for
+from .kernel import (LN2, config, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd, launch_merge,
+                     merge_items, precision_for)
 from .schedule import task_schedule
 
 OOM = torch.OutOfMemoryError
@@ -60,6 +61,13 @@ class StreamStats:
     peak_bytes: int | None = None           # max bytes allocated on the compute device during the run
     times_s: dict = field(default_factory=lambda: dict(plan=0.0, gather=0.0, h2d=0.0, compute=0.0, merge=0.0,
                                                           d2h=0.0, finalize=0.0, wall=0.0))
+    # forward pipeline options in effect (see stream_forward) and the row-chunk finaliser's counts
+    merge: str = "torch"
+    finalize: str = "legacy"
+    out_path: str | None = None             # direct | pinned | pageable (finalize != legacy)
+    fin_chunk: int | None = None
+    fin_chunks: int = 0                     # chunks finalised
+    fin_chunks_early: int = 0               # ... of which while tasks were still queued or in flight
     gpu_compute_fraction: float | None = None   # kernel time / wall time (CUDA only)
     gpu_busy_fraction: float | None = None      # union of kernel and merge intervals / wall
     pairs_covered: int = 0
@@ -176,8 +184,11 @@ def _union_length(intervals) -> float:
 class StableAccumulator:
     """Per-token fp32 (m, s, acc) merged with the log-sum-exp rule (spec §3.3), idempotent per task."""
 
-    def __init__(self, B, H, N, D, device):
+    def __init__(self, B, H, N, D, device, mscale: float = 1.0):
         f32 = dict(dtype=torch.float32, device=device)
+        # lse = m·mscale + ln s: 1 for this class's natural-log merge; ln 2 when the forward kernel's
+        # epilogue merges into the state directly (merge="kernel": m is its log2-unit running max)
+        self.mscale = mscale
         self.m = torch.full((B, H, N), float("-inf"), **f32)
         self.s = torch.zeros((B, H, N), **f32)
         self.acc = torch.zeros((B, H, N, D), **f32)
@@ -219,6 +230,23 @@ class StableAccumulator:
         self.done.add(task.path)
         return True
 
+    def merge_fused(self, task: Task, out_i: torch.Tensor, lse_i: torch.Tensor) -> bool:
+        """`merge` as one Triton launch over the task's rows (in place, no temporaries but the item table)."""
+        if self.dirty:
+            raise MergeError("cqsa: accumulator is dirty after a failed merge")
+        if task.path in self.done:
+            return False
+        items = torch.from_numpy(merge_items(task.gstart, task.lstart, task.length))
+        if self.m.device.type == "cuda":        # an OOM here leaves the state untouched
+            items = items.pin_memory().to(self.m.device, non_blocking=True)
+        try:
+            launch_merge(out_i, lse_i, self.acc, self.m, self.s, items)
+        except Exception as exc:
+            self.dirty = True
+            raise MergeError(f"cqsa: fused merge of task {task.path} failed: {exc}") from exc
+        self.done.add(task.path)
+        return True
+
     def finalize(self, out: torch.Tensor, lse: torch.Tensor, chunk: int = 1 << 16, timer=None, stream=None):
         """out[..] = acc / s (in out's dtype, on out's device), lse = m + log s; chunked along N."""
         N = self.m.shape[2]
@@ -227,7 +255,8 @@ class StableAccumulator:
             ssum = self.s[:, :, sl]
             has = ssum > 0
             o = (self.acc[:, :, sl] / torch.where(has, ssum, torch.ones_like(ssum)).unsqueeze(-1)).to(out.dtype)
-            l_ = torch.where(has, self.m[:, :, sl] + torch.log(torch.where(has, ssum, torch.ones_like(ssum))),
+            m_ = self.m[:, :, sl] if self.mscale == 1.0 else self.m[:, :, sl] * self.mscale
+            l_ = torch.where(has, m_ + torch.log(torch.where(has, ssum, torch.ones_like(ssum))),
                              torch.full_like(ssum, float("-inf")))
             out[:, :, sl].copy_(o, non_blocking=True)
             lse[:, :, sl].copy_(l_, non_blocking=True)
@@ -264,7 +293,7 @@ class GradAccumulator:
 # --- the engine --------------------------------------------------------------------------------
 
 class _Handle:
-    __slots__ = ("task", "bufs", "parts", "need", "compute_done", "t_launch")
+    __slots__ = ("task", "bufs", "parts", "need", "compute_done", "t_launch", "merged")
 
     def __init__(self, task):
         self.task = task
@@ -272,13 +301,15 @@ class _Handle:
         self.parts = []
         self.need = 0
         self.compute_done = None
+        self.merged = False          # merge="kernel": the compute launch merged the task
 
 
 class _Engine(ABC):
     """Shared task loop; subclasses say what a task allocates, computes and merges."""
 
     def __init__(self, mode, inputs, *, causal, scale, c, itr, mem_budget, device, n_cap, n_cap_max, acc,
-                 refine_mode, gather, input_precision, oom_hook, peak_hook, calib_coef):
+                 refine_mode, gather, input_precision, oom_hook, peak_hook, calib_coef,
+                 merge="auto", finalize="auto", host_out="auto", final_chunk=None):
         q = inputs[0]
         self.B, self.H, self.N, self.D = q.shape
         self.dtype = q.dtype
@@ -298,6 +329,12 @@ class _Engine(ABC):
         self.oom_hook, self.peak_hook = oom_hook, peak_hook
         self.coef = calib_coef
         self.n_cap_max = n_cap_max if n_cap_max is not None else (2 if self.cuda else 1)
+        # forward pipeline options (the backward engine ignores them): see stream_forward
+        self.merge_mode = merge if merge != "auto" else ("kernel" if self.cuda else "torch")
+        self.fin_mode = finalize if finalize != "auto" else "rows"
+        self.host_out = host_out
+        self.fin_chunk_opt = final_chunk
+        self.live = ((), ())
         self.n_cap_user = n_cap
         self.itr_min = itr
         if self.inputs_in_place:      # the kernels read rows in place and need a unit stride along D
@@ -312,11 +349,11 @@ class _Engine(ABC):
         self.timer = _Timer(self.cuda)
         if self.cuda:
             cur = torch.cuda.current_stream(self.dev)
-            self.copy_s, self.comp_s, self.merge_s = (torch.cuda.Stream(self.dev) for _ in range(3))
-            for s in (self.copy_s, self.comp_s, self.merge_s):
+            self.copy_s, self.comp_s, self.merge_s, self.fin_s = (torch.cuda.Stream(self.dev) for _ in range(4))
+            for s in (self.copy_s, self.comp_s, self.merge_s, self.fin_s):
                 s.wait_stream(cur)
         else:
-            self.copy_s = self.comp_s = self.merge_s = None
+            self.copy_s = self.comp_s = self.merge_s = self.fin_s = None
 
     # memory -------------------------------------------------------------------------------------
     def mem_now(self) -> int:
@@ -345,6 +382,7 @@ class _Engine(ABC):
         base = self.mem_now()
         slots = self.n_cap_max if self.cuda else 1
         for acc in accs:
+            self.configure(acc == "device")
             floor = base + self.floor_bytes(acc == "device")
             for itr in range(self.itr_min, max(cap, self.itr_min) + 1):
                 if floor + slots * self.task_need(_depth_bound(self.N, self.c, itr)) <= 0.95 * self.budget:
@@ -367,10 +405,11 @@ class _Engine(ABC):
         itr, acc_loc = self.plan()
         self.stats.itr_start, self.stats.acc = itr, acc_loc
         self.acc_on_device = acc_loc == "device"
+        self.configure(self.acc_on_device)
         self.setup()
         if self.cuda:     # the accumulator and per-row vectors were made on the caller's stream
             cur = torch.cuda.current_stream(self.dev)
-            for s in (self.copy_s, self.comp_s, self.merge_s):
+            for s in (self.copy_s, self.comp_s, self.merge_s, self.fin_s):
                 s.wait_stream(cur)
         queue = deque(build_tasks(self.N, self.c, itr))
         self.stats.times_s["plan"] += time.perf_counter() - t0
@@ -381,6 +420,7 @@ class _Engine(ABC):
             n_cap = self.n_cap_user
         self.stats.n_cap_history.append(n_cap)
         inflight: deque = deque()
+        self.live = (queue, inflight)          # tasks not merged yet (the finaliser's "early" count)
         while queue or inflight:
             if state == "calibrate":
                 if inflight:
@@ -442,6 +482,9 @@ class _Engine(ABC):
     def merged(self, task) -> bool:
         return task.path in self.acc_done()
 
+    def configure(self, acc_on_device: bool):
+        """Options that depend on where the accumulator lives (the backward engine has none)."""
+
     def escalate(self, task: Task, queue: deque, cap_depth: int):
         """n_cap is 1 and `task` still does not fit: go one level deeper (the paper's itr + 1)."""
         if task.depth + 1 > cap_depth:
@@ -494,7 +537,8 @@ class _Engine(ABC):
             wall = st.times_s["wall"]
             comp = intervals.get("compute", [])
             st.gpu_compute_fraction = _union_length(comp) / wall if wall > 0 else None
-            st.gpu_busy_fraction = _union_length(comp + intervals.get("merge", [])) / wall if wall > 0 else None
+            st.gpu_busy_fraction = _union_length(comp + intervals.get("merge", []) + intervals.get("fin_gpu", [])) \
+                / wall if wall > 0 else None
         else:
             st.peak_bytes = int(self.peak_seen)
         if st.pairs_covered != self.N * self.N:
@@ -540,8 +584,8 @@ class _Engine(ABC):
             out.append(buf)
         return out
 
-    def tables(self, task: Task, block_rows: int):
-        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place)
+    def tables(self, task: Task, block_rows: int, out_global: bool = False):
+        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global)
         r = torch.from_numpy(sched.ranges)
         w = torch.from_numpy(sched.waves[0])
         if self.cuda:
@@ -566,13 +610,182 @@ class _nullctx:
         return False
 
 
+class _RowFinalizer:
+    """Writes O and lse chunk by chunk (``fin_chunk`` rows) as soon as every task touching a chunk is merged,
+    on its own stream, so finalisation and the D2H of O overlap the remaining tasks (finalize="rows"), or
+    all chunks after the loop (finalize="end").
+
+    Completion is counted in pairs: each (row, key) pair of the N×N matrix is kept by exactly one task
+    (responsibility only; causality is applied inside the kernel), so a row is complete when the merged
+    tasks' kept pairs on it sum to N. Per chunk that is rows × N — robust to requeues and refinement; a
+    count past it (a task merged twice) raises, and so does an incomplete chunk at the end (a lost task).
+    A task whose rows see no key there adds 0 and may still run after the chunk was finalised: its merge
+    writes the same values back (scale 1, weight 0), so the finaliser's reads are unaffected.
+
+    Output paths: "direct" (O lives with the accumulator: the finalize kernel writes O's rows in place),
+    "pinned" (device staging -> B·H contiguous async D2H copies into a pinned host O), "pageable"
+    (device staging -> one D2H into a pinned slot of a two-slot ring -> a host copy into a pageable O once
+    the slot's event has fired; the host does these copies between launches, while the GPU computes).
+    """
+
+    def __init__(self, eng, chunk: int, path: str):
+        self.e = eng
+        B, H, N, D = eng.B, eng.H, eng.N, eng.D
+        self.chunk, self.path = chunk, path
+        self.n = -(-N // chunk)
+        self.need = [min(chunk, N - j * chunk) * N for j in range(self.n)]
+        self.got = [0] * self.n
+        self.enq = [False] * self.n
+        self.pending: deque = deque()          # (event, slot, a, b) of the pageable path
+        acc_dev = eng.acc.m.device
+        per = B * H * chunk
+        self.dstage = self.lstage = None
+        if path != "direct":
+            self.dstage = torch.empty(per * D, dtype=eng.dtype, device=acc_dev)
+            self.lstage = torch.empty(per, dtype=torch.float32, device=acc_dev)
+        self.ring = []
+        if path == "pageable":
+            pin = eng.cuda
+            self.ring = [(torch.empty(per * D, dtype=eng.dtype, pin_memory=pin),
+                          torch.empty(per, dtype=torch.float32, pin_memory=pin)) for _ in range(2)]
+        self.free = list(range(len(self.ring)))
+
+    @staticmethod
+    def staging_bytes(B, H, D, itemsize, chunk) -> int:
+        return B * H * chunk * (D * itemsize + 4)
+
+    def add(self, task: Task, event):
+        """A merged task: count its kept pairs per chunk and finalise the chunks it completed."""
+        kept = task.keep_pieces().astype(np.int64) @ task.length      # kept key tokens per row piece
+        touched = []
+        ch = self.chunk
+        for g, n, kp in zip(task.gstart.tolist(), task.length.tolist(), kept.tolist()):
+            if n == 0 or kp == 0:
+                continue
+            for j in range(g // ch, (g + n - 1) // ch + 1):
+                ov = min(g + n, (j + 1) * ch) - max(g, j * ch)
+                self.got[j] += ov * kp
+                touched.append(j)
+        for j in sorted(set(touched)):
+            if self.got[j] > self.need[j] or (self.enq[j] and self.got[j] != self.need[j]):
+                raise RuntimeError(f"cqsa: rows [{j * ch}, {min((j + 1) * ch, self.e.N)}) merged more than once "
+                                   f"({self.got[j]} > {self.need[j]} pairs; task {task.path})")
+            if self.got[j] == self.need[j] and not self.enq[j] and self.e.fin_mode == "rows":
+                self.enqueue(j, event)
+        self.poll()
+
+    def enqueue(self, j: int, event):
+        e = self.e
+        B, H, N, D = e.B, e.H, e.N, e.D
+        a, b = j * self.chunk, min(N, (j + 1) * self.chunk)
+        n = b - a
+        self.enq[j] = True
+        e.stats.fin_chunks += 1
+        e.stats.fin_chunks_early += int(any(len(x) for x in e.live))
+        slot = self.take_slot() if self.path == "pageable" else None    # may wait for an older chunk
+        acc = e.acc
+        with e._stream_ctx(e.fin_s):
+            if e.cuda and event is not None:
+                e.fin_s.wait_event(event)
+            t0 = e.timer.start(e.fin_s)
+            if self.path == "direct":
+                launch_finalize(acc.acc, acc.m, acc.s, e.out[:, :, a:b], e.lse[:, :, a:b], a, acc.mscale)
+                e.timer.stop("fin_gpu", t0, e.fin_s)
+                return
+            o = self.dstage[:B * H * n * D].view(B, H, n, D)
+            l_ = self.lstage[:B * H * n].view(B, H, n)
+            launch_finalize(acc.acc, acc.m, acc.s, o, l_, a, acc.mscale)
+            e.timer.stop("fin_gpu", t0, e.fin_s)
+            d0 = e.timer.start(e.fin_s)
+            if self.path == "pinned":             # contiguous on both sides: plain async memcpys
+                for bb in range(B):
+                    for hh in range(H):
+                        e.out[bb, hh, a:b].copy_(o[bb, hh], non_blocking=e.cuda)
+                        e.lse[bb, hh, a:b].copy_(l_[bb, hh], non_blocking=e.cuda)
+                e.timer.stop("d2h", d0, e.fin_s)
+                return
+            ho, hl = self.ring[slot]
+            ho[:B * H * n * D].copy_(self.dstage[:B * H * n * D], non_blocking=e.cuda)
+            hl[:B * H * n].copy_(self.lstage[:B * H * n], non_blocking=e.cuda)
+            e.timer.stop("d2h", d0, e.fin_s)
+            ev = None
+            if e.cuda:
+                ev = torch.cuda.Event()
+                ev.record(e.fin_s)
+        self.pending.append((ev, slot, a, b))
+
+    def take_slot(self) -> int:
+        if not self.free:
+            self.land(*self.pending.popleft(), wait=True)
+        return self.free.pop(0)
+
+    def land(self, ev, slot, a, b, wait: bool):
+        """Host copy of a staged chunk into the pageable O (after its D2H finished)."""
+        if ev is not None and wait:
+            ev.synchronize()
+        e = self.e
+        B, H, D = e.B, e.H, e.D
+        n = b - a
+        ho, hl = self.ring[slot]
+        t0 = time.perf_counter()
+        e.out[:, :, a:b].copy_(ho[:B * H * n * D].view(B, H, n, D))
+        e.lse[:, :, a:b].copy_(hl[:B * H * n].view(B, H, n))
+        e.timer.host["host_copy"] += time.perf_counter() - t0
+        self.free.append(slot)
+
+    def poll(self):
+        """Land every staged chunk whose D2H is done, without waiting."""
+        while self.pending and (self.pending[0][0] is None or self.pending[0][0].query()):
+            self.land(*self.pending.popleft(), wait=False)
+
+    def close(self, events):
+        """After the loop: the chunks not finalised yet (all of them for finalize="end"), then drain."""
+        e = self.e
+        if e.cuda:
+            for ev in events:          # the last merges (compute or merge stream) before the tail chunks
+                if ev is not None:
+                    e.fin_s.wait_event(ev)
+        for j in range(self.n):
+            if not self.enq[j]:
+                if self.got[j] != self.need[j]:
+                    raise RuntimeError(f"cqsa: rows [{j * self.chunk}, {min((j + 1) * self.chunk, e.N)}) got "
+                                       f"{self.got[j]} of {self.need[j]} pairs: a task was lost")
+                self.enqueue(j, None)
+        while self.pending:
+            self.land(*self.pending.popleft(), wait=True)
+
+
 class _FwdEngine(_Engine):
     def gathered(self):
         return self.inputs[:3]
 
+    def configure(self, acc_on_device: bool):
+        # a host accumulator is merged on the host (torch) and finalised there (the legacy path)
+        self.merge_eff = self.merge_mode if acc_on_device else "torch"
+        self.fin_eff = self.fin_mode if acc_on_device else "legacy"
+        out_with_acc = self.src_device == (self.dev if acc_on_device else torch.device("cpu"))
+        if self.fin_eff == "legacy":
+            self.out_path = None
+        elif out_with_acc:
+            # on the CPU an explicit host_out routes O through the staging path (what the tests drive)
+            self.out_path = self.host_out if (self.host_out != "auto" and not self.cuda) else "direct"
+        else:
+            self.out_path = "pageable" if self.host_out == "auto" else self.host_out
+        BHD = self.B * self.H * self.D
+        if self.fin_chunk_opt is not None:
+            self.fin_chunk = max(1, int(self.fin_chunk_opt))
+        else:
+            per = BHD * self.dtype.itemsize + 4 * self.B * self.H
+            cap = 1 << 15 if self.budget is None else int(max(256, min(1 << 15, 0.02 * self.budget // max(per, 1))))
+            self.fin_chunk = max(1, min(cap, self.N))
+
     def task_need(self, L: int) -> int:
         BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
         inputs = 0 if self.inputs_in_place else 3 * s * L * BH * D
+        if self.merge_eff == "kernel":         # the kernel merges into the accumulator: no partials
+            return inputs + (2 << 20)
+        if self.merge_eff == "triton":         # out_i, lse_i and the item table
+            return inputs + 4 * L * BH * D + 4 * L * BH + (2 << 20)
         # out_i, lse_i, merge temporaries (m1, a, w per row), tables, allocator rounding slack
         return inputs + 4 * L * BH * D + 4 * L * BH + 12 * L * BH + (2 << 20)
 
@@ -580,15 +793,31 @@ class _FwdEngine(_Engine):
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
         acc = StableAccumulator.nbytes(B, H, N, D) if acc_on_device else 0
         out = (s * B * H * N * D + 4 * B * H * N) if self.src_device == self.dev else 0
-        return acc + out + (4 << 20)
+        stage = 0
+        if acc_on_device and self.out_path in ("pinned", "pageable"):
+            stage = _RowFinalizer.staging_bytes(B, H, D, s, self.fin_chunk)
+        return acc + out + stage + (4 << 20)
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
         acc_dev = self.dev if self.acc_on_device else torch.device("cpu")
-        self.acc = StableAccumulator(B, H, N, D, acc_dev)
+        self.acc = StableAccumulator(B, H, N, D, acc_dev, mscale=LN2 if self.merge_eff == "kernel" else 1.0)
         if not self.cuda:
             self.ledger += StableAccumulator.nbytes(B, H, N, D)
         self.block = config("fwd", D, self.dtype, self.dev)
+        st = self.stats
+        st.merge, st.finalize, st.out_path = self.merge_eff, self.fin_eff, self.out_path
+        self.fin = None
+        self.last_events = []
+        if self.fin_eff != "legacy":
+            st.fin_chunk = self.fin_chunk
+            out_dev = self.src_device
+            pin = out_dev.type == "cpu" and self.cuda and self.out_path == "pinned"
+            self.out = torch.empty((B, H, N, D), dtype=self.dtype, device=out_dev, pin_memory=pin)
+            self.lse = torch.empty((B, H, N), dtype=torch.float32, device=out_dev, pin_memory=pin)
+            self.fin = _RowFinalizer(self, self.fin_chunk, self.out_path)
+            if not self.cuda and self.out_path != "direct":
+                self.ledger += _RowFinalizer.staging_bytes(B, H, D, self.dtype.itemsize, self.fin_chunk)
 
     def acc_done(self):
         return self.acc.done
@@ -601,16 +830,34 @@ class _FwdEngine(_Engine):
         q, k, v = self.load_inputs(h, self.gathered(), self.layouts)
         if self.cuda:
             self.comp_s.wait_stream(self.copy_s)
+        kernel_merge = self.merge_eff == "kernel"
         with self._stream_ctx(self.comp_s):
-            ranges, items = self.tables(task, self.block[0])
-            out_i = torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev)
-            lse_i = torch.empty((B, H, L), dtype=torch.float32, device=self.dev)
-            c0 = self.timer.start(self.comp_s)
+            ranges, items = self.tables(task, self.block[0], out_global=kernel_merge)
+            if not kernel_merge:
+                out_i = torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev)
+                lse_i = torch.empty((B, H, L), dtype=torch.float32, device=self.dev)
             if not self.cuda:
                 self.ledger += h.need
                 self.peak_seen = max(self.peak_seen, self.ledger)
-            launch_fwd(q, k, v, out_i, lse_i, items, ranges, causal=self.causal, scale=self.scale,
-                       block=self.block, precision=self.prec, mode=0)
+            c0 = self.timer.start(self.comp_s)
+            if kernel_merge:
+                # every task's kernel runs on comp_s, one after another, and a task holds each global row
+                # once: the epilogue folds (m, l, acc) into the shared state without races
+                a = self.acc
+                if a.dirty:
+                    raise MergeError("cqsa: accumulator is dirty after a failed merge")
+                try:
+                    launch_fwd(q, k, v, a.acc, a.m, items, ranges, causal=self.causal, scale=self.scale,
+                               block=self.block, precision=self.prec, mode=1, first=False, last=False,
+                               acc=a.acc, mst=a.m, lst=a.s)
+                except Exception as exc:
+                    a.dirty = True
+                    raise MergeError(f"cqsa: merging launch of task {task.path} failed: {exc}") from exc
+                a.done.add(task.path)
+                h.merged = True
+            else:
+                launch_fwd(q, k, v, out_i, lse_i, items, ranges, causal=self.causal, scale=self.scale,
+                           block=self.block, precision=self.prec, mode=0)
             self.timer.stop("compute", c0, self.comp_s)
             if self.cuda:
                 h.compute_done = torch.cuda.Event()
@@ -618,17 +865,29 @@ class _FwdEngine(_Engine):
                 for b in h.bufs:
                     if b.device.type == "cuda":
                         b.record_stream(self.comp_s)
-        h.parts = [out_i, lse_i]
+        h.parts = [] if kernel_merge else [out_i, lse_i]
         return h
 
     def retire(self, h: _Handle):
+        if self.merge_eff == "kernel":
+            if self.cuda:
+                h.compute_done.synchronize()      # the task's inputs are free before the next admission
+            else:
+                self.ledger -= h.need
+            h.bufs = []
+            self.merged_done(h.task, h.merged, h.compute_done)
+            return
         out_i, lse_i = h.parts
+        done = None
         if self.cuda:
             self.merge_s.wait_event(h.compute_done)
         if self.acc_on_device:
             with self._stream_ctx(self.merge_s):
                 m0 = self.timer.start(self.merge_s)
-                merged = self.acc.merge(h.task, out_i, lse_i)
+                if self.merge_eff == "triton":
+                    merged = self.acc.merge_fused(h.task, out_i, lse_i)
+                else:
+                    merged = self.acc.merge(h.task, out_i, lse_i)
                 self.timer.stop("merge", m0, self.merge_s)
                 if self.cuda:
                     out_i.record_stream(self.merge_s)
@@ -653,15 +912,36 @@ class _FwdEngine(_Engine):
             m0 = time.perf_counter()
             merged = self.acc.merge(h.task, oh, lh)
             self.timer.host["merge"] += time.perf_counter() - m0
+            done = None               # merged on the host, synchronously
         if self.cuda:
-            done.synchronize()       # the task's memory is free before the next admission
+            if done is not None:
+                done.synchronize()       # the task's memory is free before the next admission
         else:
             self.ledger -= h.need
         h.parts, h.bufs = [], []
-        if merged:
-            self.note_merged(h.task)
+        self.merged_done(h.task, merged, done)
+
+    def merged_done(self, task: Task, merged: bool, event):
+        if not merged:
+            return
+        self.note_merged(task)
+        if self.fin is not None:
+            self.last_events = [event]
+            self.fin.add(task, event)
 
     def finalize(self):
+        if self.fin is not None:
+            t0 = time.perf_counter()
+            self.fin.close(self.last_events)
+            if self.cuda:
+                cur = torch.cuda.current_stream(self.dev)
+                cur.wait_stream(self.fin_s)      # O (direct path) and the staging buffers are used on fin_s
+                cur.wait_stream(self.comp_s)
+                cur.wait_stream(self.merge_s)
+            self.timer.host["fin_tail"] += time.perf_counter() - t0
+            self.fin = None
+            self.acc = None
+            return
         B, H, N, D = self.B, self.H, self.N, self.D
         out_dev = self.src_device
         pin = out_dev.type == "cpu" and self.cuda
@@ -669,6 +949,7 @@ class _FwdEngine(_Engine):
         self.lse = torch.empty((B, H, N), dtype=torch.float32, device=out_dev, pin_memory=pin)
         if self.cuda:
             torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
+            torch.cuda.current_stream(self.dev).wait_stream(self.comp_s)
         d0 = self.timer.start()
         BHD = self.B * self.H * self.D
         chunk = self.final_chunk(BHD * (4 + 2 * self.dtype.itemsize) + 16 * self.B * self.H)
@@ -799,7 +1080,8 @@ class _BwdEngine(_Engine):
 
 def _engine_kwargs(kw):
     allowed = dict(device=None, n_cap=None, n_cap_max=None, acc="auto", refine="uniform", gather="auto",
-                   oom_hook=None, peak_hook=None, calib_coef=1.0, mem_budget=None)
+                   oom_hook=None, peak_hook=None, calib_coef=1.0, mem_budget=None,
+                   merge="auto", finalize="auto", host_out="auto", final_chunk=None)
     unknown = set(kw) - set(allowed)
     if unknown:
         raise ValueError(f"cqsa: unknown streaming option(s): {', '.join(sorted(unknown))}")
@@ -810,6 +1092,13 @@ def _engine_kwargs(kw):
         raise ValueError(f"cqsa: refine must be 'uniform' or 'hybrid', got {allowed['refine']!r}")
     if allowed["gather"] not in ("auto", "always"):
         raise ValueError(f"cqsa: gather must be 'auto' or 'always', got {allowed['gather']!r}")
+    for key, ok in (("merge", ("auto", "torch", "triton", "kernel")), ("finalize", ("auto", "legacy", "end", "rows")),
+                    ("host_out", ("auto", "pinned", "pageable"))):
+        if allowed[key] not in ok:
+            raise ValueError(f"cqsa: {key} must be one of {', '.join(map(repr, ok))}, got {allowed[key]!r}")
+    fc = allowed["final_chunk"]
+    if fc is not None and (not isinstance(fc, int) or isinstance(fc, bool) or fc < 1):
+        raise ValueError(f"cqsa: final_chunk must be a positive int (rows), got {fc!r}")
     mb = allowed["mem_budget"]
     if mb is not None and (not isinstance(mb, (int, float)) or mb <= 0):
         raise ValueError(f"cqsa: mem_budget must be a positive number of bytes, got {mb!r}")
@@ -820,7 +1109,20 @@ def _engine_kwargs(kw):
 
 def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, input_precision="tf32x3", **kw):
     """Exact attention forward through the task engine. Returns (out, lse, stats); out and the
-    natural-log lse [B,H,N] live on q's device."""
+    natural-log lse [B,H,N] live on q's device.
+
+    Pipeline options (the GPU sweep in scripts/gpu/cqsa_tune.py compares them):
+    - merge: "kernel" (default on CUDA): the forward kernel's epilogue folds each task straight into the
+      fp32 accumulator (tasks run one after another on the compute stream and a task holds each row once,
+      so no races); no per-task partials, no merge pass, a task costs only its gathered inputs.
+      "triton": partials, then one fused in-place merge launch per task. "torch" (default on the CPU):
+      partials, then the per-piece PyTorch merge (the original pipeline).
+    - finalize: "rows" (default): O and lse are written chunk by chunk (final_chunk rows) on their own stream
+      as soon as every task touching a chunk is merged, overlapping the remaining tasks; "end": the same
+      after the loop; "legacy": the original chunked PyTorch finalisation after the loop.
+    - host_out (host inputs): "pageable" (default; staged through a pinned two-slot ring, landed by the host
+      between launches) or "pinned" (O allocated pinned, async per-head D2H copies).
+    """
     validate(q, k, v, causal, scale, c, itr, input_precision)
     scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     opts = _engine_kwargs(kw)

@@ -24,9 +24,9 @@ from triton.compiler import ASTSource
 
 from kernels.cqsa import kernel as K
 
-PTR16 = {"Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV"}
-PTR32 = {"LSE", "ACC", "MST", "LST", "LSE2", "DELTA", "DQACC", "DKACC", "DVACC"}
-NOT_DIV16 = {"H", "qk_scale", "sm_scale", "first", "last"}
+PTR16 = {"Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV", "O"}
+PTR32 = {"LSE", "ACC", "MST", "LST", "LSE2", "DELTA", "DQACC", "DKACC", "DVACC", "OUTI", "LSEI", "SST"}
+NOT_DIV16 = {"H", "qk_scale", "sm_scale", "first", "last", "mscale", "n", "g0"}
 
 
 def _ptxas():
@@ -36,19 +36,21 @@ def _ptxas():
         yield p
 
 
-def compile_variant(fn, dtype: str, consts: dict, warps: int, stages: int) -> dict:
+def compile_variant(fn, dtype: str, consts: dict, warps: int, stages: int, fp32_ptrs=()) -> dict:
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
             continue
-        if name in PTR16:
+        if name in fp32_ptrs:
+            sig[name] = "*fp32"
+        elif name in PTR16:
             sig[name] = "*" + dtype
         elif name in PTR32:
             sig[name] = "*fp32"
         elif name in ("ITEMS", "RANGES"):
             sig[name] = "*i32"
-        elif name in ("qk_scale", "sm_scale"):
+        elif name in ("qk_scale", "sm_scale", "mscale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -96,6 +98,21 @@ def main():
                                  config=[bm, bn, w, st])
                         rows.append(r)
                         print(json.dumps(r), flush=True)
+                        if mode == 1:
+                            # streaming merge="kernel": the accumulator is passed as OUT (fp32, never stored)
+                            r = compile_variant(fn, dt, consts, w, st, fp32_ptrs=("OUT",))
+                            r.update(kernel=fn.__name__, dtype=dt, head_dim=d, causal=causal, mode=mode,
+                                     config=[bm, bn, w, st], note="streaming merge=kernel (OUT fp32)")
+                            rows.append(r)
+                            print(json.dumps(r), flush=True)
+        # the streaming merge (fp32 partials) and the row-chunk finaliser (O in the input dtype)
+        for fn, kw in ((K.cqsa_merge_kernel, dict(BLOCK=K.MERGE_BLOCK)), (K.cqsa_finalize_kernel, dict(BLOCK=K.FINAL_BLOCK))):
+            if fn is K.cqsa_merge_kernel and dt != "fp16":
+                continue                      # no pointer of the input dtype: one variant per head dim
+            r = compile_variant(fn, dt, dict(HEAD_DIM=d, **kw), 4, 1)
+            r.update(kernel=fn.__name__, dtype=dt, head_dim=d, config=[kw["BLOCK"], 4])
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     out = dict(triton=triton.__version__, target="sm_90 (ptxas -v for sm_90a)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -8,8 +8,11 @@ Parts (each guarded by the time limit; results are written after every part):
     after a small forward config sweep; TFLOP/s counts dense attention's 4·N²·D·H (masked work is skipped,
     so this is the kernel's rate on the unmasked work).
  b) streaming exact forward from pinned host memory, N=2^20, H=9 (Q,K,V,O = 9 GiB) under an 8 GiB budget
-    (also enforced by set_per_process_memory_fraction); peak memory, GPU compute fraction, stage times;
-    error against flash and against an fp32 reference on sampled rows.
+    (also enforced by set_per_process_memory_fraction), once per pipeline variant (--variants; VARIANTS:
+    merge torch/triton/kernel × finalize legacy/rows/end × host_out); per variant: wall, GPU compute and busy
+    fractions, stage times, peak memory, error against flash (head 0) and an fp32 reference (sampled rows).
+    The streaming sweep alone, inside 200 s:
+      PYTHONPATH=. python3 scripts/gpu/cqsa_tune.py --out $OUT --parts b --deadline $(( $(date +%s) + 185 ))
  c) peak GPU memory and time vs N: streaming under a fixed budget vs flash with everything resident (PNGs).
  d) the paper's 1M-token estimate (H=64, D=128, fp16) redone from fits of this GPU's measurements.
 Timing: triton.testing.do_bench(return_mode="median") for calls under ~50 ms, else CUDA-event medians of
@@ -188,45 +191,111 @@ def make_host_inputs(n, h, d, dt, cuda):
     return out
 
 
+# streaming pipeline variants compared in part b (name, engine options); the first is the pipeline of
+# results/dev/cqsa/cqsa_tune.json (2026-11-23: 22.8 s, GPU compute 71 %), the second the new default
+VARIANTS = {
+    "old": dict(merge="torch", finalize="legacy"),
+    "kernel_rows": dict(merge="kernel", finalize="rows", host_out="pageable"),
+    "triton_rows": dict(merge="triton", finalize="rows", host_out="pageable"),
+    "kernel_rows_pinned": dict(merge="kernel", finalize="rows", host_out="pinned"),
+    "kernel_end": dict(merge="kernel", finalize="end", host_out="pageable"),
+    "kernel_rows_ncap3": dict(merge="kernel", finalize="rows", host_out="pageable", n_cap_max=3),
+    "torch_rows": dict(merge="torch", finalize="rows", host_out="pageable"),
+    # one task in flight lets the planner stay at itr=1 (13 tasks of 2.2 GB inputs; H2D not overlapped)
+    "kernel_rows_ncap1": dict(merge="kernel", finalize="rows", host_out="pageable", n_cap_max=1),
+}
+
+
+def _drop_host_cache():
+    """Free cached pinned host blocks, so each variant pays its own pinning (as a fresh process would)."""
+    fn = getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+    return fn is not None
+
+
 def part_b(res, args, cuda):
+    """The N=2^20 streaming forward under 8 GiB, once per pipeline variant (args.variants), each checked
+    against flash on head 0 and an fp32 reference on sampled rows; JSON is rewritten after every variant."""
     n, h, d, dt = (1 << 20, 9, 128, torch.float16) if cuda else (300, 2, 32, torch.float32)
-    budget = 8 * GIB if cuda else 6 * 2 ** 20
+    budget = 8 * GIB if cuda else 8 * 2 ** 20
     c = 13 if cuda else 7
-    q, k, v = make_host_inputs(n, h, d, dt, cuda)
-    qkvo = 4 * n * h * d * dt.itemsize
-    log(f"part b: N={n} H={h} D={d}: Q,K,V,O = {qkvo / GIB:.2f} GiB, budget {budget / GIB:.2f} GiB")
-    if cuda:
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(budget / total)    # the allocator refuses anything above it
-    try:
-        t = time.perf_counter()
-        out, st = cqsa_attention(q, k, v, c=c, itr=1, mem_budget=budget, return_stats=True,
-                                 **({} if cuda else dict(gather="always")))
-        wall = time.perf_counter() - t
-    finally:
-        if cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-    sd = st.as_dict()
-    row = dict(n=n, h=h, d=d, dtype=str(dt), c=c, budget_bytes=budget, qkvo_bytes=qkvo, wall_s=wall,
-               peak_bytes=st.peak_bytes, peak_le_budget=st.peak_bytes <= budget, stats=sd,
-               flops=4.0 * h * n * n * d)
-    row["tflops_end_to_end"] = row["flops"] / wall / 1e12
-    # exactness: one head against flash, sampled rows against an fp32 reference
+    names = [v for v in args.variants.split(",") if v]
+    for v in names:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown variant {v!r} (have {', '.join(VARIANTS)})")
+    extra = {} if cuda else dict(gather="always")
     dev = "cuda" if cuda else "cpu"
+    out_b = res.setdefault("b_streaming", dict(n=n, h=h, d=d, dtype=str(dt), c=c, budget_bytes=budget,
+                                                 qkvo_bytes=4 * n * h * d * dt.itemsize, flops=4.0 * h * n * n * d,
+                                                 variants={}, skipped={}))
+    # warm-up: compile every kernel variant the sweep uses on a small problem (not timed)
+    t = time.perf_counter()
+    wq = make_host_inputs(16384 if cuda else 64, h, d, dt, cuda)
+    for m in sorted({VARIANTS[v]["merge"] for v in names}):
+        cqsa_attention(*wq, c=c, itr=1, mem_budget=budget, merge=m, finalize="rows", **extra)
+    cqsa_attention(*wq, c=c, itr=1, mem_budget=budget, merge="torch", finalize="legacy", **extra)
+    del wq
+    out_b["warmup_s"] = time.perf_counter() - t
+    log(f"part b: warm-up {out_b['warmup_s']:.1f} s")
+    t = time.perf_counter()
+    q, k, v = make_host_inputs(n, h, d, dt, cuda)
+    out_b["make_inputs_s"] = time.perf_counter() - t
+    log(f"part b: N={n} H={h} D={d}: Q,K,V,O = {out_b['qkvo_bytes'] / GIB:.2f} GiB, budget {budget / GIB:.2f} GiB, "
+        f"inputs made in {out_b['make_inputs_s']:.1f} s")
     hh = 0
-    qh, kh, vh = (t[:, hh:hh + 1].to(dev) for t in (q, k, v))
-    oh = out[:, hh:hh + 1].to(dev).float()
+    qh, kh, vh = (x[:, hh:hh + 1].to(dev) for x in (q, k, v))
     ref_fn = sdpa("FLASH_ATTENTION") if cuda else sdpa("MATH")
-    row["max_abs_vs_flash_head0"] = (oh - ref_fn(qh, kh, vh).float()).abs().max().item()
-    rows_idx = torch.randint(0, n, (512 if cuda else 64,), device=dev)
-    s = (qh[0, 0, rows_idx].float() @ kh[0, 0].float().T) / math.sqrt(d)
-    ref_rows = torch.softmax(s, -1) @ vh[0, 0].float()
-    row["max_abs_vs_fp32_sampled_rows"] = (oh[0, 0, rows_idx] - ref_rows).abs().max().item()
-    res["b_streaming"] = row
-    log("streaming", {k_: v_ for k_, v_ in row.items() if k_ != "stats"})
-    log("stats", sd)
-    del q, k, v, out
+    ref_head = ref_fn(qh, kh, vh).float()
+    gen = torch.Generator(device=dev).manual_seed(5)
+    rows_idx = torch.randint(0, n, (512 if cuda else 64,), device=dev, generator=gen)
+    sc = (qh[0, 0, rows_idx].float() @ kh[0, 0].float().T) / math.sqrt(d)
+    ref_rows = torch.softmax(sc, -1) @ vh[0, 0].float()
+    del qh, kh, vh, sc
+    if cuda:
+        torch.cuda.synchronize()
+    est = 40.0                      # seconds one variant may take (then: the slowest seen so far + margin)
+    for name in names:
+        left = args.deadline - time.time()
+        if left < est + 5:
+            out_b["skipped"][name] = f"deadline: {left:.0f} s left, a run needs ~{est:.0f} s"
+            log("part b: skip", name, out_b["skipped"][name])
+            continue
+        opts = VARIANTS[name]
+        dropped = _drop_host_cache() if cuda else False
+        if cuda:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(budget / total)   # the allocator refuses anything above it
+        try:
+            t = time.perf_counter()
+            out, st = cqsa_attention(q, k, v, c=c, itr=1, mem_budget=budget, return_stats=True, **opts, **extra)
+            wall = time.perf_counter() - t
+        except Exception as exc:
+            import traceback
+            traceback.print_exc()
+            out_b["variants"][name] = dict(options=opts, error=f"{type(exc).__name__}: {exc}")
+            save(args.out, res)
+            continue
+        finally:
+            if cuda:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+        sd = st.as_dict()
+        row = dict(options=opts, wall_s=wall, gpu_compute_fraction=st.gpu_compute_fraction,
+                   gpu_busy_fraction=st.gpu_busy_fraction, times_s=sd["times_s"], peak_bytes=st.peak_bytes,
+                   peak_le_budget=st.peak_bytes <= budget, n_cap_history=sd["n_cap_history"],
+                   itr_final=st.itr_final, n_tasks=st.n_tasks, fin_chunks=st.fin_chunks,
+                   fin_chunks_early=st.fin_chunks_early, out_path=st.out_path, host_cache_dropped=dropped,
+                   tflops_end_to_end=out_b["flops"] / wall / 1e12, stats=sd)
+        oh = out[:, hh:hh + 1].to(dev).float()
+        row["max_abs_vs_flash_head0"] = (oh - ref_head).abs().max().item()
+        row["max_abs_vs_fp32_sampled_rows"] = (oh[0, 0, rows_idx] - ref_rows).abs().max().item()
+        out_b["variants"][name] = row
+        est = max(est if name != names[0] else 0.0, 1.15 * wall + 4)
+        log("streaming", name, {k_: v_ for k_, v_ in row.items() if k_ != "stats"})
+        del out, oh
+        save(args.out, res)
+    del q, k, v
 
 
 def part_c(res, args, cuda, plot_dir):
@@ -357,7 +426,13 @@ def main():
     ap.add_argument("--limit-a", type=float, default=120)
     ap.add_argument("--limit-c", type=float, default=215)
     ap.add_argument("--limit-d", type=float, default=250)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="epoch seconds: parts and streaming variants that would run past it are skipped")
+    ap.add_argument("--variants", default="old,kernel_rows,triton_rows,kernel_rows_pinned,kernel_end,kernel_rows_ncap3",
+                    help="part b: comma list of " + ",".join(VARIANTS))
     args = ap.parse_args()
+    if args.deadline is None:
+        args.deadline = time.time() + 10 ** 6
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
@@ -366,6 +441,10 @@ def main():
     for p, fn in [("a", lambda: part_a(res, args, dev, cuda)), ("b", lambda: part_b(res, args, cuda)),
                   ("c", lambda: part_c(res, args, cuda, args.out)), ("d", lambda: part_d(res, args, dev, cuda))]:
         if p not in args.parts:
+            continue
+        if time.time() > args.deadline - 10:
+            res[f"{p}_skipped"] = "deadline"
+            log("part", p, "skipped: deadline")
             continue
         try:
             fn()
@@ -382,10 +461,20 @@ def main():
               f"{r['cqsa_tflops']:>9.1f} {r['flash_tflops']:>10.1f} {r['ratio_vs_flash']:>6.2f}")
     b = res.get("b_streaming")
     if b:
-        st = b["stats"]
-        print(f"\n== streaming N={b['n']} H={b['h']}: wall {b['wall_s']:.2f} s, peak {b['peak_bytes'] / GIB:.2f} GiB "
-              f"(budget {b['budget_bytes'] / GIB:.1f}), gpu compute {st['gpu_compute_fraction']}, itr {st['itr_final']}, "
-              f"tasks {st['n_tasks']}, stages {st['times_s']}")
+        print(f"\n== streaming N={b['n']} H={b['h']} D={b['d']}, budget {b['budget_bytes'] / GIB:.1f} GiB ==")
+        print(f"{'variant':>20} {'wall s':>7} {'gpu comp':>8} {'busy':>6} {'peak GiB':>8} {'n_cap':>8} "
+              f"{'merge s':>7} {'fin tail s':>10} {'err flash':>9}")
+        for name, r in b.get("variants", {}).items():
+            if "error" in r:
+                print(f"{name:>20} error: {r['error'][:90]}")
+                continue
+            ts = r["times_s"]
+            print(f"{name:>20} {r['wall_s']:>7.2f} {r['gpu_compute_fraction'] or float('nan'):>8.3f} "
+                  f"{r['gpu_busy_fraction'] or float('nan'):>6.3f} {r['peak_bytes'] / GIB:>8.2f} "
+                  f"{str(r['n_cap_history']):>8} {ts.get('merge', 0):>7.2f} {ts.get('finalize', 0):>10.2f} "
+                  f"{r['max_abs_vs_flash_head0']:>9.2e}")
+        for name, why in b.get("skipped", {}).items():
+            print(f"{name:>20} skipped: {why}")
     print("\nwritten", os.path.join(args.out, "cqsa_tune.json"), f"in {elapsed():.0f} s")
 
 

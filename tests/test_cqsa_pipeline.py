@@ -1,0 +1,239 @@
+"""Stream-CQSA streaming pipeline options (kernels/cqsa/stream.py): the fused Triton merge, the merge in
+the forward kernel's epilogue (merge="kernel"), the row-chunk finaliser (finalize="rows"/"end") and its
+output paths, under the OOM guardrail. CPU runs use the Triton interpreter (conftest), sizes stay small.
+"""
+import itertools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.cqsa.divide import build_tasks
+from kernels.cqsa.kernel import LN2, launch_finalize, merge_items
+from kernels.cqsa.schedule import task_schedule
+from kernels.cqsa.stream import MergeError, StableAccumulator, _RowFinalizer, stream_forward
+from kernels.reference import reference_attention
+
+F32_TOL = 1e-5
+
+
+def rand(shape, std=1.0):
+    return (torch.randn(shape, dtype=torch.float64) * std).float()
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _partials(task, B, H, d, gen, empty_frac=0.3, std=30.0):
+    out = torch.randn(B, H, task.L, d, generator=gen)
+    lse = torch.randn(B, H, task.L, generator=gen) * std
+    empty = torch.rand(B, H, task.L, generator=gen) < empty_frac
+    lse[empty] = float("-inf")
+    out[empty] = 0.0                 # the kernels write out = 0 where lse = -inf
+    return out, lse
+
+
+def test_fused_merge_matches_torch_merge_with_empty_rows():
+    B, H, n, d = 2, 3, 90, 32
+    gen = torch.Generator().manual_seed(0)
+    tasks = build_tasks(n, 7, 2)
+    ref, fused = (StableAccumulator(B, H, n, d, "cpu") for _ in range(2))
+    for t in tasks:
+        out_i, lse_i = _partials(t, B, H, d, gen)
+        assert ref.merge(t, out_i, lse_i) is True
+        assert fused.merge_fused(t, out_i, lse_i) is True
+    # a few rows never saw a finite lse: -inf state on both sides
+    assert torch.equal(torch.isinf(ref.m), torch.isinf(fused.m))
+    fin = torch.isfinite(ref.m)
+    assert torch.allclose(fused.m[fin], ref.m[fin], rtol=0, atol=0)
+    assert torch.allclose(fused.s, ref.s, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fused.acc, ref.acc, rtol=1e-5, atol=1e-5)
+    snap = fused.acc.clone()
+    assert fused.merge_fused(tasks[0], *_partials(tasks[0], B, H, d, gen)) is False     # idempotent
+    assert torch.equal(fused.acc, snap)
+    o1, o2 = torch.empty(B, H, n, d), torch.empty(B, H, n, d)
+    l1, l2 = torch.empty(B, H, n), torch.empty(B, H, n)
+    ref.finalize(o1, l1)
+    fused.finalize(o2, l2)
+    assert torch.isfinite(o2).all() and max_err(o1, o2) <= 1e-5
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and max_err(l1[torch.isfinite(l1)], l2[torch.isfinite(l2)]) <= 1e-5
+
+
+def test_fused_merge_partials_with_strided_layout_and_failure_marks_dirty():
+    B, H, n, d = 1, 2, 40, 32
+    gen = torch.Generator().manual_seed(1)
+    t = build_tasks(n, 3, 1)[1]
+    out_i, lse_i = _partials(t, B, H, d, gen)
+    tok_major = out_i.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)      # last dim still unit stride
+    a, b = StableAccumulator(B, H, n, d, "cpu"), StableAccumulator(B, H, n, d, "cpu")
+    a.merge_fused(t, out_i, lse_i)
+    b.merge_fused(t, tok_major, lse_i)
+    assert torch.equal(a.acc, b.acc) and torch.equal(a.s, b.s)
+    bad = StableAccumulator(B, H, n, d, "cpu")
+    with pytest.raises(MergeError):
+        bad.merge_fused(t, out_i.transpose(2, 3).contiguous().transpose(2, 3), lse_i)   # D not unit stride
+    assert bad.dirty
+    with pytest.raises(MergeError, match="dirty"):
+        bad.merge_fused(build_tasks(n, 3, 1)[2], out_i, lse_i)
+
+
+def test_merge_items_cover_each_task_row_once():
+    for t in build_tasks(200, 7, 2):
+        it = merge_items(t.gstart, t.lstart, t.length, block=16)
+        assert (it[:, 2] <= 16).all() and (it[:, 2] > 0).all()
+        loc = np.concatenate([np.arange(a, a + c) for a, _, c in it])
+        glo = np.concatenate([np.arange(g, g + c) for _, g, c in it])
+        assert np.array_equal(np.sort(loc), np.arange(t.L)) and np.array_equal(glo[np.argsort(loc)], t.ids())
+
+
+@pytest.mark.parametrize("mscale", [1.0, LN2])
+def test_finalize_kernel_matches_torch_finalize(mscale):
+    B, H, n, d = 2, 2, 70, 32
+    acc = StableAccumulator(B, H, n, d, "cpu", mscale=mscale)
+    acc.m.copy_(torch.randn(B, H, n) * 20)
+    acc.s.copy_(torch.rand(B, H, n) * 5)
+    acc.acc.copy_(torch.randn(B, H, n, d))
+    acc.s[:, :, ::7] = 0.0                       # rows without a key
+    acc.m[:, :, ::7] = float("-inf")
+    acc.acc[:, :, ::7] = 0.0
+    o_ref, l_ref = torch.empty(B, H, n, d, dtype=torch.float16), torch.empty(B, H, n)
+    acc.finalize(o_ref, l_ref)
+    o, lse = torch.full_like(o_ref, 7.0), torch.full_like(l_ref, 7.0)
+    for g0 in range(0, n, 16):                   # chunks written into views of the full output
+        g1 = min(n, g0 + 16)
+        launch_finalize(acc.acc, acc.m, acc.s, o[:, :, g0:g1], lse[:, :, g0:g1], g0, mscale)
+    assert max_err(o, o_ref) <= 1e-3 and torch.equal(torch.isinf(lse), torch.isinf(l_ref))
+    assert (o[:, :, ::7] == 0).all() and (lse[:, :, ::7] == float("-inf")).all()
+    f = torch.isfinite(l_ref)
+    assert max_err(lse[f], l_ref[f]) <= 1e-5
+
+
+def test_global_output_tables_map_local_rows_to_global_ids():
+    for t in build_tasks(150, 7, 2):
+        for inputs_global in (False, True):
+            w = task_schedule(t, 16, False, inputs_global, out_global=True).waves[0]
+            ids = t.ids()
+            for rs, re, _, _, shift in w:
+                rows = np.arange(rs, re)
+                want = rows if inputs_global else ids[rows]        # input row -> global output row
+                assert np.array_equal(rows - shift, want)
+
+
+MODES = [("torch", "legacy", "auto"), ("torch", "rows", "auto"), ("triton", "rows", "pageable"),
+         ("triton", "end", "auto"), ("kernel", "rows", "auto"), ("kernel", "rows", "pinned"),
+         ("kernel", "rows", "pageable"), ("kernel", "end", "pageable"), ("kernel", "legacy", "auto")]
+
+
+@pytest.mark.parametrize("merge,finalize,host_out", MODES)
+@pytest.mark.parametrize("causal,gather", [(False, "auto"), (True, "always")])
+def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather):
+    n, h = 83, 2
+    torch.manual_seed(3)
+    q, k, v = (rand((1, h, n, 32)) for _ in range(3))
+    out, lse, st = stream_forward(q, k, v, causal=causal, c=7, itr=2, merge=merge, finalize=finalize,
+                                  host_out=host_out, final_chunk=9, gather=gather, input_precision="ieee")
+    ref = reference_attention(q, k, v, causal=causal)
+    assert max_err(out, ref) <= F32_TOL and st.pairs_covered == n * n
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    assert max_err(lse, torch.logsumexp(s, -1)) <= 1e-5
+    assert st.merge == merge and st.finalize == finalize
+    if finalize != "legacy":
+        assert st.fin_chunks == -(-n // 9)           # every chunk exactly once
+        if finalize == "rows":
+            assert 0 < st.fin_chunks_early < st.fin_chunks
+        else:
+            assert st.fin_chunks_early == 0
+        assert st.out_path == ("direct" if host_out == "auto" else host_out)
+
+
+@pytest.mark.parametrize("merge", ["kernel", "triton"])
+def test_guardrail_escalation_with_new_pipeline(merge):
+    n = 343
+    q, k, v = (rand((1, 1, n, 32)) for _ in range(3))
+
+    def hook(task, resident):
+        if task.L > 100:
+            raise torch.OutOfMemoryError(f"injected: L={task.L}")
+    out, _, st = stream_forward(q, k, v, causal=True, c=7, itr=1, oom_hook=hook, gather="always", merge=merge,
+                                finalize="rows", host_out="pageable", final_chunk=32, input_precision="ieee")
+    assert st.task_lengths == {63: 49} and st.itr_final == 2 and st.escalations == [("all", 2)]
+    assert st.pairs_covered == n * n and st.fin_chunks == -(-n // 32) and st.fin_chunks_early > 0
+    assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
+
+
+@pytest.mark.parametrize("merge", ["kernel", "triton"])
+def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
+    n = 98
+    q, k, v = (rand((1, 1, n, 32)) for _ in range(3))
+    refused = []
+
+    def hook(task, resident):
+        if task.depth == 1 and len(refused) < 3 and task.path not in refused:
+            refused.append(task.path)
+            raise torch.OutOfMemoryError("injected")
+    out, _, st = stream_forward(q, k, v, c=7, itr=1, oom_hook=hook, refine="hybrid", merge=merge,
+                                final_chunk=10, input_precision="ieee")
+    assert st.task_lengths == {42: 4, 18: 21} and len(st.escalations) == 3 and st.fin_chunks == 10
+    assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
+
+    n = 40
+    q, k, v = (rand((1, 1, n, 32)) for _ in range(3))
+
+    def hook2(task, resident):
+        if resident >= 2:
+            raise torch.OutOfMemoryError("injected: too many resident")
+    out, _, st = stream_forward(q, k, v, c=3, itr=2, oom_hook=hook2, n_cap_max=4, mem_budget=10 ** 9, merge=merge,
+                                peak_hook=lambda t: 1, final_chunk=6, host_out="pinned", input_precision="ieee")
+    assert st.n_cap_history == [1, 4, 3, 2] and not st.escalations and st.pairs_covered == n * n
+    assert len(st.evictions) == 2 and st.fin_chunks == 7
+    assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
+
+
+def test_kernel_merge_needs_less_memory_per_task():
+    n, d = 100, 32
+    q, k, v = (rand((1, 1, n, d)) for _ in range(3))
+    acc = StableAccumulator.nbytes(1, 1, n, d)
+    budget = acc + (8 << 20)
+    runs = {m: stream_forward(q, k, v, c=7, mem_budget=budget, gather="always", merge=m, n_cap_max=64,
+                              input_precision="ieee") for m in ("torch", "triton", "kernel")}
+    delta = {m: r[2].calibrations[0]["delta_bytes"] for m, r in runs.items()}
+    L = build_tasks(n, 7, 1)[0].L
+    assert delta["torch"] - delta["triton"] == 12 * L and delta["triton"] - delta["kernel"] == 4 * L * (d + 1)
+    assert runs["kernel"][2].calibrations[0]["n_cap"] >= runs["torch"][2].calibrations[0]["n_cap"]
+    for m, (out, _, st) in runs.items():
+        assert st.peak_bytes <= budget and max_err(out, reference_attention(q, k, v)) <= F32_TOL
+
+
+def _fake_engine(N, chunk, fin_mode="rows"):
+    B, H, D = 1, 1, 32
+    eng = SimpleNamespace(B=B, H=H, N=N, D=D, dtype=torch.float32, cuda=False, fin_mode=fin_mode,
+                          acc=StableAccumulator(B, H, N, D, "cpu"), stats=SimpleNamespace(fin_chunks=0, fin_chunks_early=0),
+                          live=((), ()), fin_s=None, timer=SimpleNamespace(start=lambda s=None: 0, stop=lambda *a: None,
+                                                                        host={"host_copy": 0.0}))
+    eng._stream_ctx = lambda s: __import__("contextlib").nullcontext()
+    eng.out, eng.lse = torch.zeros(B, H, N, D), torch.zeros(B, H, N)
+    return eng
+
+
+def test_row_finaliser_refuses_double_counts_and_lost_tasks():
+    N = 60
+    tasks = build_tasks(N, 7, 1)
+    fin = _RowFinalizer(_fake_engine(N, 8), 8, "pageable")
+    with pytest.raises(RuntimeError, match="more than once"):     # a task counted twice overflows a chunk
+        for t in [tasks[0], *tasks]:
+            fin.add(t, None)
+    fin = _RowFinalizer(_fake_engine(N, 8), 8, "direct")
+    for t in tasks[:-1]:
+        fin.add(t, None)
+    with pytest.raises(RuntimeError, match="lost"):
+        fin.close([])
+    fin = _RowFinalizer(_fake_engine(N, 8), 8, "direct")
+    for t in tasks:
+        fin.add(t, None)
+    fin.close([])
+    assert all(fin.enq) and fin.got == fin.need
