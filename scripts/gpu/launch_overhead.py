@@ -1,0 +1,125 @@
+"""Host cost per call on the GPU machine: where the time of a small (launch-bound) attention call goes.
+
+    PYTHONPATH=. python3 scripts/gpu/launch_overhead.py --out $OUT
+
+Each figure is host wall time per call over a loop of calls with no synchronisation inside (the shapes are
+small enough that the GPU finishes each call before the host has issued the next: the loop is host-bound),
+so it is the price a caller pays per call before the GPU work matters. Writes launch_overhead.json.
+Compared: the public Cron Root / ELSA calls, the same kernels' bare Triton JIT launch with precomputed
+arguments, the compiled kernel's own launcher (CompiledKernel.run, skipping the JIT's binding and cache
+lookup), the torch.compiler.disable wrapper, and SDPA flash as the reference point.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import kernels.cron_root.attention as cra
+from kernels.elsa import elsa_attention
+
+
+def per_call_us(fn, n=400) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / n * 1e6
+
+
+def direct_launcher(jit_fn, grid, args, kwargs):
+    """Launch the compiled kernel through CompiledKernel.run with the JIT's argument order (constexprs
+    included; the launcher skips them), bypassing binding, specialisation and the cache lookup."""
+    ck = jit_fn[grid](*args, **kwargs)
+    names = jit_fn.arg_names
+    params = inspect.signature(jit_fn.fn).parameters
+    vals = dict(zip(names, args))
+    for nm in names[len(args):]:
+        vals[nm] = kwargs[nm] if nm in kwargs else params[nm].default
+    bound = [vals[nm] for nm in names]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def go():
+        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *bound)
+    return go
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+    res["triton"] = triton.__version__
+
+    def rec(name, fn, n=400):
+        try:
+            res[name] = round(per_call_us(fn, n), 2)
+        except Exception as exc:      # a probe that fails is reported, the others still run
+            res[name] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+        print(f"{name:45s} {res[name]}", flush=True)
+
+    rec("torch.empty_cuda_us", lambda: torch.empty((8, 2048, 64), device=dev, dtype=torch.float16))
+    for n_tok in (1024, 2048):
+        q, k, v = (torch.randn(1, 8, n_tok, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            rec(f"flash_fwd_N{n_tok}", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            rec(f"flash_fwdbwd_N{n_tok}",
+                lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do), 200)
+        rec(f"cron_fwd_api_N{n_tok}", lambda: cra.cron_root_attention(q, k, v))
+        with torch.no_grad():
+            rec(f"cron_fwd_api_nograd_N{n_tok}", lambda: cra.cron_root_attention(q, k, v))
+            rec(f"cron_fwd_undecorated_N{n_tok}", lambda: cra.cron_root_attention.__wrapped__(q, k, v))
+            rec(f"cron_forward_fn_N{n_tok}", lambda: cra.cron_root_forward(q, k, v, None, 8192, "tf32x3"))
+        rec(f"cron_fwdbwd_api_N{n_tok}",
+            lambda: torch.autograd.grad(cra.cron_root_attention(q, k, v), (q, k, v), do), 200)
+        # the bare forward launch, arguments precomputed
+        b, h, n, d = q.shape
+        w = cra.window(n)
+        cfg = cra._configs(d, q.dtype, "tf32x3", q.device, None)
+        use_small = cra.triton_cdiv(n, cfg["fwd"]["BLOCK_M"]) * b * h < 2 * cra._num_sms(q.device)
+        meta, launch = cra._launch_opts(cfg["fwd_small" if use_small else "fwd"])
+        o = torch.empty_like(q)
+        lse = torch.empty((b * h, n), dtype=torch.float32, device=dev)
+        grid = (cra.triton_cdiv(n, meta["BLOCK_M"]), b * h)
+        args = (q, k, v, k, v, o, lse, *cra._strides(q), *cra._strides(k), *cra._strides(v), *cra._strides(o),
+                h, n, w, 0, 1 / math.sqrt(d) * cra._LOG2E)
+        kw = dict(HEAD_DIM=d, BLOCK_D=cra._block_d(d), PREC="tf32", **meta, **launch)
+        rec(f"cron_fwd_jit_launch_N{n_tok}", lambda: cra.tk._fwd[grid](*args, **kw))
+        try:
+            go = direct_launcher(cra.tk._fwd, grid, args, kw)
+            rec(f"cron_fwd_compiled_run_N{n_tok}", go)
+            go(); torch.cuda.synchronize()
+            ref = cra.cron_root_attention(q.detach(), k.detach(), v.detach())
+            o.zero_(); go(); torch.cuda.synchronize()
+            res[f"cron_fwd_compiled_run_max_diff_N{n_tok}"] = float((o - ref).abs().max())
+        except Exception as exc:
+            res[f"cron_fwd_compiled_run_N{n_tok}"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+        print(res.get(f"cron_fwd_compiled_run_max_diff_N{n_tok}"), flush=True)
+    # ELSA at ViT-T/224 attention shape (B=8, H=3, N=197, D=64) and a Swin window batch
+    for label, shape in (("vit224", (8, 3, 197, 64)), ("swin_win", (512, 3, 49, 32))):
+        q, k, v = (torch.randn(*shape, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        rec(f"elsa_fwd_api_{label}", lambda: elsa_attention(q, k, v))
+        rec(f"elsa_fwdbwd_api_{label}", lambda: torch.autograd.grad(elsa_attention(q, k, v), (q, k, v), do), 200)
+        rec(f"sdpa_fwd_{label}", lambda: F.scaled_dot_product_attention(q, k, v))
+        rec(f"sdpa_fwdbwd_{label}", lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do), 200)
+    Path(a.out, "launch_overhead.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
