@@ -21,6 +21,9 @@ DEFAULT_VARIANT = "fused"
 
 # Hopper tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, chosen by scripts/gpu/pasa_tune.py.
 # BLOCK_N is also PASA's shifting-window length n, so β is solved for it.
+# TO CONFIRM ON THE GPU: these were picked for the "ref" loop; with the "fused" default they compile for sm_90
+# without spills (scripts/gpu/pasa_compile_check.py: 209 / 231 registers for D 64 / 128) but are not timed
+# yet. `pasa_tune.py --phases variants` prints the best tile per (variant, D) to put here.
 DEFAULT_CONFIGS = {
     "pasa": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
     "fa16": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},

@@ -3,7 +3,7 @@
 wgmma use per (variant, D, causal, tile config): a cheap filter before `scripts/gpu/pasa_tune.py` spends
 device time (a config that spills, or whose P·V is not a wgmma, is not worth timing).
 
-    PYTHONPATH=. python3 scripts/gpu/pasa_compile_check.py [--variants ref,fused,fused_log2] \
+    PYTHONPATH=. python3 scripts/gpu/pasa_compile_check.py [--variants ref,fused] \
         [--dims 64,128] [--configs D:bm,bn,w,s;...] [--json out.json]
 
 Method as in cron_root/elsa_compile_check.py (through sm90_compile.py): ASTSource + triton.compile for an
@@ -21,7 +21,9 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sm90_compile  # noqa: E402
 from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from kernels.pasa import kernel as K  # noqa: E402
 from kernels.pasa.attention import VARIANTS  # noqa: E402
@@ -30,6 +32,20 @@ PTRS = {"Q", "KS", "V", "O", "K"}
 FLOATS = {"c_arg", "diag", "off", "qk_scale"}
 NO_STRIDES = re.compile(r"^$")     # the kernels take no stride arguments (contiguous [B, H, N, D])
 # the tile candidates the GPU sweep times (kept here so this script runs without torch.cuda)
+# static PTX instruction counts next to the resource usage (both loops, unmasked and masked, are in the PTX)
+PTX_COUNTS = {"cvt_f16x2": "cvt.rn.f16x2.f32", "cvt_f32_f16": "cvt.f32.f16", "ex2": "ex2.approx",
+              "wgmma_wait": "wgmma.wait_group"}
+_compiled = []
+
+
+def _capture(*args, **kwargs):   # keep the compiled kernel that compile_usage makes, for its PTX
+    cc = _triton_compile(*args, **kwargs)
+    _compiled.append(cc)
+    return cc
+
+
+_triton_compile = triton.compile
+sm90_compile.triton.compile = _capture
 CANDIDATES = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
@@ -38,10 +54,12 @@ CANDIDATES = {
 
 def compile_main(variant: str, d: int, cfg, causal: bool, state, target) -> dict:
     bm, bn, warps, stages = cfg
-    fused, log2 = VARIANTS[variant]
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, CAUSAL=causal, STATE=state, FUSED=fused, LOG2_SCORES=log2)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, CAUSAL=causal, STATE=state, FUSED=VARIANTS[variant])
     sig, consts, attrs = launch_signature(K._pasa_fwd_kernel, meta, "fp16", PTRS, set(), FLOATS, NO_STRIDES)
-    return compile_usage(K._pasa_fwd_kernel, sig, consts, attrs, warps, stages, target)
+    usage = compile_usage(K._pasa_fwd_kernel, sig, consts, attrs, warps, stages, target)
+    ptx = _compiled.pop().asm.get("ptx", "")
+    usage.update({k: ptx.count(pat) for k, pat in PTX_COUNTS.items()})
+    return usage
 
 
 def main():
@@ -75,7 +93,8 @@ def main():
                     rows.append(row)
                     print(f"{variant:10s} D={d:3d} causal={int(causal)} cfg={row['cfg']}: " + (
                         f"regs={row.get('regs')} spill_stack={row.get('spill_stack')} shared={row.get('shared')} "
-                        f"wgmma={row.get('wgmma')} cp_async={row.get('cp_async')}"
+                        f"wgmma={row.get('wgmma')} cp_async={row.get('cp_async')} "
+                        + " ".join(f"{k}={row.get(k)}" for k in PTX_COUNTS)
                         + ("" if row.get("fits_smem") else " (over sm_90's shared memory: cannot launch)")
                         if "error" not in row else row["error"]), flush=True)
     if a.json:
