@@ -97,15 +97,18 @@ def test_round_to_format_matches_numpy_fp16():
 ])
 def test_algorithm_is_exact_in_float64(n, beta, causal, x0):
     # The frame bookkeeping (G, δ_cur, δ_prev), the overlap window and the causal visits are exact
-    # algebra: without rounding, Algorithm 1 equals dense softmax attention (spec §7 D: ≤ 1e-12).
+    # algebra: without rounding, Algorithm 1 equals dense softmax attention (spec §7 D: ≤ 1e-12), in both
+    # main loops (the fused one moves γ into the exponent: e^{Ŝ − (m_new − δ_cur)} = γ·e^{Ŝ − μ}).
     gen = torch.Generator().manual_seed(n)
     q, k = (x0 + torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64)
-    out = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=128, block_m=64, state_dtype="exact")
     ref = reference_attention(q, k, v, causal=causal)
-    assert out.dtype == torch.float64
-    # biased logits reach ~3200, where float64's own ulp (4.5e-13) times c ≈ 64 sets the floor
-    assert (out - ref).abs().max().item() <= (1e-12 if x0 == 0 else 1e-10)
+    for variant in ("ref", "fused"):
+        out = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=128, block_m=64, state_dtype="exact",
+                           variant=variant)
+        assert out.dtype == torch.float64
+        # biased logits reach ~3200, where float64's own ulp (4.5e-13) times c ≈ 64 sets the floor
+        assert (out - ref).abs().max().item() <= (1e-12 if x0 == 0 else 1e-10)
 
 
 @pytest.mark.parametrize("n, d, causal, block_n", [
@@ -128,6 +131,75 @@ def test_pasa_forward_ordinary_inputs(device, n, d, causal, block_n):
     # the kernel does what the PyTorch model of its roundings does
     emu = pasa_emulate(q, k, v, causal=causal, block_n=block_n)
     assert rel_rmse(out, ref) <= 2 * rel_rmse(emu, ref) + 1e-4
+
+
+@pytest.mark.parametrize("n, d, causal, block_n, x0, beta", [
+    (200, 64, False, 64, 0.0, 0.0),        # β = 0: no ȳ amplification, the roundings alone
+    (77, 128, True, 64, 0.0, 0.0),         # odd N, causal, rows that see nothing in a block
+    (130, 128, False, 128, 0.0, 0.9375),   # c = 15 amplifies the fp32 summation-order noise of ȳ
+    (192, 64, True, 64, 3.0, None),        # biased, the default β
+])
+def test_kernel_matches_its_emulation(device, n, d, causal, block_n, x0, beta):
+    # emulate.py models each main loop's roundings; the kernel must match its own variant's model
+    # (nearly bit for bit: only fp32 summation order and exp2 differ) and not the other loop's.
+    gen = torch.Generator(device=device).manual_seed(n + d)
+    q, k = ((x0 + torch.randn(1, 2, n, d, generator=gen, device=device)).half() for _ in range(2))
+    v = torch.randn(1, 2, n, d, generator=gen, device=device).half()
+    emu = {var: pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=block_n, variant=var)
+           for var in ("ref", "fused")}
+    for var, other in (("ref", "fused"), ("fused", "ref")):
+        out = pasa_attention(q, k, v, causal=causal, beta=beta, block_n=block_n, variant=var).float()
+        own, cross = rms(out - emu[var]), rms(out - emu[other])
+        if device.type == "cpu":          # the interpreter: same fp32 operations, other summation order
+            same = (out == emu[var]).double().mean().item()
+            assert same >= (0.99 if beta == 0.0 else 0.98), (var, same)
+            assert own * 5 <= cross, (var, own, cross)
+        else:                             # the GPU: ex2.approx and wgmma summation order on top
+            assert own <= cross, (var, own, cross)
+
+
+@pytest.mark.parametrize("n, d, causal", [(200, 64, False), (77, 128, True), (256, 128, False), (129, 64, True)])
+def test_fused_and_reference_loops_agree_with_float64(device, n, d, causal):
+    # both main loops against float64 on fresh inputs; the fused one rounds ℓ and A once per block
+    # instead of four times, so it must be at least as accurate (5 % slack for the seed)
+    gen = torch.Generator(device=device).manual_seed(1000 + n + d)
+    q, k, v = (torch.randn(1, 2, n, d, generator=gen, device=device).half() for _ in range(3))
+    ref = reference_attention(q, k, v, causal=causal)
+    errs = {}
+    for var in ("ref", "fused"):
+        out = pasa_attention(q, k, v, causal=causal, block_n=64, variant=var)
+        assert torch.isfinite(out).all()
+        assert (out.double() - ref).abs().max().item() <= 1e-2
+        errs[var] = rel_rmse(out, ref)
+        assert errs[var] <= 4e-3
+    assert errs["fused"] <= errs["ref"] * 1.05 + 1e-5, errs
+    # the hybrid mode through the fused loop: A accumulates in fp32 in place, FlashAttention proper
+    out32 = pasa_attention(q, k, v, causal=causal, block_n=64, variant="fused", state_dtype="fp32")
+    assert rel_rmse(out32, ref) <= errs["fused"] * 1.05
+
+
+@pytest.mark.parametrize("d, x0, causal, n", [(128, 30.0, False, 161), (64, 40.0, True, 160), (128, 30.0, True, 97)])
+def test_fused_loop_overflow_free_where_fa16_overflows(device, d, x0, causal, n):
+    gen = torch.Generator(device=device).manual_seed(17 + n)
+    shape = (1, 2, n, d)
+    q, k, v = (biased(shape, x0, 0.5, gen, device) for _ in range(3))
+    assert not torch.isfinite(fa16_attention(q, k, v, causal=causal)).any()
+    ref = reference_attention(q, k, v, causal=causal)
+    for var in ("fused", "ref"):
+        out = pasa_attention(q, k, v, causal=causal, variant=var, block_n=64)
+        assert torch.isfinite(out).all()
+        assert rms(out.double() - ref) / v.double().std().item() <= 0.1
+    emu = pasa_emulate(q, k, v, causal=causal, block_n=64, variant="fused")
+    assert rms(out.double() - ref) <= 2 * rms(emu.double() - ref) + 1e-4
+
+
+def test_variant_option():
+    from kernels.pasa.attention import DEFAULT_VARIANT, VARIANTS
+
+    assert set(VARIANTS) == {"ref", "fused"} and DEFAULT_VARIANT == "fused"
+    q, k, v = (torch.randn(1, 1, 32, 64).half() for _ in range(3))
+    with pytest.raises(ValueError, match="variant"):
+        pasa_attention(q, k, v, variant="fast")
 
 
 def test_fa16_forward_ordinary_inputs(device):

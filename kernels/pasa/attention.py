@@ -13,9 +13,17 @@ from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_ker
 
 HEAD_DIMS = (64, 128)
 STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or its hybrid fp32 mode
+# Main-loop variants: name -> the FUSED constexpr of _pasa_fwd_kernel (README "Main loop"). "ref": Algorithm 1
+# as written (γ applied to a fresh P·V tile, kept to time against); "fused": γ folded into the exponent and P·V
+# accumulated in place. Both keep the paper's allocation (fp16 scores, state and A).
+VARIANTS = {"ref": False, "fused": True}
+DEFAULT_VARIANT = "fused"
 
 # Hopper tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, chosen by scripts/gpu/pasa_tune.py.
 # BLOCK_N is also PASA's shifting-window length n, so β is solved for it.
+# TO CONFIRM ON THE GPU: these were picked for the "ref" loop; with the "fused" default they compile for sm_90
+# without spills (scripts/gpu/pasa_compile_check.py: 209 / 231 registers for D 64 / 128) but are not timed
+# yet. `pasa_tune.py --phases variants` prints the best tile per (variant, D) to put here.
 DEFAULT_CONFIGS = {
     "pasa": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
     "fa16": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
@@ -85,7 +93,7 @@ def _state_tl(state_dtype: str):
     return {"fp16": tl.float16, "fp32": tl.float32}[state_dtype]
 
 
-def _pasa_forward(q, k, v, causal, scale, beta, block_m, block_n, state_dtype, num_warps, num_stages):
+def _pasa_forward(q, k, v, causal, scale, beta, block_m, block_n, state_dtype, num_warps, num_stages, variant):
     bsz, heads, n, d = q.shape
     bm, bn, warps, stages = _config("pasa", d, block_m, block_n, num_warps, num_stages)
     if beta is None:
@@ -102,7 +110,7 @@ def _pasa_forward(q, k, v, causal, scale, beta, block_m, block_n, state_dtype, n
     out = torch.empty_like(q)
     _pasa_fwd_kernel[(triton.cdiv(n, bm), bsz * heads)](
         q, k_shift, v, out, n, c, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, CAUSAL=bool(causal),
-        STATE=_state_tl(state_dtype), num_warps=warps, num_stages=stages)
+        STATE=_state_tl(state_dtype), FUSED=VARIANTS[variant], num_warps=warps, num_stages=stages)
     return out
 
 
@@ -137,7 +145,7 @@ def _run(name, run, q, k, v):
 
 
 def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype="fp16",
-                   block_m=None, block_n=None, num_warps=None, num_stages=None):
+                   block_m=None, block_n=None, num_warps=None, num_stages=None, variant=None):
     """PASA forward (Algorithm 1 of the spec): softmax attention computed with fp16 scores and fp16 state
     without overflow, by shifting each KV block by β × its mean inside the first GEMM and recovering
     the global pseudo-average online.
@@ -145,14 +153,18 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     q, k, v: [B, H, N, D] float16 or bfloat16 (converted to float16 first, as the paper prescribes),
     D ∈ {64, 128}. ``beta=None`` solves the optimal-accuracy condition for this kernel's block length
     and scale (``kernels.pasa.beta.default_beta``). ``state_dtype="fp32"`` is the paper's hybrid mode
-    (fp16 scores, fp32 statistics). Returns the input dtype. Forward only: backward raises.
+    (fp16 scores, fp32 statistics). ``variant`` picks the main loop (``VARIANTS``; None: ``DEFAULT_VARIANT``).
+    Returns the input dtype. Forward only: backward raises.
     """
     _check_inputs("pasa", q, k, v, state_dtype)
+    variant = DEFAULT_VARIANT if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"pasa: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
     def run(q16, k16, v16):
         return _pasa_forward(q16, k16, v16, causal, scale, beta, block_m, block_n, state_dtype,
-                             num_warps, num_stages)
+                             num_warps, num_stages, variant)
 
     return _run("pasa", run, q, k, v)
 

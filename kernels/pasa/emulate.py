@@ -2,8 +2,10 @@
 
 It exists to check the kernel (same windows, same block order, same fp16 roundings up to the order of
 fp32 summations) and to explore the precision allocation on the CPU without the Triton interpreter.
-Everything is computed in float32 and rounded to the state format after each operation, which is what
-fp16 arithmetic does.  Forward only; slow-ish but vectorised over batch, heads and rows.
+Everything is computed in float32 and rounded to the state format exactly where the kernel rounds (an
+fp16 operation is an fp32 operation rounded once). Both main-loop variants are modelled; with β = 0 (no
+ȳ amplification) the interpreted kernel matches this model bit for bit on ≥ 99 % of the outputs
+(``tests/test_pasa.py::test_kernel_matches_its_emulation``). Forward only; vectorised over batch, heads, rows.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 
 import torch
 
+from kernels.pasa.attention import DEFAULT_VARIANT, LOG2E, VARIANTS
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 
 M_INIT = -60000.0   # initial running max (spec pitfall 3): finite, so inf − inf never happens
@@ -33,8 +36,17 @@ def kv_windows(n_keys: int, block_n: int):
 
 
 def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, block_m=128, state_dtype="fp16",
-                 round_ybar=False):
+                 round_ybar=False, variant=None):
     """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, H, N, D] (float64 if exact).
+
+    ``variant`` is the kernel's main loop (``kernels.pasa.attention.VARIANTS``; None: the default):
+    - "ref", Algorithm 1 as written: P̂ = fp16(e^{Ŝ−μ}), ŝ = fp16(ΣP̂), fp16(P̂V), then ℓ = α·ℓ + γ·ŝ and
+      A = α·A + γ·PV in fp16 operations (each product and sum rounded). As the kernel really computes it:
+      μ comes out of tl.max as fp32, so Ŝ − μ, μ + δ_cur and the running max before its final cast are
+      fp32 (exact differences of fp16 values), not rounded to fp16;
+    - "fused": μ, G, δ_cur, δ_prev, m_new = fp16(max(fp16(μ + δ_cur), fp16(m + δ_prev))) and α first, then
+      P = fp16(2^{fma(Ŝ, log2 e, −(m_new − δ_cur)·log2 e)}) (γ folded in), ℓ = fp16(α·ℓ + ΣP) and
+      A = fp16(α·A + P·V) with the sums in fp32: one rounding per block for ℓ and for A.
 
     ``state_dtype="exact"`` rounds nothing and computes in float64 with the unrounded λM: Algorithm 1
     is then exact, so it must equal dense softmax attention to ~1e-13 (the spec's §7 D gate).
@@ -43,6 +55,8 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     released NPU code stores it; the kernel keeps ȳ in fp32 (see ``kernels.pasa.kernel``), and this
     switch shows why: on biased inputs the rounding error of ȳ, times c ≈ 63.5, dominates.
     """
+    variant = DEFAULT_VARIANT if variant is None else variant
+    fused = VARIANTS[variant]
     rs = _rounder(state_dtype)
     exact = state_dtype == "exact"
     r16 = rs if exact else (lambda t: t.half().float())
@@ -53,6 +67,15 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     beta = default_beta(block_n, scale) if beta is None else float(beta)
     dev = q.device
+    log2e = torch.tensor(LOG2E, device=dev, dtype=work)   # the kernel's constant, as an fp32 operand
+
+    def exp(x):          # e^x as the kernel evaluates it: ex2(x·log2 e), the product rounded to fp32
+        return torch.exp2(x * log2e)
+
+    def exp_fma(s, off):  # ex2(fma(s, log2 e, −off·log2 e)): the product is exact in float64, one rounding
+        arg = s.double() * log2e.double() - (off * log2e).double()[..., None]
+        return torch.exp2(arg.to(work))
+
     c = rs(torch.tensor(ideal_invariance(beta), device=dev, dtype=work))
     if exact:
         diag, off = scale * (1.0 - beta / block_n), -scale * beta / block_n
@@ -82,23 +105,32 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
         if causal:
             visible = visible & (keys[None, :] <= rows[:, None])
         s = rs(r16(s32)).masked_fill(~visible, float("-inf"))          # the fp16 score tile
-        mu = torch.clamp(s.amax(-1), min=M_INIT)
-        p = rs(torch.exp(rs(s - mu[..., None])))
-        s_sum = rs(p.sum(-1))
-        pv = rs(r16(p) @ v_win)
+        mu = torch.clamp(s.amax(-1), min=M_INIT)                      # a max of fp16 values: exact
 
-        # global recovery (eq 15) and the corrected update (④), in the state format
+        # global recovery (eq 15) and the frame corrections (③), in the state format
         g_old = rs(ybar32) if j == 0 else g
         g_new = rs(g_old + rs((ybar32 - g_old) / (j + 1)))
         d_cur = rs(c * rs(ybar32 - g_new))
         d_prev = rs(c * rs(g_old - g_new))
-        cand_new = rs(mu + d_cur)
         cand_old = rs(m + d_prev)
-        m_new = torch.maximum(cand_new, cand_old)
-        alpha = rs(torch.exp(rs(cand_old - m_new)))
-        gamma = rs(torch.exp(rs(cand_new - m_new)))
-        ell_new = rs(rs(alpha * ell) + rs(gamma * s_sum))
-        acc_new = rs(rs(alpha[..., None] * acc) + rs(gamma[..., None] * pv))
+        if fused:   # ④ with γ inside the exponent; ℓ and A rounded once per block (α·ℓ, α·A exact in fp32)
+            m_new = torch.maximum(rs(mu + d_cur), cand_old)
+            alpha = rs(exp(cand_old - m_new))
+            frame = torch.clamp(m_new - d_cur, min=M_INIT)
+            p = rs(exp_fma(s, frame))
+            ell_new = rs(alpha * ell + p.sum(-1))
+            acc_new = rs(alpha[..., None] * acc + r16(p) @ v_win)
+        else:       # ④ as written: the local softmax, then γ on the rounded ŝ and P̂·V
+            p = rs(exp(s - mu[..., None]))
+            s_sum = rs(p.sum(-1))
+            pv = rs(r16(p) @ v_win)
+            cand_new = mu + d_cur
+            m_new = torch.maximum(cand_new, cand_old)
+            alpha = rs(exp(cand_old - m_new))
+            gamma = rs(exp(cand_new - m_new))
+            ell_new = rs(rs(alpha * ell) + rs(gamma * s_sum))
+            acc_new = rs(rs(alpha[..., None] * acc) + rs(gamma[..., None] * pv))
+            m_new = rs(m_new)
 
         # the kernel visits block j only for query tiles that can see it (causal skips the rest)
         if causal:

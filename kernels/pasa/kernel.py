@@ -6,6 +6,8 @@ Three kernels, one idea each:
 - ``_pasa_fwd_kernel`` Algorithm 1 of the spec: the FA-2 loop on the shifted keys, in the paper's full
   low-precision allocation (fp16 score tile, fp16 softmax state, fp16 output accumulator), with the
   online recovery of the global pseudo-average and the corrected max/sum/output updates (③④).
+  Two loop bodies (constexpr FUSED): ``_pasa_block_fused`` (the default) folds γ into the exponent and
+  accumulates P·V in place, ``_pasa_block`` is Algorithm 1 as written (kept to time against on the GPU).
 - ``_fa16_fwd_kernel`` the comparator "FA16-FP32": the same tiling, the unscaled QKᵀ rounded to fp16
   (which is where partially-low-precision FlashAttention overflows), everything else in fp32.
 
@@ -96,9 +98,62 @@ def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
 
 @triton.jit
+def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                      STATE: tl.constexpr):
+    """One step of Algorithm 1 in FlashAttention's in-place form; returns the updated (m, ell, g, acc).
+
+    The frame bookkeeping (μ, G, δ_cur, δ_prev, m_new, α, all in the state format) comes first, then the
+    correction γ = e^{μ + δ_cur − m_new} is folded into the exponent: P = fp16(e^{Ŝ − (m_new − δ_cur)}),
+    which is γ·P̂ of eq 3 (≤ 1 as before). So ℓ ← fp16(α·ℓ + rowsum(P)) and A ← fp16(α·A + P·V), the
+    latter one wgmma chain into the fp32 accumulator (``acc = dot(p, v, α·acc)``): `acc` holds α·A + P·V
+    unrounded for one step and is rounded to the state format where it is next read (the α multiply, the
+    division after the loop) — one rounding per block where Algorithm 1 as written has four. α·A and α·ℓ
+    are exact in fp32 (two fp16 factors), so an FMA contraction on the GPU changes nothing.
+
+    Every rounding is an explicit cast (tl.max promotes fp16 to fp32, and promotion rules differ between
+    Triton versions); ``kernels.pasa.emulate`` (variant "fused") performs the same operations."""
+    t = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HEAD_DIM)
+    start = tl.minimum(j * BLOCK_N, tl.maximum(N - BLOCK_N, 0))
+    keys = start + t
+    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * HEAD_DIM + cols[None, :])
+    if MASKED:
+        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
+    else:
+        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :])
+
+    s32 = tl.dot(q, tl.trans(k_shift))
+    ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ from the fp32 accumulator, pre-mask
+    s = s32.to(tl.float16).to(tl.float32)                # the fp16 score tile Ŝ (its values, held in fp32)
+    if MASKED:
+        visible = ((keys >= j * BLOCK_N) & (keys < N))[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    mu = tl.maximum(tl.max(s, 1), M_INIT).to(STATE)      # exact: a max of fp16 values
+
+    # ③ the frame bookkeeping first (it needs only μ and ȳ), in the state format
+    g_old = tl.where(j == 0, ybar.to(STATE), g)
+    g_new = g_old + ((ybar - g_old.to(tl.float32)) / (j + 1.0)).to(STATE)
+    d_cur = (ybar - g_new.to(tl.float32)).to(STATE) * c
+    d_prev = (g_old - g_new) * c
+    cand_old = m + d_prev
+    m_new = tl.maximum(mu + d_cur, cand_old)
+    alpha = tl.exp2((cand_old.to(tl.float32) - m_new.to(tl.float32)) * LOG2E).to(STATE)
+    # P in frame G_j: the exponent Ŝ − (m_new − δ_cur) is ≤ 0 up to rounding. The clamp keeps a row that sees
+    # no key in this block at a finite offset, so its −inf scores give P = 0, never −inf − (−inf).
+    frame = tl.maximum(m_new.to(tl.float32) - d_cur.to(tl.float32), M_INIT)
+    p = tl.exp2(tl.fma(s, LOG2E, -(frame * LOG2E)[:, None])).to(STATE)   # one FFMA + ex2 per score
+    ell = (alpha.to(tl.float32) * ell.to(tl.float32) + tl.sum(p.to(tl.float32), 1)).to(STATE)
+    acc = tl.dot(p.to(tl.float16), v, acc.to(STATE).to(tl.float32) * alpha.to(tl.float32)[:, None])
+    return m_new.to(STATE), ell, g_new.to(STATE), acc
+
+
+@triton.jit
 def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     CAUSAL: tl.constexpr, STATE: tl.constexpr):
+                     CAUSAL: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -113,7 +168,10 @@ def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
     m = tl.full([BLOCK_M], M_INIT, STATE)
     ell = tl.zeros([BLOCK_M], STATE)
     g = tl.zeros([BLOCK_M], STATE)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], STATE)
+    if FUSED:   # the wgmma accumulator itself (holds α·A + P·V until its next read rounds it)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], STATE)
     # Blocks [0, hi_full) need no mask at all (whole window new, inside N, below the diagonal);
     # [hi_full, hi) are the ragged last block and, if causal, the diagonal blocks.
     if CAUSAL:
@@ -123,12 +181,20 @@ def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
         hi = n_blocks
         hi_full = N // BLOCK_N
     for j in range(0, hi_full):
-        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                     BLOCK_N, HEAD_DIM, CAUSAL, False, STATE)
+        if FUSED:
+            m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                               BLOCK_N, HEAD_DIM, CAUSAL, False, STATE)
+        else:
+            m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                         BLOCK_N, HEAD_DIM, CAUSAL, False, STATE)
     for j in range(hi_full, hi):
-        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                     BLOCK_N, HEAD_DIM, CAUSAL, True, STATE)
-    out = acc / ell[:, None]                              # eq 8, in the state format
+        if FUSED:
+            m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                               BLOCK_N, HEAD_DIM, CAUSAL, True, STATE)
+        else:
+            m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                         BLOCK_N, HEAD_DIM, CAUSAL, True, STATE)
+    out = acc.to(STATE) / ell[:, None]                   # eq 8, in the state format
     tl.store(O + base + rows[:, None] * HEAD_DIM + cols[None, :], out.to(O.dtype.element_ty),
              mask=rows[:, None] < N)
 

@@ -2,8 +2,16 @@
 
 Run from the repository root on the device:
     PYTHONPATH=. python3 scripts/gpu/pasa_tune.py --out $OUT [--phases tune,latency,accuracy]
+    PYTHONPATH=. python3 scripts/gpu/pasa_tune.py --out $OUT --phases variants --deadline $(( $(date +%s) + 230 ))
 
-Phases (each writes its files as soon as it is done, so a time-out keeps what finished):
+Phases (each writes its files as soon as it is done, so a time-out keeps what finished; --deadline, in
+epoch seconds, is checked between candidates of the variants and tune phases):
+- variants: the main loops (kernels.pasa.attention.VARIANTS: "ref" = Algorithm 1 as written, "fused" = γ in
+  the exponent and P·V in place) × VARIANT_CANDIDATES tiles, D 64/128, each checked against float64 at
+  N = 4096 (max_abs, rel_rmse; non-causal and causal) and timed at N = 8192 and 16384 (B=1, H=8, fp16, the
+  whole call: pre-pass + main kernel) against SDPA flash, non-causal and causal → variants.csv and
+  variants.json rewritten after every candidate, with the best tile per (variant, D) and the geometric-mean
+  ratio to flash over the four (N, causal) cells;
 - tune: every candidate (BLOCK_M, BLOCK_N, warps, stages) for D 64/128, checked against float64 at
   N = 4096 and timed at N = 8192 (B=1, H=8, fp16, non-causal) → tune.json, best config per D;
 - latency: pasa (pre-pass + main), pasa main kernel alone, fa16 (same tiles), SDPA flash and cuDNN,
@@ -27,7 +35,7 @@ from triton.testing import do_bench
 
 from attnbench.backends import get_backend
 from kernels.pasa import fa16_attention, pasa_attention
-from kernels.pasa.attention import DEFAULT_CONFIGS
+from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, VARIANTS
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _pasa_fwd_kernel, _shift_k_kernel
 from kernels.reference import reference_attention
@@ -36,7 +44,17 @@ CANDIDATES = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
 }
+# the variants phase: (D, tile) pairs in priority order (current default first), each timed for every variant
+VARIANT_CANDIDATES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+}
 START = time.time()
+DEADLINE = math.inf   # epoch seconds; set by --deadline
+
+
+def time_left():
+    return DEADLINE - time.time()
 
 
 def log(msg):
@@ -60,7 +78,7 @@ def kw(cfg):
     return dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
-def main_kernel_only(q, k, v, cfg):
+def main_kernel_only(q, k, v, cfg, variant=DEFAULT_VARIANT):
     """The PASA main kernel alone, with K̃ precomputed: separates the pre-pass cost."""
     bm, bn, warps, stages = cfg
     _, heads, n, d = q.shape
@@ -76,8 +94,95 @@ def main_kernel_only(q, k, v, cfg):
     def run():
         _pasa_fwd_kernel[(triton.cdiv(n, bm), heads)](q, k_shift, v, out, n, ideal_invariance(beta), BLOCK_M=bm,
                                                       BLOCK_N=bn, HEAD_DIM=d, CAUSAL=False, STATE=tl.float16,
-                                                      num_warps=warps, num_stages=stages)
+                                                      FUSED=VARIANTS[variant], num_warps=warps, num_stages=stages)
     return run
+
+
+def _write_variants(out_dir: Path, rows: list, results: dict):
+    """variants.csv (one row per variant × D × tile × N × causal) and variants.json with the summary."""
+    import csv
+
+    fields = ["variant", "d", "cfg", "causal", "n", "ms", "flash_ms", "lat_ratio_vs_flash", "tflops",
+              "max_abs_4k", "rel_rmse_4k", "ok", "error"]
+    with open(out_dir / "variants.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "cfg": " ".join(map(str, r["cfg"]))})
+    # per (variant, D, tile): geometric mean of the ratio over the timed (N, causal) cells
+    groups = {}
+    for r in rows:
+        if r.get("ok") and "lat_ratio_vs_flash" in r:
+            groups.setdefault((r["variant"], r["d"], tuple(r["cfg"])), []).append(r["lat_ratio_vs_flash"])
+    summary = [dict(variant=v, d=d, cfg=list(cfg), cells=len(x), geomean_ratio=math.exp(sum(map(math.log, x)) / len(x)),
+                    worst_ratio=max(x)) for (v, d, cfg), x in groups.items()]
+    full = max((s_["cells"] for s_ in summary), default=0)
+    best = {}
+    for s_ in summary:
+        if s_["cells"] == full:
+            key = f"{s_['variant']}:{s_['d']}"
+            if key not in best or s_["geomean_ratio"] < best[key]["geomean_ratio"]:
+                best[key] = s_
+    results["variants_summary"], results["variants_best"] = summary, best
+    (out_dir / "variants.json").write_text(json.dumps(dict(rows=rows, summary=summary, best=best), indent=1))
+
+
+def phase_variants(out_dir: Path, results: dict, ns=(8192, 16384), check_n=4096, heads=8, device="cuda"):
+    """Old vs new main loop × tiles: float64 check at N = check_n, latency against SDPA flash at `ns`.
+    Candidates go in priority order, the two head dims interleaved, so a deadline cuts the least likely."""
+    flash = get_backend("flash").fn
+    data = {}
+    for d in VARIANT_CANDIDATES:
+        gen = torch.Generator(device=device).manual_seed(d)
+        qc, kc, vc = (torch.randn(1, heads, check_n, d, generator=gen, device=device, dtype=torch.float16)
+                      for _ in range(3))
+        refs = {causal: reference_attention(qc, kc, vc, causal=causal) for causal in (False, True)}
+        inputs = {n: tuple(torch.randn(1, heads, n, d, generator=gen, device=device, dtype=torch.float16)
+                           for _ in range(3)) for n in ns}
+        flash_ms = {(n, causal): bench(lambda: flash(*inputs[n], causal=causal)) for n in ns for causal in (False, True)}
+        log(f"variants D={d} flash: " + " ".join(f"N={n} causal={c}: {t:.3f}ms" for (n, c), t in flash_ms.items()))
+        data[d] = ((qc, kc, vc), refs, inputs, flash_ms)
+    order = [(d, cfg) for i in range(max(map(len, VARIANT_CANDIDATES.values())))
+             for d, cands in VARIANT_CANDIDATES.items() if i < len(cands) for cfg in [cands[i]]]
+    rows, durations = [], []
+    for d, cfg in order:
+        check_in, refs, inputs, flash_ms = data[d]
+        for variant in VARIANTS:
+            # one candidate = compile (2 kernels) + check + 4 timings; stop before one would overrun
+            if durations and time_left() < 1.5 * max(durations):
+                log(f"variants: deadline reached, skipping D={d} {cfg} {variant} and later candidates")
+                results["variants_stopped_at"] = dict(d=d, cfg=list(cfg), variant=variant)
+                _write_variants(out_dir, rows, results)
+                return
+            t0 = time.time()
+            opts = dict(kw(cfg), variant=variant)
+            cand_rows = []
+            try:
+                check = {}
+                for causal in (False, True):
+                    o = pasa_attention(*check_in, causal=causal, **opts)
+                    check[causal] = ((o.double() - refs[causal]).abs().max().item(), rel_rmse(o, refs[causal]))
+                for n in ns:
+                    for causal in (False, True):
+                        ms = bench(lambda: pasa_attention(*inputs[n], causal=causal, **opts))
+                        max_abs, rr = check[causal]
+                        ok = math.isfinite(max_abs) and max_abs < 5e-2 and rr < 5e-3
+                        cand_rows.append(dict(variant=variant, d=d, cfg=list(cfg), causal=causal, n=n, ms=ms,
+                                              flash_ms=flash_ms[(n, causal)],
+                                              lat_ratio_vs_flash=ms / flash_ms[(n, causal)],
+                                              tflops=tflops(n, d, ms, heads=heads, causal=causal),
+                                              max_abs_4k=max_abs, rel_rmse_4k=rr, ok=ok))
+            except Exception as exc:  # a tile that does not compile (shared memory) is a result too
+                cand_rows.append(dict(variant=variant, d=d, cfg=list(cfg), causal=None, n=None, ok=False,
+                                      error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            rows.extend(cand_rows)
+            durations.append(time.time() - t0)
+            _write_variants(out_dir, rows, results)
+            log(f"variants D={d} {cfg} {variant} ({durations[-1]:.1f}s): " + "; ".join(
+                f"N={r['n']} c={int(r['causal'])} {r['ms']:.3f}ms x{r['lat_ratio_vs_flash']:.3f} "
+                f"max_abs={r['max_abs_4k']:.2e}" if "ms" in r else r["error"] for r in cand_rows))
+    for key, b in results.get("variants_best", {}).items():
+        log(f"variants best {key}: {b['cfg']} geomean x{b['geomean_ratio']:.3f} (worst x{b['worst_ratio']:.3f})")
 
 
 def phase_tune(out_dir: Path, results: dict):
@@ -91,7 +196,10 @@ def phase_tune(out_dir: Path, results: dict):
         flash = get_backend("flash").fn
         flash_ms = bench(lambda: flash(q, k, v))
         for cfg in cands:
-            row = dict(d=d, cfg=list(cfg), n=8192, flash_ms=flash_ms)
+            if time_left() < 30:
+                log(f"tune: deadline reached before D={d} {cfg}")
+                break
+            row = dict(d=d, cfg=list(cfg), n=8192, flash_ms=flash_ms, variant=DEFAULT_VARIANT)
             try:
                 o = pasa_attention(qc, kc, vc, **kw(cfg))
                 row["rel_rmse_4k"] = rel_rmse(o, ref)
@@ -129,6 +237,7 @@ def phase_latency(out_dir: Path, results: dict, ns, causal_ns):
                            for _ in range(3))
                 fns = {
                     "pasa": lambda: pasa_attention(q, k, v, causal=causal, **kw(cfg)),
+                    "pasa_ref_loop": lambda: pasa_attention(q, k, v, causal=causal, variant="ref", **kw(cfg)),
                     "fa16": lambda: fa16_attention(q, k, v, causal=causal, **kw(cfg)),
                     "flash": lambda: flash(q, k, v, causal=causal),
                     "cudnn": lambda: cudnn(q, k, v, causal=causal),
@@ -189,14 +298,21 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default="pasa,fa16,flash,efficient,sdpa_fp32,pasa_state_fp32,pasa_beta0")
     parser.add_argument("--best", default="", help="skip tuning: 'D:bm,bn,warps,stages;D:…'")
+    parser.add_argument("--deadline", type=float, default=math.inf,
+                        help="epoch seconds: the variants/tune phases start no candidate that would end past it")
     args = parser.parse_args(argv)
+    global DEADLINE
+    DEADLINE = args.deadline
     args.out.mkdir(parents=True, exist_ok=True)
-    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   default_variant=DEFAULT_VARIANT)
     if args.best:
         results["best"] = {int(p.split(":")[0]): [int(x) for x in p.split(":")[1].split(",")]
                            for p in args.best.split(";")}
     phases = args.phases.split(",")
     try:
+        if "variants" in phases:
+            phase_variants(args.out, results)
         if "tune" in phases:
             phase_tune(args.out, results)
         if "latency" in phases:
