@@ -17,16 +17,19 @@ STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or
 # as written (γ applied to a fresh P·V tile, kept to time against); "fused": γ folded into the exponent and P·V
 # accumulated in place. Both keep the paper's allocation (fp16 scores, state and A).
 VARIANTS = {"ref": False, "fused": True}
-DEFAULT_VARIANT = "fused"
+# "ref" is the default: on the H100 (results/dev/pasa/h100/variants.csv, 2026-11-23) it beat "fused" at every
+# tile but one (fused is 1-11 % more accurate in emulation; it stays available as variant="fused").
+DEFAULT_VARIANT = "ref"
 
-# Hopper tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, chosen by scripts/gpu/pasa_tune.py.
-# BLOCK_N is also PASA's shifting-window length n, so β is solved for it.
-# TO CONFIRM ON THE GPU: these were picked for the "ref" loop; with the "fused" default they compile for sm_90
-# without spills (scripts/gpu/pasa_compile_check.py: 209 / 231 registers for D 64 / 128) but are not timed
-# yet. `pasa_tune.py --phases variants` prints the best tile per (variant, D) to put here.
+# Hopper tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, from the H100 sweep
+# (`scripts/gpu/pasa_tune.py --phases variants`, 5 tiles x both loops, N 8K/16K, causal and not, vs SDPA flash):
+# (64, 64, 4, 3) was best for both head dims with the ref loop, geomean lat_ratio 0.96 (D=64, worst 1.00) and
+# 0.84 (D=128, worst 0.93), where the earlier (128, 64, 4|8, 3) tiles gave 1.05-1.09 and 0.98-1.06.
+# BLOCK_N is also PASA's shifting-window length n, so β is solved for it (unchanged at 64).
+# fa16 keeps PASA's tiling, as its definition asks ("the same tiling without the shift").
 DEFAULT_CONFIGS = {
-    "pasa": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
-    "fa16": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "pasa": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
+    "fa16": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
 }
 
 BACKWARD_ERROR = ("{name}: backward is not supported — PASA is a forward-only (inference) algorithm; "

@@ -118,6 +118,31 @@ def main():
         rec(f"elsa_fwdbwd_api_{label}", lambda: torch.autograd.grad(elsa_attention(q, k, v), (q, k, v), do), 200)
         rec(f"sdpa_fwd_{label}", lambda: F.scaled_dot_product_attention(q, k, v))
         rec(f"sdpa_fwdbwd_{label}", lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do), 200)
+    # where ELSA's host time goes: its internal forward/backward without autograd, and a profile of fwd+bwd
+    import cProfile
+    import io
+    import pstats
+
+    import kernels.elsa.attention as ea
+    q, k, v = (torch.randn(8, 3, 197, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    with torch.no_grad():
+        rec("elsa_fwd_api_nograd_vit224", lambda: elsa_attention(q, k, v))
+        rec("elsa__forward_stats_vit224", lambda: ea._forward(q, k, v, None, False, 0.125, "tf32x3", True, {}))
+        out, mrow, zrow = ea._forward(q, k, v, None, False, 0.125, "tf32x3", True, {})
+        rec("elsa__backward_vit224", lambda: ea._backward(do, q, k, v, out, mrow, zrow, None, False, False, 0.125,
+                                                          "tf32x3", {}))
+        rec("torch.cuda.device_ctx", lambda: torch.cuda.device(q.device).__enter__() or None)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        torch.autograd.grad(elsa_attention(q, k, v), (q, k, v), do)
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    Path(a.out, "elsa_fwdbwd_profile.txt").write_text(buf.getvalue())
+    print(buf.getvalue()[:6000])
     Path(a.out, "launch_overhead.json").write_text(json.dumps(res, indent=1))
 
 
