@@ -218,6 +218,31 @@ def test_hybrid_switches_between_dense_and_sparse(device):
         cron_root_hybrid(q, k, v, causal=False)
 
 
+def test_stored_crossover_per_mode(monkeypatch):
+    """A GPU entry with forward-only and fwd+bwd crossovers: the hybrid takes the one for what autograd will do."""
+    from kernels.cron_root import hybrid, tuning
+
+    fake = {"default": {"crossover": 1536},
+            "gpus": {"GPU A": {"crossover": 300, "crossover_fwd": 40, "crossover_fwdbwd": 300}, "GPU B": {"crossover": 70}}}
+    monkeypatch.setattr(tuning, "table", lambda: fake)
+    tuning.gpu_entry.cache_clear()
+    try:
+        assert [tuning.crossover_for("GPU A", t) for t in (None, False, True)] == [300, 40, 300]
+        assert [tuning.crossover_for("GPU B", t) for t in (None, False, True)] == [70, 70, 70]
+        assert tuning.crossover_for("GPU C", True) == 1536
+        monkeypatch.setattr(hybrid, "device_name", lambda device: "GPU A")
+        monkeypatch.setattr(hybrid, "_device_crossover", {})
+        q, k, v = _inputs((1, 1, 50, 32), torch.float32, "cpu", requires_grad=False)
+        with torch.no_grad():      # forward only: 50 >= 40, the sparse kernel
+            _assert_close(cron_root_hybrid(q, k, v), cron_root_reference(q, k, v), 2e-5, 1e-5, "fwd-only sparse")
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))     # training: 50 < 300, dense SDPA
+        _assert_close(cron_root_hybrid(qg, kg, vg), reference_attention(q, k, v, causal=True), 1e-5, 1e-5, "train dense")
+        _assert_close(cron_root_hybrid_reference(qg, kg, vg), reference_attention(q, k, v, causal=True), 1e-9, 1e-9,
+                      "reference follows the same rule")
+    finally:
+        tuning.gpu_entry.cache_clear()
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_peer_forward_eager_cpu():
     # FlexAttention's backward does not run on the CPU; eager flex (no compile) keeps this test short.

@@ -17,11 +17,11 @@ from .tuning import crossover_for, device_name
 _device_crossover: dict = {}
 
 
-def _resolve(crossover, device) -> int:
+def _resolve(crossover, device, train: bool) -> int:
     if crossover is None:
-        if device not in _device_crossover:
-            _device_crossover[device] = crossover_for(device_name(device))
-        return _device_crossover[device]
+        if (device, train) not in _device_crossover:
+            _device_crossover[device, train] = crossover_for(device_name(device), train)
+        return _device_crossover[device, train]
     if not isinstance(crossover, int) or isinstance(crossover, bool) or crossover < 0:
         raise ValueError(f"cron_root_hybrid: crossover must be an int >= 0 or None, got {crossover!r}")
     return crossover
@@ -37,14 +37,19 @@ def _sdpa_causal(q, k, v, scale):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def _training(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, crossover: int | None = None,
                      relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3"):
     """SDPA causal (dense) for N < crossover, Cron Root (sparse) for N >= crossover.
 
-    crossover=None uses the value stored for this GPU in tuning.json (or its default).
+    crossover=None uses the value stored for this GPU in tuning.json (or its default): the fwd+bwd crossover
+    when autograd will need a backward (grad enabled and an input requires grad), the forward-only one otherwise.
     """
     validate(q, k, v, causal, scale, relay_threshold, precision, name="cron_root_hybrid")
-    if q.shape[-2] < _resolve(crossover, q.device):
+    if q.shape[-2] < _resolve(crossover, q.device, _training(q, k, v)):
         return _sdpa_causal(q, k, v, scale)
     return cron_root_attention(q, k, v, causal=True, scale=scale, relay_threshold=relay_threshold,
                                precision=precision)
@@ -55,6 +60,6 @@ def cron_root_hybrid_reference(q, k, v, causal: bool = True, scale: float | None
     """Float64 reference of cron_root_hybrid: dense causal below the crossover, the sparse pattern from it."""
     if not causal:
         raise ValueError("cron_root_hybrid: causal=False is not supported (Cron Root is a causal-only pattern)")
-    if q.shape[-2] < _resolve(crossover, q.device):
+    if q.shape[-2] < _resolve(crossover, q.device, _training(q, k, v)):
         return reference_attention(q, k, v, causal=True, scale=scale)
     return cron_root_reference(q, k, v, causal=True, scale=scale, relay_threshold=relay_threshold)

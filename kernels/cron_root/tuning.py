@@ -29,9 +29,17 @@ def gpu_entry(name: str | None) -> dict:
     return dict(table()["gpus"].get(name, {})) if name else {}
 
 
-def crossover_for(name: str | None) -> int:
-    """The hybrid's crossover for a GPU name (None or not listed: the default)."""
+def crossover_for(name: str | None, train: bool | None = None) -> int:
+    """The hybrid's crossover for a GPU name (None or not listed: the default).
+
+    train=False / True picks the forward-only / fwd+bwd crossover where the GPU's entry stores one
+    ("crossover_fwd", "crossover_fwdbwd": they differ because the backward adds three launches of host cost);
+    otherwise, and for train=None, the entry's "crossover" (the larger of the two).
+    """
     entry = gpu_entry(name)
+    key = {None: None, False: "crossover_fwd", True: "crossover_fwdbwd"}[train]
+    if key and entry.get(key) is not None:
+        return int(entry[key])
     return int(entry["crossover"]) if "crossover" in entry else int(table()["default"]["crossover"])
 
 

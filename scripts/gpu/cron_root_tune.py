@@ -526,9 +526,12 @@ def summary():
     # merged tuning.json for kernels/cron_root/ (only what this run measured is changed)
     table = json.loads(cr_tuning.TUNING_FILE.read_text())
     entry = dict(table["gpus"].get(torch.cuda.get_device_name(), {}))
+    # each mode's crossover is stored when the sweep found it; the combined one only when both were found
+    for mode in ("fwd", "fwdbwd"):
+        if c.get(mode):
+            entry.update({f"crossover_{mode}": c[mode], "crossover_workload": "B=1 H=8 D=64 float16 vs SDPA flash causal"})
     if c.get("fwd") and c.get("fwdbwd"):
-        entry.update(crossover=max(c["fwd"], c["fwdbwd"]), crossover_fwd=c["fwd"], crossover_fwdbwd=c["fwdbwd"],
-                     crossover_workload="B=1 H=8 D=64 float16 vs SDPA flash causal")
+        entry["crossover"] = max(c["fwd"], c["fwdbwd"])
     if configs:
         entry["configs"] = {**entry.get("configs", {}), **configs}
     if entry:
@@ -548,7 +551,7 @@ def main():
     p.add_argument("--sections", default="warm,cold,main,cross,sweep,flex")
     p.add_argument("--models", default="8x64")
     p.add_argument("--ns", type=ints, default=ints("1024,2048,4096,8192,16384,32768,65536,131072,262144"))
-    p.add_argument("--cross-ns", type=ints, default=ints("256,512,768,1024,1280,1536,1792,2048,2560,3072"))
+    p.add_argument("--cross-ns", type=ints, default=ints("256,512,768,1024,1280,1536,1792,2048,2560,3072,4096,6144,8192,12288,16384"))
     p.add_argument("--flex-models", default="8x64")
     p.add_argument("--flex-ns", type=ints, default=ints("4096,8192,16384,65536"))
     p.add_argument("--flex-bwd-ns", type=ints, default=ints("4096,16384,65536"))
