@@ -14,7 +14,7 @@ from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_ker
 HEAD_DIMS = (64, 128)
 STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or its hybrid fp32 mode
 # Main-loop variants: name -> the FUSED constexpr of _pasa_fwd_kernel (README "Main loop"). "ref": Algorithm 1
-# as written (γ applied to a fresh P·V tile, kept to time against); "fused": γ folded into the exponent and P·V
+# as written (γ applied to a fresh P·V tile); "fused": γ folded into the exponent and P·V
 # accumulated in place. Both keep the paper's allocation (fp16 scores, state and A).
 VARIANTS = {"ref": False, "fused": True}
 # "ref" is the default: on the H100 (results/dev/pasa/h100/variants.csv, 2026-11-23) it beat "fused" at every
