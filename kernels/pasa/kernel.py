@@ -50,20 +50,29 @@ def _shift_k_kernel(K, KS, N, diag, off, BLOCK_N: tl.constexpr, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STATE: tl.constexpr):
-    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc)."""
+def _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """KV block j of both loops: its key positions, the shifted K̃ tile and the V tile. The ragged last block
+    is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole blocks, so its
+    loads never need a mask."""
     t = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HEAD_DIM)
     start = tl.minimum(j * BLOCK_N, tl.maximum(N - BLOCK_N, 0))
     keys = start + t
-    # The K̃ buffer is padded to whole blocks, so its loads never need a mask.
     k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * HEAD_DIM + cols[None, :])
     if MASKED:
         v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
     else:
         v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :])
+    return keys, k_shift, v
+
+
+@triton.jit
+def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                STATE: tl.constexpr):
+    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc)."""
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N, HEAD_DIM, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))                  # λ·(QKᵀ)·M₀ in fp32 registers
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ local pseudo-average over all n columns, pre-mask
@@ -113,15 +122,7 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
     Every rounding is an explicit cast (tl.max promotes fp16 to fp32, and promotion rules differ between
     Triton versions); ``kernels.pasa.emulate`` (variant "fused") performs the same operations."""
-    t = tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
-    start = tl.minimum(j * BLOCK_N, tl.maximum(N - BLOCK_N, 0))
-    keys = start + t
-    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * HEAD_DIM + cols[None, :])
-    if MASKED:
-        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
-    else:
-        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :])
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N, HEAD_DIM, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ from the fp32 accumulator, pre-mask
