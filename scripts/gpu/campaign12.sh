@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Device call 12 (2026-11-23, the session's last ~3 minutes): PASA vs flash with the swept defaults
-# (ref loop, 64x64 tiles) through the harness, D=64 and D=128; then the host-cost probe with ELSA's breakdown.
+# Device call 12 (written 2026-11-23 when that session's device time ran out; the next session's first call):
+# ELSA's GPU tests (bf16, large N, the spill test), PASA vs flash with the swept defaults (ref loop, 64x64
+# tiles) through the harness, D=64 and D=128; then the host-cost probe with ELSA's breakdown.
 source scripts/gpu/_campaign_lib.sh
+step elsa_gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_elsa.py
 matrix pasa_d64 50 matrices/full.yaml --only 'pasa_fp16_fwd_vs_flash_d??' --max-attempts 2
 matrix pasa_d128 50 matrices/full.yaml --only 'pasa_fp16_fwd_vs_flash_d???' --max-attempts 2
 step launch_overhead 35 python3 scripts/gpu/launch_overhead.py --out /tmp/extra
