@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .._launch import launch
 from . import _triton as tk
 from .reference import RELAY_THRESHOLD, visible_anchors, visible_relay_blocks, window
 from .tuning import device_name, tuned_configs
@@ -208,11 +209,11 @@ def cron_root_forward(q, k, v, scale, relay_threshold, precision, config=None):
     lse = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
     # small grids leave SMs idle with 128-row tiles: use 64-row tiles then
     use_small = q.device.type == "cuda" and triton_cdiv(n, cfgs["fwd"]["BLOCK_M"]) * b * h < 2 * _num_sms(q.device)
-    meta, launch = _launch_opts(cfgs["fwd_small" if use_small else "fwd"])
+    meta, opts = _launch_opts(cfgs["fwd_small" if use_small else "fwd"])
     grid = (triton_cdiv(n, meta["BLOCK_M"]), b * h)
-    tk._fwd[grid](q, k, v, rk, rv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                  h, n, w, n_relay, scale * _LOG2E,
-                  HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **meta, **launch)
+    launch(tk._fwd, grid, (q, k, v, rk, rv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                           h, n, w, n_relay, scale * _LOG2E),
+           dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **meta, **opts))
     return o, lse, rk, rv, dict(w=w, n_relay=n_relay, scale=scale)
 
 
@@ -237,11 +238,11 @@ def launch_dq(q, k, v, o, lse, rk, rv, do, dq, delta, meta, precision, cfg):
     b, h, n, d = q.shape
     scale = meta["scale"]
     m, lo = _launch_opts(cfg)
-    tk._bwd_dq[(triton_cdiv(n, m["BLOCK_M"]), b * h)](
+    launch(tk._bwd_dq, (triton_cdiv(n, m["BLOCK_M"]), b * h), (
         q, k, v, rk, rv, o, do, dq, lse, delta,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        h, n, meta["w"], meta["n_relay"], scale * _LOG2E, scale,
-        HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo)
+        h, n, meta["w"], meta["n_relay"], scale * _LOG2E, scale),
+        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
 
 
 def launch_global(q, k, v, rk, rv, do, lse, delta, dg, meta, precision, cfg):
@@ -258,22 +259,22 @@ def launch_global(q, k, v, rk, rv, do, lse, delta, dg, meta, precision, cfg):
     n_seg = cfg.get("segments", n_seg)
     seg_len = triton_cdiv(triton_cdiv(n, n_seg), bq) * bq
     n_seg = triton_cdiv(n, seg_len)
-    tk._bwd_global[(n_chunks, n_seg, b * h)](
+    launch(tk._bwd_global, (n_chunks, n_seg, b * h), (
         q, k, v, rk, rv, do, lse, delta, dg[0], dg[1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        h, n, meta["w"], n_anchor, n_relay, seg_len, scale * _LOG2E, scale,
-        HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo)
+        h, n, meta["w"], n_anchor, n_relay, seg_len, scale * _LOG2E, scale),
+        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
 
 
 def launch_local(q, k, v, do, lse, delta, dg, dk, dv, meta, precision, cfg):
     b, h, n, d = q.shape
     scale, w = meta["scale"], meta["w"]
     m, lo = _launch_opts(cfg)
-    tk._bwd_local[(triton_cdiv(n, m["BLOCK_N"]), b * h)](
+    launch(tk._bwd_local, (triton_cdiv(n, m["BLOCK_N"]), b * h), (
         q, k, v, do, lse, delta, dg[0], dg[1], dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        h, n, w, visible_anchors(n), meta["n_relay"], scale * _LOG2E, scale, 1.0 / w,
-        HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo)
+        h, n, w, visible_anchors(n), meta["n_relay"], scale * _LOG2E, scale, 1.0 / w),
+        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
 
 
 def triton_cdiv(a: int, b: int) -> int:

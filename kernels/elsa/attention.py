@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .._launch import launch
 from . import trace
 from ._triton import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_pre, _elsa_phase1, _elsa_phase2
 from .config import plan_backward, plan_forward
@@ -140,13 +141,13 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
         QB = _cdiv(qlen, bm)
         grid1 = (QB, BH, P)
         ev = trace.start_event(dev) if tracing else None
-        k1 = _elsa_phase1[grid1](
+        k1 = launch(_elsa_phase1, grid1, (
             q, k, v, bias_arg, msum, zsum, ssum,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), sbb, sbh, sbi, sbj,
-            H, N, q0, QB, BH, W, qk_scale,
+            H, N, q0, QB, BH, W, qk_scale), dict(
             HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=plan.block_n, CAUSAL=causal, HAS_BIAS=bias_v is not None,
-            FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=plan.num_warps, num_stages=plan.num_stages))
         if tracing:
             trace.record(start=ev, phase=1, kernel=_elsa_phase1.__name__, grid=grid1, programs=QB * BH * P,
                          partitions=P, partition_width=W, q_chunk=(q0, qlen), block_m=bm,
@@ -155,12 +156,12 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
                          summary_ptr=ssum.data_ptr(), args=trace.kernel_arg_names(_elsa_phase1), compiled=k1)
         grid2 = (QB * (bm // plan.p2_rows), BH)
         ev = trace.start_event(dev) if tracing else None
-        k2 = _elsa_phase2[grid2](
+        k2 = launch(_elsa_phase2, grid2, (
             msum, zsum, ssum, out, stats_m, stats_z,
             out.stride(0), out.stride(1), out.stride(2),
-            H, N, q0, QB, BH, P, W,
+            H, N, q0, QB, BH, P, W), dict(
             HEAD_DIM=D, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
-            STORE_STATS=need_stats, num_warps=4, num_stages=2)
+            STORE_STATS=need_stats, num_warps=4, num_stages=2))
         if tracing:
             trace.record(start=ev, phase=2, kernel=_elsa_phase2.__name__, grid=grid2, programs=grid2[0] * BH,
                          partitions=P, q_chunk=(q0, qlen), summary_shape=(P, QB, BH, bm, D),
@@ -187,9 +188,9 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
     bm_pre = plan.pre_block_m
     grid = (_cdiv(N, bm_pre), BH)
     ev = trace.start_event(dev) if trace.active() else None
-    kp = _elsa_bwd_pre[grid](out, do, mrow, zrow, delta, l2,
-                        out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
-                        H, N, HEAD_DIM=D, BLOCK_M=bm_pre, num_warps=4)
+    kp = launch(_elsa_bwd_pre, grid, (out, do, mrow, zrow, delta, l2,
+                out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, N),
+                dict(HEAD_DIM=D, BLOCK_M=bm_pre, num_warps=4))
     if trace.active():
         trace.record(start=ev, phase="bwd_pre", kernel=_elsa_bwd_pre.__name__, grid=grid, programs=grid[0] * BH, compiled=kp)
     bias_v, (sbb, sbh, sbi, sbj) = _bias_view(bias, B, H, N)
@@ -203,21 +204,21 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
     bm, bn, warps, stages = plan.dq
     grid = (_cdiv(N, bm), BH)
     ev = trace.start_event(dev) if trace.active() else None
-    kq = _elsa_bwd_dq[grid](q, k, v, do, l2, delta, dq, bias_arg, dbias_full if bias_grad else delta,
-                       *strides, dq.stride(0), dq.stride(1), dq.stride(2), sbb, sbh, sbi, sbj,
-                       H, N, qk_scale, scale,
-                       HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
-                       BIAS_GRAD=bias_grad, FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+    kq = launch(_elsa_bwd_dq, grid, (q, k, v, do, l2, delta, dq, bias_arg, dbias_full if bias_grad else delta,
+                *strides, dq.stride(0), dq.stride(1), dq.stride(2), sbb, sbh, sbi, sbj,
+                H, N, qk_scale, scale), dict(
+                HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
+                BIAS_GRAD=bias_grad, FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages))
     if trace.active():
         trace.record(start=ev, phase="bwd_dq", kernel=_elsa_bwd_dq.__name__, grid=grid, programs=grid[0] * BH, compiled=kq)
     bm, bn, warps, stages = plan.dkdv
     grid = (_cdiv(N, bn), BH)
     ev = trace.start_event(dev) if trace.active() else None
-    kdkdv = _elsa_bwd_dkdv[grid](q, k, v, do, l2, delta, dk, dv, bias_arg,
-                         *strides, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                         sbb, sbh, sbi, sbj, H, N, qk_scale, scale,
-                         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
-                         FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages)
+    kdkdv = launch(_elsa_bwd_dkdv, grid, (q, k, v, do, l2, delta, dk, dv, bias_arg,
+                   *strides, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                   sbb, sbh, sbi, sbj, H, N, qk_scale, scale), dict(
+                   HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
+                   FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages))
     if trace.active():
         trace.record(start=ev, phase="bwd_dkdv", kernel=_elsa_bwd_dkdv.__name__, grid=grid, programs=grid[0] * BH, compiled=kdkdv)
     return dq, dk, dv, dbias_full

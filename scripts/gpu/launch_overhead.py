@@ -8,6 +8,10 @@ so it is the price a caller pays per call before the GPU work matters. Writes la
 Compared: the public Cron Root / ELSA calls, the same kernels' bare Triton JIT launch with precomputed
 arguments, the compiled kernel's own launcher (CompiledKernel.run, skipping the JIT's binding and cache
 lookup), the torch.compiler.disable wrapper, and SDPA flash as the reference point.
+All of those run with the opt-in fast launch path (kernels/_launch.py) OFF, as before it existed. The last
+section times the same API calls (same shapes) with it off and on ("*_fastoff" / "*_faston"), the bare
+kernels._launch.launch of the Cron Root forward, and the max |difference| of outputs and gradients on vs off
+(expected 0.0; the bit-identity test is tests/test_launch.py::test_gpu_fast_launch_bit_identical).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import kernels._launch as fast_launch
 import kernels.cron_root.attention as cra
 from kernels.elsa import elsa_attention
 
@@ -61,6 +66,7 @@ def main():
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    fast_launch.set_enabled(False)     # the figures below are the JIT path's, comparable with earlier runs
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
     res["triton"] = triton.__version__
@@ -143,7 +149,54 @@ def main():
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     Path(a.out, "elsa_fwdbwd_profile.txt").write_text(buf.getvalue())
     print(buf.getvalue()[:6000])
+    fast_launch_section(rec, res, dev)
     Path(a.out, "launch_overhead.json").write_text(json.dumps(res, indent=1))
+
+
+def _fwdbwd(fn, q, k, v, do):
+    """Output and gradients of one call, for the on/off comparison."""
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+
+def fast_launch_section(rec, res, dev):
+    """The public calls with the fast launch path off and on, same shapes as above."""
+    cases = []
+    for n_tok in (1024, 2048):
+        t = tuple(torch.randn(1, 8, n_tok, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(4))
+        cases.append((f"cron_{{}}_api_N{n_tok}", cra.cron_root_attention, t))
+    for label, shape in (("vit224", (8, 3, 197, 64)), ("swin_win", (512, 3, 49, 32))):
+        t = tuple(torch.randn(*shape, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(4))
+        cases.append((f"elsa_{{}}_api_{label}", elsa_attention, t))
+    for name, fn, (q, k, v, do) in cases:
+        outs = {}
+        for mode in ("off", "on"):
+            fast_launch.set_enabled(mode == "on")
+            fast_launch.clear()
+            rec(name.format("fwd") + f"_fast{mode}", lambda: fn(q, k, v))
+            rec(name.format("fwdbwd") + f"_fast{mode}",
+                lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), 200)
+            outs[mode] = _fwdbwd(fn, q, k, v, do)
+        res[name.format("fwdbwd") + "_fast_max_diff"] = max(float((a.float() - b.float()).abs().max())
+                                                             for a, b in zip(outs["off"], outs["on"]))
+        print(name.format("fwdbwd") + "_fast_max_diff", res[name.format("fwdbwd") + "_fast_max_diff"], flush=True)
+    # the bare forward launch through kernels._launch.launch, arguments precomputed (compare with
+    # cron_fwd_jit_launch_N* and cron_fwd_compiled_run_N* above)
+    q, k, v = (torch.randn(1, 8, 1024, 64, device=dev, dtype=torch.float16) for _ in range(3))
+    b, h, n, d = q.shape
+    cfg = cra._configs(d, q.dtype, "tf32x3", q.device, None)
+    meta, opts = cra._launch_opts(cfg["fwd_small"])
+    o = torch.empty_like(q)
+    lse = torch.empty((b * h, n), dtype=torch.float32, device=dev)
+    grid = (cra.triton_cdiv(n, meta["BLOCK_M"]), b * h)
+    args = (q, k, v, k, v, o, lse, *cra._strides(q), *cra._strides(k), *cra._strides(v), *cra._strides(o),
+            h, n, cra.window(n), 0, 1 / math.sqrt(d) * cra._LOG2E)
+    kw = dict(HEAD_DIM=d, BLOCK_D=cra._block_d(d), PREC="tf32", **meta, **opts)
+    for mode in ("off", "on"):
+        fast_launch.set_enabled(mode == "on")
+        rec(f"cron_fwd_launch_fn_N1024_fast{mode}", lambda: fast_launch.launch(cra.tk._fwd, grid, args, kw))
+    rec("fast_launch_call_key_us", lambda: fast_launch.call_key(args, kw, 0, None), 2000)
+    fast_launch.set_enabled(False)
 
 
 if __name__ == "__main__":

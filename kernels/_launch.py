@@ -1,0 +1,201 @@
+"""Opt-in fast launch of Triton kernels: skip the JIT's per-call binding and cache lookup.
+
+    from kernels._launch import launch
+    ck = launch(jit_fn, grid, args, constexprs)     # same as jit_fn[grid](*args, **constexprs)
+
+Why: on the H100 (torch 2.11, triton 3.6) a JIT launch of the Cron Root forward costs ~21 us of host time,
+calling the compiled kernel's own launcher ~6 us with bit-identical output
+(results/dev/launch_overhead_h100.json); at short sequences that host time is what our kernels lose by.
+
+How: the first call for a key goes through the JIT (``jit_fn[grid](...)``), which compiles or finds the
+kernel and returns its CompiledKernel; we store it with the argument values the launcher wants after the
+positional ones (the kwargs and Python defaults, in ``jit_fn.arg_names`` order, constexprs included; the
+launcher skips those). Later calls with the same key call ``ck.run(...)`` directly, exactly as the end of
+``JITFunction.run`` does (triton 3.6 and 3.9), with the current device's current stream.
+
+Safe by construction: the key is at least as fine as Triton's specialisation + cache key:
+  tensors            (dtype, data_ptr 16-byte aligned, device index)  -- Triton: dtype and alignment
+  int/bool/str/None  exact type and value                       -- Triton: ==1, %16, i32/i64/u64 range
+  float              exact bits (0.0 and -0.0 apart; nan never hits) -- Triton: fp32, value not specialised
+  constexpr kwargs and options (num_warps, num_stages, ...) by name, with the same exact type and value
+  the current CUDA device (Triton keeps one kernel cache per current device)
+  the JIT's global knobs that enter its cache key (debug, instrumentation mode, fpsan casts).
+Anything else (other argument types, a callable grid, tensors passed by keyword, launch/pre-run hooks,
+a stage-inspection hook, the interpreter, a non-CUDA backend, an older triton without ``triton.knobs``,
+tracing by torch.compile) takes the JIT path. What the fast path does not do that the JIT does: re-check
+that the kernel's global constants have not changed since compilation (module constants here, never
+reassigned).
+
+Default OFF until verified on a GPU (tests/test_launch.py's gpu test, scripts/gpu/launch_overhead.py):
+enable with ATTNBENCH_FAST_LAUNCH=1 in the environment (read at import) or ``set_enabled(True)``.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+_enabled = os.environ.get("ATTNBENCH_FAST_LAUNCH", "0") == "1"
+# id(JIT function) -> (the function, {key: (CompiledKernel, tail values)}), or (the function, False) when
+# it cannot take the fast path (interpreter, non-CUDA backend). By id: JITFunction.__hash__ hashes its source
+# key (~0.5 us); holding the function keeps its id from being reused. Keys hold shapes/strides exactly, so
+# varying shapes add entries: a cache is cleared at _MAX_KEYS (each key then goes through the JIT once more).
+_caches: dict = {}
+_MAX_KEYS = 1024
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+
+# Resolved from Triton on the first eligible launch (the same calls JITFunction.run makes); tests replace them.
+_get_device = None
+_get_stream = None
+_knobs = None
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the fast path on or off for this process (overrides ATTNBENCH_FAST_LAUNCH)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def clear() -> None:
+    """Forget every stored CompiledKernel (the next call of each key goes through the JIT)."""
+    _caches.clear()
+
+
+def _eligible(jit_fn) -> bool:
+    """A real (not interpreted) Triton JITFunction on the CUDA backend, with a triton that has triton.knobs."""
+    global _get_device, _get_stream, _knobs
+    try:
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    if not isinstance(jit_fn, JITFunction) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False           # ROCm's launcher is not verified here
+    try:
+        if driver.active.get_current_target().backend != "cuda":
+            return False
+    except Exception:          # no active driver: the JIT will report it
+        return False
+    _get_device, _get_stream, _knobs = driver.active.get_current_device, driver.active.get_current_stream, knobs
+    return True
+
+
+def _hook_set(hook) -> bool:
+    # triton 3.9 (and 3.6?) keeps launch hooks in a HookChain that is never None: "set" means it has calls;
+    # older knobs hold None or a callable.
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
+def _state_key(jit_fn):
+    """The JIT's global state that enters its cache key, or None when the JIT must run (hooks, inspection)."""
+    rt, comp = _knobs.runtime, _knobs.compilation
+    if (_hook_set(getattr(rt, "launch_enter_hook", None)) or _hook_set(getattr(rt, "launch_exit_hook", None))
+            or getattr(rt, "add_stages_inspection_hook", None) is not None or getattr(jit_fn, "pre_run_hooks", None)):
+        return None
+    return (getattr(rt, "debug", None), getattr(comp, "instrumentation_mode", None),
+            getattr(comp, "fpsan_homomorphic_casts", None))
+
+
+def call_key(args, constexprs, device, state):
+    """The cache key of one launch, or None when it must go through the JIT.
+
+    One flat tuple, hashed once: device, state, then one entry per positional argument, then per keyword
+    argument its name and an entry. An entry is
+        an int                          a plain int (strides, sizes: the common case, kept short)
+        dtype, aligned, device index    a tensor (the dtype, never equal to an int/type/str, marks it)
+        type, value                     bool, str, None, float (True == 1 == 1.0 as keys: the type splits them)
+    Each entry's first item says how many follow, and an int, a dtype, a type and a name (str, only in the
+    keyword part) never compare equal to each other, so two different calls never give equal tuples.
+    An inlined loop: it runs on every launch and is what the fast path costs (NOTES.md, "Host cost")."""
+    key = [device, state]
+    app = key.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            app(a)
+        elif t is _Tensor:
+            app(a.dtype)
+            app(a.data_ptr() % 16 == 0)
+            app(a.get_device())
+        elif t is bool or t is str or a is None:
+            app(t)
+            app(a)
+        elif t is float:
+            app(t)
+            app(a if a else a.hex())    # 0.0 == -0.0 as keys; other floats are equal iff same bits (nan never)
+        elif isinstance(a, _Tensor):    # a subclass (nn.Parameter): after the common cases, isinstance is slow
+            app(a.dtype)
+            app(a.data_ptr() % 16 == 0)
+            app(a.get_device())
+        else:
+            return None                 # other types (dtypes, descriptors, numpy scalars): the JIT decides
+    for name, a in constexprs.items():
+        t = type(a)
+        app(name)
+        if t is int:
+            app(a)
+        elif t is bool or t is str or a is None:
+            app(t)
+            app(a)
+        elif t is float:
+            app(t)
+            app(a if a else a.hex())
+        else:
+            return None                 # tensors too: the tail values are stored per key and would go stale
+    return tuple(key)
+
+
+def _tail(jit_fn, n_pos: int, constexprs: dict) -> tuple:
+    """Values of the arguments after the positional ones, in jit_fn.arg_names order: from the kwargs, else
+    the Python default (every name the launcher expects; it skips the constexprs itself)."""
+    params = inspect.signature(jit_fn.fn).parameters     # on a miss only (a new key): its cost does not matter
+    defaults = {nm: p.default for nm, p in params.items() if p.default is not inspect.Parameter.empty}
+    return tuple(constexprs[nm] if nm in constexprs else defaults[nm] for nm in jit_fn.arg_names[n_pos:])
+
+
+def launch(jit_fn, grid, args, constexprs):
+    """``jit_fn[grid](*args, **constexprs)``, through the compiled kernel's launcher when the fast path is
+    enabled and the key was seen before. Returns the CompiledKernel, as the JIT launch does."""
+    if not _enabled:
+        return jit_fn[grid](*args, **constexprs)
+    slot = _caches.get(id(jit_fn))
+    if slot is None:
+        slot = _caches[id(jit_fn)] = (jit_fn, {} if _eligible(jit_fn) else False)
+    cache = slot[1]
+    # a callable grid is evaluated by the JIT on its bound arguments; under torch.compile dynamo must see
+    # the JIT launch itself (it wraps it), so both keep the JIT path
+    if cache is False or type(grid) is not tuple or _is_compiling():
+        return jit_fn[grid](*args, **constexprs)
+    state = _state_key(jit_fn)
+    if state is None:
+        return jit_fn[grid](*args, **constexprs)
+    device = _get_device()
+    key = call_key(args, constexprs, device, state)
+    if key is None:
+        return jit_fn[grid](*args, **constexprs)
+    entry = cache.get(key)
+    if entry is None:
+        ck = jit_fn[grid](*args, **constexprs)
+        if ck is not None:
+            if len(cache) >= _MAX_KEYS:
+                cache.clear()
+            cache[key] = (ck, _tail(jit_fn, len(args), constexprs))
+        return ck
+    ck, tail = entry
+    n = len(grid)
+    # JITFunction.run's launch with no hooks set: launch_metadata None, enter/exit hooks None
+    ck.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), ck.function,
+           ck.packed_metadata, None, None, None, *args, *tail)
+    return ck

@@ -1,0 +1,326 @@
+"""kernels._launch: the opt-in fast launch path (CompiledKernel.run instead of the JIT's binding + cache lookup).
+
+CPU tests drive the keying and caching with a fake JIT function and a fake CompiledKernel; the `-m gpu` test
+runs ELSA and Cron Root with the fast path off and on and asserts bit-identical outputs and gradients.
+"""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import kernels._launch as L
+
+
+def kern(X, Y, n, scale, BLOCK, EXTRA=3, FLAG=False):     # the fake kernel's signature (arg_names, defaults)
+    pass
+
+
+class FakeCK:
+    """A CompiledKernel: its launcher records each call."""
+    function = "cufunction"
+    packed_metadata = ("packed",)
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class FakeJIT:
+    """A JITFunction: jit[grid](*args, **kw) records the call and returns one CompiledKernel per distinct call."""
+    fn = staticmethod(kern)
+    arg_names = ["X", "Y", "n", "scale", "BLOCK", "EXTRA", "FLAG"]
+
+    def __init__(self):
+        self.pre_run_hooks = []
+        self.jit_calls = []
+        self.ck = FakeCK()
+        self.returns = self.ck
+
+    def __getitem__(self, grid):
+        def go(*args, **kw):
+            self.jit_calls.append((grid, args, kw))
+            return self.returns
+        return go
+
+
+class Chain:
+    """triton 3.9's HookChain: never None, 'set' when it has calls."""
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
+
+def _fake_knobs():
+    return types.SimpleNamespace(
+        runtime=types.SimpleNamespace(debug=False, launch_enter_hook=Chain(), launch_exit_hook=Chain(),
+                                      add_stages_inspection_hook=None),
+        compilation=types.SimpleNamespace(instrumentation_mode="", fpsan_homomorphic_casts=False))
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """Fast path on, every function eligible, a fake current device/stream and fake triton knobs."""
+    state = types.SimpleNamespace(device=0, stream=1000)
+    monkeypatch.setattr(L, "_enabled", True)
+    monkeypatch.setattr(L, "_eligible", lambda fn: True)
+    monkeypatch.setattr(L, "_get_device", lambda: state.device)
+    monkeypatch.setattr(L, "_get_stream", lambda dev: state.stream + dev)
+    monkeypatch.setattr(L, "_knobs", _fake_knobs())
+    monkeypatch.setattr(L, "_caches", {})
+    return state
+
+
+def _args(dtype=torch.float16, n=128, scale=0.5, offset=0):
+    x = torch.zeros(64, dtype=dtype)[offset:]
+    return (x, torch.zeros(8, dtype=torch.float32), n, scale)
+
+
+CX = dict(FLAG=True, BLOCK=64, num_warps=4, num_stages=2)       # not in arg_names order, on purpose
+
+
+def test_first_call_jit_then_compiled_run_with_bound_args_in_order(fast):
+    jit = FakeJIT()
+    a1 = _args()
+    assert L.launch(jit, (3, 2), a1, CX) is jit.ck
+    assert len(jit.jit_calls) == 1 and jit.jit_calls[0] == ((3, 2), a1, CX) and jit.ck.calls == []
+    a2 = _args()                                    # new tensors, same dtype/alignment/device and values
+    fast.stream = 2000
+    assert L.launch(jit, (5, 7), a2, CX) is jit.ck
+    assert len(jit.jit_calls) == 1
+    (call,) = jit.ck.calls
+    # grid padded to 3, the current stream, the kernel's function and metadata, no launch metadata or hooks,
+    # then every argument in arg_names order: positional, constexprs (kw order ignored), the Python default
+    assert call[:9] == (5, 7, 1, 2000, "cufunction", ("packed",), None, None, None)
+    bound = call[9:]
+    assert len(bound) == len(FakeJIT.arg_names)
+    assert bound[0] is a2[0] and bound[1] is a2[1]
+    assert bound[2:] == (128, 0.5, 64, 3, True)
+    L.launch(jit, (1, 1, 4), a2, CX)
+    assert jit.ck.calls[-1][:3] == (1, 1, 4)
+
+
+@pytest.mark.parametrize("change", [
+    dict(args=dict(offset=1)),                 # data_ptr no longer 16-byte aligned
+    dict(args=dict(dtype=torch.float32)),
+    dict(args=dict(n=129)),                    # int value
+    dict(args=dict(n=True)),                   # same value as 1, other type (below: n=1 first)
+    dict(args=dict(scale=-0.0)),               # == 0.0, other bits (below: scale=0.0 first)
+    dict(cx=dict(BLOCK=32)),                   # a constexpr
+    dict(cx=dict(FLAG=1)),                     # == True, other type
+    dict(cx=dict(num_warps=8)),                # a launch option
+    dict(cx=dict(EXTRA=3)),                    # a default given explicitly: another kwargs set
+    dict(device=1),                            # current CUDA device
+])
+def test_any_change_in_the_key_goes_through_the_jit_again(fast, change):
+    jit = FakeJIT()
+    base_args = dict(n=1) if change.get("args", {}).get("n") is True else {}
+    if "scale" in change.get("args", {}):
+        base_args = dict(scale=0.0)
+    L.launch(jit, (1,), _args(**base_args), CX)
+    L.launch(jit, (1,), _args(**base_args), CX)
+    assert len(jit.jit_calls) == 1 and len(jit.ck.calls) == 1
+    fast.device = change.get("device", 0)
+    L.launch(jit, (1,), _args(**{**base_args, **change.get("args", {})}), {**CX, **change.get("cx", {})})
+    assert len(jit.jit_calls) == 2 and len(jit.ck.calls) == 1
+    fast.device = 0
+    L.launch(jit, (1,), _args(**base_args), CX)         # the first key is still stored
+    assert len(jit.jit_calls) == 2 and len(jit.ck.calls) == 2
+
+
+def test_tensor_device_index_is_in_the_key(fast):
+    class OnDevice1(torch.Tensor):
+        def get_device(self):
+            return 1
+
+    jit = FakeJIT()
+    a = _args()
+    L.launch(jit, (1,), a, CX)
+    L.launch(jit, (1,), (torch.Tensor._make_subclass(OnDevice1, a[0]), *a[1:]), CX)
+    assert len(jit.jit_calls) == 2 and jit.ck.calls == []
+
+
+@pytest.mark.parametrize("hook", ["enter", "exit", "legacy_callable", "pre_run", "stages"])
+def test_hooks_set_take_the_jit_path(fast, hook):
+    jit = FakeJIT()
+    L.launch(jit, (1,), _args(), CX)
+    rt = L._knobs.runtime
+    if hook == "enter":
+        rt.launch_enter_hook = Chain([print])
+    elif hook == "exit":
+        rt.launch_exit_hook = Chain([print])
+    elif hook == "legacy_callable":               # older knobs: a plain callable or None
+        rt.launch_enter_hook = print
+    elif hook == "pre_run":
+        jit.pre_run_hooks.append(print)
+    else:
+        rt.add_stages_inspection_hook = print
+    for _ in range(2):
+        L.launch(jit, (1,), _args(), CX)
+    assert len(jit.jit_calls) == 3 and jit.ck.calls == []
+
+
+def test_legacy_none_hooks_count_as_unset(fast):
+    L._knobs.runtime.launch_enter_hook = L._knobs.runtime.launch_exit_hook = None
+    jit = FakeJIT()
+    for _ in range(2):
+        L.launch(jit, (1,), _args(), CX)
+    assert len(jit.jit_calls) == 1 and len(jit.ck.calls) == 1
+
+
+def test_knob_state_change_goes_through_the_jit(fast):
+    jit = FakeJIT()
+    L.launch(jit, (1,), _args(), CX)
+    L._knobs.runtime.debug = True
+    L.launch(jit, (1,), _args(), CX)
+    L._knobs.compilation.instrumentation_mode = "proton"
+    L.launch(jit, (1,), _args(), CX)
+    assert len(jit.jit_calls) == 3 and jit.ck.calls == []
+
+
+def test_disabled_always_jit(fast):
+    jit = FakeJIT()
+    L.launch(jit, (1,), _args(), CX)
+    L.set_enabled(False)
+    for _ in range(3):
+        assert L.launch(jit, (1,), _args(), CX) is jit.ck
+    assert len(jit.jit_calls) == 4 and jit.ck.calls == []
+
+
+@pytest.mark.parametrize("case", ["dtype_arg", "numpy_int", "tensor_kwarg", "list_grid", "callable_grid"])
+def test_unhandled_calls_take_the_jit_path(fast, case):
+    import numpy as np
+
+    jit = FakeJIT()
+    args, cx, grid = _args(), dict(CX), (1,)
+    if case == "dtype_arg":
+        args = (*args[:3], torch.float16)
+    elif case == "numpy_int":
+        args = (*args[:2], np.int64(5), args[3])
+    elif case == "tensor_kwarg":
+        cx["EXTRA"] = torch.zeros(4)
+    elif case == "list_grid":
+        grid = [1]
+    else:
+        grid = lambda meta: (1,)            # noqa: E731
+    for _ in range(3):
+        L.launch(jit, grid, args, cx)
+    assert len(jit.jit_calls) == 3 and jit.ck.calls == []
+
+
+def test_jit_returning_none_is_not_stored(fast):
+    jit = FakeJIT()
+    jit.returns = None
+    for _ in range(2):
+        assert L.launch(jit, (1,), _args(), CX) is None
+    assert len(jit.jit_calls) == 2
+
+
+def test_cache_is_bounded(fast, monkeypatch):
+    monkeypatch.setattr(L, "_MAX_KEYS", 4)
+    jit = FakeJIT()
+    for n in range(10):
+        L.launch(jit, (1,), _args(n=n), CX)
+    assert len(L._caches[id(jit)][1]) <= 4
+    L.launch(jit, (1,), _args(n=9), CX)           # the newest key survived the clear
+    assert len(jit.jit_calls) == 10 and len(jit.ck.calls) == 1
+
+
+def test_not_eligible_without_a_real_cuda_jit_function(monkeypatch):
+    """A fake (or interpreted) function is never eligible: the JIT path runs even when enabled."""
+    monkeypatch.setattr(L, "_enabled", True)
+    monkeypatch.setattr(L, "_caches", {})
+    jit = FakeJIT()
+    for _ in range(2):
+        L.launch(jit, (1,), _args(), CX)
+    assert len(jit.jit_calls) == 2 and L._caches[id(jit)][1] is False
+
+
+def test_key_is_cheap_enough_to_measure():
+    """Not a timing assertion (CI machines vary): the key of a realistic ~32-argument launch is built."""
+    q = torch.empty(1, 8, 64, 64, dtype=torch.float16)
+    args = (q,) * 7 + (4096, 512, 64) * 4 + (8, 1024, 32, 0, 0.18)
+    cx = dict(HEAD_DIM=64, BLOCK_D=64, PREC="tf32", BLOCK_M=64, BLOCK_N=64, BLOCK_S=64, num_warps=4, num_stages=3)
+    key = L.call_key(args, cx, 0, None)
+    assert key is not None and hash(key) == hash(L.call_key(args, cx, 0, None))
+
+
+def test_env_var_enables_at_import():
+    code = "import kernels._launch as L; print(L.enabled())"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for val, want in (("1", "True"), ("0", "False"), (None, "False")):
+        e = {k: v for k, v in env.items() if k != "ATTNBENCH_FAST_LAUNCH"}
+        if val is not None:
+            e["ATTNBENCH_FAST_LAUNCH"] = val
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
+
+
+def test_interpreter_unchanged_with_fast_path_on(device, monkeypatch):
+    """Under the interpreter (CPU) enabling the fast path changes nothing: the kernels take the JIT path."""
+    if device.type != "cpu":
+        pytest.skip("interpreter test")
+    from kernels.cron_root import cron_root_attention
+    from kernels.elsa import elsa_attention
+
+    q, k, v = (torch.randn(1, 2, 40, 32) for _ in range(3))
+    monkeypatch.setattr(L, "_caches", {})
+    monkeypatch.setattr(L, "_enabled", False)
+    ref = elsa_attention(q, k, v), cron_root_attention(q, k, v)
+    monkeypatch.setattr(L, "_enabled", True)
+    got = elsa_attention(q, k, v), cron_root_attention(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert L._caches and all(c is False for _, c in L._caches.values())
+
+
+# ---- GPU: bit-identical results with the fast path off and on ----
+
+def _run(fn, q, k, v, do, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, **kw)
+    out.backward(do)
+    torch.cuda.synchronize()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cases():
+    from kernels.cron_root import cron_root_attention
+    from kernels.elsa import elsa_attention
+
+    for dtype in (torch.float16, torch.float32):
+        for causal in (False, True):
+            for shape in ((8, 3, 197, 64), (2, 4, 300, 32), (1, 2, 1024, 128)):
+                yield f"elsa-{dtype}-{causal}-{shape}", elsa_attention, shape, dtype, dict(causal=causal)
+    # one global-slot segment: its fp32 atomics then add onto zeros once per element, so dK/dV are
+    # deterministic and comparable bit for bit (several segments reorder the adds from run to run)
+    for n in (1000, 9000):
+        for dtype in (torch.float16, torch.float32):
+            yield (f"cron-{dtype}-{n}", cron_root_attention, (1, 4, n, 64), dtype,
+                   dict(_config={"glob": {"segments": 1}}))
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_bit_identical(monkeypatch):
+    dev = torch.device("cuda")
+    for name, fn, shape, dtype, kw in _cases():
+        q, k, v, do = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(4))
+        monkeypatch.setattr(L, "_enabled", False)
+        ref = _run(fn, q, k, v, do, **kw)
+        L.set_enabled(True)
+        L.clear()
+        first = _run(fn, q, k, v, do, **kw)              # first call of each key: through the JIT, stored
+        n_fast = [0]
+        get_stream = L._get_stream
+
+        def counting(dev_idx, _g=get_stream):
+            n_fast[0] += 1
+            return _g(dev_idx)
+        monkeypatch.setattr(L, "_get_stream", counting)  # only the fast path asks for the stream
+        fast = _run(fn, q, k, v, do, **kw)
+        monkeypatch.setattr(L, "_get_stream", get_stream)
+        assert n_fast[0] >= 4, f"{name}: fast path not taken ({n_fast[0]} launches)"
+        for label, a, b, c in zip(("out", "dq", "dk", "dv"), ref, first, fast):
+            assert torch.equal(a, b) and torch.equal(a, c), f"{name}: {label} differs with the fast path"
