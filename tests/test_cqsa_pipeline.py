@@ -1,5 +1,5 @@
-"""Stream-CQSA streaming pipeline options (kernels/cqsa/stream.py): the fused Triton merge, the merge in
-the forward kernel's epilogue (merge="kernel"), the row-chunk finaliser (finalize="rows"/"end") and its
+"""Stream-CQSA streaming pipeline options (kernels/cqsa/stream.py): the merge in the forward kernel's
+epilogue (merge="kernel") against the per-piece PyTorch merge, the row-chunk finaliser (finalize="rows"/"end") and its
 output paths, under the OOM guardrail. CPU runs use the Triton interpreter (conftest), sizes stay small.
 """
 import itertools
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kernels.cqsa.divide import build_tasks
-from kernels.cqsa.kernel import LN2, launch_finalize, merge_items
+from kernels.cqsa.kernel import LN2, launch_finalize
 from kernels.cqsa.schedule import task_schedule
-from kernels.cqsa.stream import MergeError, StableAccumulator, _RowFinalizer, stream_forward
+from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_forward
 from kernels.reference import reference_attention
 
 F32_TOL = 1e-5
@@ -34,59 +34,6 @@ def _partials(task, B, H, d, gen, empty_frac=0.3, std=30.0):
     lse[empty] = float("-inf")
     out[empty] = 0.0                 # the kernels write out = 0 where lse = -inf
     return out, lse
-
-
-def test_fused_merge_matches_torch_merge_with_empty_rows():
-    B, H, n, d = 2, 3, 90, 32
-    gen = torch.Generator().manual_seed(0)
-    tasks = build_tasks(n, 7, 2)
-    ref, fused = (StableAccumulator(B, H, n, d, "cpu") for _ in range(2))
-    for t in tasks:
-        out_i, lse_i = _partials(t, B, H, d, gen)
-        assert ref.merge(t, out_i, lse_i) is True
-        assert fused.merge_fused(t, out_i, lse_i) is True
-    # a few rows never saw a finite lse: -inf state on both sides
-    assert torch.equal(torch.isinf(ref.m), torch.isinf(fused.m))
-    fin = torch.isfinite(ref.m)
-    assert torch.allclose(fused.m[fin], ref.m[fin], rtol=0, atol=0)
-    assert torch.allclose(fused.s, ref.s, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(fused.acc, ref.acc, rtol=1e-5, atol=1e-5)
-    snap = fused.acc.clone()
-    assert fused.merge_fused(tasks[0], *_partials(tasks[0], B, H, d, gen)) is False     # idempotent
-    assert torch.equal(fused.acc, snap)
-    o1, o2 = torch.empty(B, H, n, d), torch.empty(B, H, n, d)
-    l1, l2 = torch.empty(B, H, n), torch.empty(B, H, n)
-    ref.finalize(o1, l1)
-    fused.finalize(o2, l2)
-    assert torch.isfinite(o2).all() and max_err(o1, o2) <= 1e-5
-    assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and max_err(l1[torch.isfinite(l1)], l2[torch.isfinite(l2)]) <= 1e-5
-
-
-def test_fused_merge_partials_with_strided_layout_and_failure_marks_dirty():
-    B, H, n, d = 1, 2, 40, 32
-    gen = torch.Generator().manual_seed(1)
-    t = build_tasks(n, 3, 1)[1]
-    out_i, lse_i = _partials(t, B, H, d, gen)
-    tok_major = out_i.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)      # last dim still unit stride
-    a, b = StableAccumulator(B, H, n, d, "cpu"), StableAccumulator(B, H, n, d, "cpu")
-    a.merge_fused(t, out_i, lse_i)
-    b.merge_fused(t, tok_major, lse_i)
-    assert torch.equal(a.acc, b.acc) and torch.equal(a.s, b.s)
-    bad = StableAccumulator(B, H, n, d, "cpu")
-    with pytest.raises(MergeError):
-        bad.merge_fused(t, out_i.transpose(2, 3).contiguous().transpose(2, 3), lse_i)   # D not unit stride
-    assert bad.dirty
-    with pytest.raises(MergeError, match="dirty"):
-        bad.merge_fused(build_tasks(n, 3, 1)[2], out_i, lse_i)
-
-
-def test_merge_items_cover_each_task_row_once():
-    for t in build_tasks(200, 7, 2):
-        it = merge_items(t.gstart, t.lstart, t.length, block=16)
-        assert (it[:, 2] <= 16).all() and (it[:, 2] > 0).all()
-        loc = np.concatenate([np.arange(a, a + c) for a, _, c in it])
-        glo = np.concatenate([np.arange(g, g + c) for _, g, c in it])
-        assert np.array_equal(np.sort(loc), np.arange(t.L)) and np.array_equal(glo[np.argsort(loc)], t.ids())
 
 
 @pytest.mark.parametrize("mscale", [1.0, LN2])
@@ -122,8 +69,8 @@ def test_global_output_tables_map_local_rows_to_global_ids():
                 assert np.array_equal(rows - shift, want)
 
 
-MODES = [("torch", "legacy", "auto"), ("torch", "rows", "auto"), ("triton", "rows", "pageable"),
-         ("triton", "end", "auto"), ("kernel", "rows", "auto"), ("kernel", "rows", "pinned"),
+MODES = [("torch", "legacy", "auto"), ("torch", "rows", "auto"), ("torch", "rows", "pageable"),
+         ("torch", "end", "auto"), ("kernel", "rows", "auto"), ("kernel", "rows", "pinned"),
          ("kernel", "rows", "pageable"), ("kernel", "end", "pageable"), ("kernel", "legacy", "auto")]
 
 
@@ -151,7 +98,7 @@ def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather):
         assert st.out_path == ("direct" if host_out == "auto" else host_out)
 
 
-@pytest.mark.parametrize("merge", ["kernel", "triton"])
+@pytest.mark.parametrize("merge", ["kernel", "torch"])
 def test_guardrail_escalation_with_new_pipeline(merge):
     n = 343
     q, k, v = (rand((1, 1, n, 32)) for _ in range(3))
@@ -166,7 +113,7 @@ def test_guardrail_escalation_with_new_pipeline(merge):
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
 
-@pytest.mark.parametrize("merge", ["kernel", "triton"])
+@pytest.mark.parametrize("merge", ["kernel", "torch"])
 def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
     n = 98
     q, k, v = (rand((1, 1, n, 32)) for _ in range(3))
@@ -200,10 +147,11 @@ def test_kernel_merge_needs_less_memory_per_task():
     acc = StableAccumulator.nbytes(1, 1, n, d)
     budget = acc + (8 << 20)
     runs = {m: stream_forward(q, k, v, c=7, mem_budget=budget, gather="always", merge=m, n_cap_max=64,
-                              input_precision="ieee") for m in ("torch", "triton", "kernel")}
+                              input_precision="ieee") for m in ("torch", "kernel")}
     delta = {m: r[2].calibrations[0]["delta_bytes"] for m, r in runs.items()}
     L = build_tasks(n, 7, 1)[0].L
-    assert delta["torch"] - delta["triton"] == 12 * L and delta["triton"] - delta["kernel"] == 4 * L * (d + 1)
+    # the partials (fp32 out_i and lse_i) and the PyTorch merge's temporaries (12 B a row) are gone
+    assert delta["torch"] - delta["kernel"] == 4 * L * (d + 1) + 12 * L
     assert runs["kernel"][2].calibrations[0]["n_cap"] >= runs["torch"][2].calibrations[0]["n_cap"]
     for m, (out, _, st) in runs.items():
         assert st.peak_bytes <= budget and max_err(out, reference_attention(q, k, v)) <= F32_TOL

@@ -428,45 +428,7 @@ def launch_bwd_dkdv(q, k, v, do, lse2, delta, dk, dv, items, ranges, *, causal, 
         num_warps=warps, num_stages=stages)
 
 
-# --- streaming: one-pass merge of a task's partials, and the per-row-block finalisation ----------------
-
-@triton.jit
-def cqsa_merge_kernel(OUTI, LSEI, ACC, MST, SST, ITEMS, soib, soih, soin, slib, slih, N, H,
-                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Fold a task's partials (out_i fp32 [B,H,L,D], natural-log lse_i [B,H,L]) into the streaming
-    accumulator (m, s, acc) in place, in one pass per row block: m1 = max(m0, lse), a = e^(m0-m1),
-    w = e^(lse-m1), acc = acc·a + out·w, s = s·a + w (spec §3.3; no lse is exponentiated alone).
-    ITEMS [I, 3] int32: (local_row, global_row, count <= BLOCK). State is contiguous [B,H,N(,D)]."""
-    item = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    lr = tl.load(ITEMS + item * 3)
-    gr = tl.load(ITEMS + item * 3 + 1)
-    cnt = tl.load(ITEMS + item * 3 + 2)
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs < cnt
-    lrow = (lr + offs).to(tl.int64)
-    grow = (gr + offs).to(tl.int64)
-    lse = tl.load(LSEI + b.to(tl.int64) * slib + h.to(tl.int64) * slih + lrow, mask=ok, other=float("-inf"))
-    lse = tl.where((lse > float("-inf")) & (lse < float("inf")), lse, float("-inf"))   # NaN/inf: no key
-    sb = bh.to(tl.int64) * N
-    m0 = tl.load(MST + sb + grow, mask=ok, other=float("-inf"))
-    s0 = tl.load(SST + sb + grow, mask=ok, other=0.0)
-    m1 = tl.maximum(m0, lse)
-    m_ref = tl.where(m1 == float("-inf"), 0.0, m1)
-    a = tl.exp(m0 - m_ref)               # m0 = -inf -> 0
-    w = tl.exp(lse - m_ref)              # lse = -inf -> 0
-    a_ptrs = ACC + sb * HEAD_DIM + grow[:, None] * HEAD_DIM + offs_d[None, :]
-    o_ptrs = OUTI + b.to(tl.int64) * soib + h.to(tl.int64) * soih + lrow[:, None] * soin + offs_d[None, :]
-    acc = tl.load(a_ptrs, mask=ok[:, None], other=0.0)
-    o = tl.load(o_ptrs, mask=ok[:, None], other=0.0)
-    acc = acc * a[:, None] + o * w[:, None]
-    tl.store(a_ptrs, acc, mask=ok[:, None])
-    tl.store(SST + sb + grow, s0 * a + w, mask=ok)
-    tl.store(MST + sb + grow, m1, mask=ok)
-
+# --- streaming: the per-row-block finalisation ---------------------------------------------------------
 
 @triton.jit
 def cqsa_finalize_kernel(ACC, MST, SST, O, LSE, g0, n, N, H, sob, soh, son, slb, slh, mscale,
@@ -496,31 +458,7 @@ def cqsa_finalize_kernel(ACC, MST, SST, O, LSE, g0, n, N, H, sob, soh, son, slb,
     tl.store(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + orow, lse, mask=ok)
 
 
-MERGE_BLOCK = 32
 FINAL_BLOCK = 32
-
-
-def merge_items(gstart, lstart, length, block: int = MERGE_BLOCK):
-    """[I, 3] int32 (local_row, global_row, count): a task's pieces cut into row blocks of <= block."""
-    import numpy as np
-    rows = []
-    for g, l, n in zip(gstart.tolist(), lstart.tolist(), length.tolist()):
-        k = np.arange(0, n, block, dtype=np.int64)
-        rows.append(np.stack([l + k, g + k, np.minimum(block, n - k)], 1))
-    if not rows:
-        return np.zeros((0, 3), np.int32)
-    return np.concatenate(rows).astype(np.int32)
-
-
-def launch_merge(out_i, lse_i, acc, mst, sst, items, block: int = MERGE_BLOCK):
-    """items: [I, 3] int32 tensor from merge_items (on the device of the state)."""
-    B, H, _, D = out_i.shape
-    if items.shape[0] == 0 or B * H == 0:
-        return
-    assert out_i.stride(-1) == 1 and acc.is_contiguous() and mst.is_contiguous() and sst.is_contiguous()
-    cqsa_merge_kernel[(items.shape[0], B * H)](
-        out_i, lse_i, acc, mst, sst, items, *_s(out_i, 3), *_s(lse_i, 2), mst.shape[2], H,
-        HEAD_DIM=D, BLOCK=block, num_warps=4)
 
 
 def launch_finalize(acc, mst, sst, out, lse, g0: int, mscale: float, block: int = FINAL_BLOCK):

@@ -105,14 +105,12 @@ def main():
                                      config=[bm, bn, w, st], note="streaming merge=kernel (OUT fp32)")
                             rows.append(r)
                             print(json.dumps(r), flush=True)
-        # the streaming merge (fp32 partials) and the row-chunk finaliser (O in the input dtype)
-        for fn, kw in ((K.cqsa_merge_kernel, dict(BLOCK=K.MERGE_BLOCK)), (K.cqsa_finalize_kernel, dict(BLOCK=K.FINAL_BLOCK))):
-            if fn is K.cqsa_merge_kernel and dt != "fp16":
-                continue                      # no pointer of the input dtype: one variant per head dim
-            r = compile_variant(fn, dt, dict(HEAD_DIM=d, **kw), 4, 1)
-            r.update(kernel=fn.__name__, dtype=dt, head_dim=d, config=[kw["BLOCK"], 4])
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+        # the streaming row-chunk finaliser (O in the input dtype)
+        fn = K.cqsa_finalize_kernel
+        r = compile_variant(fn, dt, dict(HEAD_DIM=d, BLOCK=K.FINAL_BLOCK), 4, 1)
+        r.update(kernel=fn.__name__, dtype=dt, head_dim=d, config=[K.FINAL_BLOCK, 4])
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     out = dict(triton=triton.__version__, target="sm_90 (ptxas -v for sm_90a)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -196,7 +196,6 @@ def make_host_inputs(n, h, d, dt, cuda):
 VARIANTS = {
     "old": dict(merge="torch", finalize="legacy"),
     "kernel_rows": dict(merge="kernel", finalize="rows", host_out="pageable"),
-    "triton_rows": dict(merge="triton", finalize="rows", host_out="pageable"),
     "kernel_rows_pinned": dict(merge="kernel", finalize="rows", host_out="pinned"),
     "kernel_end": dict(merge="kernel", finalize="end", host_out="pageable"),
     "kernel_rows_ncap3": dict(merge="kernel", finalize="rows", host_out="pageable", n_cap_max=3),
@@ -428,7 +427,7 @@ def main():
     ap.add_argument("--limit-d", type=float, default=250)
     ap.add_argument("--deadline", type=float, default=None,
                     help="epoch seconds: parts and streaming variants that would run past it are skipped")
-    ap.add_argument("--variants", default="old,kernel_rows,triton_rows,kernel_rows_pinned,kernel_end,kernel_rows_ncap3",
+    ap.add_argument("--variants", default="old,kernel_rows,kernel_rows_pinned,kernel_end,kernel_rows_ncap3",
                     help="part b: comma list of " + ",".join(VARIANTS))
     args = ap.parse_args()
     if args.deadline is None:

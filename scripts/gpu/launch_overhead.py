@@ -61,6 +61,24 @@ def direct_launcher(jit_fn, grid, args, kwargs):
     return go
 
 
+ELSA_SHAPES = {"vit224": (8, 3, 197, 64), "swin_win": (512, 3, 49, 32)}
+
+
+def cron_fwd_launch(q, k, v):
+    """(grid, args, constexprs) of the Cron Root forward launch for fp16 q, k, v without relay keys, as
+    cron_root_forward builds them (its tile choice included), with fresh o and lse (args[5], args[6])."""
+    b, h, n, d = q.shape
+    cfg = cra._configs(d, q.dtype, "tf32x3", q.device, None)
+    use_small = cra.triton_cdiv(n, cfg["fwd"]["BLOCK_M"]) * b * h < 2 * cra._num_sms(q.device)
+    meta, opts = cra._launch_opts(cfg["fwd_small" if use_small else "fwd"])
+    o = torch.empty_like(q)
+    lse = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
+    grid = (cra.triton_cdiv(n, meta["BLOCK_M"]), b * h)
+    args = (q, k, v, k, v, o, lse, *cra._strides(q), *cra._strides(k), *cra._strides(v), *cra._strides(o),
+            h, n, cra.window(n), 0, 1 / math.sqrt(d) * cra._LOG2E)
+    return grid, args, dict(HEAD_DIM=d, BLOCK_D=cra._block_d(d), PREC="tf32", **meta, **opts)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -94,17 +112,8 @@ def main():
         rec(f"cron_fwdbwd_api_N{n_tok}",
             lambda: torch.autograd.grad(cra.cron_root_attention(q, k, v), (q, k, v), do), 200)
         # the bare forward launch, arguments precomputed
-        b, h, n, d = q.shape
-        w = cra.window(n)
-        cfg = cra._configs(d, q.dtype, "tf32x3", q.device, None)
-        use_small = cra.triton_cdiv(n, cfg["fwd"]["BLOCK_M"]) * b * h < 2 * cra._num_sms(q.device)
-        meta, launch = cra._launch_opts(cfg["fwd_small" if use_small else "fwd"])
-        o = torch.empty_like(q)
-        lse = torch.empty((b * h, n), dtype=torch.float32, device=dev)
-        grid = (cra.triton_cdiv(n, meta["BLOCK_M"]), b * h)
-        args = (q, k, v, k, v, o, lse, *cra._strides(q), *cra._strides(k), *cra._strides(v), *cra._strides(o),
-                h, n, w, 0, 1 / math.sqrt(d) * cra._LOG2E)
-        kw = dict(HEAD_DIM=d, BLOCK_D=cra._block_d(d), PREC="tf32", **meta, **launch)
+        grid, args, kw = cron_fwd_launch(q, k, v)
+        o = args[5]
         rec(f"cron_fwd_jit_launch_N{n_tok}", lambda: cra.tk._fwd[grid](*args, **kw))
         try:
             go = direct_launcher(cra.tk._fwd, grid, args, kw)
@@ -117,7 +126,7 @@ def main():
             res[f"cron_fwd_compiled_run_N{n_tok}"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
         print(res.get(f"cron_fwd_compiled_run_max_diff_N{n_tok}"), flush=True)
     # ELSA at ViT-T/224 attention shape (B=8, H=3, N=197, D=64) and a Swin window batch
-    for label, shape in (("vit224", (8, 3, 197, 64)), ("swin_win", (512, 3, 49, 32))):
+    for label, shape in ELSA_SHAPES.items():
         q, k, v = (torch.randn(*shape, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         rec(f"elsa_fwd_api_{label}", lambda: elsa_attention(q, k, v))
@@ -165,7 +174,7 @@ def fast_launch_section(rec, res, dev):
     for n_tok in (1024, 2048):
         t = tuple(torch.randn(1, 8, n_tok, 64, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(4))
         cases.append((f"cron_{{}}_api_N{n_tok}", cra.cron_root_attention, t))
-    for label, shape in (("vit224", (8, 3, 197, 64)), ("swin_win", (512, 3, 49, 32))):
+    for label, shape in ELSA_SHAPES.items():
         t = tuple(torch.randn(*shape, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(4))
         cases.append((f"elsa_{{}}_api_{label}", elsa_attention, t))
     for name, fn, (q, k, v, do) in cases:
@@ -182,16 +191,7 @@ def fast_launch_section(rec, res, dev):
         print(name.format("fwdbwd") + "_fast_max_diff", res[name.format("fwdbwd") + "_fast_max_diff"], flush=True)
     # the bare forward launch through kernels._launch.launch, arguments precomputed (compare with
     # cron_fwd_jit_launch_N* and cron_fwd_compiled_run_N* above)
-    q, k, v = (torch.randn(1, 8, 1024, 64, device=dev, dtype=torch.float16) for _ in range(3))
-    b, h, n, d = q.shape
-    cfg = cra._configs(d, q.dtype, "tf32x3", q.device, None)
-    meta, opts = cra._launch_opts(cfg["fwd_small"])
-    o = torch.empty_like(q)
-    lse = torch.empty((b * h, n), dtype=torch.float32, device=dev)
-    grid = (cra.triton_cdiv(n, meta["BLOCK_M"]), b * h)
-    args = (q, k, v, k, v, o, lse, *cra._strides(q), *cra._strides(k), *cra._strides(v), *cra._strides(o),
-            h, n, cra.window(n), 0, 1 / math.sqrt(d) * cra._LOG2E)
-    kw = dict(HEAD_DIM=d, BLOCK_D=cra._block_d(d), PREC="tf32", **meta, **opts)
+    grid, args, kw = cron_fwd_launch(*(torch.randn(1, 8, 1024, 64, device=dev, dtype=torch.float16) for _ in range(3)))
     for mode in ("off", "on"):
         fast_launch.set_enabled(mode == "on")
         rec(f"cron_fwd_launch_fn_N1024_fast{mode}", lambda: fast_launch.launch(cra.tk._fwd, grid, args, kw))
