@@ -152,6 +152,20 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
 
 @triton.jit
+def _pasa_step(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               STATE: tl.constexpr, FUSED: tl.constexpr):
+    """One KV block with the chosen main loop (attention.VARIANTS)."""
+    if FUSED:
+        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
+                                           BLOCK_N, HEAD_DIM, CAUSAL, MASKED, STATE)
+    else:
+        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
+                                     BLOCK_N, HEAD_DIM, CAUSAL, MASKED, STATE)
+    return m, ell, g, acc
+
+
+@triton.jit
 def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                      CAUSAL: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
@@ -182,19 +196,11 @@ def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
         hi = n_blocks
         hi_full = N // BLOCK_N
     for j in range(0, hi_full):
-        if FUSED:
-            m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                               BLOCK_N, HEAD_DIM, CAUSAL, False, STATE)
-        else:
-            m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                         BLOCK_N, HEAD_DIM, CAUSAL, False, STATE)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                    BLOCK_N, HEAD_DIM, CAUSAL, False, STATE, FUSED)
     for j in range(hi_full, hi):
-        if FUSED:
-            m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                               BLOCK_N, HEAD_DIM, CAUSAL, True, STATE)
-        else:
-            m, ell, g, acc = _pasa_block(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                         BLOCK_N, HEAD_DIM, CAUSAL, True, STATE)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
+                                    BLOCK_N, HEAD_DIM, CAUSAL, True, STATE, FUSED)
     out = acc.to(STATE) / ell[:, None]                   # eq 8, in the state format
     tl.store(O + base + rows[:, None] * HEAD_DIM + cols[None, :], out.to(O.dtype.element_ty),
              mask=rows[:, None] < N)
