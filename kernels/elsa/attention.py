@@ -84,11 +84,34 @@ def _validate(q, k, v, causal, scale, precision, attn_bias, knobs):
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     """Kernels address rows through strides but need a unit feature stride and int32 in-head offsets."""
-    if t.stride(-1) != 1 or (t.shape[2] - 1) * t.stride(2) + t.shape[3] > _INT32_MAX:
+    _, _, n, d = t.shape
+    st = t.stride()
+    if st[3] != 1 or (n - 1) * st[2] + d > _INT32_MAX:
         t = t.contiguous()
-    if (t.shape[2] - 1) * t.stride(2) + t.shape[3] > _INT32_MAX:
-        raise ValueError(f"elsa: one head of {tuple(t.shape)} exceeds 2^31 elements (int32 in-head offsets)")
+        if (n - 1) * t.stride(2) + d > _INT32_MAX:
+            raise ValueError(f"elsa: one head of {tuple(t.shape)} exceeds 2^31 elements (int32 in-head offsets)")
     return t
+
+
+def _fp32_row_pair(bh: int, n: int, dev) -> tuple:
+    """Two fp32 [bh, n] arrays from one allocation (each torch.empty costs a few us of host time), the
+    second starting on a 16-byte boundary so that both keep the pointer alignment Triton specialises on."""
+    stride = -(-bh * n // 4) * 4
+    buf = torch.empty(2 * stride, dtype=torch.float32, device=dev)
+    return buf[:bh * n].view(bh, n), buf[stride:stride + bh * n].view(bh, n)
+
+
+def _head_strides(q, k, v) -> tuple:
+    """The batch, head and row strides of q, k, v (one stride() call each: host time counts at short N)."""
+    return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+
+
+def _on_device(t: torch.Tensor):
+    """Make t's CUDA device current for the launches (Triton launches on the current device); a no-op
+    context when it already is, which is the common case and saves the device switch's host time."""
+    if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def _bias_view(attn_bias, B, H, N):
@@ -114,8 +137,7 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
     out = torch.empty((B, H, N, D), dtype=q.dtype, device=dev)
     mrow = zrow = None
     if need_stats:
-        mrow = torch.empty((BH, N), dtype=torch.float32, device=dev)
-        zrow = torch.empty((BH, N), dtype=torch.float32, device=dev)
+        mrow, zrow = _fp32_row_pair(BH, N, dev)
     if N == 0 or BH == 0:
         return out, mrow, zrow
     if BH > 65535:
@@ -130,21 +152,24 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
     prec = _dot_precision(q.dtype, precision)
     qb_max = _cdiv(min(qc, N), bm)
     nrows = P * qb_max * BH * bm
-    msum = torch.empty(nrows, dtype=torch.float32, device=dev)
-    zsum = torch.empty(nrows, dtype=torch.float32, device=dev)
-    ssum = torch.empty((nrows, D), dtype=torch.float32, device=dev)
+    # the three summary arrays in one allocation: s first (nrows x D), then m, then z; every offset is a
+    # multiple of 16 bytes (nrows is a multiple of BLOCK_M), as the kernels' pointer alignment expects
+    summaries = torch.empty(nrows * (D + 2), dtype=torch.float32, device=dev)
+    ssum = summaries[:nrows * D].view(nrows, D)
+    msum = summaries[nrows * D:nrows * (D + 1)]
+    zsum = summaries[nrows * (D + 1):]
     stats_m = mrow if need_stats else msum
     stats_z = zrow if need_stats else zsum
     tracing = trace.active()
+    qkv_strides = _head_strides(q, k, v)
+    out_strides = out.stride()[:3]
     for q0 in range(0, N, qc):
         qlen = min(qc, N - q0)
         QB = _cdiv(qlen, bm)
         grid1 = (QB, BH, P)
         ev = trace.start_event(dev) if tracing else None
         k1 = launch(_elsa_phase1, grid1, (
-            q, k, v, bias_arg, msum, zsum, ssum,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), sbb, sbh, sbi, sbj,
+            q, k, v, bias_arg, msum, zsum, ssum, *qkv_strides, sbb, sbh, sbi, sbj,
             H, N, q0, QB, BH, W, qk_scale), dict(
             HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=plan.block_n, CAUSAL=causal, HAS_BIAS=bias_v is not None,
             FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=plan.num_warps, num_stages=plan.num_stages))
@@ -157,8 +182,7 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
         grid2 = (QB * (bm // plan.p2_rows), BH)
         ev = trace.start_event(dev) if tracing else None
         k2 = launch(_elsa_phase2, grid2, (
-            msum, zsum, ssum, out, stats_m, stats_z,
-            out.stride(0), out.stride(1), out.stride(2),
+            msum, zsum, ssum, out, stats_m, stats_z, *out_strides,
             H, N, q0, QB, BH, P, W), dict(
             HEAD_DIM=D, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
             STORE_STATS=need_stats, num_warps=4, num_stages=2))
@@ -183,13 +207,12 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
         return dq, dk, dv, dbias_full
     plan = plan_backward(D, q.dtype, **{kk: knobs[kk] for kk in _BWD_KNOBS if kk in knobs})
     do = _unit_last(do)
-    delta = torch.empty((BH, N), dtype=torch.float32, device=dev)
-    l2 = torch.empty((BH, N), dtype=torch.float32, device=dev)
+    delta, l2 = _fp32_row_pair(BH, N, dev)
+    out_strides, do_strides = out.stride()[:3], do.stride()[:3]
     bm_pre = plan.pre_block_m
     grid = (_cdiv(N, bm_pre), BH)
     ev = trace.start_event(dev) if trace.active() else None
-    kp = launch(_elsa_bwd_pre, grid, (out, do, mrow, zrow, delta, l2,
-                out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2), H, N),
+    kp = launch(_elsa_bwd_pre, grid, (out, do, mrow, zrow, delta, l2, *out_strides, *do_strides, H, N),
                 dict(HEAD_DIM=D, BLOCK_M=bm_pre, num_warps=4))
     if trace.active():
         trace.record(start=ev, phase="bwd_pre", kernel=_elsa_bwd_pre.__name__, grid=grid, programs=grid[0] * BH, compiled=kp)
@@ -199,13 +222,12 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
     fold_q = q.dtype == torch.float32
     scale_in_exp = not fold_q and bias_v is None
     prec = _dot_precision(q.dtype, precision)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    strides = (*_head_strides(q, k, v), *do_strides)
     bm, bn, warps, stages = plan.dq
     grid = (_cdiv(N, bm), BH)
     ev = trace.start_event(dev) if trace.active() else None
     kq = launch(_elsa_bwd_dq, grid, (q, k, v, do, l2, delta, dq, bias_arg, dbias_full if bias_grad else delta,
-                *strides, dq.stride(0), dq.stride(1), dq.stride(2), sbb, sbh, sbi, sbj,
+                *strides, *dq.stride()[:3], sbb, sbh, sbi, sbj,
                 H, N, qk_scale, scale), dict(
                 HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
                 BIAS_GRAD=bias_grad, FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages))
@@ -215,7 +237,7 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
     grid = (_cdiv(N, bn), BH)
     ev = trace.start_event(dev) if trace.active() else None
     kdkdv = launch(_elsa_bwd_dkdv, grid, (q, k, v, do, l2, delta, dk, dv, bias_arg,
-                   *strides, dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                   *strides, *dk.stride()[:3], *dv.stride()[:3],
                    sbb, sbh, sbi, sbj, H, N, qk_scale, scale), dict(
                    HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_BIAS=bias_v is not None,
                    FOLD_Q=fold_q, SCALE_IN_EXP=scale_in_exp, DOT_PREC=prec, num_warps=warps, num_stages=stages))
@@ -237,7 +259,7 @@ class _ElsaFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, mrow, zrow, attn_bias = ctx.saved_tensors
         bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-        with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        with _on_device(q):
             dq, dk, dv, dbias_full = _backward(d_out, q, k, v, out, mrow, zrow, attn_bias, bias_grad,
                                                ctx.causal, ctx.scale, ctx.precision, ctx.knobs)
         dbias = None
@@ -267,8 +289,7 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                or (attn_bias is not None and attn_bias.requires_grad))
-    # Triton launches on the current CUDA device: make it the inputs' device
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    with _on_device(q):
         if needs_grad:
             return _ElsaFunction.apply(q, k, v, attn_bias, causal, scale, precision, dict(knobs))
         out, _, _ = _forward(q, k, v, attn_bias, causal, scale, precision, False, knobs)

@@ -5,6 +5,7 @@ chosen from the H100 sweep in scripts/gpu/elsa_tune.py (see NOTES.md and results
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,7 +29,9 @@ SHORT_BLOCK_M = 64
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
 BWD_TABLE = {
     ("16", 32): ((64, 64, 4, 3), (32, 128, 4, 3)),        # not swept; D=64's tiles
-    ("16", 64): ((64, 64, 4, 3), (32, 128, 4, 3)),        # N=8K bwd 1.03 ms (dkdv (64,128,8,3): 1.27)
+    # dkdv (32, 128, 4, 3) ran N=8K bwd in 1.03 ms but spills on sm_90 (255 regs, 2 B with triton 3.6, 64 B
+    # with 3.9): 8 warps halve the per-thread tile (164 regs, no spill); timed against it in elsa_tune.py bwd16
+    ("16", 64): ((64, 64, 4, 3), (32, 128, 8, 3)),
     ("16", 128): ((128, 32, 8, 3), (32, 128, 8, 3)),      # N=8K bwd 2.03 ms
     ("32", 32): ((128, 32, 8, 2), (32, 64, 4, 2)),        # not swept; D=64's tiles
     ("32", 64): ((128, 32, 8, 2), (32, 64, 4, 2)),        # tf32x3 N=4K bwd 2.89 ms; BN=64 dkdv at 8 warps spills
@@ -85,6 +88,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=1024)   # a pure function of its arguments, called on every forward (host time)
 def plan_forward(n: int, bh: int, d: int, dtype: torch.dtype, device: torch.device, *,
                  block_m=None, block_n=None, num_warps=None, num_stages=None,
                  partition_width=None, q_chunk=None) -> FwdPlan:
