@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.elsa import BACKENDS, elsa_attention, trace_launches
+from kernels.elsa.config import dtype_class
 from kernels.reference import reference_attention
 
 FWD_TOL = {torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -245,6 +246,11 @@ def test_gpu_float32_precision_modes_differ_as_documented():
     assert errs["tf32"] > errs["tf32x3"]            # plain tf32 is visibly less exact: never the default
 
 
+# (kernel, dtype class, D) -> spilled registers (Triton's n_spills) accepted: the 16-bit D=64 dK/dV tile spills
+# 2 with triton 3.6 and runs the N=8K backward 12 % faster than the best tile that does not (kernels/elsa/config.py)
+SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, D", [
     (torch.float32, 64),
@@ -255,7 +261,8 @@ def test_gpu_float32_precision_modes_differ_as_documented():
         strict=True, reason="fp32 D=128 backward spills in every tile (sm_90 compile check)")),
     (torch.float16, 64), (torch.float16, 128), (torch.bfloat16, 64), (torch.float16, 32)])
 def test_gpu_registered_configs_do_not_spill(dtype, D):
-    """Every kernel of the shipped table (short-N and long-N forward tiles, backward) compiles without spills."""
+    """Every kernel of the shipped table (short-N and long-N forward tiles, backward) compiles without spills,
+    but for the allowances in SPILL_ALLOWANCE (a measured trade, not a blanket tolerance)."""
     dev = torch.device("cuda")
     spills = {}
     for N, causal, grad in ((512, False, False), (8192, False, True)):
@@ -270,5 +277,6 @@ def test_gpu_registered_configs_do_not_spill(dtype, D):
             if n_spills is not None:
                 spills[(e["kernel"], N)] = (n_spills, getattr(c, "n_regs", None))
     assert spills, "no compiled kernel handles reachable"
-    bad = {key: val for key, val in spills.items() if val[0]}
-    assert not bad, f"register spills: {bad}"
+    allowed = {kernel: SPILL_ALLOWANCE.get((kernel, dtype_class(dtype), D), 0) for kernel, _ in spills}
+    bad = {key: val for key, val in spills.items() if val[0] > allowed[key[0]]}
+    assert not bad, f"register spills (n_spills, n_regs) beyond the allowance {allowed}: {bad}"

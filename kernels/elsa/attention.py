@@ -93,14 +93,6 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _fp32_row_pair(bh: int, n: int, dev) -> tuple:
-    """Two fp32 [bh, n] arrays from one allocation (each torch.empty costs a few us of host time), the
-    second starting on a 16-byte boundary so that both keep the pointer alignment Triton specialises on."""
-    stride = -(-bh * n // 4) * 4
-    buf = torch.empty(2 * stride, dtype=torch.float32, device=dev)
-    return buf[:bh * n].view(bh, n), buf[stride:stride + bh * n].view(bh, n)
-
-
 def _head_strides(q, k, v) -> tuple:
     """The batch, head and row strides of q, k, v (one stride() call each: host time counts at short N)."""
     return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
@@ -137,7 +129,8 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
     out = torch.empty((B, H, N, D), dtype=q.dtype, device=dev)
     mrow = zrow = None
     if need_stats:
-        mrow, zrow = _fp32_row_pair(BH, N, dev)
+        mrow = torch.empty((BH, N), dtype=torch.float32, device=dev)
+        zrow = torch.empty((BH, N), dtype=torch.float32, device=dev)
     if N == 0 or BH == 0:
         return out, mrow, zrow
     if BH > 65535:
@@ -152,12 +145,11 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
     prec = _dot_precision(q.dtype, precision)
     qb_max = _cdiv(min(qc, N), bm)
     nrows = P * qb_max * BH * bm
-    # the three summary arrays in one allocation: s first (nrows x D), then m, then z; every offset is a
-    # multiple of 16 bytes (nrows is a multiple of BLOCK_M), as the kernels' pointer alignment expects
-    summaries = torch.empty(nrows * (D + 2), dtype=torch.float32, device=dev)
-    ssum = summaries[:nrows * D].view(nrows, D)
-    msum = summaries[nrows * D:nrows * (D + 1)]
-    zsum = summaries[nrows * (D + 1):]
+    # separate allocations on purpose: carving them out of one buffer cost more host time in views than it
+    # saved in allocations (measured, NOTES.md "Host cost")
+    msum = torch.empty(nrows, dtype=torch.float32, device=dev)
+    zsum = torch.empty(nrows, dtype=torch.float32, device=dev)
+    ssum = torch.empty((nrows, D), dtype=torch.float32, device=dev)
     stats_m = mrow if need_stats else msum
     stats_z = zrow if need_stats else zsum
     tracing = trace.active()
@@ -207,7 +199,8 @@ def _backward(do, q, k, v, out, mrow, zrow, bias, bias_grad, causal, scale, prec
         return dq, dk, dv, dbias_full
     plan = plan_backward(D, q.dtype, **{kk: knobs[kk] for kk in _BWD_KNOBS if kk in knobs})
     do = _unit_last(do)
-    delta, l2 = _fp32_row_pair(BH, N, dev)
+    delta = torch.empty((BH, N), dtype=torch.float32, device=dev)
+    l2 = torch.empty((BH, N), dtype=torch.float32, device=dev)
     out_strides, do_strides = out.stride()[:3], do.stride()[:3]
     bm_pre = plan.pre_block_m
     grid = (_cdiv(N, bm_pre), BH)

@@ -257,7 +257,6 @@ def elsa_breakdown(rec, res, dev):
         rec(f"{p}on_device", lambda: ea._on_device(q).__enter__())
         rec(f"{p}plan_forward_cached", lambda: plan_forward(N, B * H, D, q.dtype, q.device))
         rec(f"{p}empty", lambda: torch.empty((B, H, N, D), dtype=q.dtype, device=dev))
-        rec(f"{p}row_pair", lambda: ea._fp32_row_pair(B * H, N, dev))
         rec(f"{p}head_strides", lambda: ea._head_strides(q, k, v))
         rec(f"{p}_forward_stats", lambda: ea._forward(q, k, v, None, False, 0.125, "tf32x3", True, {}))
         out, mrow, zrow = ea._forward(q, k, v, None, False, 0.125, "tf32x3", True, {})
