@@ -1,4 +1,4 @@
-"""kernels._launch: the opt-in fast launch path (CompiledKernel.run instead of the JIT's binding + cache lookup).
+"""kernels._launch: the fast launch path (on by default) (CompiledKernel.run instead of the JIT's binding + cache lookup).
 
 CPU tests drive the keying and caching with a fake JIT function and a fake CompiledKernel; the `-m gpu` test
 runs ELSA and Cron Root with the fast path off and on and asserts bit-identical outputs and gradients.
