@@ -8,7 +8,7 @@ so it is the price a caller pays per call before the GPU work matters. Writes la
 Compared: the public Cron Root / ELSA calls, the same kernels' bare Triton JIT launch with precomputed
 arguments, the compiled kernel's own launcher (CompiledKernel.run, skipping the JIT's binding and cache
 lookup), the torch.compiler.disable wrapper, and SDPA flash as the reference point.
-All of those run with the opt-in fast launch path (kernels/_launch.py) OFF, as before it existed. The last
+All of those run with the fast launch path (kernels/_launch.py, on by default) OFF, as before it existed. The last
 section times the same API calls (same shapes) with it off and on ("*_fastoff" / "*_faston"), the bare
 kernels._launch.launch of the Cron Root forward, and the max |difference| of outputs and gradients on vs off
 (expected 0.0; the bit-identity test is tests/test_launch.py::test_gpu_fast_launch_bit_identical).
