@@ -252,7 +252,7 @@ CASES = [
 @pytest.mark.parametrize("b,n,d,c,itr,causal,dtype,prec", CASES)
 def test_kernel_forward_and_grads_match_dense(device, b, n, d, c, itr, causal, dtype, prec):
     q, k, v = (rand((b, 1, n, d), dtype, grad=True).to(device).detach().requires_grad_() for _ in range(3))
-    out = cqsa_attention(q, k, v, causal=causal, c=c, itr=itr, input_precision=prec)
+    out = cqsa_attention(q, k, v, causal=causal, c=c, itr=itr, precision=prec)
     ref = reference_attention(q, k, v, causal=causal)
     do = torch.randn_like(ref)
     g = torch.autograd.grad(out, (q, k, v), do.to(dtype))
@@ -268,7 +268,7 @@ def test_kernel_strided_inputs_and_scale(device):
     base = rand((1, 40, 2, 32)).to(device)                   # token-major storage, [B,H,N,D] view
     q = base.permute(0, 2, 1, 3)
     k, v = rand((1, 2, 40, 32)).to(device), rand((1, 2, 40, 32)).to(device)
-    out = cqsa_attention(q, k, v, scale=0.3, input_precision="ieee")
+    out = cqsa_attention(q, k, v, scale=0.3, precision="ieee")
     assert max_err(out, reference_attention(q, k, v, scale=0.3)) <= F32_TOL
 
 
@@ -332,7 +332,7 @@ def test_stable_merge_where_naive_exp_overflows():
     scale = 1 / math.sqrt(d)
     _, lse = decomposed_reference(q, k, v, False, scale, build_tasks(n, 7, 1))
     assert not torch.isfinite(torch.exp(lse.float())).all()    # the paper's Den = exp(lse) overflows fp32
-    out, lse_k, st = stream_forward(q, k, v, c=7, itr=1, input_precision="ieee")
+    out, lse_k, st = stream_forward(q, k, v, c=7, itr=1, precision="ieee")
     assert torch.isfinite(out).all() and torch.isfinite(lse_k).all()
     ref = reference_attention(q, k, v)
     assert max_err(out, ref) <= 1e-4 * ref.abs().max().item()
@@ -342,7 +342,7 @@ def test_stable_merge_where_naive_exp_overflows():
 def test_empty_rows_give_no_nan():
     # N = 5 < c = 7 with causal: the first row has one key; several tasks hold rows with no kept key
     q, k, v = (rand((1, 1, 5, 32), grad=True) for _ in range(3))
-    out = cqsa_attention(q, k, v, causal=True, c=7, itr=2, input_precision="ieee")
+    out = cqsa_attention(q, k, v, causal=True, c=7, itr=2, precision="ieee")
     assert torch.isfinite(out).all()
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
     g = torch.autograd.grad(out.sum(), (q, k, v))
@@ -381,7 +381,7 @@ def test_guardrail_escalates_when_every_level1_task_is_refused():
         if task.L > 100:
             raise torch.OutOfMemoryError(f"injected: L={task.L}")
     out, _, st = stream_forward(q, k, v, causal=True, c=7, itr=1, oom_hook=hook, gather="always",
-                                input_precision="ieee")
+                                precision="ieee")
     assert st.task_lengths == {63: 49} and st.itr_final == 2 and st.escalations == [("all", 2)]
     assert st.pairs_covered == n * n
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
@@ -396,7 +396,7 @@ def test_guardrail_hybrid_refines_only_failing_tasks():
         if task.depth == 1 and len(refused) < 3 and task.path not in refused:
             refused.append(task.path)
             raise torch.OutOfMemoryError("injected")
-    out, _, st = stream_forward(q, k, v, c=7, itr=1, oom_hook=hook, refine="hybrid", input_precision="ieee")
+    out, _, st = stream_forward(q, k, v, c=7, itr=1, oom_hook=hook, refine="hybrid", precision="ieee")
     assert st.task_lengths == {42: 4, 18: 21} and st.itr_final == 2 and len(st.escalations) == 3
     assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
 
@@ -407,7 +407,7 @@ def test_guardrail_raises_at_depth_cap_when_nothing_fits():
     def hook(task, resident):
         raise torch.OutOfMemoryError("injected: never fits")
     with pytest.raises(torch.OutOfMemoryError, match="depth cap"):
-        stream_forward(q, k, v, c=3, itr=1, oom_hook=hook, input_precision="ieee")
+        stream_forward(q, k, v, c=3, itr=1, oom_hook=hook, precision="ieee")
 
 
 def test_guardrail_steps_n_cap_down_without_escalating():
@@ -418,7 +418,7 @@ def test_guardrail_steps_n_cap_down_without_escalating():
         if resident >= k_limit:
             raise torch.OutOfMemoryError("injected: too many resident")
     out, _, st = stream_forward(q, k, v, c=3, itr=2, oom_hook=hook, n_cap_max=4, mem_budget=10 ** 9,
-                                peak_hook=lambda t: 1, input_precision="ieee")
+                                peak_hook=lambda t: 1, precision="ieee")
     assert st.n_cap_history == [1, 4, 3, 2] and not st.escalations and st.itr_final == 2
     assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
 
@@ -427,7 +427,7 @@ def test_calibration_sizes_n_cap_from_measured_peak():
     q, k, v = _inputs(30)
     budget = 10 ** 9
     out, _, st = stream_forward(q, k, v, c=3, itr=1, mem_budget=budget, n_cap_max=64,
-                                peak_hook=lambda t: 10 ** 8, input_precision="ieee")
+                                peak_hook=lambda t: 10 ** 8, precision="ieee")
     cal = st.calibrations[0]
     held = StableAccumulator.nbytes(1, 1, 30, 32)
     assert cal["delta_bytes"] == 10 ** 8 and cal["n_cap"] == (budget - held) // 10 ** 8 == 9
@@ -439,7 +439,7 @@ def test_tiny_budget_plans_deeper_and_stays_exact():
     acc = StableAccumulator.nbytes(1, h, n, d)
     budget = acc + (4 << 20) + (2 << 20) + 40 * h * d * 20       # room for tasks of about 20 tokens
     out, lse, st = stream_forward(q, k, v, causal=True, c=7, mem_budget=budget, gather="always",
-                                  input_precision="ieee")
+                                  precision="ieee")
     assert st.itr_start >= 2 and st.peak_bytes <= budget
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
@@ -457,15 +457,15 @@ def test_streamed_backward_with_guardrail_matches_dense():
         if len(calls) == 2:
             raise torch.OutOfMemoryError("injected once")
     out = cqsa_attention(q, k, v, causal=True, c=3, itr=1, mem_budget=10 ** 9, oom_hook=hook, gather="always",
-                         refine="hybrid", input_precision="ieee")
+                         refine="hybrid", precision="ieee")
     assert max_err(out, ref) <= F32_TOL
     g = torch.autograd.grad(out, (q, k, v), do.float())
     for a, b in zip(g, gref):
         assert max_err(a, b) <= F32_TOL
     # the backward engine on its own, with a different depth than the forward
-    _, lse, _ = stream_forward(q.detach(), k.detach(), v.detach(), causal=True, c=3, itr=1, input_precision="ieee")
+    _, lse, _ = stream_forward(q.detach(), k.detach(), v.detach(), causal=True, c=3, itr=1, precision="ieee")
     dq, dk, dv, st = stream_backward(q.detach(), k.detach(), v.detach(), out.detach(), lse, do.float(),
-                                     causal=True, c=3, itr=2, input_precision="ieee")
+                                     causal=True, c=3, itr=2, precision="ieee")
     assert st.itr_final == 2 and st.pairs_covered == n * n
     for a, b in zip((dq, dk, dv), gref):
         assert max_err(a, b) <= F32_TOL
@@ -490,7 +490,7 @@ def test_registered_with_attnbench():
     (dict(itr=0), "itr must be"),
     (dict(dtype=torch.bfloat16), "bfloat16 needs a CUDA device"),
     (dict(dtype=torch.float64), "dtype torch.float64 unsupported"),
-    (dict(input_precision="tf32"), "input_precision"),
+    (dict(precision="tf32"), "precision"),
 ])
 def test_validation_errors(bad, match):
     d = bad.get("d", 32)
@@ -502,7 +502,7 @@ def test_validation_errors(bad, match):
     if dtype == torch.bfloat16 and torch.cuda.is_available():
         pytest.skip("bf16 is supported on CUDA")
     with pytest.raises(ValueError, match=match):
-        cqsa_attention(q, k, v, itr=bad.get("itr", 1), input_precision=bad.get("input_precision", "tf32x3"))
+        cqsa_attention(q, k, v, itr=bad.get("itr", 1), precision=bad.get("precision", "tf32x3"))
 
 
 # --- 9. GPU: bf16, large N, streaming from pinned host memory ----------------------------------
@@ -547,7 +547,7 @@ def test_gpu_large_n_matches_fp32_reference(c, itr):
 def test_gpu_float32_tf32x3_and_ieee():
     q, k, v = (torch.randn(1, 2, 999, 64, device="cuda", requires_grad=True) for _ in range(3))
     ref = reference_attention(q, k, v, causal=True)
-    out = cqsa_attention(q, k, v, causal=True, itr=2, input_precision="tf32x3")
+    out = cqsa_attention(q, k, v, causal=True, itr=2, precision="tf32x3")
     assert max_err(out, ref) <= F32_TOL
     do = torch.randn_like(out)
     g = torch.autograd.grad(out, (q, k, v), do)
@@ -555,7 +555,7 @@ def test_gpu_float32_tf32x3_and_ieee():
     for a, b in zip(g, gref):
         assert max_err(a, b) <= 1e-4
     with torch.no_grad():
-        assert max_err(cqsa_attention(q, k, v, causal=True, input_precision="ieee"), ref) <= F32_TOL
+        assert max_err(cqsa_attention(q, k, v, causal=True, precision="ieee"), ref) <= F32_TOL
 
 
 @pytest.mark.gpu

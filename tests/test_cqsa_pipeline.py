@@ -81,7 +81,7 @@ def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather):
     torch.manual_seed(3)
     q, k, v = (rand((1, h, n, 32)) for _ in range(3))
     out, lse, st = stream_forward(q, k, v, causal=causal, c=7, itr=2, merge=merge, finalize=finalize,
-                                  host_out=host_out, final_chunk=9, gather=gather, input_precision="ieee")
+                                  host_out=host_out, final_chunk=9, gather=gather, precision="ieee")
     ref = reference_attention(q, k, v, causal=causal)
     assert max_err(out, ref) <= F32_TOL and st.pairs_covered == n * n
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
@@ -107,7 +107,7 @@ def test_guardrail_escalation_with_new_pipeline(merge):
         if task.L > 100:
             raise torch.OutOfMemoryError(f"injected: L={task.L}")
     out, _, st = stream_forward(q, k, v, causal=True, c=7, itr=1, oom_hook=hook, gather="always", merge=merge,
-                                finalize="rows", host_out="pageable", final_chunk=32, input_precision="ieee")
+                                finalize="rows", host_out="pageable", final_chunk=32, precision="ieee")
     assert st.task_lengths == {63: 49} and st.itr_final == 2 and st.escalations == [("all", 2)]
     assert st.pairs_covered == n * n and st.fin_chunks == -(-n // 32) and st.fin_chunks_early > 0
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
@@ -124,7 +124,7 @@ def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
             refused.append(task.path)
             raise torch.OutOfMemoryError("injected")
     out, _, st = stream_forward(q, k, v, c=7, itr=1, oom_hook=hook, refine="hybrid", merge=merge,
-                                final_chunk=10, input_precision="ieee")
+                                final_chunk=10, precision="ieee")
     assert st.task_lengths == {42: 4, 18: 21} and len(st.escalations) == 3 and st.fin_chunks == 10
     assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
 
@@ -135,7 +135,7 @@ def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
         if resident >= 2:
             raise torch.OutOfMemoryError("injected: too many resident")
     out, _, st = stream_forward(q, k, v, c=3, itr=2, oom_hook=hook2, n_cap_max=4, mem_budget=10 ** 9, merge=merge,
-                                peak_hook=lambda t: 1, final_chunk=6, host_out="pinned", input_precision="ieee")
+                                peak_hook=lambda t: 1, final_chunk=6, host_out="pinned", precision="ieee")
     assert st.n_cap_history == [1, 4, 3, 2] and not st.escalations and st.pairs_covered == n * n
     assert len(st.evictions) == 2 and st.fin_chunks == 7
     assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
@@ -147,7 +147,7 @@ def test_kernel_merge_needs_less_memory_per_task():
     acc = StableAccumulator.nbytes(1, 1, n, d)
     budget = acc + (8 << 20)
     runs = {m: stream_forward(q, k, v, c=7, mem_budget=budget, gather="always", merge=m, n_cap_max=64,
-                              input_precision="ieee") for m in ("torch", "kernel")}
+                              precision="ieee") for m in ("torch", "kernel")}
     delta = {m: r[2].calibrations[0]["delta_bytes"] for m, r in runs.items()}
     L = build_tasks(n, 7, 1)[0].L
     # the partials (fp32 out_i and lse_i) and the PyTorch merge's temporaries (12 B a row) are gone

@@ -21,7 +21,7 @@ HEAD_DIMS = (32, 64, 128)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def validate(q, k, v, causal, scale, c, itr, input_precision) -> None:
+def validate(q, k, v, causal, scale, c, itr, precision) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"cqsa: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -47,7 +47,7 @@ def validate(q, k, v, causal, scale, c, itr, input_precision) -> None:
         raise ValueError(f"cqsa: itr must be an int >= 1, got {itr!r}")
     if itr * (len(interest_set(c)) - 1) > MAX_BITS:
         raise ValueError(f"cqsa: itr={itr} with c={c} exceeds the {MAX_BITS}-bit responsibility budget")
-    precision_for(q.dtype, input_precision)
+    precision_for(q.dtype, precision)
 
 
 def check_bf16_device(dtype, device) -> None:
@@ -59,7 +59,7 @@ def _lastdim_contig(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def resident_forward(q, k, v, causal, scale, c, itr, input_precision):
+def resident_forward(q, k, v, causal, scale, c, itr, precision):
     """O and the global natural-log lse [B,H,N] (fp32) with everything on q's device."""
     B, H, N, D = q.shape
     check_bf16_device(q.dtype, q.device)
@@ -74,7 +74,7 @@ def resident_forward(q, k, v, causal, scale, c, itr, input_precision):
     acc = torch.empty((B, H, N, D), dtype=torch.float32, device=q.device)
     mst = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     lst = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    prec = precision_for(q.dtype, input_precision)
+    prec = precision_for(q.dtype, precision)
     for i, items in enumerate(waves):
         launch_fwd(q, k, v, out, lse, items, ranges, causal=causal, scale=scale, block=block, precision=prec,
                    mode=1, first=(i == 0), last=(i == len(waves) - 1), acc=acc, mst=mst, lst=lst)
@@ -95,7 +95,7 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torc
     return delta
 
 
-def resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, input_precision):
+def resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, precision):
     B, H, N, D = q.shape
     q, k, v, do = (_lastdim_contig(t) for t in (q, k, v, do))
     dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -106,7 +106,7 @@ def resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, input_precis
     delta = row_delta(do, out)
     lse2 = lse_log2(lse).contiguous()
     bm, bn, warps, stages = config("bwd", D, q.dtype, q.device)
-    prec = precision_for(q.dtype, input_precision)
+    prec = precision_for(q.dtype, precision)
     f32 = dict(dtype=torch.float32, device=q.device)
     # dQ: row blocks of BLOCK_M queries, key tiles of BLOCK_N
     ranges, waves = resident_schedule(N, c, itr, bm, causal).on(q.device)
@@ -127,30 +127,30 @@ def resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, input_precis
 
 class _CQSAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, c, itr, input_precision, stream_opts):
+    def forward(ctx, q, k, v, causal, scale, c, itr, precision, stream_opts):
         if stream_opts is None:
-            out, lse = resident_forward(q, k, v, causal, scale, c, itr, input_precision)
+            out, lse = resident_forward(q, k, v, causal, scale, c, itr, precision)
             ctx.stats = None
         else:
             from .stream import stream_forward
             out, lse, stats = stream_forward(q, k, v, causal=causal, scale=scale, c=c, itr=itr,
-                                             input_precision=input_precision, **stream_opts)
+                                             precision=precision, **stream_opts)
             ctx.stats = stats
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (causal, scale, c, itr, input_precision, stream_opts)
+        ctx.cfg = (causal, scale, c, itr, precision, stream_opts)
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, c, itr, input_precision, stream_opts = ctx.cfg
+        causal, scale, c, itr, precision, stream_opts = ctx.cfg
         do = do.to(q.dtype)
         if stream_opts is None:
-            dq, dk, dv = resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, input_precision)
+            dq, dk, dv = resident_backward(q, k, v, out, lse, do, causal, scale, c, itr, precision)
         else:
             from .stream import stream_backward
             dq, dk, dv, _ = stream_backward(q, k, v, out, lse, do, causal=causal, scale=scale, c=c, itr=itr,
-                                            input_precision=input_precision, **stream_opts)
+                                            precision=precision, **stream_opts)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -163,7 +163,7 @@ def last_stats():
 
 
 def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=None, *,
-                   input_precision="tf32x3", stream=None, device=None, return_stats=False, **stream_opts):
+                   precision="tf32x3", stream=None, device=None, return_stats=False, **stream_opts):
     """Exact softmax attention computed as independent CQS subsequence tasks.
 
     q, k, v: [B, H, N, D] (same dtype/device; float32, float16, bfloat16; D in 32/64/128).
@@ -171,10 +171,10 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
     mem_budget: bytes the computation may hold on the compute device. Given, the streaming engine
     runs (itr then is the smallest depth it starts from; the planner and the OOM guardrail may go
     deeper). Inputs on the host with a GPU present are streamed to the GPU too (``stream`` forces
-    either mode). ``input_precision`` applies to float32 ("tf32x3" or "ieee").
+    either mode). ``precision`` applies to float32 ("tf32x3" or "ieee").
     Returns [B, H, N, D] on the inputs' device; with return_stats=True, (out, stats).
     """
-    validate(q, k, v, causal, scale, c, itr, input_precision)
+    validate(q, k, v, causal, scale, c, itr, precision)
     scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     if stream is None:
         stream = mem_budget is not None or (q.device.type == "cpu" and torch.cuda.is_available())
@@ -186,7 +186,7 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
         if mem_budget is not None or stream_opts or device is not None:
             raise ValueError("cqsa: mem_budget/device/engine options need stream mode")
         opts = None
-    out = _CQSAFunction.apply(q, k, v, causal, scale, c, itr, input_precision, opts)
+    out = _CQSAFunction.apply(q, k, v, causal, scale, c, itr, precision, opts)
     stats = None
     if opts is not None:
         from .stream import last_run_stats

@@ -368,10 +368,10 @@ def config(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -
     return (64, 64, 8, 2) if head_dim == 128 else (64, 64, 4, 2)
 
 
-def precision_for(dtype: torch.dtype, input_precision: str) -> str:
-    if input_precision not in ("ieee", "tf32x3"):
-        raise ValueError(f"cqsa: input_precision must be 'ieee' or 'tf32x3', got {input_precision!r}")
-    return input_precision if dtype == torch.float32 else "ieee"
+def precision_for(dtype: torch.dtype, precision: str) -> str:
+    if precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"cqsa: precision must be 'ieee' or 'tf32x3', got {precision!r}")
+    return precision if dtype == torch.float32 else "ieee"
 
 
 def _s(t: torch.Tensor, n: int):

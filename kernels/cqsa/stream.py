@@ -290,7 +290,7 @@ class _Engine(ABC):
     """Shared task loop; subclasses say what a task allocates, computes and merges."""
 
     def __init__(self, mode, inputs, *, causal, scale, c, itr, mem_budget, device, n_cap, n_cap_max, acc,
-                 refine_mode, gather, input_precision, oom_hook, peak_hook, calib_coef,
+                 refine_mode, gather, precision, oom_hook, peak_hook, calib_coef,
                  merge="auto", finalize="auto", host_out="auto", final_chunk=None):
         q = inputs[0]
         self.B, self.H, self.N, self.D = q.shape
@@ -304,7 +304,7 @@ class _Engine(ABC):
         self.cuda = self.dev.type == "cuda"
         self.inputs_in_place = (q.device == self.dev) and gather != "always"
         self.causal, self.scale, self.c = causal, scale, c
-        self.prec = precision_for(self.dtype, input_precision)
+        self.prec = precision_for(self.dtype, precision)
         self.budget = mem_budget
         self.acc_mode = acc
         self.refine_mode = refine_mode
@@ -1084,7 +1084,7 @@ def _engine_kwargs(kw):
     return allowed
 
 
-def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, input_precision="tf32x3", **kw):
+def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", **kw):
     """Exact attention forward through the task engine. Returns (out, lse, stats); out and the
     natural-log lse [B,H,N] live on q's device.
 
@@ -1100,10 +1100,10 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, input_preci
     - host_out (host inputs): "pageable" (default; staged through a pinned two-slot ring, landed by the host
       between launches) or "pinned" (O allocated pinned, async per-head D2H copies).
     """
-    validate(q, k, v, causal, scale, c, itr, input_precision)
+    validate(q, k, v, causal, scale, c, itr, precision)
     scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     opts = _engine_kwargs(kw)
-    eng = _FwdEngine("fwd", [q, k, v], causal=causal, scale=scale, c=c, itr=itr, input_precision=input_precision,
+    eng = _FwdEngine("fwd", [q, k, v], causal=causal, scale=scale, c=c, itr=itr, precision=precision,
                      **opts)
     if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         B, H, N, D = q.shape
@@ -1112,13 +1112,13 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, input_preci
     return eng.out, eng.lse, stats
 
 
-def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, input_precision="tf32x3", **kw):
+def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", **kw):
     """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine."""
-    validate(q, k, v, causal, scale, c, itr, input_precision)
+    validate(q, k, v, causal, scale, c, itr, precision)
     scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     opts = _engine_kwargs(kw)
     eng = _BwdEngine("bwd", [q, k, v, out, lse, do], causal=causal, scale=scale, c=c, itr=itr,
-                     input_precision=input_precision, **opts)
+                     precision=precision, **opts)
     if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), eng.stats
     stats = eng.run()

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .._launch import launch
-from . import _triton as tk
+from . import kernel as tk
 from .reference import RELAY_THRESHOLD, visible_anchors, visible_relay_blocks, window
 from .tuning import device_name, tuned_configs
 
@@ -19,10 +19,9 @@ PRECISIONS = ("tf32x3", "ieee")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 _LOG2E = 1.4426950408889634
 
-# Default tile configs for 16-bit inputs per head-dim bucket (D <= 64, D <= 128). NOT yet timed on a GPU: chosen
-# from the FlashAttention tutorial's Hopper tiles and compiled offline for sm_90 with
-# scripts/gpu/cron_root_compile_check.py (no spills at D=64, 24 B in two kernels at D=128; shared memory well
-# within 227 KB). tuning.json may override them per GPU name from a sweep of scripts/gpu/cron_root_tune.py.
+# Default tile configs for 16-bit inputs per head-dim bucket (D <= 64, D <= 128), from the FlashAttention
+# tutorial's Hopper tiles, checked for spills and shared memory on sm_90; tuning.json overrides them per GPU
+# name where a tuning sweep found better ones (the H100 entry holds only the measured hybrid crossovers).
 # fwd: query tile BLOCK_M, local-band key chunk BLOCK_N, gathered anchor/relay chunk BLOCK_S.
 # dq: the same roles; glob: slot chunk BLOCK_G x query chunk BLOCK_Q; loc: key tile BLOCK_N x query chunk BLOCK_Q.
 GPU_CONFIGS = {

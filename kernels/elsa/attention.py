@@ -19,7 +19,7 @@ import torch
 
 from .._launch import launch
 from . import trace
-from ._triton import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_pre, _elsa_phase1, _elsa_phase2
+from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_pre, _elsa_phase1, _elsa_phase2
 from .config import plan_backward, plan_forward
 
 LOG2E = 1.4426950408889634

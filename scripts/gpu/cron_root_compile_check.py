@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
-from kernels.cron_root import _triton as tk  # noqa: E402
+from kernels.cron_root import kernel as tk  # noqa: E402
 import torch  # noqa: E402
 from kernels.cron_root.attention import _block_d, default_gpu_configs  # noqa: E402
 

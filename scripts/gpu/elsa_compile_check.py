@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
-from kernels.elsa import _triton as tk  # noqa: E402
+from kernels.elsa import kernel as tk  # noqa: E402
 
 FP32_PTRS = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
 PTRS = {"Q", "K", "V", "dOut", "dQ", "dK", "dV", "Bias", "Out"} | FP32_PTRS
