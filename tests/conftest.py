@@ -3,9 +3,14 @@
 TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection time.
 """
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+# Subprocesses (the CLI tests) import this checkout, whatever is installed: the repo root leads PYTHONPATH.
+_REPO = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
