@@ -9,13 +9,18 @@ import torch
 def reference_attention(q, k, v, causal: bool = False, scale: float | None = None, attn_bias=None, mask=None):
     """Exact softmax attention computed in float64 on the inputs' device.
 
-    q, k, v: [B, H, N, D] (any float dtype). ``attn_bias`` is added to the scores (broadcastable to
+    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (grouped-query: query head h reads key/value
+    head h // (Hq // Hkv)); any float dtype. Causal with Nq != Nk is aligned bottom-right (query i sees keys
+    j <= i + Nk - Nq). ``attn_bias`` is added to the scores (broadcastable to
     [B, H, Nq, Nk]); ``mask`` is a boolean tensor broadcastable to the scores, True = attend.
     Rows with no visible key return 0 (the convention all our kernels follow).
     Returns float64 [B, H, Nq, D]; differentiable, so gradients can be compared too.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k64, v64 = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
     scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
     if attn_bias is not None:
         scores = scores + attn_bias.double()

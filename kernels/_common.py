@@ -1,0 +1,204 @@
+"""What the four kernels share: input checks, the default scale, LOG2E, float32 dot precision, padded
+head-dim tiles, tile-config overrides, the forward-only error, the interpreter test and the launch path.
+
+The contract every kernel follows (shared/DESIGN.md):
+
+    out = attn(q, k, v, causal=False, scale=None, **options)
+    q: [B, Hq, Nq, D]; k, v: [B, Hkv, Nk, D] with Hq % Hkv == 0 (grouped-query attention: query head h reads
+    key/value head h // (Hq // Hkv) in place, never a repeated copy); out: [B, Hq, Nq, D].
+    causal with Nq != Nk is aligned bottom-right: query i sees keys j <= i + (Nk - Nq), as
+    torch.nn.attention.bias.causal_lower_right and FlashAttention >= 2.1 do. A row that sees no key gives 0.
+    D: every multiple of 8 from 16 to 256; the kernels pad it inside to the next power of two (block_d).
+
+Each check raises a one-line ValueError that starts with the kernel's name and names the offending values.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._launch import launch  # noqa: F401  (re-exported: every kernel launches through kernels._launch)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# float32 dot products: "tf32x3" (~fp32 accuracy on tensor cores), "ieee" (strict FMA, slow), "tf32" (~1e-3,
+# only when asked). 16-bit operands always take the tensor-core MMA with fp32 accumulation.
+PRECISIONS = ("tf32x3", "ieee", "tf32")
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 16, 256, 8
+HEAD_DIMS = tuple(range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_STEP))
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT32_MAX = 2**31 - 1
+
+
+class ForwardOnlyError(RuntimeError):
+    """The backward of a forward-only kernel was asked for."""
+
+
+def forward_only_error(name: str, why: str = "") -> ForwardOnlyError:
+    """The one error a forward-only kernel raises when autograd reaches its backward."""
+    return ForwardOnlyError(f"{name}: backward is not supported{': ' + why if why else ''} "
+                            "(a forward-only kernel; call it under torch.no_grad() or on tensors without grad)")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention problem of one call, read off q and k."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_kv: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1: multi-head, Hq: multi-query)."""
+        return self.heads_q // self.heads_kv
+
+    @property
+    def causal_offset(self) -> int:
+        """Bottom-right causal alignment: query i sees keys j <= i + causal_offset."""
+        return self.len_kv - self.len_q
+
+
+_interpreted: bool | None = None
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 set before triton was
+    imported): the one test every kernel uses, decided the way the kernels' own @triton.jit was."""
+    global _interpreted
+    if _interpreted is None:
+        _interpreted = type(_probe).__name__ == "InterpretedFunction"
+    return _interpreted
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_inputs(name: str, q, k, v, *, causal, scale, dtypes=FLOAT_DTYPES, self_attention: bool = False,
+                 causal_only: bool = False, head_dims=HEAD_DIMS) -> Shape:
+    """Validate q, k, v and the contract's options; return the problem's Shape.
+
+    self_attention: the kernel needs Nq == Nk (Cron Root). causal_only: causal must be True.
+    """
+    for label, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: {label} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {label} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{name}: q, k, v must share one dtype, got {_dtype_name(q.dtype)}, "
+                         f"{_dtype_name(k.dtype)}, {_dtype_name(v.dtype)}")
+    if q.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {_dtype_name(q.dtype)} unsupported "
+                         f"(supports {', '.join(map(_dtype_name, dtypes))})")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name}: device {q.device} unsupported (cuda, or cpu through the Triton interpreter)")
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError(f"{name}: CPU tensors need the Triton interpreter "
+                         "(set TRITON_INTERPRET=1 before triton is imported)")
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    (b, hq, nq, d), (bk, hkv, nk, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"{name}: batch sizes differ: q has {b}, k and v have {bk}")
+    if d != dk:
+        raise ValueError(f"{name}: head dims differ: q has {d}, k and v have {dk}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{name}: q has {hq} heads and k, v have {hkv}: the query heads must be a whole "
+                         "multiple of the key/value heads (grouped-query attention)")
+    if d not in head_dims:
+        lo, hi = min(head_dims), max(head_dims)
+        raise ValueError(f"{name}: head dim {d} unsupported (supports multiples of {HEAD_DIM_STEP} from {lo} to {hi})"
+                         if tuple(head_dims) == HEAD_DIMS else
+                         f"{name}: head dim {d} unsupported (supports {', '.join(map(str, head_dims))})")
+    if self_attention and nq != nk:
+        raise ValueError(f"{name}: query length {nq} differs from key length {nk}: {name} is causal "
+                         "self-attention (Nq == Nk)")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{name}: causal must be a bool, got {causal!r}")
+    if causal_only and not causal:
+        raise ValueError(f"{name}: causal=False is not supported ({name} is a causal-only pattern)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"{name}: scale must be a positive finite number or None, got {scale!r}")
+    return Shape(b, hq, hkv, nq, nk, d)
+
+
+def default_scale(scale, head_dim: int) -> float:
+    """The softmax scale: 1/sqrt(D) unless given."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_precision(name: str, precision, allowed=PRECISIONS) -> None:
+    if precision not in allowed:
+        raise ValueError(f"{name}: precision must be one of {', '.join(allowed)}, got {precision!r}")
+
+
+def dot_precision(dtype: torch.dtype, precision: str) -> str:
+    """tl.dot's input_precision: the asked one for float32 operands; 16-bit operands always take the
+    tensor-core MMA, where "tf32" is Triton's default and changes nothing."""
+    return precision if dtype == torch.float32 else "tf32"
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile width: the next power of two >= 16 (D = 40 -> 64, 80 and 96 -> 128); the kernels
+    mask the columns past D."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t with a unit feature stride and int32 offsets inside one (batch, head): what the kernels address
+    rows by. Other strides stay as they are (a transposed [B, N, H, D] view is read in place)."""
+    n, d = t.shape[-2], t.shape[-1]
+    st = t.stride()
+    if st[-1] != 1 or (n - 1) * st[-2] + d > _INT32_MAX:
+        t = t.contiguous()
+        if (n - 1) * t.stride(-2) + d > _INT32_MAX:
+            raise ValueError(f"{name}: one head of {tuple(t.shape)} exceeds 2^31 elements (int32 in-head offsets)")
+    return t
+
+
+def on_device(t: torch.Tensor):
+    """Make t's CUDA device current for the launches (Triton launches on the current device); a no-op
+    context when it already is, the common case, which saves the device switch's host time."""
+    if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
+def tile_config(name: str, defaults: dict, override) -> dict:
+    """The one way to override a kernel's tile configs: ``config={part: {param: value}}`` merged over the
+    kernel's defaults for this call. ``defaults`` maps each part (e.g. "fwd", "dq") to its parameters; an
+    unknown part or parameter, or a value that is not a positive int, is a one-line error."""
+    if not override:
+        return defaults
+    if not isinstance(override, dict):
+        raise ValueError(f"{name}: config must be a dict {{part: {{param: value}}}}, got {type(override).__name__}")
+    merged = {part: dict(params) for part, params in defaults.items()}
+    for part, params in override.items():
+        if part not in merged:
+            raise ValueError(f"{name}: config part {part!r} unknown (parts: {', '.join(defaults)})")
+        if not isinstance(params, dict):
+            raise ValueError(f"{name}: config[{part!r}] must be a dict of tile parameters, got {params!r}")
+        for param, value in params.items():
+            if param not in merged[part]:
+                raise ValueError(f"{name}: config[{part!r}] has no parameter {param!r} "
+                                 f"(has {', '.join(merged[part])})")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: config[{part!r}][{param!r}] must be a positive int, got {value!r}")
+            merged[part][param] = value
+    return merged
