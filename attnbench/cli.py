@@ -260,7 +260,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         if not matrix.select(only).cells:
             fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
         if dry_run:
-            from attnbench.analysis import point_seconds
+            from attnbench.planning import point_seconds
 
             history, runs_read = point_seconds(results_root, device)
             console.print(_plan_table(matrix, device, history, runs_read))
@@ -280,7 +280,7 @@ def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder 
     """Every stored run: how many of its planned points it measured, and the command that finishes it."""
     from rich.table import Table
 
-    from attnbench.analysis import run_progress
+    from attnbench.runs import run_progress
     from attnbench.store import RunDirError, load_run, run_dirs
 
     if not results_root.is_dir():
@@ -335,15 +335,21 @@ def verify_2pass(device: str = DeviceOpt):
 # --- report / gate / spot-check ----------------------------------------------------------------
 
 @app.command("report")
-def report(run_dirs: List[Path] = typer.Argument(..., help="run directories (one GPU model)"),
+def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run directories (one GPU model)"),
+           runs_file: Optional[Path] = typer.Option(None, "--runs", help="a text file listing the run directories, one "
+                                                    "per line, relative to the file (e.g. results/H100_runs.txt)"),
            out: Optional[Path] = typer.Option(None, "--out", help="markdown path (default results/RESULTS_<GPU>.md)"),
            plots_dir: Optional[Path] = typer.Option(None, "--plots-dir", help="where the PNGs go"),
            no_plots: bool = typer.Option(False, "--no-plots", help="tables only")):
     """Regenerate the RESULTS markdown (tables, trends, load summary) and the plots from stored runs."""
     from attnbench.report import build_report
+    from attnbench.runs import read_run_list
 
     try:
-        path = build_report(run_dirs, out, plots_dir, plots=not no_plots)
+        dirs = list(run_dirs or []) + (read_run_list(runs_file) if runs_file is not None else [])
+        if not dirs:
+            fail("name the run directories, or a file listing them with --runs (e.g. results/H100_runs.txt)", 2)
+        path = build_report(dirs, out, plots_dir, plots=not no_plots)
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
     console.print(f"wrote {path}", highlight=False)
@@ -356,7 +362,7 @@ def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run
              out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)")):
     """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER."""
     from attnbench import gate as gatemod
-    from attnbench.analysis import resolve_run_dir
+    from attnbench.runs import resolve_run_dir
 
     try:
         b, c = resolve_run_dir(baseline), resolve_run_dir(current)

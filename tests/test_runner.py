@@ -214,7 +214,7 @@ def test_real_measurement_on_cpu_gives_finite_ratios(tmp_path):
     # each side's first call (outside the timed samples) is kept, and the report lists the cells' first ones
     for a in load_run(run_dir).attempts:
         assert a["kernel"]["first_call_ms"] > 0 and a["baseline"]["first_call_ms"] > 0
-    from attnbench.analysis import first_call_table
+    from attnbench.report import first_call_table
 
     table = first_call_table([load_run(run_dir)])
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["`a`", "`b`"]
@@ -255,7 +255,7 @@ def test_cli_bad_resume_dir_exits_2(tmp_path):
 
 
 def test_runs_lists_progress_and_the_command_that_finishes_a_run(tmp_path, monkeypatch):
-    from attnbench.analysis import run_progress
+    from attnbench.runs import run_progress
 
     m, run_dir = interrupted_run(tmp_path, monkeypatch)
     info = run_progress(load_run(run_dir))
