@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 err = Console(stderr=True)
 
-DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML gate, CUDA events) or cpu (Triton interpreter, system-load gate)")
+DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML clean-GPU check, CUDA events) or cpu (Triton interpreter, system-load check)")
 
 
 def fail(message: str, code: int) -> None:
@@ -55,34 +55,35 @@ def _reader():
         fail(str(exc), 3)
 
 
-def _gate(matrix_gate: dict | None, max_util: float | None, min_free_gb: float | None):
-    from attnbench.gpu import Gate
+def _clean_gpu_check(thresholds: dict | None, max_util: float | None, min_free_gb: float | None):
+    """The matrix's clean-GPU thresholds (its `gate:` mapping), with the command line's on top."""
+    from attnbench.gpu import CleanGpuCheck
 
-    g = Gate(**(matrix_gate or {}))
+    check = CleanGpuCheck(**(thresholds or {}))
     if max_util is not None:
-        g.max_util_pct = max_util
+        check.max_util_pct = max_util
     if min_free_gb is not None:
-        g.min_free_gb = min_free_gb
-    return g
+        check.min_free_gb = min_free_gb
+    return check
 
 
 # --- gpu-status --------------------------------------------------------------------------------
 
 @app.command("gpu-status")
 def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-               max_util: float = typer.Option(8.0, help="gate: max utilisation %"),
-               min_free_gb: float = typer.Option(12.0, help="gate: min free memory, GB"),
+               max_util: float = typer.Option(8.0, help="clean-GPU check: max utilisation %"),
+               min_free_gb: float = typer.Option(12.0, help="clean-GPU check: min free memory, GB"),
                sample_s: float = typer.Option(1.0, help="utilisation sampling window, seconds")):
     """Every visible GPU (utilisation sampled over a window, memory, clocks, power, throttle reasons, processes) and the system."""
     from attnbench.gpu import status_all
 
-    status = status_all(_reader(), _gate(None, max_util, min_free_gb), sample_s=sample_s)
+    status = status_all(_reader(), _clean_gpu_check(None, max_util, min_free_gb), sample_s=sample_s)
     if as_json:
         print(json.dumps(status, indent=2, default=str))
         return
-    t = Table(title=f"GPUs at {status['utc']}  (gate: util ≤ {max_util:g}%, free ≥ {min_free_gb:g} GB)")
+    t = Table(title=f"GPUs at {status['utc']}  (clean: util ≤ {max_util:g}%, free ≥ {min_free_gb:g} GB)")
     for col in ("idx", "name", "util % (max/median)", "mem used/free/total GB", "temp", "SM clock", "power",
-                "clock events", "processes", "gate"):
+                "clock events", "processes", "clean"):
         t.add_column(col)
     for g in status["gpus"]:
         samples = sorted(g["util_samples"]) or [float("nan")]
@@ -93,7 +94,7 @@ def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
                   f"{g['temp_c']} C", f"{g['sm_clock_mhz']} / {g['sm_clock_max_mhz']} MHz",
                   f"{(g['power_w'] or 0):.0f} / {(g['power_limit_w'] or 0):.0f} W",
                   ", ".join(g["throttle_reasons"]) or "none", procs,
-                  "[green]PASS[/]" if g["passes_gate"] else "[red]FAIL[/] " + "; ".join(g["gate_failures"]))
+                  "[green]PASS[/]" if g["is_clean"] else "[red]FAIL[/] " + "; ".join(g["not_clean_because"]))
     console.print(t)
     s = status["system"]
     load = " ".join(f"{x:.2f}" for x in s["load_avg"] or [])
@@ -159,16 +160,16 @@ def _require_gpu():
     return reader
 
 
-def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
+def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
          slowdown: Optional[dict] = None, command: str = "run-matrix") -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from attnbench.gpu import NoGpuError
-    from attnbench.runner import GateFailed, Runner, RunInterrupted, RunOptions
+    from attnbench.runner import NoCleanGpu, Runner, RunInterrupted, RunOptions
 
-    opts = RunOptions(device=device, results_root=results_root, gate=gate, gpu=gpu, wait_s=wait,
+    opts = RunOptions(device=device, results_root=results_root, clean_check=clean_check, gpu=gpu, wait_s=wait,
                       max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2,
                       slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -176,9 +177,9 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     state = {"task": None, "status_line": None}
 
     def on_event(kind, **d):
-        if kind == "gate_probe":
+        if kind == "clean_gpu_probe":
             fails = "; ".join(f"GPU {i}: {', '.join(f)}" for i, f in d["failures"].items() if f) or "clean"
-            err.print(f"[dim]gate probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
+            err.print(f"[dim]clean-GPU probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
         elif kind == "start":
             where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
             err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} points to measure")
@@ -199,7 +200,7 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     runner = Runner(matrix, opts, reader=reader, on_event=on_event)
     try:
         return runner.run(resume=resume)
-    except GateFailed as exc:
+    except NoCleanGpu as exc:
         fail(f"{exc} (after waiting {wait:g}s; use --wait to wait longer)", 4)
     except NoGpuError as exc:
         fail(str(exc), 3)
@@ -236,15 +237,15 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                dry_run: bool = typer.Option(False, "--dry-run", help="print the expanded plan; touch no GPU"),
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted run directory"),
                gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (default: the cleanest passing one)"),
-               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation % (default 8, or the matrix's)"),
-               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB (default 12, or the matrix's)"),
+               max_util: Optional[float] = typer.Option(None, help="clean-GPU check: max utilisation % (default 8, or the matrix's)"),
+               min_free_gb: Optional[float] = typer.Option(None, help="clean-GPU check: min free GB (default 12, or the matrix's)"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
                results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created"),
                only: Optional[str] = typer.Option(None, "--only", help="run only the cells whose id matches this glob"),
                slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=K: call BACKEND K times per timed call "
                                                   "(a deliberate, recorded regression to prove the perf gate)")):
-    """Run a YAML matrix: gate the GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
+    """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
     from attnbench.matrix import load_matrix
 
     _check_device(device)
@@ -265,8 +266,8 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
             history, runs_read = point_seconds(results_root, device)
             console.print(_plan_table(matrix, device, history, runs_read))
             return
-        gate = _gate(matrix.gate, max_util, min_free_gb)
-        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
+        clean_check = _clean_gpu_check(matrix.gate, max_util, min_free_gb)
+        run_dir = _run(matrix, device, clean_check, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
@@ -379,8 +380,8 @@ def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run
 def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml"), help="spot-check YAML (cells + checks)"),
                device: str = DeviceOpt,
                gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID"),
-               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation %"),
-               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB"),
+               max_util: Optional[float] = typer.Option(None, help="clean-GPU check: max utilisation %"),
+               min_free_gb: Optional[float] = typer.Option(None, help="clean-GPU check: min free GB"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept"),
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory"),
@@ -398,14 +399,14 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
         plan = spotcheck.load_spot_check(matrix_path, device=device)
         run = None
         if plan.matrix is not None:
-            gate = _gate(plan.matrix.gate, max_util, min_free_gb)
-            run = load_run(_run(plan.matrix, device, gate, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
+            clean_check = _clean_gpu_check(plan.matrix.gate, max_util, min_free_gb)
+            run = load_run(_run(plan.matrix, device, clean_check, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
                                     command="spot-check"))
         torch_device = device
         if device == "cuda":
             import torch
 
-            torch_device = f"cuda:{torch.cuda.current_device()}"   # the GPU the gate chose, not blindly GPU 0
+            torch_device = f"cuda:{torch.cuda.current_device()}"   # the GPU the clean-GPU check chose, not blindly GPU 0
         results = spotcheck.evaluate_checks(plan, run, device=torch_device)
     except _user_errors() as exc:
         fail(str(exc), 2)

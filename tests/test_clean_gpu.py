@@ -1,8 +1,8 @@
-"""The clean-GPU gate and the noise verdicts, driven by a fake NVML."""
+"""The clean-GPU check and the noise verdicts, driven by a fake NVML."""
 import pytest
 
 from attnbench import gpu as gpumod
-from attnbench.gpu import Gate, choose_gpu, decode_reasons, sample_gpus, wait_for_clean_gpu
+from attnbench.gpu import CleanGpuCheck, choose_gpu, decode_reasons, sample_gpus, wait_for_clean_gpu
 from attnbench.matrix import Cell, Point
 from attnbench.measure import SideResult
 from attnbench.runner import verdict
@@ -15,7 +15,7 @@ def statuses(reader):
 
 def test_clean_gpu_passes():
     gpus = statuses(FakeReader([[gpu_state()]]))
-    choice, failures = choose_gpu(gpus, Gate())
+    choice, failures = choose_gpu(gpus, CleanGpuCheck())
     assert choice is not None and choice.index == 0 and failures[0] == []
 
 
@@ -26,16 +26,16 @@ def test_clean_gpu_passes():
 ])
 def test_dirty_gpu_fails_with_numbers(state, expected):
     gpus = statuses(FakeReader([[state]]))
-    choice, failures = choose_gpu(gpus, Gate())
+    choice, failures = choose_gpu(gpus, CleanGpuCheck())
     assert choice is None
     assert any(expected in f for f in failures[0])
-    line = gpumod.gate_failure_line(gpus, failures)
+    line = gpumod.no_clean_gpu_line(gpus, failures)
     assert "GPU 0" in line and expected in line
 
 
 def test_own_process_is_not_foreign():
     gpus = statuses(FakeReader([[gpu_state(pids=(OWN_PID,))]]))
-    assert Gate().failures(gpus[0], {OWN_PID}) == []
+    assert CleanGpuCheck().failures(gpus[0], {OWN_PID}) == []
 
 
 def test_utilisation_is_sampled_and_a_burst_counts():
@@ -49,16 +49,16 @@ def test_cleanest_gpu_is_chosen_and_a_named_gpu_is_respected():
     reader = FakeReader([[gpu_state(util=5, uuid="GPU-a")], [gpu_state(util=1, uuid="GPU-b")],
                          [gpu_state(util=50, uuid="GPU-c")]])
     gpus = statuses(reader)
-    assert choose_gpu(gpus, Gate())[0].uuid == "GPU-b"
-    assert choose_gpu(gpus, Gate(), wanted="0")[0].uuid == "GPU-a"
-    assert choose_gpu(gpus, Gate(), wanted="GPU-c")[0] is None
+    assert choose_gpu(gpus, CleanGpuCheck())[0].uuid == "GPU-b"
+    assert choose_gpu(gpus, CleanGpuCheck(), wanted="0")[0].uuid == "GPU-a"
+    assert choose_gpu(gpus, CleanGpuCheck(), wanted="GPU-c")[0] is None
     with pytest.raises(gpumod.NoGpuError, match="GPU '7' not found"):
-        choose_gpu(gpus, Gate(), wanted="7")
+        choose_gpu(gpus, CleanGpuCheck(), wanted="7")
 
 
-def test_gate_thresholds_are_overridable():
+def test_clean_check_thresholds_are_overridable():
     gpus = statuses(FakeReader([[gpu_state(util=20, free_gb=6)]]))
-    assert choose_gpu(gpus, Gate(max_util_pct=25, min_free_gb=5))[0] is not None
+    assert choose_gpu(gpus, CleanGpuCheck(max_util_pct=25, min_free_gb=5))[0] is not None
 
 
 def test_busy_then_clean_while_waiting():
@@ -73,7 +73,7 @@ def test_busy_then_clean_while_waiting():
         clock[0] += s
 
     choice, gpus, failures = wait_for_clean_gpu(
-        reader, Gate(), None, wait_s=60, on_probe=lambda g, f, r: probes.append((f[0], r)),
+        reader, CleanGpuCheck(), None, wait_s=60, on_probe=lambda g, f, r: probes.append((f[0], r)),
         sample_s=0, clock=fake_clock, sleep=fake_sleep)
     assert choice is not None
     assert len(probes) >= 3 and probes[0][0] and not probes[-1][0]
@@ -82,7 +82,7 @@ def test_busy_then_clean_while_waiting():
 def test_waiting_gives_up_after_wait_s():
     reader = FakeReader([[gpu_state(util=90)]])
     clock = [0.0]
-    choice, gpus, failures = wait_for_clean_gpu(reader, Gate(), None, wait_s=12, sample_s=0,
+    choice, gpus, failures = wait_for_clean_gpu(reader, CleanGpuCheck(), None, wait_s=12, sample_s=0,
                                                 clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
     assert choice is None and "util 90% > 8%" in failures[0][0]
 
@@ -118,12 +118,12 @@ def _monitor(reasons=(), pids=(), lo=1980):
 
 def test_verdict_clean():
     r = FakeReader([[gpu_state(pids=(OWN_PID,))]])
-    status, reasons, _ = verdict(_point(), _result(), _snap(r), _snap(r), _monitor(["gpu_idle"], [OWN_PID]), Gate(), OWN_PID, "cuda")
+    status, reasons, _ = verdict(_point(), _result(), _snap(r), _snap(r), _monitor(["gpu_idle"], [OWN_PID]), CleanGpuCheck(), OWN_PID, "cuda")
     assert (status, reasons) == ("clean", [])
 
 
 @pytest.mark.parametrize("before_state, after_state, monitor, expected", [
-    (gpu_state(util=50), gpu_state(), _monitor(), "gate failed before: util 50% > 8%"),
+    (gpu_state(util=50), gpu_state(), _monitor(), "not clean before: util 50% > 8%"),
     (gpu_state(), gpu_state(pids=(4242,)), _monitor(), "foreign process after: 4242"),
     (gpu_state(), gpu_state(), _monitor(pids=[4243]), "foreign process during run: 4243"),
     (gpu_state(), gpu_state(), _monitor(reasons=["sw_thermal_slowdown"]), "clock-event reasons during run: sw_thermal_slowdown"),
@@ -132,19 +132,19 @@ def test_verdict_clean():
 def test_verdict_noisy_reasons(before_state, after_state, monitor, expected):
     before = _snap(FakeReader([[before_state]]))
     after = _snap(FakeReader([[after_state]]))
-    status, reasons, _ = verdict(_point(), _result(), before, after, monitor, Gate(), OWN_PID, "cuda")
+    status, reasons, _ = verdict(_point(), _result(), before, after, monitor, CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "noisy" and any(expected in r for r in reasons), reasons
 
 
 def test_verdict_noisy_on_ratio_spread_and_oom_and_error():
     r = FakeReader([[gpu_state()]])
     s = _snap(r)
-    status, reasons, _ = verdict(_point(), _result([0.3, 0.5, 0.7, 0.9, 0.4]), s, s, _monitor(), Gate(), OWN_PID, "cuda")
+    status, reasons, _ = verdict(_point(), _result([0.3, 0.5, 0.7, 0.9, 0.4]), s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "noisy" and "ratio spread CV" in reasons[0]
     res = _result()
     res["baseline"].status, res["baseline"].message = "oom", "CUDA out of memory"
-    assert verdict(_point(), res, s, s, _monitor(), Gate(), OWN_PID, "cuda")[:1] == ("oom",)
+    assert verdict(_point(), res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")[:1] == ("oom",)
     res = _result()
     res["kernel"].status, res["kernel"].message = "error", "RuntimeError: boom"
-    status, _, message = verdict(_point(), res, s, s, _monitor(), Gate(), OWN_PID, "cuda")
+    status, _, message = verdict(_point(), res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "error" and "boom" in message
