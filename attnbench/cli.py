@@ -313,10 +313,8 @@ def verify_2pass(device: str = DeviceOpt):
 
         if not torch.cuda.is_available():
             fail("no CUDA device; use --device cpu", 3)
-    try:
-        from attnbench.verify_2pass import verify_two_pass
-    except ImportError:
-        fail("verify-2pass needs the ELSA kernel, which is not implemented yet", 2)
+    from kernels.elsa.verify_2pass import verify_two_pass
+
     rows, ok, failures = verify_two_pass(device)
     t = Table(title=f"ELSA two-pass verification ({device})")
     cols = list(rows[0].keys()) if rows else []
@@ -443,11 +441,12 @@ def accuracy(device: str = DeviceOpt,
              n: int = typer.Option(1407, help="sequence length (the paper's)"),
              heads_q: int = typer.Option(28, help="query heads"),
              seeds: int = typer.Option(3, help="random seeds per grid point")):
-    """PASA's overflow/accuracy benchmark: non-finite fraction and relative RMSE of pasa, fa16, flash,
-    efficient and float32 SDPA on the paper's uniform and hybrid normal-Bernoulli grids (float64 reference)."""
+    """PASA's overflow/accuracy benchmark: non-finite fraction and relative RMSE of pasa, fa16 and SDPA flash,
+    efficient and math (same dtype) and math in float32, on the paper's uniform and hybrid normal-Bernoulli grids
+    (float64 reference). On the CPU, SDPA flash and efficient are skipped (their GPU kernels are what is compared)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from attnbench import accuracy as acc
+    from kernels.pasa import accuracy as acc
 
     _check_device(device)
     if device == "cuda":
@@ -463,9 +462,11 @@ def accuracy(device: str = DeviceOpt,
                                on_point=lambda done, total: progress.update(task, completed=done, total=total))
     df.to_csv(out_dir / "accuracy.csv", index=False)
     table = acc.accuracy_table_markdown(df)
-    (out_dir / "accuracy.md").write_text(table)
+    biased = ("\nOn the biased points (x₀ ≠ 0), per method: overflow and the range of rel_rmse where the output "
+              "is finite.\n\n" + acc.biased_inputs_markdown(df))
+    (out_dir / "accuracy.md").write_text(table + biased)
     pngs = acc.plot_accuracy_heatmaps(df, out_dir)
-    console.print(table, highlight=False, soft_wrap=True)
+    console.print(table + biased, highlight=False, soft_wrap=True)
     console.print(acc.check_accuracy_targets(df).to_string(), highlight=False)
     console.print(f"wrote {out_dir}/accuracy.csv, accuracy.md and {len(pngs)} heat-maps", highlight=False)
 

@@ -9,18 +9,27 @@ sees the same rounded tensors. For each method and grid point we record the shar
 elements and rows, and the RMSE against the float64 reference divided three ways (eq 19's denominator
 is lost from the paper; the released script divides by RMS(V), so `rel_rmse` is that one).
 
+The methods: PASA and its comparator fa16 (this package), and what a GPU user already has — PyTorch SDPA's
+flash, memory-efficient and math kernels in the same dtype, and math in float32 as the control. SDPA is
+called directly (``torch.nn.attention.sdpa_kernel`` with one backend, so no silent fallback): this module
+needs nothing of the attnbench harness (``attnbench accuracy`` is its command line).
+
 Plain functions over plain data, nothing prints: ``accuracy_grid`` → tidy DataFrame (one row per
 grid point × seed × method), ``summarize_accuracy`` → one row per grid point × method,
-``accuracy_table_markdown``, ``plot_accuracy_heatmaps``, ``check_accuracy_targets``.
+``accuracy_table_markdown``, ``biased_inputs_summary``, ``plot_accuracy_heatmaps``, ``check_accuracy_targets``.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
+
+from kernels.pasa import BACKENDS as PASA_BACKENDS
 
 PAPER_SEED = 2024724
 DISTRIBUTIONS = ("uniform", "hybrid")
@@ -30,22 +39,72 @@ PAPER_AMPLITUDES = (0.5, 5.0, 10.0, 20.0)
 EXTRA_POINTS = (("uniform", 20.0, 30.0), ("uniform", 20.0, 40.0),
                 ("hybrid", 20.0, 30.0), ("hybrid", 20.0, 50.0), ("hybrid", 20.0, 100.0), ("hybrid", 20.0, 200.0))
 
-# method -> (backend name, dtype it runs in (None: the grid's dtype), backend options). "sdpa_fp32" is the
-# control: float32 attention on the same (rounded) inputs, standing for the paper's FP32 allocation.
-METHODS = {
-    "pasa": ("pasa", None, {}),
-    "fa16": ("fa16", None, {}),
-    "flash": ("flash", None, {}),
-    "efficient": ("efficient", None, {}),
-    "sdpa_fp32": ("math", "float32", {}),
-    # the spec's extra PASA variants (§7 A), not run by default
-    "pasa_state_fp32": ("pasa", None, {"state_dtype": "fp32"}),      # the paper's hybrid allocation
-    "pasa_beta0": ("pasa", None, {"beta": 0.0}),                     # no shift: FA-2 with fp16 state
-    "pasa_beta_0.9375": ("pasa", None, {"beta": 0.9375}),            # c = 15, M exact in fp16
-}
-DEFAULT_METHODS = ("pasa", "fa16", "flash", "efficient", "sdpa_fp32")
-
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_ALL = ("float32", "float16", "bfloat16")
+
+
+def _sdpa(backend_name: str) -> Callable:
+    """SDPA forced to one backend: it runs that kernel or raises, never another one."""
+    def attn(q, k, v, causal=False, scale=None):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend_name)]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    attn.__name__ = f"sdpa_{backend_name.lower()}"
+    return attn
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: how it is called and where it can run."""
+    name: str                         # what the tables call it
+    implementation: str               # pasa, fa16, or the SDPA backend (flash, efficient, math)
+    fn: Callable                      # fn(q, k, v, causal=False, scale=None, **options)
+    dtypes: tuple[str, ...]           # input dtypes it takes
+    devices: tuple[str, ...]
+    head_dims: tuple[int, ...] | None = None      # None: any
+    dtype: str | None = None          # the dtype it runs in (None: the grid's dtype)
+    options: dict = field(default_factory=dict)
+    why_not_cpu: str = ""             # the reason given when the device is the CPU and it cannot run there
+
+    def unsupported_reason(self, *, device: str, dtype: str, head_dim: int) -> str | None:
+        """Why this method cannot run on (device, dtype, head_dim), or None."""
+        if device not in self.devices:
+            return f"{self.name}: needs {', '.join(self.devices)}" + (f" ({self.why_not_cpu})" if self.why_not_cpu else "")
+        run_dtype = self.dtype or dtype
+        if run_dtype not in self.dtypes:
+            return f"{self.name}: {run_dtype} unsupported (supports {', '.join(self.dtypes)})"
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            return f"{self.name}: head_dim {head_dim} unsupported (supports {', '.join(map(str, self.head_dims))})"
+        return None
+
+
+def _pasa_method(name: str, kernel: str, **options) -> Method:
+    spec = PASA_BACKENDS[kernel]
+    return Method(name, kernel, spec["fn"], spec["dtypes"], spec["devices"], spec["head_dims"],
+                  options={**spec["options"], **options})
+
+
+# Why SDPA's GPU kernels are not stood in for on the CPU: the comparison is with what a GPU user runs.
+_FLASH_ON_CPU = "the CPU's flash-style SDPA is another implementation, with other roundings"
+_EFFICIENT_ON_CPU = "SDPA has no memory-efficient kernel on the CPU"
+
+# "sdpa_fp32" is the control: float32 attention on the same (rounded) inputs, the paper's FP32 allocation.
+METHODS = {m.name: m for m in [
+    _pasa_method("pasa", "pasa"),
+    _pasa_method("fa16", "fa16"),
+    Method("flash", "flash", _sdpa("FLASH_ATTENTION"), ("float16", "bfloat16"), ("cuda",), (32, 64, 96, 128, 256),
+           why_not_cpu=_FLASH_ON_CPU),
+    Method("efficient", "efficient", _sdpa("EFFICIENT_ATTENTION"), _ALL, ("cuda",), why_not_cpu=_EFFICIENT_ON_CPU),
+    Method("math", "math", _sdpa("MATH"), _ALL, ("cuda", "cpu")),
+    Method("sdpa_fp32", "math", _sdpa("MATH"), _ALL, ("cuda", "cpu"), dtype="float32"),
+    # the spec's extra PASA variants (§7 A), not run by default
+    _pasa_method("pasa_state_fp32", "pasa", state_dtype="fp32"),      # the paper's hybrid allocation
+    _pasa_method("pasa_beta0", "pasa", beta=0.0),                     # no shift: FA-2 with fp16 state
+    _pasa_method("pasa_beta_0.9375", "pasa", beta=0.9375),            # c = 15, M exact in fp16
+]}
+DEFAULT_METHODS = ("pasa", "fa16", "flash", "efficient", "math", "sdpa_fp32")
 
 
 def paper_grid(means=PAPER_MEANS, amplitudes=PAPER_AMPLITUDES, distributions=DISTRIBUTIONS,
@@ -119,19 +178,11 @@ def _metrics(out: torch.Tensor, ref: torch.Tensor, v: torch.Tensor) -> dict:
     return row
 
 
-def method_unsupported_reason(method: str, *, device: str, dtype: str, head_dim: int, causal: bool) -> str | None:
-    """Why `method` cannot run here (e.g. SDPA efficient on the CPU), or None."""
-    from attnbench.backends import BackendError, get_backend
-
+def method_unsupported_reason(method: str, *, device: str, dtype: str, head_dim: int) -> str | None:
+    """Why `method` cannot run here (e.g. SDPA flash on the CPU), or None."""
     if method not in METHODS:
         raise ValueError(f"unknown accuracy method {method!r} (known: {', '.join(METHODS)})")
-    name, run_dtype, _ = METHODS[method]
-    try:
-        backend = get_backend(name)
-    except BackendError as exc:
-        return str(exc)
-    return backend.unsupported_reason(dtype=run_dtype or dtype, mode="fwd", causal=causal, head_dim=head_dim,
-                                      device=device)
+    return METHODS[method].unsupported_reason(device=device, dtype=dtype, head_dim=head_dim)
 
 
 def accuracy_grid(points: list[dict] | None = None, *, methods=DEFAULT_METHODS, seeds=(0, 1, 2), batch: int = 1,
@@ -147,20 +198,17 @@ def accuracy_grid(points: list[dict] | None = None, *, methods=DEFAULT_METHODS, 
     max_qk, nonfinite_frac, nonfinite_rows_frac, rmse, rel_rmse (= RMSE/RMS(V)), rel_rmse_ref,
     rel_rmse_std_v, max_abs, ms (wall time of the call, not a benchmark).
     """
-    from attnbench.backends import get_backend
-
     device = str(device)
     dev_type = torch.device(device).type
     points = paper_grid() if points is None else points
     options = options or {}
     skipped, runnable = {}, []
     for method in methods:
-        reason = method_unsupported_reason(method, device=dev_type, dtype=dtype, head_dim=head_dim, causal=causal)
+        reason = method_unsupported_reason(method, device=dev_type, dtype=dtype, head_dim=head_dim)
         if reason is None:
             runnable.append(method)
         else:
             skipped[method] = reason
-    backends = {m: get_backend(METHODS[m][0]) for m in runnable}
 
     rows = []
     total, done = len(points) * len(seeds), 0
@@ -172,22 +220,21 @@ def accuracy_grid(points: list[dict] | None = None, *, methods=DEFAULT_METHODS, 
             max_qk = max((q[:, h:h + 4].double() @ k[:, h:h + 4].double().transpose(-1, -2)).abs().max().item()
                          for h in range(0, heads_q, 4))
             for method in runnable:
-                backend = backends[method]
-                _, run_dtype, method_options = METHODS[method]
+                spec = METHODS[method]
+                run_dtype = spec.dtype
                 args = (q, k, v) if run_dtype is None else tuple(t.to(_DTYPES[run_dtype]) for t in (q, k, v))
-                kwargs = dict(backend.options)
-                kwargs.update(method_options)
+                kwargs = dict(spec.options)
                 kwargs.update(options.get(method, {}))
                 if dev_type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    out = backend.fn(*args, causal=causal, scale=None, **kwargs)
+                    out = spec.fn(*args, causal=causal, scale=None, **kwargs)
                 if dev_type == "cuda":
                     torch.cuda.synchronize()
                 ms = (time.perf_counter() - t0) * 1e3
                 rows.append(dict(dist=point["dist"], x0=float(point["x0"]), am=float(point["am"]), seed=seed,
-                                 method=method, backend=backend.name, dtype=run_dtype or dtype, max_qk=max_qk,
+                                 method=method, backend=spec.implementation, dtype=run_dtype or dtype, max_qk=max_qk,
                                  **_metrics(out, ref, v), ms=ms))
                 del out
             del q, k, v, ref
@@ -274,6 +321,35 @@ def accuracy_table_markdown(df: pd.DataFrame) -> str:
     skipped = getattr(df, "attrs", {}).get("skipped") or {}
     for method, reason in skipped.items():
         lines.append(f"- {method} skipped: {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def biased_inputs_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per method, over the biased grid points (x₀ ≠ 0, where PASA's shift has something to remove): how many
+    points, at how many any seed's output had non-finite elements (and the largest share), and the range of
+    rel_rmse (median over seeds) over the points where every seed was finite. The comparison a GPU user needs:
+    SDPA flash computes its scores in fp32 and cannot overflow there."""
+    summary = df if "finite_seeds" in df.columns else summarize_accuracy(df)
+    biased = summary[summary.x0 != 0]
+    rows = []
+    for method in dict.fromkeys(biased.method):
+        sub = biased[biased.method == method]
+        finite = sub[(sub.finite_seeds == sub.seeds) & sub.rel_rmse.map(lambda x: math.isfinite(x))]
+        rows.append(dict(method=method, points=len(sub), nonfinite_points=int((sub.nonfinite_frac_max > 0).sum()),
+                         nonfinite_max=float(sub.nonfinite_frac_max.max()) if len(sub) else math.nan,
+                         rel_rmse_min=float(finite.rel_rmse.min()) if len(finite) else math.nan,
+                         rel_rmse_max=float(finite.rel_rmse.max()) if len(finite) else math.nan))
+    return pd.DataFrame(rows)
+
+
+def biased_inputs_markdown(df: pd.DataFrame) -> str:
+    """``biased_inputs_summary`` as a markdown table."""
+    lines = ["| method | biased points (x₀ ≠ 0) | with non-finite output | rel_rmse where finite |",
+             "|---|---|---|---|"]
+    for r in biased_inputs_summary(df).itertuples():
+        over = f"{r.nonfinite_points} (up to {100 * r.nonfinite_max:.3g}% of elements)" if r.nonfinite_points else "0"
+        rmse = "—" if math.isnan(r.rel_rmse_min) else f"{r.rel_rmse_min:.1e} – {r.rel_rmse_max:.1e}"
+        lines.append(f"| {r.method} | {r.points} | {over} | {rmse} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""`attnbench verify-2pass`: show, from real launches, that ELSA's forward is a two-pass parallel scan.
+"""Show, from real launches, that ELSA's forward is a two-pass parallel scan (`attnbench verify-2pass` runs it).
 
 For each shape it runs `kernels.elsa.elsa_attention` under the ELSA launch trace and checks that
   - phase 1 ran (one launch per q-chunk) over P key partitions in parallel (grid dim 2 = P; P >= 2 for
@@ -7,7 +7,7 @@ For each shape it runs `kernels.elsa.elsa_attention` under the ELSA launch trace
   - every phase-1 launch is followed by a *separate* phase-2 launch of a different kernel that takes
     that same buffer (same address) and not Q, K or V: no FlashAttention-style fusion,
   - the output matches a float64 reference on sampled rows.
-Plain function, no printing: the CLI renders the rows and the verdict line.
+Plain function, no printing: the CLI renders the rows and the verdict line. Needs nothing of the harness.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _active_programs(event, N, causal):
 
 
 def _check_shape(name, shape, dtype, causal, device, gen):
-    from kernels.elsa import elsa_attention, trace_launches
+    from kernels.elsa import elsa_attention, trace_launches   # the package, once it is fully imported
 
     B, H, N, D = shape
     q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(3))
