@@ -33,6 +33,16 @@ def test_dirty_gpu_fails_with_numbers(state, expected):
     assert "GPU 0" in line and expected in line
 
 
+def test_gpu_status_says_which_gpus_are_clean(monkeypatch):
+    """What `attnbench gpu-status --json` (and scripts/bench_clean.sh) read: is_clean and the reasons per GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    reader = FakeReader([[gpu_state()], [gpu_state(util=50, uuid="GPU-b")]])
+    status = gpumod.status_all(reader, CleanGpuCheck(), sample_s=0, samples=2)
+    assert [g["is_clean"] for g in status["gpus"]] == [True, False]
+    assert status["gpus"][0]["not_clean_because"] == [] and status["gpus"][1]["not_clean_because"] == ["util 50% > 8%"]
+    assert status["clean_gpu_check"]["max_util_pct"] == 8.0
+
+
 def test_own_process_is_not_foreign():
     gpus = statuses(FakeReader([[gpu_state(pids=(OWN_PID,))]]))
     assert CleanGpuCheck().failures(gpus[0], {OWN_PID}) == []
