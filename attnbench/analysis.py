@@ -1,6 +1,6 @@
-"""Run directories → ratio tables and trend verdicts (pure functions over DataFrames, no printing).
+"""Final points and trend words: which measurement of a point counts, and what a cell's sweep says.
 
-The shape of a sweep row follows the seed README:
+The words follow the seed README's sweep rows:
 
     | cell | baseline | lat_ratio sweep | p10–p90 | mem_ratio | trend |
     | elsa_fp32_fwd_vs_math | math | 1K 0.44 · 4K 0.44 · 8K 0.36 (math OOM @16K) | 0.43–0.45 · … | 0.02–0.09 | wins all, widens with length + memory win |
@@ -13,19 +13,19 @@ The shape of a sweep row follows the seed README:
 - The trend is computed from the clean points only (noisy ones are used only when a cell has no clean
   point, and the trend then carries a ``*``). See :func:`lat_trend` for the exact words and rules.
 
-Everything here is deterministic: same run directories in → same strings out (that is what makes the
-RESULTS markdown byte-identical on regeneration).
+Everything here is deterministic: same points in → same strings out (that is what makes the RESULTS
+markdown byte-identical on regeneration). Loading runs is ``runs.py``; the markdown tables are ``report.py``.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
 
-from attnbench.store import Run, RunDirError, load_run, run_dirs
+from attnbench.formatting import finite as _finite
+from attnbench.formatting import format_n, format_range, format_ratio
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -41,61 +41,10 @@ MEASURED = ("clean", "noisy")
 # When several runs hold the same point, the best status wins, then the later run.
 _STATUS_RANK = {"clean": 0, "oom": 1, "noisy": 2, "error": 3, "skipped": 4}
 
-RUN_FIELDS = ["run", "run_path", "matrix_name", "started_utc", "device", "gpu_name", "gpu_short", "git_commit"]
 CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim"]
 
 
-# -- loading ------------------------------------------------------------------------------------------
-
-def _as_run(run_or_dir) -> Run:
-    return run_or_dir if isinstance(run_or_dir, Run) else load_run(run_or_dir)
-
-
-def gpu_short_name(manifest: dict) -> str:
-    """A short, file-name-safe GPU name from a manifest: "NVIDIA H100 80GB HBM3" → "H100"; "CPU" for cpu runs."""
-    if manifest.get("device") == "cpu" or not manifest.get("gpu"):
-        return "CPU"
-    name = str((manifest.get("gpu") or {}).get("name") or "GPU")
-    words = [w for w in re.split(r"[\s_]+", name) if w and w.upper() not in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO")]
-    for i, word in enumerate(words):
-        if word.upper() in ("RTX", "GTX") and i + 1 < len(words):
-            return re.sub(r"[^A-Za-z0-9]", "", word.upper() + words[i + 1]) or "GPU"
-        if re.search(r"\d", word) and re.search(r"[A-Za-z]", word):
-            return re.sub(r"[^A-Za-z0-9]", "", word.split("-")[0]) or "GPU"
-    return re.sub(r"[^A-Za-z0-9]", "", "".join(words)) or "GPU"
-
-
-def _sorted_runs(run_dirs) -> list[Run]:
-    runs = [_as_run(r) for r in run_dirs]
-    return sorted(runs, key=lambda r: (str(r.manifest.get("started_utc") or ""), r.path.name))
-
-
-def load_runs(run_dirs) -> pd.DataFrame:
-    """The points of several runs in one DataFrame, each row tagged with its run's manifest fields.
-
-    Added columns: run (directory name), run_path, matrix_name, started_utc, device, gpu_name,
-    gpu_short, git_commit, and is_model (heads and head_dim empty: n is an image size).
-    Runs are ordered by start time, rows keep their order inside a run.
-    """
-    frames = []
-    for run in _sorted_runs(run_dirs):
-        df = run.points.copy()
-        m = run.manifest
-        tags = {
-            "run": run.path.name, "run_path": str(run.path), "matrix_name": m.get("matrix_name"),
-            "started_utc": m.get("started_utc"), "device": m.get("device"),
-            "gpu_name": (m.get("gpu") or {}).get("name") if m.get("gpu") else None,
-            "gpu_short": gpu_short_name(m), "git_commit": m.get("git_commit"),
-        }
-        for key, value in tags.items():
-            df[key] = value
-        frames.append(df)
-    if not frames:
-        raise ValueError("no run directories given")
-    df = pd.concat(frames, ignore_index=True)
-    df["is_model"] = df["heads"].isna() & df["head_dim"].isna()
-    return df
-
+# -- the final point of each measured point -------------------------------------------------------
 
 def select_final(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point when several runs measured it: best status first (clean > oom > noisy > error >
@@ -114,58 +63,20 @@ def select_final(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _cell_keys(df: pd.DataFrame) -> pd.Series:
-    parts = [df[c].map(_key_str) for c in CELL_KEY]
+    parts = [df[c].map(key_str) for c in CELL_KEY]
     key = parts[0]
     for p in parts[1:]:
         key = key + "|" + p
     return key
 
 
-def _key_str(v) -> str:
+def key_str(v) -> str:
+    """A key field as text: 8.0 → "8", NaN or None → ""."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return str(v)
-
-
-# -- number formatting ---------------------------------------------------------------------------------
-
-def format_n(n, model: bool = False) -> str:
-    """1024 → "1K", 65536 → "64K", 1048576 → "1M"; other lengths and image sizes as the integer."""
-    n = int(n)
-    if not model and n > 0:
-        if n % (1 << 20) == 0:
-            return f"{n >> 20}M"
-        if n % 1024 == 0:
-            return f"{n >> 10}K"
-    return str(n)
-
-
-def format_ratio(x) -> str:
-    """Two decimals (0.44, 4.57); small ratios keep two significant digits (0.0042)."""
-    if x is None or not _finite(x):
-        return "–"
-    x = float(x)
-    if abs(x) >= 0.095:
-        return f"{x:.2f}"
-    return f"{x:.2g}"
-
-
-def format_range(lo, hi) -> str:
-    a, b = format_ratio(lo), format_ratio(hi)
-    return a if a == b else f"{a}–{b}"
-
-
-def format_ms(x) -> str:
-    return "–" if x is None or not _finite(x) else f"{float(x):.4g}"
-
-
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
 
 
 def _nonempty(x) -> bool:
@@ -263,9 +174,9 @@ class CellSummary:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         parts = [f"{short} {self.mode}"]
         if not self.is_model:
-            parts.append(f"B{_key_str(self.batch)} H{_key_str(self.heads)} D{_key_str(self.head_dim)}")
+            parts.append(f"B{key_str(self.batch)} H{key_str(self.heads)} D{key_str(self.head_dim)}")
         elif self.batch is not None:
-            parts.append(f"batch {_key_str(self.batch)}")
+            parts.append(f"batch {key_str(self.batch)}")
         text = " · ".join(parts)
         return text + " causal" if self.causal else text
 
@@ -378,327 +289,3 @@ def _join(tokens: list[tuple[str, str]]) -> str:
         last_paren = tokens[i][0] == "p" and i == len(tokens) - 1 and tokens[i - 1][0] == "v"
         text += (" " if last_paren else " · ") + tokens[i][1]
     return text
-
-
-# -- markdown tables -----------------------------------------------------------------------------------
-
-def _cell_md(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def md_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(_cell_md(h) for h in header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell_md(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def sweep_table(summaries: list[CellSummary], spread: str = "column") -> str:
-    """Attention cells in the seed's shape. spread: "column" (own p10–p90 column), "inline" ("0.44 [0.43–0.45]") or "none"."""
-    header = ["cell", "setup", "baseline", "lat_ratio sweep"]
-    if spread == "column":
-        header.append("p10–p90")
-    header += ["mem_ratio", "trend"]
-    rows = []
-    for s in summaries:
-        sweep = s.sweep_with_spread if spread == "inline" else s.sweep
-        row = [f"`{s.cell_id}`", s.setup, s.baseline, sweep]
-        if spread == "column":
-            row.append(s.spread)
-        row += [s.mem, s.trend]
-        rows.append(row)
-    return md_table(header, rows)
-
-
-def _growth_per_doubling(n1, t1, n2, t2) -> float:
-    return (t2 / t1) ** (1.0 / math.log2(n2 / n1))
-
-
-def _fitted_exponent(ns, ts) -> float:
-    """Least-squares slope of log t against log N: t ∝ N^p."""
-    xs, ys = [math.log(n) for n in ns], [math.log(t) for t in ts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
-def scaling_table(summaries: list[CellSummary], min_points: int = 3) -> str | None:
-    """Per attention cell with ≥ min_points measured lengths: the kernel's and the baseline's time growth per
-    doubling of N between consecutive lengths, and the exponent p of t ∝ N^p over the three longest lengths.
-    None when no cell qualifies. Noisy points count (their times are medians too); a step touching one has a `*`."""
-    rows = []
-    for s in summaries:
-        if s.is_model:
-            continue
-        pts = s.points[s.points["status"].isin(MEASURED)]
-        pts = pts[[(_finite(k) and k > 0 and _finite(b) and b > 0) for k, b in zip(pts["kernel_ms"], pts["baseline_ms"])]]
-        if len(pts) < min_points:
-            continue
-        ns, stars = [int(n) for n in pts["n"]], ["*" if st == "noisy" else "" for st in pts["status"]]
-        cols = []
-        for side in ("kernel_ms", "baseline_ms"):
-            ts = [float(t) for t in pts[side]]
-            steps = [f"{format_n(ns[i])}→{format_n(ns[i + 1])}{stars[i] or stars[i + 1]} "
-                     f"{_growth_per_doubling(ns[i], ts[i], ns[i + 1], ts[i + 1]):.2f}" for i in range(len(ns) - 1)]
-            cols += [" · ".join(steps), f"{_fitted_exponent(ns[-3:], ts[-3:]):.2f}"]
-        rows.append([f"`{s.cell_id}`", f"{s.kernel} vs {s.baseline}", cols[0], cols[2], f"{cols[1]} / {cols[3]}"])
-    if not rows:
-        return None
-    return md_table(["cell", "kernel vs baseline", "kernel: growth per doubling", "baseline: growth per doubling",
-                     "p (t ∝ Nᵖ, 3 longest): kernel / baseline"], rows)
-
-
-def model_table(summaries: list[CellSummary], spread: str = "column") -> str:
-    """Model cells (n = image size): "model cell | model:kernel | setup | baseline | img → lat_ratio | … | trend"."""
-    header = ["model cell", "model:kernel", "setup", "baseline", "img → lat_ratio"]
-    if spread == "column":
-        header.append("p10–p90")
-    header += ["mem_ratio", "trend"]
-    rows = []
-    for s in summaries:
-        sweep = s.sweep_with_spread if spread == "inline" else s.sweep
-        row = [f"`{s.cell_id}`", s.kernel, s.setup, s.baseline, sweep]
-        if spread == "column":
-            row.append(s.spread)
-        row += [s.mem, s.trend]
-        rows.append(row)
-    return md_table(header, rows)
-
-
-def notes_markdown(summaries: list[CellSummary]) -> str:
-    notes = [n for s in summaries for n in s.notes]
-    if not notes:
-        return ""
-    text = "`*` = still noisy after its retries (number kept, not used for the trend).\n\n" if any(
-        "*" in s.sweep for s in summaries) else ""
-    return text + "".join(f"- {n}\n" for n in notes)
-
-
-def points_table(df: pd.DataFrame) -> str:
-    """Every final point with its absolute numbers (ms, MB, TFLOP/s); for the appendix of the report."""
-    final = select_final(df)
-    rows = []
-    for _, r in final.iterrows():
-        is_model = bool(r.get("is_model", False))
-        rows.append([
-            f"`{r['cell_id']}`", format_n(r["n"], model=is_model), r["status"], _key_str(r["attempts"]),
-            format_ms(r["kernel_ms"]), format_ms(r["baseline_ms"]),
-            f"{format_ratio(r['lat_ratio'])} [{format_range(r['lat_ratio_p10'], r['lat_ratio_p90'])}]"
-            if _finite(r["lat_ratio"]) else "–",
-            f"{_fmt_num(r['kernel_mem_mb'])} / {_fmt_num(r['baseline_mem_mb'])}",
-            f"{_fmt_num(r['kernel_tflops'])} / {_fmt_num(r['baseline_tflops'])}",
-            r["reason"] if _nonempty(r.get("reason")) else "",
-        ])
-    return md_table(["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]",
-                     "mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
-
-
-def _fmt_num(x) -> str:
-    if not _finite(x):
-        return "–"
-    x = float(x)
-    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
-
-
-# -- load summaries (from attempts.jsonl) ----------------------------------------------------------------
-
-LOAD_FIELDS = [  # (column title, snapshot path)
-    ("util %", ("gpu", "util_pct")),
-    ("free GB", ("gpu", "mem_free_gb")),
-    ("temp °C", ("gpu", "temp_c")),
-    ("SM MHz", ("gpu", "sm_clock_mhz")),
-    ("CPU %", ("system", "cpu_pct")),
-]
-
-
-def _snap_value(snapshot, path):
-    cur = snapshot
-    for key in path:
-        if not isinstance(cur, dict):
-            return None
-        cur = cur.get(key)
-    return float(cur) if _finite(cur) else None
-
-
-def _range_text(values, fmt="{:.0f}") -> str:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return "–"
-    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
-def load_summary(runs) -> list[dict]:
-    """Per cell, over all its attempts in `runs`: attempt counts and min–max of the before/after load."""
-    per_cell: dict[str, list[dict]] = {}
-    for run in _sorted_runs(runs):
-        for a in run.attempts:
-            per_cell.setdefault(str(a.get("cell_id")), []).append(a)
-    rows = []
-    for cell_id in sorted(per_cell):
-        attempts = per_cell[cell_id]
-        row = {"cell": cell_id, "attempts": len(attempts),
-               "noisy": sum(1 for a in attempts if a.get("status") == "noisy")}
-        for title, path in LOAD_FIELDS:
-            fmt = "{:.1f}" if title == "free GB" else "{:.0f}"
-            for when in ("before", "after"):
-                row[f"{title} {when}"] = _range_text([_snap_value(a.get(when), path) for a in attempts], fmt)
-        loads = [((a.get(w) or {}).get("system") or {}).get("load_avg") for a in attempts for w in ("before", "after")]
-        row["load 1m"] = _range_text([float(l[0]) for l in loads if isinstance(l, list) and l and _finite(l[0])], "{:.2f}")
-        reasons = sorted({r for a in attempts for w in ("before", "after")
-                          for r in (((a.get(w) or {}).get("gpu") or {}).get("throttle_reasons") or [])})
-        row["throttle reasons seen"] = ", ".join(reasons) if reasons else "–"
-        foreign = sorted({str(p.get("name")) for a in attempts for w in ("before", "after")
-                          for p in (((a.get(w) or {}).get("gpu") or {}).get("processes") or [])
-                          if isinstance(p, dict)})
-        row["GPU processes seen"] = ", ".join(foreign) if foreign else "–"   # NVML lists the harness itself too
-        rows.append(row)
-    return rows
-
-
-def load_table(rows: list[dict]) -> str:
-    if not rows:
-        return "_no attempts recorded_\n"
-    header = ["cell", "attempts", "noisy"]
-    for title, _ in LOAD_FIELDS:
-        header.append(f"{title} before → after")
-    header += ["load 1m", "throttle reasons seen", "GPU processes seen (incl. the harness)"]
-    body = []
-    for r in rows:
-        line = [f"`{r['cell']}`", r["attempts"], r["noisy"]]
-        for title, _ in LOAD_FIELDS:
-            line.append(f"{r[f'{title} before']} → {r[f'{title} after']}")
-        line += [r["load 1m"], r["throttle reasons seen"], r["GPU processes seen"]]
-        body.append(line)
-    return md_table(header, body)
-
-
-def final_attempts(run: Run) -> dict[str, dict]:
-    """point_id → its final attempt record (the highest attempt number; the later line on ties)."""
-    out: dict[str, dict] = {}
-    for a in run.attempts:
-        pid = a.get("point_id")
-        if pid is None:
-            continue
-        prev = out.get(pid)
-        if prev is None or int(a.get("attempt") or 0) >= int(prev.get("attempt") or 0):
-            out[pid] = a
-    return out
-
-
-def resolve_run_dir(path) -> Path:
-    """A run directory, or a folder holding run directories (e.g. results/baselines/h100/): its newest one."""
-    path = Path(path)
-    if (path / "manifest.json").is_file():
-        return path
-    subs = run_dirs(path)
-    if subs:
-        return subs[-1]
-    raise RunDirError(f"{path}: not a run directory and holds none")
-
-
-def run_progress(run: Run) -> dict:
-    """How far a stored run got against the plan it was started with, and how to finish it.
-
-    Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
-    matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
-    or None when it is complete or can no longer be resumed)."""
-    import shlex
-
-    from attnbench.matrix import MatrixError, load_matrix
-
-    m = run.manifest
-    argv = list(m.get("argv") or [])
-    command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
-    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
-    path = m.get("matrix_path") or "?"
-    measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
-    planned, problem = None, None
-    try:
-        if command == "spot-check":
-            from attnbench.spotcheck import load_spot_check
-
-            matrix = load_spot_check(path, device=m.get("device") or "cuda").matrix
-        else:
-            matrix = load_matrix(path, device=m.get("device") or "cuda").select(only)
-        if matrix is None:            # a spot-check file none of whose cells can run
-            problem = "none of its cells can run now"
-        elif matrix.can_resume(m):
-            planned = len(matrix.points())
-        else:
-            problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
-                       else "the matrix file changed since")
-    except (MatrixError, OSError):
-        problem = "its matrix file is missing or invalid now"
-    if m.get("finished_utc"):
-        state = "complete" + (f" ({problem})" if problem else "")
-    elif problem:
-        state = f"unfinished, not resumable: {problem}"
-    else:
-        state = "interrupted" if m.get("interrupted") else "unfinished"
-    resume = None
-    if state in ("interrupted", "unfinished"):
-        parts = ["attnbench", command, path] + (["--only", only] if only else []) + ["--resume", str(run.path)]
-        resume = " ".join(shlex.quote(p) for p in parts)
-    return dict(run=run.path.name, matrix=path, started=m.get("started_utc") or "–", measured=measured,
-                planned=planned, state=state, resume=resume)
-
-
-def first_call_table(runs) -> str | None:
-    """Per run and cell: the first attempt the run's process made for the cell (its first length), with each
-    side's first-call wall time — compilation included when that process had not compiled the kernel yet
-    (a fresh GPU machine has empty caches, so a run's first cell of a kernel shows its cold start) — next
-    to the side's steady median. None when no attempt recorded first calls (runs before they were kept)."""
-    rows = []
-    for run in runs:
-        seen = set()
-        for a in run.attempts:
-            cell = a.get("cell_id")
-            if cell in seen:
-                continue
-            seen.add(cell)
-            k, b = a.get("kernel") or {}, a.get("baseline") or {}
-            if k.get("first_call_ms") is None and b.get("first_call_ms") is None:
-                continue
-            rows.append([f"`{run.path.name}`", f"`{cell}`", str(a.get("n")),
-                         f"{k.get('backend', '–')}: {format_ms(k.get('first_call_ms'))} (steady {format_ms(k.get('ms_median'))})",
-                         f"{b.get('backend', '–')}: {format_ms(b.get('first_call_ms'))} (steady {format_ms(b.get('ms_median'))})"])
-    if not rows:
-        return None
-    return md_table(["run", "cell", "first length", "kernel: first call ms (steady)", "baseline: first call ms (steady)"],
-                    rows)
-
-
-RESUME_GAP_S = 300.0   # a longer gap between two attempt records is a run resumed later, not a point's duration
-
-
-def point_seconds(results_root, device: str) -> tuple[dict[str, float], int]:
-    """Wall seconds each point took in the latest stored run that measured it on `device` (its attempts,
-    snapshots and back-offs included): point_id → seconds, and how many runs were read. An attempt's time is
-    the gap since the record before it (or since the run started); gaps over RESUME_GAP_S are resumptions
-    and count as unknown. For planning device time, not for any reported number."""
-    from datetime import datetime
-
-    def ts(text):
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-
-    runs = []
-    for d in run_dirs(results_root):
-        try:
-            run = load_run(d)
-        except RunDirError:
-            continue
-        if run.manifest.get("device") == device:
-            runs.append(run)
-    seconds: dict[str, float] = {}
-    for run in sorted(runs, key=lambda r: str(r.manifest.get("started_utc"))):
-        per_point: dict[str, float | None] = {}
-        prev = run.manifest.get("started_utc")
-        for a in run.attempts:
-            gap = ts(a["utc"]) - ts(prev) if prev else None
-            prev = a["utc"]
-            known = gap is not None and 0 <= gap <= RESUME_GAP_S
-            pid = a["point_id"]
-            if pid in per_point and per_point[pid] is None:
-                continue
-            per_point[pid] = (per_point.get(pid) or 0.0) + gap if known else None
-        seconds.update({pid: s for pid, s in per_point.items() if s is not None})
-    return seconds, len(runs)

@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console()
 err = Console(stderr=True)
 
-DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML gate, CUDA events) or cpu (Triton interpreter, system-load gate)")
+DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML clean-GPU check, CUDA events) or cpu (Triton interpreter, system-load check)")
 
 
 def fail(message: str, code: int) -> None:
@@ -55,34 +55,35 @@ def _reader():
         fail(str(exc), 3)
 
 
-def _gate(matrix_gate: dict | None, max_util: float | None, min_free_gb: float | None):
-    from attnbench.gpu import Gate
+def _clean_gpu_check(thresholds: dict | None, max_util: float | None, min_free_gb: float | None):
+    """The matrix's clean-GPU thresholds (its `gate:` mapping), with the command line's on top."""
+    from attnbench.gpu import CleanGpuCheck
 
-    g = Gate(**(matrix_gate or {}))
+    check = CleanGpuCheck(**(thresholds or {}))
     if max_util is not None:
-        g.max_util_pct = max_util
+        check.max_util_pct = max_util
     if min_free_gb is not None:
-        g.min_free_gb = min_free_gb
-    return g
+        check.min_free_gb = min_free_gb
+    return check
 
 
 # --- gpu-status --------------------------------------------------------------------------------
 
 @app.command("gpu-status")
 def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-               max_util: float = typer.Option(8.0, help="gate: max utilisation %"),
-               min_free_gb: float = typer.Option(12.0, help="gate: min free memory, GB"),
+               max_util: float = typer.Option(8.0, help="clean-GPU check: max utilisation %"),
+               min_free_gb: float = typer.Option(12.0, help="clean-GPU check: min free memory, GB"),
                sample_s: float = typer.Option(1.0, help="utilisation sampling window, seconds")):
     """Every visible GPU (utilisation sampled over a window, memory, clocks, power, throttle reasons, processes) and the system."""
     from attnbench.gpu import status_all
 
-    status = status_all(_reader(), _gate(None, max_util, min_free_gb), sample_s=sample_s)
+    status = status_all(_reader(), _clean_gpu_check(None, max_util, min_free_gb), sample_s=sample_s)
     if as_json:
         print(json.dumps(status, indent=2, default=str))
         return
-    t = Table(title=f"GPUs at {status['utc']}  (gate: util ≤ {max_util:g}%, free ≥ {min_free_gb:g} GB)")
+    t = Table(title=f"GPUs at {status['utc']}  (clean: util ≤ {max_util:g}%, free ≥ {min_free_gb:g} GB)")
     for col in ("idx", "name", "util % (max/median)", "mem used/free/total GB", "temp", "SM clock", "power",
-                "clock events", "processes", "gate"):
+                "clock events", "processes", "clean"):
         t.add_column(col)
     for g in status["gpus"]:
         samples = sorted(g["util_samples"]) or [float("nan")]
@@ -93,7 +94,7 @@ def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
                   f"{g['temp_c']} C", f"{g['sm_clock_mhz']} / {g['sm_clock_max_mhz']} MHz",
                   f"{(g['power_w'] or 0):.0f} / {(g['power_limit_w'] or 0):.0f} W",
                   ", ".join(g["throttle_reasons"]) or "none", procs,
-                  "[green]PASS[/]" if g["passes_gate"] else "[red]FAIL[/] " + "; ".join(g["gate_failures"]))
+                  "[green]PASS[/]" if g["is_clean"] else "[red]FAIL[/] " + "; ".join(g["not_clean_because"]))
     console.print(t)
     s = status["system"]
     load = " ".join(f"{x:.2f}" for x in s["load_avg"] or [])
@@ -159,16 +160,16 @@ def _require_gpu():
     return reader
 
 
-def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Optional[Path],
+def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
          slowdown: Optional[dict] = None, command: str = "run-matrix") -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from attnbench.gpu import NoGpuError
-    from attnbench.runner import GateFailed, Runner, RunInterrupted, RunOptions
+    from attnbench.runner import NoCleanGpu, Runner, RunInterrupted, RunOptions
 
-    opts = RunOptions(device=device, results_root=results_root, gate=gate, gpu=gpu, wait_s=wait,
+    opts = RunOptions(device=device, results_root=results_root, clean_check=clean_check, gpu=gpu, wait_s=wait,
                       max_attempts=max_attempts, argv=argv, snapshot_s=1.0 if device == "cuda" else 0.2,
                       slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -176,9 +177,9 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     state = {"task": None, "status_line": None}
 
     def on_event(kind, **d):
-        if kind == "gate_probe":
+        if kind == "clean_gpu_probe":
             fails = "; ".join(f"GPU {i}: {', '.join(f)}" for i, f in d["failures"].items() if f) or "clean"
-            err.print(f"[dim]gate probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
+            err.print(f"[dim]clean-GPU probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
         elif kind == "start":
             where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
             err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} points to measure")
@@ -199,7 +200,7 @@ def _run(matrix, device: str, gate, gpu: Optional[str], wait: float, resume: Opt
     runner = Runner(matrix, opts, reader=reader, on_event=on_event)
     try:
         return runner.run(resume=resume)
-    except GateFailed as exc:
+    except NoCleanGpu as exc:
         fail(f"{exc} (after waiting {wait:g}s; use --wait to wait longer)", 4)
     except NoGpuError as exc:
         fail(str(exc), 3)
@@ -236,15 +237,15 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                dry_run: bool = typer.Option(False, "--dry-run", help="print the expanded plan; touch no GPU"),
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted run directory"),
                gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (default: the cleanest passing one)"),
-               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation % (default 8, or the matrix's)"),
-               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB (default 12, or the matrix's)"),
+               max_util: Optional[float] = typer.Option(None, help="clean-GPU check: max utilisation % (default 8, or the matrix's)"),
+               min_free_gb: Optional[float] = typer.Option(None, help="clean-GPU check: min free GB (default 12, or the matrix's)"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
                results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created"),
                only: Optional[str] = typer.Option(None, "--only", help="run only the cells whose id matches this glob"),
                slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=K: call BACKEND K times per timed call "
                                                   "(a deliberate, recorded regression to prove the perf gate)")):
-    """Run a YAML matrix: gate the GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
+    """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
     from attnbench.matrix import load_matrix
 
     _check_device(device)
@@ -260,13 +261,13 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         if not matrix.select(only).cells:
             fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
         if dry_run:
-            from attnbench.analysis import point_seconds
+            from attnbench.planning import point_seconds
 
             history, runs_read = point_seconds(results_root, device)
             console.print(_plan_table(matrix, device, history, runs_read))
             return
-        gate = _gate(matrix.gate, max_util, min_free_gb)
-        run_dir = _run(matrix, device, gate, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
+        clean_check = _clean_gpu_check(matrix.gate, max_util, min_free_gb)
+        run_dir = _run(matrix, device, clean_check, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
@@ -280,7 +281,7 @@ def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder 
     """Every stored run: how many of its planned points it measured, and the command that finishes it."""
     from rich.table import Table
 
-    from attnbench.analysis import run_progress
+    from attnbench.runs import run_progress
     from attnbench.store import RunDirError, load_run, run_dirs
 
     if not results_root.is_dir():
@@ -312,10 +313,8 @@ def verify_2pass(device: str = DeviceOpt):
 
         if not torch.cuda.is_available():
             fail("no CUDA device; use --device cpu", 3)
-    try:
-        from attnbench.verify_2pass import verify_two_pass
-    except ImportError:
-        fail("verify-2pass needs the ELSA kernel, which is not implemented yet", 2)
+    from kernels.elsa.verify_2pass import verify_two_pass
+
     rows, ok, failures = verify_two_pass(device)
     t = Table(title=f"ELSA two-pass verification ({device})")
     cols = list(rows[0].keys()) if rows else []
@@ -335,15 +334,21 @@ def verify_2pass(device: str = DeviceOpt):
 # --- report / gate / spot-check ----------------------------------------------------------------
 
 @app.command("report")
-def report(run_dirs: List[Path] = typer.Argument(..., help="run directories (one GPU model)"),
+def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run directories (one GPU model)"),
+           runs_file: Optional[Path] = typer.Option(None, "--runs", help="a text file listing the run directories, one "
+                                                    "per line, relative to the file (e.g. results/H100_runs.txt)"),
            out: Optional[Path] = typer.Option(None, "--out", help="markdown path (default results/RESULTS_<GPU>.md)"),
            plots_dir: Optional[Path] = typer.Option(None, "--plots-dir", help="where the PNGs go"),
            no_plots: bool = typer.Option(False, "--no-plots", help="tables only")):
     """Regenerate the RESULTS markdown (tables, trends, load summary) and the plots from stored runs."""
     from attnbench.report import build_report
+    from attnbench.runs import read_run_list
 
     try:
-        path = build_report(run_dirs, out, plots_dir, plots=not no_plots)
+        dirs = list(run_dirs or []) + (read_run_list(runs_file) if runs_file is not None else [])
+        if not dirs:
+            fail("name the run directories, or a file listing them with --runs (e.g. results/H100_runs.txt)", 2)
+        path = build_report(dirs, out, plots_dir, plots=not no_plots)
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
     console.print(f"wrote {path}", highlight=False)
@@ -356,7 +361,7 @@ def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run
              out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)")):
     """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER."""
     from attnbench import gate as gatemod
-    from attnbench.analysis import resolve_run_dir
+    from attnbench.runs import resolve_run_dir
 
     try:
         b, c = resolve_run_dir(baseline), resolve_run_dir(current)
@@ -373,8 +378,8 @@ def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run
 def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml"), help="spot-check YAML (cells + checks)"),
                device: str = DeviceOpt,
                gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID"),
-               max_util: Optional[float] = typer.Option(None, help="gate: max utilisation %"),
-               min_free_gb: Optional[float] = typer.Option(None, help="gate: min free GB"),
+               max_util: Optional[float] = typer.Option(None, help="clean-GPU check: max utilisation %"),
+               min_free_gb: Optional[float] = typer.Option(None, help="clean-GPU check: min free GB"),
                wait: float = typer.Option(0.0, "--wait", help="seconds to wait for a clean GPU before exit 4"),
                results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept"),
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory"),
@@ -392,14 +397,14 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
         plan = spotcheck.load_spot_check(matrix_path, device=device)
         run = None
         if plan.matrix is not None:
-            gate = _gate(plan.matrix.gate, max_util, min_free_gb)
-            run = load_run(_run(plan.matrix, device, gate, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
+            clean_check = _clean_gpu_check(plan.matrix.gate, max_util, min_free_gb)
+            run = load_run(_run(plan.matrix, device, clean_check, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
                                     command="spot-check"))
         torch_device = device
         if device == "cuda":
             import torch
 
-            torch_device = f"cuda:{torch.cuda.current_device()}"   # the GPU the gate chose, not blindly GPU 0
+            torch_device = f"cuda:{torch.cuda.current_device()}"   # the GPU the clean-GPU check chose, not blindly GPU 0
         results = spotcheck.evaluate_checks(plan, run, device=torch_device)
     except _user_errors() as exc:
         fail(str(exc), 2)
@@ -436,11 +441,12 @@ def accuracy(device: str = DeviceOpt,
              n: int = typer.Option(1407, help="sequence length (the paper's)"),
              heads_q: int = typer.Option(28, help="query heads"),
              seeds: int = typer.Option(3, help="random seeds per grid point")):
-    """PASA's overflow/accuracy benchmark: non-finite fraction and relative RMSE of pasa, fa16, flash,
-    efficient and float32 SDPA on the paper's uniform and hybrid normal-Bernoulli grids (float64 reference)."""
+    """PASA's overflow/accuracy benchmark: non-finite fraction and relative RMSE of pasa, fa16 and SDPA flash,
+    efficient and math (same dtype) and math in float32, on the paper's uniform and hybrid normal-Bernoulli grids
+    (float64 reference). On the CPU, SDPA flash and efficient are skipped (their GPU kernels are what is compared)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from attnbench import accuracy as acc
+    from kernels.pasa import accuracy as acc
 
     _check_device(device)
     if device == "cuda":
@@ -456,9 +462,11 @@ def accuracy(device: str = DeviceOpt,
                                on_point=lambda done, total: progress.update(task, completed=done, total=total))
     df.to_csv(out_dir / "accuracy.csv", index=False)
     table = acc.accuracy_table_markdown(df)
-    (out_dir / "accuracy.md").write_text(table)
+    biased = ("\nOn the biased points (x₀ ≠ 0), per method: overflow and the range of rel_rmse where the output "
+              "is finite.\n\n" + acc.biased_inputs_markdown(df))
+    (out_dir / "accuracy.md").write_text(table + biased)
     pngs = acc.plot_accuracy_heatmaps(df, out_dir)
-    console.print(table, highlight=False, soft_wrap=True)
+    console.print(table + biased, highlight=False, soft_wrap=True)
     console.print(acc.check_accuracy_targets(df).to_string(), highlight=False)
     console.print(f"wrote {out_dir}/accuracy.csv, accuracy.md and {len(pngs)} heat-maps", highlight=False)
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnbench.analysis import final_attempts, format_n, format_ratio, md_table, resolve_run_dir
+from attnbench.formatting import format_n, format_ratio, md_table
+from attnbench.runs import final_attempts, resolve_run_dir
 from attnbench.store import Run, load_run
 
 VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "FASTER", "SAME")

@@ -1,6 +1,6 @@
-"""GPU and system snapshots (NVML + psutil), the clean-GPU gate, and the choice of the cleanest GPU.
+"""GPU and system snapshots (NVML + psutil), the clean-GPU check, and the choice of the cleanest GPU.
 
-NVML is reached through a small adapter (``PynvmlReader``) so tests can drive the gate with a fake
+NVML is reached through a small adapter (``PynvmlReader``) so tests can drive the check with a fake
 that reports busy, low-memory, throttled or foreign-process states. Utilisation is *sampled* over a
 window (several readings, ≥ 1 s by default), never read once: one instant says little about a GPU
 someone else is using in bursts.
@@ -199,10 +199,12 @@ def _prime_cpu_counters() -> None:
 
 
 @dataclass
-class Gate:
+class CleanGpuCheck:
+    """When a GPU counts as clean enough to measure on (not to be confused with the regression gate, gate.py)."""
+
     max_util_pct: float = 8.0
     min_free_gb: float = 12.0
-    max_cpu_pct: float = 90.0        # the system-load gate used with --device cpu
+    max_cpu_pct: float = 90.0        # the system-load check used with --device cpu
 
     def failures(self, gpu: GpuStatus, own_pids: set[int] | None = None) -> list[str]:
         """Why `gpu` is not clean (empty list: it passes)."""
@@ -245,19 +247,19 @@ def _sync_cuda() -> None:
         torch.cuda.synchronize()
 
 
-def status_all(reader, gate: Gate, sample_s: float = 1.0, samples: int = 10) -> dict:
-    """What `attnbench gpu-status` shows: every visible GPU with its gate verdict, plus the system."""
+def status_all(reader, check: CleanGpuCheck, sample_s: float = 1.0, samples: int = 10) -> dict:
+    """What `attnbench gpu-status` shows: every visible GPU, whether it passes the clean-GPU check, and the system."""
     _prime_cpu_counters()
     gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s, samples)
     rows = []
     for g in gpus:
-        fails = gate.failures(g)
-        rows.append({**g.as_dict(), "passes_gate": not fails, "gate_failures": fails})
-    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gate": gate.__dict__,
+        fails = check.failures(g)
+        rows.append({**g.as_dict(), "is_clean": not fails, "not_clean_because": fails})
+    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "clean_gpu_check": check.__dict__,
             "gpus": rows, "system": system_snapshot()}
 
 
-def choose_gpu(gpus: list[GpuStatus], gate: Gate, wanted: str | None = None) -> tuple[GpuStatus | None, dict]:
+def choose_gpu(gpus: list[GpuStatus], check: CleanGpuCheck, wanted: str | None = None) -> tuple[GpuStatus | None, dict]:
     """The cleanest passing GPU (lowest util, then most free memory), or the one named by index/UUID.
 
     Returns (choice or None, {index: failures}) so the caller can name what failed.
@@ -268,19 +270,19 @@ def choose_gpu(gpus: list[GpuStatus], gate: Gate, wanted: str | None = None) -> 
             known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
             raise NoGpuError(f"GPU '{wanted}' not found (visible: {known})")
         gpus = named
-    failures = {g.index: gate.failures(g) for g in gpus}
+    failures = {g.index: check.failures(g) for g in gpus}
     passing = [g for g in gpus if not failures[g.index]]
     passing.sort(key=lambda g: (g.util_pct, -g.mem_free_gb))
     return (passing[0] if passing else None), failures
 
 
-def wait_for_clean_gpu(reader, gate: Gate, wanted: str | None, wait_s: float, on_probe=None,
+def wait_for_clean_gpu(reader, check: CleanGpuCheck, wanted: str | None, wait_s: float, on_probe=None,
                        sample_s: float = 1.0, clock=time.monotonic, sleep=time.sleep) -> tuple[GpuStatus | None, list[GpuStatus], dict]:
-    """Probe until a GPU passes the gate or `wait_s` runs out; `on_probe(gpus, failures, remaining_s)` shows a live line."""
+    """Probe until a GPU passes the check or `wait_s` runs out; `on_probe(gpus, failures, remaining_s)` shows a live line."""
     deadline = clock() + wait_s
     while True:
         gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s)
-        choice, failures = choose_gpu(gpus, gate, wanted)
+        choice, failures = choose_gpu(gpus, check, wanted)
         remaining = deadline - clock()
         if on_probe is not None:
             on_probe(gpus, failures, max(remaining, 0.0))
@@ -289,14 +291,14 @@ def wait_for_clean_gpu(reader, gate: Gate, wanted: str | None, wait_s: float, on
         sleep(min(5.0, max(remaining, 0.0)))
 
 
-def gate_failure_line(gpus: list[GpuStatus], failures: dict) -> str:
+def no_clean_gpu_line(gpus: list[GpuStatus], failures: dict) -> str:
     """One line naming each GPU and the numbers that failed."""
     parts = [f"GPU {g.index} ({g.name}, {g.uuid[:12]}): {'; '.join(failures.get(g.index, []))}" for g in gpus
              if failures.get(g.index)]
     return "no clean GPU: " + " | ".join(parts) if parts else "no clean GPU"
 
 
-def cpu_gate_failures(gate: Gate, snap: dict) -> list[str]:
-    """The CPU path's gate: other processes' CPU use (ours is the measurement itself)."""
+def cpu_load_failures(check: CleanGpuCheck, snap: dict) -> list[str]:
+    """The CPU path's check: other processes' CPU use (ours is the measurement itself)."""
     cpu = snap["system"].get("others_cpu_pct", snap["system"]["cpu_pct"])
-    return [f"other processes use {cpu:.0f}% CPU > {gate.max_cpu_pct:g}%"] if cpu > gate.max_cpu_pct else []
+    return [f"other processes use {cpu:.0f}% CPU > {check.max_cpu_pct:g}%"] if cpu > check.max_cpu_pct else []

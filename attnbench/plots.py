@@ -19,7 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from attnbench.analysis import CellSummary, format_n  # noqa: E402
+from attnbench.analysis import CellSummary  # noqa: E402
+from attnbench.formatting import format_n  # noqa: E402
 
 _PNG_METADATA = {"Software": None}
 _DPI = 90

@@ -7,13 +7,16 @@ what the new measurements changed.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
-from attnbench.analysis import (
-    _sorted_runs, first_call_table, gpu_short_name, load_runs, load_summary, load_table, md_table, model_table,
-    notes_markdown, points_table, scaling_table, summarize_cells, sweep_table,
-)
+import pandas as pd
+
+from attnbench.analysis import MEASURED, CellSummary, key_str, select_final, summarize_cells
+from attnbench.formatting import finite as _finite
+from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
+from attnbench.runs import gpu_short_name, load_runs, sorted_runs
 
 CPU_BANNER = ("> **CPU run: performance numbers on CPU mean nothing.** These tables come from `--device cpu` "
               "(Triton interpreter, SDPA on the CPU); they exercise the pipeline, not the kernels. "
@@ -36,7 +39,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     plots_dir: default ``<out_md's folder>/plots/<GPU>/``. plots=False skips the figures (links are still written).
     Raises ValueError (one line) when the runs come from different GPU models.
     """
-    runs = _sorted_runs(run_dirs)
+    runs = sorted_runs(run_dirs)
     if not runs:
         raise ValueError("no run directories given")
     gpus = sorted({gpu_short_name(r.manifest) for r in runs})
@@ -162,3 +165,217 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     text = "\n".join(part.strip("\n") + "\n" for part in out)
     out_md.write_text(text)
     return out_md
+
+
+def _nonempty(x) -> bool:
+    return isinstance(x, str) and x.strip() != ""
+
+
+# -- the report's tables -------------------------------------------------------------------------------
+
+def sweep_table(summaries: list[CellSummary], spread: str = "column") -> str:
+    """Attention cells in the seed's shape. spread: "column" (own p10–p90 column), "inline" ("0.44 [0.43–0.45]") or "none"."""
+    header = ["cell", "setup", "baseline", "lat_ratio sweep"]
+    if spread == "column":
+        header.append("p10–p90")
+    header += ["mem_ratio", "trend"]
+    rows = []
+    for s in summaries:
+        sweep = s.sweep_with_spread if spread == "inline" else s.sweep
+        row = [f"`{s.cell_id}`", s.setup, s.baseline, sweep]
+        if spread == "column":
+            row.append(s.spread)
+        row += [s.mem, s.trend]
+        rows.append(row)
+    return md_table(header, rows)
+
+
+def _growth_per_doubling(n1, t1, n2, t2) -> float:
+    return (t2 / t1) ** (1.0 / math.log2(n2 / n1))
+
+
+def _fitted_exponent(ns, ts) -> float:
+    """Least-squares slope of log t against log N: t ∝ N^p."""
+    xs, ys = [math.log(n) for n in ns], [math.log(t) for t in ts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def scaling_table(summaries: list[CellSummary], min_points: int = 3) -> str | None:
+    """Per attention cell with ≥ min_points measured lengths: the kernel's and the baseline's time growth per
+    doubling of N between consecutive lengths, and the exponent p of t ∝ N^p over the three longest lengths.
+    None when no cell qualifies. Noisy points count (their times are medians too); a step touching one has a `*`."""
+    rows = []
+    for s in summaries:
+        if s.is_model:
+            continue
+        pts = s.points[s.points["status"].isin(MEASURED)]
+        pts = pts[[(_finite(k) and k > 0 and _finite(b) and b > 0) for k, b in zip(pts["kernel_ms"], pts["baseline_ms"])]]
+        if len(pts) < min_points:
+            continue
+        ns, stars = [int(n) for n in pts["n"]], ["*" if st == "noisy" else "" for st in pts["status"]]
+        cols = []
+        for side in ("kernel_ms", "baseline_ms"):
+            ts = [float(t) for t in pts[side]]
+            steps = [f"{format_n(ns[i])}→{format_n(ns[i + 1])}{stars[i] or stars[i + 1]} "
+                     f"{_growth_per_doubling(ns[i], ts[i], ns[i + 1], ts[i + 1]):.2f}" for i in range(len(ns) - 1)]
+            cols += [" · ".join(steps), f"{_fitted_exponent(ns[-3:], ts[-3:]):.2f}"]
+        rows.append([f"`{s.cell_id}`", f"{s.kernel} vs {s.baseline}", cols[0], cols[2], f"{cols[1]} / {cols[3]}"])
+    if not rows:
+        return None
+    return md_table(["cell", "kernel vs baseline", "kernel: growth per doubling", "baseline: growth per doubling",
+                     "p (t ∝ Nᵖ, 3 longest): kernel / baseline"], rows)
+
+
+def model_table(summaries: list[CellSummary], spread: str = "column") -> str:
+    """Model cells (n = image size): "model cell | model:kernel | setup | baseline | img → lat_ratio | … | trend"."""
+    header = ["model cell", "model:kernel", "setup", "baseline", "img → lat_ratio"]
+    if spread == "column":
+        header.append("p10–p90")
+    header += ["mem_ratio", "trend"]
+    rows = []
+    for s in summaries:
+        sweep = s.sweep_with_spread if spread == "inline" else s.sweep
+        row = [f"`{s.cell_id}`", s.kernel, s.setup, s.baseline, sweep]
+        if spread == "column":
+            row.append(s.spread)
+        row += [s.mem, s.trend]
+        rows.append(row)
+    return md_table(header, rows)
+
+
+def notes_markdown(summaries: list[CellSummary]) -> str:
+    notes = [n for s in summaries for n in s.notes]
+    if not notes:
+        return ""
+    text = "`*` = still noisy after its retries (number kept, not used for the trend).\n\n" if any(
+        "*" in s.sweep for s in summaries) else ""
+    return text + "".join(f"- {n}\n" for n in notes)
+
+
+def points_table(df: pd.DataFrame) -> str:
+    """Every final point with its absolute numbers (ms, MB, TFLOP/s); for the appendix of the report."""
+    final = select_final(df)
+    rows = []
+    for _, r in final.iterrows():
+        is_model = bool(r.get("is_model", False))
+        rows.append([
+            f"`{r['cell_id']}`", format_n(r["n"], model=is_model), r["status"], key_str(r["attempts"]),
+            format_ms(r["kernel_ms"]), format_ms(r["baseline_ms"]),
+            f"{format_ratio(r['lat_ratio'])} [{format_range(r['lat_ratio_p10'], r['lat_ratio_p90'])}]"
+            if _finite(r["lat_ratio"]) else "–",
+            f"{_fmt_num(r['kernel_mem_mb'])} / {_fmt_num(r['baseline_mem_mb'])}",
+            f"{_fmt_num(r['kernel_tflops'])} / {_fmt_num(r['baseline_tflops'])}",
+            r["reason"] if _nonempty(r.get("reason")) else "",
+        ])
+    return md_table(["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]",
+                     "mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
+
+
+def _fmt_num(x) -> str:
+    if not _finite(x):
+        return "–"
+    x = float(x)
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+
+
+# -- load during the measurements (from attempts.jsonl) ---------------------------------------------------
+
+LOAD_FIELDS = [  # (column title, snapshot path)
+    ("util %", ("gpu", "util_pct")),
+    ("free GB", ("gpu", "mem_free_gb")),
+    ("temp °C", ("gpu", "temp_c")),
+    ("SM MHz", ("gpu", "sm_clock_mhz")),
+    ("CPU %", ("system", "cpu_pct")),
+]
+
+
+def _snap_value(snapshot, path):
+    cur = snapshot
+    for key in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(key)
+    return float(cur) if _finite(cur) else None
+
+
+def _range_text(values, fmt="{:.0f}") -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "–"
+    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def load_summary(runs) -> list[dict]:
+    """Per cell, over all its attempts in `runs`: attempt counts and min–max of the before/after load."""
+    per_cell: dict[str, list[dict]] = {}
+    for run in sorted_runs(runs):
+        for a in run.attempts:
+            per_cell.setdefault(str(a.get("cell_id")), []).append(a)
+    rows = []
+    for cell_id in sorted(per_cell):
+        attempts = per_cell[cell_id]
+        row = {"cell": cell_id, "attempts": len(attempts),
+               "noisy": sum(1 for a in attempts if a.get("status") == "noisy")}
+        for title, path in LOAD_FIELDS:
+            fmt = "{:.1f}" if title == "free GB" else "{:.0f}"
+            for when in ("before", "after"):
+                row[f"{title} {when}"] = _range_text([_snap_value(a.get(when), path) for a in attempts], fmt)
+        loads = [((a.get(w) or {}).get("system") or {}).get("load_avg") for a in attempts for w in ("before", "after")]
+        row["load 1m"] = _range_text([float(l[0]) for l in loads if isinstance(l, list) and l and _finite(l[0])], "{:.2f}")
+        reasons = sorted({r for a in attempts for w in ("before", "after")
+                          for r in (((a.get(w) or {}).get("gpu") or {}).get("throttle_reasons") or [])})
+        row["throttle reasons seen"] = ", ".join(reasons) if reasons else "–"
+        foreign = sorted({str(p.get("name")) for a in attempts for w in ("before", "after")
+                          for p in (((a.get(w) or {}).get("gpu") or {}).get("processes") or [])
+                          if isinstance(p, dict)})
+        row["GPU processes seen"] = ", ".join(foreign) if foreign else "–"   # NVML lists the harness itself too
+        rows.append(row)
+    return rows
+
+
+def load_table(rows: list[dict]) -> str:
+    if not rows:
+        return "_no attempts recorded_\n"
+    header = ["cell", "attempts", "noisy"]
+    for title, _ in LOAD_FIELDS:
+        header.append(f"{title} before → after")
+    header += ["load 1m", "throttle reasons seen", "GPU processes seen (incl. the harness)"]
+    body = []
+    for r in rows:
+        line = [f"`{r['cell']}`", r["attempts"], r["noisy"]]
+        for title, _ in LOAD_FIELDS:
+            line.append(f"{r[f'{title} before']} → {r[f'{title} after']}")
+        line += [r["load 1m"], r["throttle reasons seen"], r["GPU processes seen"]]
+        body.append(line)
+    return md_table(header, body)
+
+
+
+
+def first_call_table(runs) -> str | None:
+    """Per run and cell: the first attempt the run's process made for the cell (its first length), with each
+    side's first-call wall time — compilation included when that process had not compiled the kernel yet
+    (a fresh GPU machine has empty caches, so a run's first cell of a kernel shows its cold start) — next
+    to the side's steady median. None when no attempt recorded first calls (runs before they were kept)."""
+    rows = []
+    for run in runs:
+        seen = set()
+        for a in run.attempts:
+            cell = a.get("cell_id")
+            if cell in seen:
+                continue
+            seen.add(cell)
+            k, b = a.get("kernel") or {}, a.get("baseline") or {}
+            if k.get("first_call_ms") is None and b.get("first_call_ms") is None:
+                continue
+            rows.append([f"`{run.path.name}`", f"`{cell}`", str(a.get("n")),
+                         f"{k.get('backend', '–')}: {format_ms(k.get('first_call_ms'))} (steady {format_ms(k.get('ms_median'))})",
+                         f"{b.get('backend', '–')}: {format_ms(b.get('first_call_ms'))} (steady {format_ms(b.get('ms_median'))})"])
+    if not rows:
+        return None
+    return md_table(["run", "cell", "first length", "kernel: first call ms (steady)", "baseline: first call ms (steady)"],
+                    rows)

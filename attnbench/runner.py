@@ -1,4 +1,4 @@
-"""The point loop: gate, snapshots, interleaved measurement, verdict, retries, resume.
+"""The point loop: clean-GPU check, snapshots, interleaved measurement, verdict, retries, resume.
 
 For every point: snapshot(before) → measure kernel ⇄ baseline → snapshot(after) → verdict. A noisy
 verdict is retried after a back-off, up to the cell's max_attempts; every attempt is appended to
@@ -35,7 +35,7 @@ class RunInterrupted(Exception):
 class RunOptions:
     device: str = "cuda"                      # "cuda" or "cpu"
     results_root: Path = Path("results/runs")
-    gate: gpumod.Gate = field(default_factory=gpumod.Gate)
+    clean_check: gpumod.CleanGpuCheck = field(default_factory=gpumod.CleanGpuCheck)
     gpu: str | None = None                    # index or UUID; None = cleanest
     wait_s: float = 0.0                       # how long to wait for a clean GPU before giving up
     max_attempts: int | None = None           # override every cell's retry.max_attempts
@@ -175,7 +175,7 @@ _NOOP = _Noop()
 
 
 def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summary: dict | None,
-            gate: gpumod.Gate, own_pid: int, device: str) -> tuple[str, list[str], str | None]:
+            clean_check: gpumod.CleanGpuCheck, own_pid: int, device: str) -> tuple[str, list[str], str | None]:
     """(status, noisy reasons, message) for one attempt."""
     k, b = result["kernel"], result["baseline"]
     for side in (k, b):
@@ -187,7 +187,7 @@ def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summa
     reasons = []
     if device == "cuda" and before.get("gpu"):
         status = gpumod.GpuStatus(**before["gpu"])
-        reasons += [f"gate failed before: {r}" for r in gate.failures(status, {own_pid})]
+        reasons += [f"not clean before: {r}" for r in clean_check.failures(status, {own_pid})]
         for snap, label in ((before, "before"), (after, "after")):
             foreign = [p for p in (snap.get("gpu") or {}).get("processes", []) if p["pid"] != own_pid]
             if foreign and label == "after":
@@ -206,7 +206,7 @@ def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summa
             if sagged:
                 reasons.append(f"SM clock sagged to {lo:.0f} MHz (< {frac:.0%} of {hi:.0f})")
     elif device == "cpu":
-        reasons += [f"gate failed before: {r}" for r in gpumod.cpu_gate_failures(gate, before)]
+        reasons += [f"not clean before: {r}" for r in gpumod.cpu_load_failures(clean_check, before)]
     spread = robust_cv(result["ratios"])
     max_cv = point.cell.retry["max_cv"]
     if spread is not None and spread > max_cv:
@@ -269,18 +269,18 @@ class Runner:
         return snap
 
     def select_gpu(self) -> gpumod.GpuStatus | None:
-        """Gate before the run: choose the cleanest GPU or wait; returns None if none passed in time."""
+        """The clean-GPU check before the run: choose the cleanest GPU or wait; returns None if none passed in time."""
         if self.opt.device != "cuda":
             return None
 
         def on_probe(gpus, failures, remaining):
-            self.on_event("gate_probe", gpus=gpus, failures=failures, remaining_s=remaining)
+            self.on_event("clean_gpu_probe", gpus=gpus, failures=failures, remaining_s=remaining)
 
-        choice, gpus, failures = gpumod.wait_for_clean_gpu(self.reader, self.opt.gate, self.opt.gpu, self.opt.wait_s,
+        choice, gpus, failures = gpumod.wait_for_clean_gpu(self.reader, self.opt.clean_check, self.opt.gpu, self.opt.wait_s,
                                                            on_probe=on_probe, sample_s=self.opt.snapshot_s,
                                                            sleep=self.sleep)
         if choice is None:
-            raise GateFailed(gpumod.gate_failure_line(gpus, failures))
+            raise NoCleanGpu(gpumod.no_clean_gpu_line(gpus, failures))
         self.gpu_index = choice.index
         return choice
 
@@ -306,8 +306,9 @@ class Runner:
                 "argv": self.opt.argv, "git_commit": _git_commit(),
                 "started_utc": utc_now(), "finished_utc": None, "device": self.opt.device,
                 "versions": versions(self.reader), "gpu": gpu,
-                "gate": {"max_util_pct": self.opt.gate.max_util_pct, "min_free_gb": self.opt.gate.min_free_gb,
-                         **({"max_cpu_pct": self.opt.gate.max_cpu_pct} if self.opt.device == "cpu" else {})},
+                # stored under "gate", the key every run directory has used for the clean-GPU thresholds
+                "gate": {"max_util_pct": self.opt.clean_check.max_util_pct, "min_free_gb": self.opt.clean_check.min_free_gb,
+                         **({"max_cpu_pct": self.opt.clean_check.max_cpu_pct} if self.opt.device == "cpu" else {})},
                 "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown, "python_executable": sys.executable}
 
     def run(self, resume: Path | None = None) -> Path:
@@ -362,7 +363,7 @@ class Runner:
             result = measure_point(point, self.opt.device, monitor, **({"slowdown": self.opt.slowdown} if self.opt.slowdown else {}))
             after = self._snapshot()
             monitor_summary = monitor.summary() if monitor else None
-            status, reasons, message = verdict(point, result, before, after, monitor_summary, self.opt.gate,
+            status, reasons, message = verdict(point, result, before, after, monitor_summary, self.opt.clean_check,
                                                self.own_pid, self.opt.device)
             record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary)
             store.append_attempt(record)
@@ -370,7 +371,7 @@ class Runner:
             if status != "noisy" or attempt == max_attempts or _persistent_spread(record, previous, cell):
                 break
             previous = record
-            # back off only when the window looked disturbed (load, clocks, gate): a spread on a clean GPU
+            # back off only when the window looked disturbed (load, clocks, not clean): a spread on a clean GPU
             # is the point's own launch jitter, and waiting would not change it
             if not _spread_only(record):
                 self.sleep(cell.retry["backoff_s"] * attempt)
@@ -380,7 +381,7 @@ class Runner:
 
 
 def _spread_only(record: dict) -> bool:
-    """Noisy through the paired ratios' spread alone: no load, clock or gate reason."""
+    """Noisy through the paired ratios' spread alone: no load, clock or clean-GPU reason."""
     reasons = record["noisy_reasons"]
     return bool(reasons) and all(x.startswith("ratio spread") for x in reasons)
 
@@ -397,5 +398,5 @@ def _persistent_spread(record: dict, previous: dict | None, cell) -> bool:
     return b > 0 and abs(a / b - 1) <= cell.retry["max_cv"]
 
 
-class GateFailed(RuntimeError):
-    """No GPU passed the gate within --wait (CLI: one line, exit 4)."""
+class NoCleanGpu(RuntimeError):
+    """No GPU passed the clean-GPU check within --wait (CLI: one line, exit 4)."""

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import yaml
 
-from attnbench.analysis import format_n, format_ratio, md_table
+from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, get_backend
 from attnbench.matrix import Matrix, MatrixError, load_matrix
 from attnbench.store import Run

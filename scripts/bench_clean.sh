@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run any command only on a clean GPU, logging GPU and system load before and after.
 #   scripts/bench_clean.sh [--log FILE] [--max-util PCT] [--min-free-gb GB] [--wait S] [--device cuda|cpu] [--] CMD [ARGS…]
-# The gate (default util ≤ 8 %, free ≥ 12 GB) is `attnbench gpu-status --json`; the cleanest passing GPU
+# The clean-GPU check (default util ≤ 8 %, free ≥ 12 GB) is `attnbench gpu-status --json`; the cleanest passing GPU
 # (lowest util, then most free memory) is pinned with CUDA_VISIBLE_DEVICES=<uuid>. With no passing GPU it
 # re-probes every 10 s for --wait seconds, then prints "!! NO CLEAN GPU …" and exits 4 without running CMD.
-# --device cpu (or CMD containing `--device cpu`) skips the GPU gate and logs the system load only.
+# --device cpu (or CMD containing `--device cpu`) skips the clean-GPU check and logs the system load only.
 # The log (default results/logs/bench_clean_<UTC>.log) gets: a header, uptime and the full gpu-status JSON
 # before; CMD's output; uptime and gpu-status JSON after; "<<< done rc=N". Exit code: CMD's.
 set -euo pipefail
@@ -45,18 +45,18 @@ gpu_probe() {  # writes the gpu-status JSON, prints "OK <index> <uuid> <util> <f
   "$PY" - "$status_json" <<'PYEOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
-ok = sorted((g for g in s["gpus"] if g["passes_gate"]), key=lambda g: (g["util_pct"], -g["mem_free_gb"]))
+ok = sorted((g for g in s["gpus"] if g["is_clean"]), key=lambda g: (g["util_pct"], -g["mem_free_gb"]))
 if ok:
     g = ok[0]
     print("OK", g["index"], g["uuid"], f"{g['util_pct']:.0f}", f"{g['mem_free_gb']:.1f}")
 else:
-    print("NONE", "; ".join(f"GPU {g['index']}: " + ", ".join(g["gate_failures"]) for g in s["gpus"]) or "no GPUs")
+    print("NONE", "; ".join(f"GPU {g['index']}: " + ", ".join(g["not_clean_because"]) for g in s["gpus"]) or "no GPUs")
 PYEOF
 }
 
 {
   echo ">>> $(utc) bench_clean on $(hostname): $*"
-  echo "gate: util <= ${max_util}%, free >= ${min_free} GB; device ${device}"
+  echo "clean GPU: util <= ${max_util}%, free >= ${min_free} GB; device ${device}"
 } | tee -a "$log"
 
 if [ "$device" = "cuda" ]; then
@@ -76,7 +76,7 @@ if [ "$device" = "cuda" ]; then
   export CUDA_VISIBLE_DEVICES="$uuid"
   { echo "--- before ($(utc))"; system_load; cat "$status_json"; echo; } >>"$log"
 else
-  { echo "--- before ($(utc)), CPU mode: no GPU gate"; system_load; } >>"$log"
+  { echo "--- before ($(utc)), CPU mode: no clean-GPU check"; system_load; } >>"$log"
 fi
 
 set +e

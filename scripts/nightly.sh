@@ -32,7 +32,7 @@ if [ "$rc" -ne 0 ]; then echo "!! run-matrix failed (exit $rc)${run:+; partial r
 
 gpu="$("$PY" - "$run" <<'PYEOF'
 import sys
-from attnbench.analysis import gpu_short_name
+from attnbench.runs import gpu_short_name
 from attnbench.store import load_run
 print(gpu_short_name(load_run(sys.argv[1]).manifest).lower())
 PYEOF

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a matrix through the clean-GPU gate: scripts/run_matrix.sh [MATRIX.yaml] [run-matrix options…]
+# Run a matrix through the clean-GPU check: scripts/run_matrix.sh [MATRIX.yaml] [run-matrix options…]
 #   default matrix: matrices/full.yaml. Options pass through (--device cpu, --resume RUN_DIR, --wait S, --gpu I, …).
 #   A run that finds no clean GPU (exit 4) is retried ($RETRIES × $RETRY_SLEEP_S s, default 60 × 60 s).
 #   Exit code: run-matrix's (0 ok, 2 bad matrix, 3 no GPU, 4 no clean GPU, 130 interrupted).

@@ -1,4 +1,4 @@
-"""A fake NVML reader with scripted states, so the gate and the noise verdicts are testable on a CPU."""
+"""A fake NVML reader with scripted states, so the clean-GPU check and the noise verdicts are testable on a CPU."""
 from __future__ import annotations
 
 import os

@@ -1,12 +1,13 @@
-"""attnbench.accuracy: the PASA paper's overflow/accuracy grid, on a tiny grid on the CPU."""
+"""kernels.pasa.accuracy: the PASA paper's overflow/accuracy grid, on a tiny grid on the CPU."""
 import math
 
 import pandas as pd
 import pytest
 import torch
 
-from attnbench.accuracy import (accuracy_grid, accuracy_table_markdown, check_accuracy_targets, make_inputs,
-                                paper_grid, plot_accuracy_heatmaps, summarize_accuracy)
+from kernels.pasa.accuracy import (accuracy_grid, accuracy_table_markdown, biased_inputs_markdown,
+                                   biased_inputs_summary, check_accuracy_targets, make_inputs, paper_grid,
+                                   plot_accuracy_heatmaps, summarize_accuracy)
 
 
 def test_paper_grid_and_inputs():
@@ -37,21 +38,29 @@ def tiny_grid():
 def test_accuracy_grid_on_cpu(tiny_grid):
     df = tiny_grid
     assert isinstance(df, pd.DataFrame)
-    assert set(df.method) == {"pasa", "fa16", "flash", "sdpa_fp32"}
-    assert "efficient" in df.attrs["skipped"] and "cpu" in df.attrs["skipped"]["efficient"]
+    assert set(df.method) == {"pasa", "fa16", "math", "sdpa_fp32"}
+    # SDPA's GPU kernels are not stood in for on the CPU: skipped, with the reason
+    skipped = df.attrs["skipped"]
+    assert set(skipped) == {"flash", "efficient"}
+    assert skipped["flash"].startswith("flash: needs cuda (") and "other roundings" in skipped["flash"]
+    assert skipped["efficient"].startswith("efficient: needs cuda (") and "no memory-efficient" in skipped["efficient"]
     assert len(df) == 3 * 2 * 4
     # 64·40² = 102400 > 65504: fa16's fp16 scores overflow, every output element is NaN
     over = df[(df.x0 == 40.0) & (df.method == "fa16")]
     assert (over.nonfinite_frac == 1.0).all() and over.rel_rmse.isna().all()
     assert (df[df.x0 == 40.0].max_qk > 65504).all()
-    # PASA, flash and float32 stay finite everywhere and are accurate
-    for method in ("pasa", "flash", "sdpa_fp32"):
+    # PASA, SDPA math (fp16 inputs) and float32 stay finite everywhere and are accurate
+    for method in ("pasa", "math", "sdpa_fp32"):
         rows = df[df.method == method]
         assert (rows.nonfinite_frac == 0).all()
         assert (rows.rel_rmse < 1e-2).all()
     ok = df[df.nonfinite_frac == 0]
     assert ok[["rmse", "rel_rmse", "rel_rmse_ref", "rel_rmse_std_v"]].notna().all().all()
-    assert (df[df.method == "sdpa_fp32"].dtype == "float32").all()
+    assert (df[df.method == "sdpa_fp32"].dtype == "float32").all() and (df[df.method == "math"].dtype == "float16").all()
+    # the float32 control is far more exact than any fp16 method: the reference is not what limits the errors
+    keys = ["dist", "x0", "am", "seed"]
+    pair = df[df.method == "sdpa_fp32"].merge(df[df.method == "math"], on=keys, suffixes=("_fp32", "_math"))
+    assert len(pair) == 6 and (pair.rel_rmse_fp32 < 0.1 * pair.rel_rmse_math).all()
 
 
 def test_summary_targets_and_table(tiny_grid):
@@ -64,9 +73,38 @@ def test_summary_targets_and_table(tiny_grid):
     assert not targets[targets.x0 != 40.0].fa16_overflows.any()
     md = accuracy_table_markdown(tiny_grid)
     assert md.count("\n| uniform |") == 2 and "| hybrid |" in md
-    assert "100% non-finite" in md and "efficient skipped" in md
-    for method in ("pasa", "fa16", "flash", "sdpa_fp32"):
+    assert "100% non-finite" in md and "efficient skipped" in md and "flash skipped" in md
+    for method in ("pasa", "fa16", "math", "sdpa_fp32"):
         assert f" {method} " in md.splitlines()[0]
+
+
+def test_biased_inputs_summary(tiny_grid):
+    """Only x₀ ≠ 0 points count; overflow counted per point; the RMSE range over the finite points only."""
+    summary = summarize_accuracy(tiny_grid)
+    got = biased_inputs_summary(tiny_grid).set_index("method")
+    assert list(got.index) == ["pasa", "fa16", "math", "sdpa_fp32"] and (got.points == 2).all()
+    assert got.loc["fa16", "nonfinite_points"] == 1 and got.loc["fa16", "nonfinite_max"] == 1.0
+    assert (got.drop(index="fa16").nonfinite_points == 0).all()
+    for method in ("pasa", "math"):
+        rmse = summary[(summary.method == method) & (summary.x0 != 0)].rel_rmse
+        assert got.loc[method, "rel_rmse_min"] == rmse.min() and got.loc[method, "rel_rmse_max"] == rmse.max()
+    fa16 = summary[(summary.method == "fa16") & (summary.x0 == 20.0)].rel_rmse.iloc[0]   # its one finite point
+    assert got.loc["fa16", "rel_rmse_min"] == got.loc["fa16", "rel_rmse_max"] == fa16
+    md = biased_inputs_markdown(tiny_grid)
+    assert "| fa16 | 2 | 1 (up to 100% of elements) |" in md and "| pasa | 2 | 0 |" in md
+
+
+@pytest.mark.gpu
+def test_sdpa_rows_on_the_gpu():
+    """On the GPU every SDPA row runs; on biased inputs flash (scores in fp32) never overflows and is more exact
+    than PASA (fp16 scores): the comparison results/README.md reports at N=2048."""
+    points = [dict(dist="uniform", x0=x0, am=am) for x0 in (10.0, 30.0) for am in (0.5, 20.0)]
+    df = accuracy_grid(points, seeds=(0,), heads_q=4, heads_kv=1, n=2048, head_dim=128, device="cuda")
+    assert df.attrs["skipped"] == {} and set(df.method) == {"pasa", "fa16", "flash", "efficient", "math", "sdpa_fp32"}
+    got = biased_inputs_summary(df).set_index("method")
+    assert got.loc["flash", "nonfinite_points"] == 0 and got.loc["pasa", "nonfinite_points"] == 0
+    assert got.loc["fa16", "nonfinite_points"] >= 2                      # x₀ = 30 overflows fp16 scores
+    assert got.loc["flash", "rel_rmse_max"] < got.loc["pasa", "rel_rmse_min"]
 
 
 def test_heatmaps_written(tiny_grid, tmp_path):
@@ -89,7 +127,7 @@ def test_pasa_variants_and_options():
 
 def test_metrics_count_non_finite_exactly():
     """A fully finite output must give exactly 0 (it then gets an RMSE); the share must be exact otherwise."""
-    from attnbench.accuracy import _metrics
+    from kernels.pasa.accuracy import _metrics
 
     torch.manual_seed(0)
     ref = torch.randn(1, 3, 7, 8, dtype=torch.float64)

@@ -10,11 +10,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from attnbench.analysis import (
-    format_n, format_ratio, gpu_short_name, lat_trend, load_runs, load_summary, resolve_run_dir,
-    scaling_table, select_final, summarize_cells, sweep_table,
-)
-from attnbench.store import RunDirError, RunStore, load_run
+from attnbench.analysis import lat_trend, select_final, summarize_cells
+from attnbench.formatting import format_n, format_ratio
+from attnbench.report import sweep_table
+from attnbench.runs import load_runs
+from attnbench.store import RunStore
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-0000", "sm_count": 132}
 
@@ -148,14 +148,6 @@ def test_format_n_and_ratio():
     assert format_ratio(float("nan")) == "–"
 
 
-def test_gpu_short_name():
-    assert gpu_short_name({"device": "cuda", "gpu": H100}) == "H100"
-    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA A100-SXM4-80GB"}}) == "A100"
-    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA H200"}}) == "H200"
-    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA GeForce RTX 4090"}}) == "RTX4090"
-    assert gpu_short_name({"device": "cpu", "gpu": None}) == "CPU"
-
-
 # -- trend words: the seed's cells and constructed cases ----------------------------------------------------
 
 K = 1024
@@ -256,29 +248,6 @@ def test_select_final_prefers_clean_then_latest(tmp_path):
     assert round(final[final.n == 1024].lat_ratio.iloc[0], 2) == 0.4  # both clean: the later run wins
 
 
-def test_load_runs_tags_manifest_fields(seed_run):
-    df = load_runs([seed_run])
-    assert set(df["gpu_short"]) == {"H100"} and set(df["gpu_name"]) == {H100["name"]}
-    assert set(df["git_commit"]) == {"abc123def4567890"} and not df["is_model"].any()
-
-
-def test_load_summary_ranges(tmp_path):
-    run = make_run(tmp_path, [dict(cell_id="c", n=1024, ratio=0.5, util=0.0, attempts=["noisy"]),
-                              dict(cell_id="c", n=2048, ratio=0.6, util=4.0)])
-    (row,) = load_summary([load_run(run)])
-    assert row["attempts"] == 3 and row["noisy"] == 1
-    assert row["util % before"] == "0–30" and row["util % after"] == "1–2"
-    assert row["SM MHz after"] == "1500–1980"
-    assert row["throttle reasons seen"] == "sw_power_cap"
-
-
-def test_resolve_run_dir(tmp_path, seed_run):
-    assert resolve_run_dir(seed_run) == seed_run
-    assert resolve_run_dir(seed_run.parent) == seed_run
-    with pytest.raises(RunDirError):
-        resolve_run_dir(tmp_path / "nothing")
-
-
 def test_no_nan_leaks_into_text(seed_run):
     table = sweep_table(summarize_cells(load_runs([seed_run])))
     assert "nan" not in table.lower() and "None" not in table
@@ -302,42 +271,3 @@ def test_trend_from_clean_points_flags_noisy_points_that_disagree(tmp_path):
     pts = [dict(cell_id="d", n=1024, ratio=0.9, status="noisy"), dict(cell_id="d", n=16384, ratio=0.7)]
     (s,) = summarize_cells(load_runs([make_run(tmp_path / "b", pts)]))
     assert s.trend.startswith("wins all") and "disagree" not in s.trend
-
-
-def test_scaling_table_recovers_known_exponents(tmp_path):
-    """Baseline times grow as N² (make_run), the kernel's ratio as N^-½: the kernel grows as N^1.5, i.e. ×2.83 per
-    doubling, the baseline ×4.00; a cell with two lengths gets no row; model cells none."""
-    K = 1024
-    pts = [dict(cell_id="sparse", kernel="cron_root", baseline="flash", n=n, ratio=(n / K) ** -0.5)
-           for n in (K, 4 * K, 16 * K, 64 * K)]
-    pts += [dict(cell_id="short", n=n, ratio=0.5) for n in (K, 2 * K)]
-    pts += [dict(cell_id="m", kernel="elsa", baseline="native", n=n, ratio=1.0, heads=None, head_dim=None, batch=8)
-            for n in (224, 384, 512)]
-    df = load_runs([make_run(tmp_path, pts, spread=0.0)])
-    table = scaling_table(summarize_cells(df))
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert len(rows) == 1 and rows[0].startswith("| `sparse` | cron_root vs flash |")
-    assert "1K→4K 2.83 · 4K→16K 2.83 · 16K→64K 2.83" in rows[0]
-    assert "1K→4K 4.00 · 4K→16K 4.00 · 16K→64K 4.00" in rows[0] and "| 1.50 / 2.00 |" in rows[0]
-    assert scaling_table(summarize_cells(df[df.cell_id == "short"])) is None
-
-
-def test_point_seconds_from_attempt_times(tmp_path):
-    """Per point: the gaps between attempt records (first from the run's start), retries summed, a gap over
-    RESUME_GAP_S (a run resumed a day later) unknown; only runs of the asked device; the latest run wins."""
-    from attnbench.analysis import point_seconds
-
-    def run(name, started, device, attempts):
-        store = RunStore.create(tmp_path, name, {"matrix_name": name, "device": device, "started_utc": started},
-                                now=datetime.fromisoformat(started.replace("Z", "+00:00")))
-        for pid, utc in attempts:
-            store.append_attempt({"point_id": pid, "cell_id": pid.split("@")[0], "n": int(pid.split("@")[1]),
-                                  "attempt": 1, "utc": utc, "status": "clean"})
-
-    run("a", "2026-11-22T01:00:00Z", "cuda", [("x@1", "2026-11-22T01:00:20Z"), ("y@2", "2026-11-22T01:00:23Z"),
-                                            ("y@2", "2026-11-22T01:00:30Z"), ("z@3", "2026-11-23T09:00:00Z")])
-    run("b", "2026-11-22T02:00:00Z", "cuda", [("x@1", "2026-11-22T02:00:05Z")])
-    run("c", "2026-11-22T03:00:00Z", "cpu", [("x@1", "2026-11-22T03:00:50Z")])
-    seconds, n_runs = point_seconds(tmp_path, "cuda")
-    assert n_runs == 2 and seconds == {"x@1": 5.0, "y@2": 10.0}
-    assert point_seconds(tmp_path / "none", "cuda") == ({}, 0)

@@ -1,4 +1,4 @@
-"""Harness checks that need the real H100: NVML readings, each SDPA backend really forced, the OOM path."""
+"""Harness checks that need the real H100: NVML, each SDPA backend really forced, OOM, the timer vs do_bench."""
 import pytest
 import torch
 
@@ -60,3 +60,26 @@ def test_oom_is_a_result_and_memory_is_released():
     assert result["kernel"].status == "ok" and len(result["kernel"].samples_ms) >= 3
     torch.cuda.synchronize()
     assert torch.cuda.mem_get_info()[0] > free_before - 2 * 2**30
+
+
+@pytest.mark.parametrize("n", [4096, 16384])
+def test_harness_median_agrees_with_do_bench(n):
+    """Calibration of the timer: SDPA flash fp16 fwd (B=1, H=8, D=64) timed by the harness (interleaved pair, L2
+    flushed, CUDA events) and by triton.testing.do_bench (median) agree within 5 %; flash against itself gives a
+    paired ratio of 1 within 2 %. The H100's figures are in results/calibration_h100.json."""
+    import triton
+
+    from attnbench.backends import get_backend, make_attention_workload
+    from attnbench.matrix import TIMING_DEFAULTS
+    from attnbench.measure import measure_pair, stats
+
+    flash = get_backend("flash")
+    shape = dict(batch=1, heads=8, n=n, head_dim=64, dtype="float16", mode="fwd", causal=False, device="cuda")
+    a_side = make_attention_workload(flash, **shape)
+    b_side = make_attention_workload(flash, **shape, seed=1)
+    a, b, ratios = measure_pair(a_side, b_side, kernel_name="flash", baseline_name="flash", timing=TIMING_DEFAULTS,
+                                device="cuda")
+    harness = stats(a.samples_ms)["median"]
+    do_bench = triton.testing.do_bench(a_side.run, warmup=25, rep=200, return_mode="median")
+    assert abs(harness / do_bench - 1) < 0.05, (harness, do_bench)
+    assert abs(stats(ratios)["median"] - 1) < 0.02

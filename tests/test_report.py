@@ -6,7 +6,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from attnbench.report import build_report
+from attnbench.analysis import summarize_cells
+from attnbench.report import build_report, load_summary, scaling_table
+from attnbench.runs import load_runs
+from attnbench.store import load_run
 from test_analysis import make_run, seed_cells
 
 
@@ -104,3 +107,58 @@ def test_first_calls_section_only_when_recorded(tmp_path, runs):
     text = build_report(runs, tmp_path / "a.md", tmp_path / "plots", plots=False).read_text()
     assert "## First calls (compilation included)" in text
     assert "| `cold` | 1024 | cron_root: 2150 (steady 0.05) | flash: 3.2 (steady 0.04) |" in text
+
+
+def test_load_summary_ranges(tmp_path):
+    run = make_run(tmp_path, [dict(cell_id="c", n=1024, ratio=0.5, util=0.0, attempts=["noisy"]),
+                              dict(cell_id="c", n=2048, ratio=0.6, util=4.0)])
+    (row,) = load_summary([load_run(run)])
+    assert row["attempts"] == 3 and row["noisy"] == 1
+    assert row["util % before"] == "0–30" and row["util % after"] == "1–2"
+    assert row["SM MHz after"] == "1500–1980"
+    assert row["throttle reasons seen"] == "sw_power_cap"
+
+
+def test_scaling_table_recovers_known_exponents(tmp_path):
+    """Baseline times grow as N² (make_run), the kernel's ratio as N^-½: the kernel grows as N^1.5, i.e. ×2.83 per
+    doubling, the baseline ×4.00; a cell with two lengths gets no row; model cells none."""
+    K = 1024
+    pts = [dict(cell_id="sparse", kernel="cron_root", baseline="flash", n=n, ratio=(n / K) ** -0.5)
+           for n in (K, 4 * K, 16 * K, 64 * K)]
+    pts += [dict(cell_id="short", n=n, ratio=0.5) for n in (K, 2 * K)]
+    pts += [dict(cell_id="m", kernel="elsa", baseline="native", n=n, ratio=1.0, heads=None, head_dim=None, batch=8)
+            for n in (224, 384, 512)]
+    df = load_runs([make_run(tmp_path, pts, spread=0.0)])
+    table = scaling_table(summarize_cells(df))
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == 1 and rows[0].startswith("| `sparse` | cron_root vs flash |")
+    assert "1K→4K 2.83 · 4K→16K 2.83 · 16K→64K 2.83" in rows[0]
+    assert "1K→4K 4.00 · 4K→16K 4.00 · 16K→64K 4.00" in rows[0] and "| 1.50 / 2.00 |" in rows[0]
+    assert scaling_table(summarize_cells(df[df.cell_id == "short"])) is None
+
+
+def test_cli_report_from_a_run_list(tmp_path, runs):
+    """`attnbench report --runs FILE` builds the same markdown as naming the directories; a bad list is one line, exit 2."""
+    import subprocess
+    import sys
+
+    results = tmp_path / "results"
+    expected = build_report(runs, results_root=results, plots=False).read_bytes()
+    listing = results / "H100_runs.txt"
+    listing.write_text("# runs behind RESULTS_H100.md\n" + "".join(f"runs/{r.name}\n" for r in reversed(runs)))
+    out = results / "RESULTS_H100.md"
+    out.unlink()
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "attnbench", "report", *args], capture_output=True, text=True,
+                              cwd=tmp_path)
+
+    done = cli("--runs", str(listing), "--no-plots", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == expected
+    listing.write_text("runs/missing\n")
+    done = cli("--runs", str(listing), "--no-plots", "--out", str(out))
+    assert done.returncode == 2 and "H100_runs.txt:1: runs/missing: not a run directory" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = cli("--no-plots")
+    assert done.returncode == 2 and "--runs" in done.stderr and "Traceback" not in done.stderr

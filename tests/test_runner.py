@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from attnbench import runner as runner_mod
-from attnbench.gpu import Gate
+from attnbench.gpu import CleanGpuCheck
 from attnbench.matrix import load_matrix
 from attnbench.measure import SideResult
 from attnbench.runner import Runner, RunInterrupted, RunOptions
@@ -55,8 +55,8 @@ def fake_results(script):
 
 
 def make_runner(m, tmp_path, **kw):
-    # the CPU gate is opened wide: other test processes may share this machine
-    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, gate=Gate(max_cpu_pct=1e9))
+    # the CPU load check is opened wide: other test processes may share this machine
+    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9))
     return Runner(m, opts, reader=None, sleep=lambda s: None, **kw)
 
 
@@ -120,12 +120,12 @@ def test_back_off_only_after_a_disturbed_window(tmp_path, monkeypatch):
 
 def test_power_cap_alone_is_steady_state_but_counts_with_a_clock_sag():
     from fakes import OWN_PID, FakeReader, gpu_state
-    from test_gpu_gate import _monitor, _point, _result, _snap
+    from test_clean_gpu import _monitor, _point, _result, _snap
 
     s = _snap(FakeReader([[gpu_state()]]))
-    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"]), Gate(), OWN_PID, "cuda")
+    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"]), CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "clean"
-    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"], lo=1500), Gate(),
+    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"], lo=1500), CleanGpuCheck(),
                                             OWN_PID, "cuda")
     assert status == "noisy" and any("sw_power_cap" in r for r in reasons) and any("sagged" in r for r in reasons)
 
@@ -214,7 +214,7 @@ def test_real_measurement_on_cpu_gives_finite_ratios(tmp_path):
     # each side's first call (outside the timed samples) is kept, and the report lists the cells' first ones
     for a in load_run(run_dir).attempts:
         assert a["kernel"]["first_call_ms"] > 0 and a["baseline"]["first_call_ms"] > 0
-    from attnbench.analysis import first_call_table
+    from attnbench.report import first_call_table
 
     table = first_call_table([load_run(run_dir)])
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["`a`", "`b`"]
@@ -255,7 +255,7 @@ def test_cli_bad_resume_dir_exits_2(tmp_path):
 
 
 def test_runs_lists_progress_and_the_command_that_finishes_a_run(tmp_path, monkeypatch):
-    from attnbench.analysis import run_progress
+    from attnbench.runs import run_progress
 
     m, run_dir = interrupted_run(tmp_path, monkeypatch)
     info = run_progress(load_run(run_dir))

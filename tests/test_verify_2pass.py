@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import attnbench.verify_2pass as v2
+import kernels.elsa.verify_2pass as v2
 
 
 def test_verify_two_pass_cpu_confirms():

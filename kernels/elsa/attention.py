@@ -146,7 +146,7 @@ def _forward(q, k, v, bias, causal, scale, precision, need_stats, knobs):
     qb_max = _cdiv(min(qc, N), bm)
     nrows = P * qb_max * BH * bm
     # separate allocations on purpose: carving them out of one buffer cost more host time in views than it
-    # saved in allocations (measured on the CPU with launches stubbed: results/README.md, "Session 4")
+    # saved in allocations (measured on the CPU with launches stubbed; NOTES.md, host cost)
     msum = torch.empty(nrows, dtype=torch.float32, device=dev)
     zsum = torch.empty(nrows, dtype=torch.float32, device=dev)
     ssum = torch.empty((nrows, D), dtype=torch.float32, device=dev)

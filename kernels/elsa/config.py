@@ -31,7 +31,7 @@ BWD_TABLE = {
     ("16", 32): ((64, 64, 4, 3), (32, 128, 4, 3)),        # not swept; D=64's tiles
     # dkdv (32, 128, 4, 3) spills 2 registers on sm_90 with triton 3.6 (255 regs; 16 with 3.9) and is still the
     # fastest: N=8K bwd 0.99 ms vs 1.13 for the best tile without spills (32, 64, 4, 3) and 1.38 for the same
-    # tile at 8 warps (results/dev/elsa/h100_bwd_tiles_2026-11-23.log); the GPU spill test allows exactly these 2
+    # tile at 8 warps (results/dev/elsa/bwd_tiles_h100.log); the GPU spill test allows exactly these 2
     ("16", 64): ((64, 64, 4, 3), (32, 128, 4, 3)),
     ("16", 128): ((128, 32, 8, 3), (32, 128, 8, 3)),      # N=8K bwd 2.03 ms
     ("32", 32): ((128, 32, 8, 2), (32, 64, 4, 2)),        # not swept; D=64's tiles

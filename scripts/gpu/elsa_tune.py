@@ -36,7 +36,7 @@ BWD = {  # (dtype, D): (dkdv candidates, dq candidates)
                        [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]),
     ("float32", 64): ([(32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
                       [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]),
-    # every fp32 D=128 backward config spills (scripts/gpu/elsa_compile_check.py); these spill least
+    # every fp32 D=128 backward config spills (scripts/compile_check.py --kernel elsa --tiles); these spill least
     ("float32", 128): ([(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (32, 128, 8, 2)],
                        [(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (64, 32, 4, 1)]),
 }

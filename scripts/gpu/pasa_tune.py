@@ -16,7 +16,7 @@ epoch seconds, is checked between candidates of the variants and tune phases):
   N = 4096 and timed at N = 8192 (B=1, H=8, fp16, non-causal) → tune.json, best config per D;
 - latency: pasa (pre-pass + main), pasa main kernel alone, fa16 (same tiles), SDPA flash and cuDNN,
   N 1K–32K, D 64/128 → latency.csv with ms, TFLOP/s, lat_ratio vs flash and the pre-pass share;
-- accuracy: attnbench.accuracy.accuracy_grid on the paper grid (B=1, Hq=28, Hkv=4, N=1407, D=128,
+- accuracy: kernels.pasa.accuracy.accuracy_grid on the paper grid (B=1, Hq=28, Hkv=4, N=1407, D=128,
   3 seeds) → accuracy.csv, accuracy_summary.csv, accuracy_targets.csv, accuracy.md, heat-map PNGs.
 Timing: triton.testing.do_bench (L2 flushed between calls), median.
 """
@@ -266,8 +266,8 @@ def phase_latency(out_dir: Path, results: dict, ns, causal_ns):
 
 
 def phase_accuracy(out_dir: Path, results: dict, seeds, methods):
-    from attnbench.accuracy import (accuracy_grid, accuracy_table_markdown, check_accuracy_targets,
-                                    plot_accuracy_heatmaps, summarize_accuracy)
+    from kernels.pasa.accuracy import (accuracy_grid, accuracy_table_markdown, check_accuracy_targets,
+                                       plot_accuracy_heatmaps, summarize_accuracy)
 
     df = accuracy_grid(seeds=seeds, methods=methods, device="cuda",
                        on_point=lambda done, total: log(f"accuracy {done}/{total}") if done % 20 == 0 else None)

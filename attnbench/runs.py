@@ -1,0 +1,161 @@
+"""Stored runs read back together: several run directories in one DataFrame, the run list a report is built
+from, how far each run got against its plan.
+
+``store.py`` writes and reads one run directory; this module works on several (``report``, ``gate``, ``runs``).
+Plain functions over plain data, nothing prints.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pandas as pd
+
+from attnbench.store import Run, RunDirError, load_run, run_dirs
+
+
+def as_run(run_or_dir) -> Run:
+    return run_or_dir if isinstance(run_or_dir, Run) else load_run(run_or_dir)
+
+
+def gpu_short_name(manifest: dict) -> str:
+    """A short, file-name-safe GPU name from a manifest: "NVIDIA H100 80GB HBM3" → "H100"; "CPU" for cpu runs."""
+    if manifest.get("device") == "cpu" or not manifest.get("gpu"):
+        return "CPU"
+    name = str((manifest.get("gpu") or {}).get("name") or "GPU")
+    words = [w for w in re.split(r"[\s_]+", name) if w and w.upper() not in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO")]
+    for i, word in enumerate(words):
+        if word.upper() in ("RTX", "GTX") and i + 1 < len(words):
+            return re.sub(r"[^A-Za-z0-9]", "", word.upper() + words[i + 1]) or "GPU"
+        if re.search(r"\d", word) and re.search(r"[A-Za-z]", word):
+            return re.sub(r"[^A-Za-z0-9]", "", word.split("-")[0]) or "GPU"
+    return re.sub(r"[^A-Za-z0-9]", "", "".join(words)) or "GPU"
+
+
+def sorted_runs(run_dirs) -> list[Run]:
+    """Runs (or run directories, loaded here) ordered by start time, then directory name."""
+    runs = [as_run(r) for r in run_dirs]
+    return sorted(runs, key=lambda r: (str(r.manifest.get("started_utc") or ""), r.path.name))
+
+
+def load_runs(run_dirs) -> pd.DataFrame:
+    """The points of several runs in one DataFrame, each row tagged with its run's manifest fields.
+
+    Added columns: run (directory name), run_path, matrix_name, started_utc, device, gpu_name,
+    gpu_short, git_commit, and is_model (heads and head_dim empty: n is an image size).
+    Runs are ordered by start time, rows keep their order inside a run.
+    """
+    frames = []
+    for run in sorted_runs(run_dirs):
+        df = run.points.copy()
+        m = run.manifest
+        tags = {
+            "run": run.path.name, "run_path": str(run.path), "matrix_name": m.get("matrix_name"),
+            "started_utc": m.get("started_utc"), "device": m.get("device"),
+            "gpu_name": (m.get("gpu") or {}).get("name") if m.get("gpu") else None,
+            "gpu_short": gpu_short_name(m), "git_commit": m.get("git_commit"),
+        }
+        for key, value in tags.items():
+            df[key] = value
+        frames.append(df)
+    if not frames:
+        raise ValueError("no run directories given")
+    df = pd.concat(frames, ignore_index=True)
+    df["is_model"] = df["heads"].isna() & df["head_dim"].isna()
+    return df
+
+
+def final_attempts(run: Run) -> dict[str, dict]:
+    """point_id → its final attempt record (the highest attempt number; the later line on ties)."""
+    out: dict[str, dict] = {}
+    for a in run.attempts:
+        pid = a.get("point_id")
+        if pid is None:
+            continue
+        prev = out.get(pid)
+        if prev is None or int(a.get("attempt") or 0) >= int(prev.get("attempt") or 0):
+            out[pid] = a
+    return out
+
+
+def resolve_run_dir(path) -> Path:
+    """A run directory, or a folder holding run directories (e.g. results/baselines/h100/): its newest one."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    subs = run_dirs(path)
+    if subs:
+        return subs[-1]
+    raise RunDirError(f"{path}: not a run directory and holds none")
+
+
+def read_run_list(path) -> list[Path]:
+    """The run directories a report is built from, one per line of a text file (e.g. results/H100_runs.txt).
+
+    Paths are relative to the file's folder; blank lines and text after ``#`` are ignored. RunDirError (one
+    line, naming the file and line) when the file is missing, lists nothing, or names a folder that is not a
+    run directory.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunDirError(f"{path}: cannot read the run list ({exc.__class__.__name__})") from None
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        run_dir = path.parent / entry
+        if not (run_dir / "manifest.json").is_file():
+            raise RunDirError(f"{path}:{lineno}: {entry}: not a run directory (no manifest.json in {run_dir})")
+        out.append(run_dir)
+    if not out:
+        raise RunDirError(f"{path}: lists no run directory")
+    return out
+
+
+def run_progress(run: Run) -> dict:
+    """How far a stored run got against the plan it was started with, and how to finish it.
+
+    Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
+    matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
+    or None when it is complete or can no longer be resumed)."""
+    from attnbench.matrix import MatrixError, load_matrix   # the matrix only when progress is asked for
+
+    m = run.manifest
+    argv = list(m.get("argv") or [])
+    command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
+    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
+    path = m.get("matrix_path") or "?"
+    measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
+    planned, problem = None, None
+    try:
+        if command == "spot-check":
+            from attnbench.spotcheck import load_spot_check
+
+            matrix = load_spot_check(path, device=m.get("device") or "cuda").matrix
+        else:
+            matrix = load_matrix(path, device=m.get("device") or "cuda").select(only)
+        if matrix is None:            # a spot-check file none of whose cells can run
+            problem = "none of its cells can run now"
+        elif matrix.can_resume(m):
+            planned = len(matrix.points())
+        else:
+            problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
+                       else "the matrix file changed since")
+    except (MatrixError, OSError):
+        problem = "its matrix file is missing or invalid now"
+    if m.get("finished_utc"):
+        state = "complete" + (f" ({problem})" if problem else "")
+    elif problem:
+        state = f"unfinished, not resumable: {problem}"
+    else:
+        state = "interrupted" if m.get("interrupted") else "unfinished"
+    resume = None
+    if state in ("interrupted", "unfinished"):
+        parts = ["attnbench", command, path] + (["--only", only] if only else []) + ["--resume", str(run.path)]
+        resume = " ".join(shlex.quote(p) for p in parts)
+    return dict(run=run.path.name, matrix=path, started=m.get("started_utc") or "–", measured=measured,
+                planned=planned, state=state, resume=resume)

@@ -1,0 +1,74 @@
+"""Stored runs read back together (attnbench.runs) and the --dry-run's GPU-time plan (attnbench.planning)."""
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from attnbench.runs import gpu_short_name, load_runs, read_run_list, resolve_run_dir
+from attnbench.store import RunDirError, RunStore
+from test_analysis import H100, make_run, seed_cells
+
+
+@pytest.fixture
+def seed_run(tmp_path):
+    return make_run(tmp_path / "runs", seed_cells(), name="full")
+
+
+def test_gpu_short_name():
+    assert gpu_short_name({"device": "cuda", "gpu": H100}) == "H100"
+    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA A100-SXM4-80GB"}}) == "A100"
+    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA H200"}}) == "H200"
+    assert gpu_short_name({"device": "cuda", "gpu": {"name": "NVIDIA GeForce RTX 4090"}}) == "RTX4090"
+    assert gpu_short_name({"device": "cpu", "gpu": None}) == "CPU"
+
+
+def test_load_runs_tags_manifest_fields(seed_run):
+    df = load_runs([seed_run])
+    assert set(df["gpu_short"]) == {"H100"} and set(df["gpu_name"]) == {H100["name"]}
+    assert set(df["git_commit"]) == {"abc123def4567890"} and not df["is_model"].any()
+
+
+def test_resolve_run_dir(tmp_path, seed_run):
+    assert resolve_run_dir(seed_run) == seed_run
+    assert resolve_run_dir(seed_run.parent) == seed_run
+    with pytest.raises(RunDirError):
+        resolve_run_dir(tmp_path / "nothing")
+
+
+def test_read_run_list(tmp_path, seed_run):
+    """Paths relative to the list's folder, comments and blank lines ignored; a bad line is named by number."""
+    listing = seed_run.parent.parent / "GPU_runs.txt"
+    listing.write_text(f"# the runs behind RESULTS_GPU.md\n\n{seed_run.parent.name}/{seed_run.name}   # seed cells\n")
+    assert [p.resolve() for p in read_run_list(listing)] == [seed_run.resolve()]
+    listing.write_text(f"{seed_run.parent.name}/{seed_run.name}\nruns/nowhere\n")
+    with pytest.raises(RunDirError, match=r"GPU_runs.txt:2: runs/nowhere: not a run directory"):
+        read_run_list(listing)
+    listing.write_text("# nothing yet\n")
+    with pytest.raises(RunDirError, match="lists no run directory"):
+        read_run_list(listing)
+    with pytest.raises(RunDirError, match="cannot read the run list"):
+        read_run_list(tmp_path / "missing.txt")
+
+
+# -- GPU-time planning for run-matrix --dry-run ---------------------------------------------------------------
+
+def test_point_seconds_from_attempt_times(tmp_path):
+    """Per point: the gaps between attempt records (first from the run's start), retries summed, a gap over
+    RESUME_GAP_S (a run resumed a day later) unknown; only runs of the asked device; the latest run wins."""
+    from attnbench.planning import point_seconds
+
+    def run(name, started, device, attempts):
+        store = RunStore.create(tmp_path, name, {"matrix_name": name, "device": device, "started_utc": started},
+                                now=datetime.fromisoformat(started.replace("Z", "+00:00")))
+        for pid, utc in attempts:
+            store.append_attempt({"point_id": pid, "cell_id": pid.split("@")[0], "n": int(pid.split("@")[1]),
+                                  "attempt": 1, "utc": utc, "status": "clean"})
+
+    run("a", "2026-11-22T01:00:00Z", "cuda", [("x@1", "2026-11-22T01:00:20Z"), ("y@2", "2026-11-22T01:00:23Z"),
+                                            ("y@2", "2026-11-22T01:00:30Z"), ("z@3", "2026-11-23T09:00:00Z")])
+    run("b", "2026-11-22T02:00:00Z", "cuda", [("x@1", "2026-11-22T02:00:05Z")])
+    run("c", "2026-11-22T03:00:00Z", "cpu", [("x@1", "2026-11-22T03:00:50Z")])
+    seconds, n_runs = point_seconds(tmp_path, "cuda")
+    assert n_runs == 2 and seconds == {"x@1": 5.0, "y@2": 10.0}
+    assert point_seconds(tmp_path / "none", "cuda") == ({}, 0)
