@@ -287,7 +287,7 @@ def _read_attempts(path: Path) -> tuple[list[dict], str, bool]:
     """attempts.jsonl → (records, torn tail, whether the tail is a whole record lacking only its newline)."""
     complete, torn = _split_tail(path)
     records = []
-    for lineno, line in enumerate(complete.splitlines(), 1):
+    for lineno, line in enumerate(complete.split("\n"), 1):
         if line.strip():
             records.append(_attempt(path, lineno, line))
     if torn.strip():

@@ -609,3 +609,14 @@ def test_full_matrix_runs_on_the_cpu(tmp_path, capsys):
     pts = pd.read_csv(run_dir / "points.csv")
     assert len(pts) == 6 and set(pts.status) == {"skipped"}
     assert set(pts.reason) == {"cudnn: device cpu unsupported (supports cuda)"}
+
+
+@pytest.mark.gpu
+def test_inputs_larger_than_the_gpu_are_refused_at_validation(tmp_path, capsys):
+    """On a GPU the bound is the largest visible GPU's memory (NVML), said with the bytes before any gate or run."""
+    path = tmp_path / "huge.yaml"
+    path.write_text(matrix_with().replace("dtype: float32", "dtype: float16").replace("seq_lens: [16]",
+                                                                                       "seq_lens: [16, 68719476736]"))
+    assert_one_line(cli(capsys, "run-matrix", path, "--results-root", tmp_path / "runs"), 2,
+                    str(path), "68719476736", "bytes", "of GPU memory")
+    assert not (tmp_path / "runs").exists()
