@@ -2,11 +2,14 @@
 
 Exit codes: 0 ok · 1 a verdict failed (gate SLOWER, spot-check FAIL, verify failed) · 2 bad input
 (matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 130 interrupted.
-User mistakes get one line on stderr, never a traceback.
+User mistakes get one line on stderr, never a traceback: the matrix and the run directory are validated
+where they are read (matrix.py, store.py), options here (`_check_number`, `_check_results_root`), and a
+usage error from the option parser is one line too (`main`).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,18 +17,32 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="attnbench: clean-GPU benchmarks of attention kernels against PyTorch SDPA.")
-console = Console()
-err = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    # Not a terminal (CI log, `| tee`): no folding to 80 columns; every table row stays one line.
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 100_000)
+
+
+console = _console()
+err = _console(stderr=True)
+_argv: list[str] = []   # this invocation's arguments (set by main): the manifest keeps them for the resume hint
+
+
+def _command_line() -> list[str]:
+    return list(_argv or sys.argv[1:])
 
 DeviceOpt = typer.Option("cuda", "--device", help="cuda (NVML clean-GPU check, CUDA events) or cpu (Triton interpreter, system-load check)")
 
 
 def fail(message: str, code: int) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -44,6 +61,52 @@ def _check_device(device: str) -> None:
     from attnbench.runner import prepare_device
 
     prepare_device(device)
+
+
+def _check_number(option: str, value, low=None, high=None, *, low_open: bool = False, high_open: bool = False,
+                  integer: bool = False) -> None:
+    """One line, exit 2, for a numeric option outside its range (NaN included: it compares false with anything)."""
+    if value is None:
+        return
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if not math.isfinite(value) or below or above:
+        if low is not None and high is not None:
+            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        elif low is not None:
+            bound = f"{'>' if low_open else '≥'} {low:g}"
+        else:
+            bound = f"{'<' if high_open else '≤'} {high:g}"
+        fail(f"{option} {value:g}: need {'an integer' if integer else 'a number'} {bound}", 2)
+
+
+def _check_clean_gpu_options(max_util, min_free_gb, wait=None) -> None:
+    _check_number("--max-util", max_util, 0, 100)
+    _check_number("--min-free-gb", min_free_gb, 0)
+    _check_number("--wait", wait, 0)
+
+
+def _check_results_root(results_root: Path) -> None:
+    from attnbench.store import RunDirError, check_results_root
+
+    try:
+        check_results_root(results_root)
+    except RunDirError as exc:
+        fail(str(exc), 2)
+
+
+def _device_memory(device: str, reader) -> int | None:
+    """Bytes of memory the device offers to one point's inputs: the largest visible GPU's, or the host's RAM."""
+    if device == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().total
+    if reader is None:
+        return None
+    from attnbench.gpu import visible_indices
+
+    indices = visible_indices(reader.device_count())
+    return max((reader.read(i)["mem_total"] for i in indices), default=None)
 
 
 def _reader():
@@ -77,6 +140,8 @@ def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
     """Every visible GPU (utilisation sampled over a window, memory, clocks, power, throttle reasons, processes) and the system."""
     from attnbench.gpu import status_all
 
+    _check_clean_gpu_options(max_util, min_free_gb)
+    _check_number("--sample-s", sample_s, 0, 60)
     status = status_all(_reader(), _clean_gpu_check(None, max_util, min_free_gb), sample_s=sample_s)
     if as_json:
         print(json.dumps(status, indent=2, default=str))
@@ -106,19 +171,20 @@ def gpu_status(as_json: bool = typer.Option(False, "--json", help="machine-reada
 # --- list --------------------------------------------------------------------------------------
 
 @app.command("list")
-def list_backends():
+def list_backends(long: bool = typer.Option(False, "--long", help="add each backend's description")):
     """The backend registry: what each implementation supports (our kernels and the PyTorch baselines)."""
     from attnbench.backends import registry_rows
 
-    t = Table(title="backends")
-    for col in ("name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options", "description"):
+    t = Table(title="backends" + ("" if long else " (--long: with descriptions)"))
+    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options"]
+    for col in columns + (["description"] if long else []):
         t.add_column(col, overflow="fold")
     for r in registry_rows():
         if r["status"] != "ok":
-            t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * 7)
+            t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * (len(t.columns) - 2))
         else:
             t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["devices"],
-                      r["options"], r["description"])
+                      r["options"], *([r["description"]] if long else []))
     console.print(t)
 
 
@@ -131,7 +197,9 @@ def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int
 
     points = matrix.points()
     known = [history[p.id] for p in points if history and p.id in history]
-    title = f"plan: {matrix.name} ({len(points)} points, device {device})"
+    skipped = sum(1 for p in points if _skip_reason(p, device))
+    title = f"plan: {matrix.name} ({len(points)} points, device {device}"
+    title += f"; {skipped} skipped: their backend cannot run there)" if skipped else ")"
     if history is not None:
         title += (f"; last time {sum(known) / 60:.1f} min for {len(known)} of them "
                   f"(from {runs_read} stored {device} runs; {len(points) - len(known)} never measured)")
@@ -162,7 +230,7 @@ def _require_gpu():
 
 def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
-         slowdown: Optional[dict] = None, command: str = "run-matrix") -> Path:
+         slowdown: Optional[dict] = None) -> Path:
     """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -174,12 +242,21 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
                       slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
-    state = {"task": None, "status_line": None}
+    state = {"task": None}
+
+    def stop_progress():
+        if state["task"] is not None:   # stopping a bar never started would print an empty line
+            progress.stop()
 
     def on_event(kind, **d):
         if kind == "clean_gpu_probe":
             fails = "; ".join(f"GPU {i}: {', '.join(f)}" for i, f in d["failures"].items() if f) or "clean"
             err.print(f"[dim]clean-GPU probe: {fails} (waiting {d['remaining_s']:.0f}s more)[/]", highlight=False)
+        elif kind == "repair":
+            err.print(f"[yellow]repaired[/] {d['run_dir']}: {d['message']}", highlight=False, soft_wrap=True)
+        elif kind == "complete":
+            err.print(f"run dir: {d['run_dir']}  ·  already complete ({d['total']} points): nothing to measure",
+                      highlight=False, soft_wrap=True)
         elif kind == "start":
             where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
             err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} points to measure")
@@ -205,12 +282,16 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
     except NoGpuError as exc:
         fail(str(exc), 3)
     except RunInterrupted as exc:
-        progress.stop()
-        err.print(f"[yellow]interrupted[/]: everything measured is kept in {exc.run_dir}; "
-                  f"finish it with: attnbench {command} {matrix.path} --resume {exc.run_dir}")
+        from attnbench.store import RunStore, resume_command
+
+        stop_progress()
+        err.print(f"[yellow]interrupted[/]: everything measured is kept in {exc.run_dir}; finish it with:",
+                  highlight=False, soft_wrap=True)
+        err.print(resume_command(RunStore(exc.run_dir).read_manifest(), exc.run_dir), markup=False,
+                  highlight=False, soft_wrap=True)
         raise typer.Exit(130)
     finally:
-        progress.stop()
+        stop_progress()
 
 
 def _summary_table(run_dir: Path) -> Table:
@@ -249,6 +330,8 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     from attnbench.matrix import load_matrix
 
     _check_device(device)
+    _check_clean_gpu_options(max_util, min_free_gb, wait)
+    _check_number("--max-attempts", max_attempts, 1, integer=True)
     slow = {}
     for item in slowdown:
         name, _, k = item.partition("=")
@@ -257,17 +340,25 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         slow[name] = int(k)
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
-        matrix = load_matrix(matrix_path, device=device)
+        matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         if not matrix.select(only).cells:
             fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
+        used = {name for c in matrix.cells for name in (c.kernel, c.baseline)}
+        for name in slow:
+            if name not in used:
+                fail(f"--slowdown {name}={slow[name]}: {name} is not a backend of the cells run "
+                     f"(they use {', '.join(sorted(used))})", 2)
         if dry_run:
             from attnbench.planning import point_seconds
 
             history, runs_read = point_seconds(results_root, device)
             console.print(_plan_table(matrix, device, history, runs_read))
             return
+        if resume is None:
+            _check_results_root(results_root)
         clean_check = _clean_gpu_check(matrix.gate, max_util, min_free_gb)
-        run_dir = _run(matrix, device, clean_check, gpu, wait, resume, results_root, max_attempts, sys.argv[1:], reader, slow)
+        run_dir = _run(matrix, device, clean_check, gpu, wait, resume, results_root, max_attempts, _command_line(),
+                       reader, slow)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
@@ -286,20 +377,26 @@ def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder 
 
     if not results_root.is_dir():
         fail(f"{results_root}: no such folder", 2)
-    table = Table("run", "matrix", "points", "state", "to finish it")
-    count = 0
-    for run_dir in run_dirs(results_root):
+    directories = run_dirs(results_root)
+    if not directories:
+        fail(f"{results_root}: no run directories", 2)
+    table = Table("run", "matrix", "points", "state")
+    commands = []
+    for run_dir in directories:
         try:
             info = run_progress(load_run(run_dir))
         except RunDirError as exc:
-            table.add_row(run_dir.name, "–", "–", f"unreadable: {exc}", "")
+            table.add_row(run_dir.name, "–", "–", f"unreadable: {exc}")
             continue
-        count += 1
         planned = "?" if info["planned"] is None else str(info["planned"])
-        table.add_row(info["run"], info["matrix"], f"{info['measured']}/{planned}", info["state"], info["resume"] or "")
-    if not count:
-        fail(f"{results_root}: no run directories", 2)
+        table.add_row(info["run"], info["matrix"], f"{info['measured']}/{planned}", info["state"])
+        if info["resume"]:
+            commands.append(info["resume"])
     console.print(table, markup=False)
+    if commands:   # outside the table: a command folded into a cell could not be pasted
+        console.print("to finish the unfinished runs:", highlight=False)
+        for command in commands:
+            console.print(command, markup=False, highlight=False, soft_wrap=True)
 
 
 # --- verify-2pass ------------------------------------------------------------------------------
@@ -351,6 +448,8 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
         path = build_report(dirs, out, plots_dir, plots=not no_plots)
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
+    except OSError as exc:
+        fail(f"cannot write the report{f' to {out}' if out else ''}: {exc.filename}: {exc.strerror or exc}", 2)
     console.print(f"wrote {path}", highlight=False)
 
 
@@ -358,18 +457,28 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
 def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run dir (or a folder of runs: the newest)"),
              current: Path = typer.Option(..., "--current", help="current run dir"),
              tolerance: float = typer.Option(0.07, "--tolerance", help="relative change that counts as SLOWER/FASTER"),
-             out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)")):
+             out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)"),
+             allow_other_gpu: bool = typer.Option(False, "--allow-other-gpu",
+                                                  help="compare runs made on different GPU models (or devices)")):
     """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER."""
     from attnbench import gate as gatemod
     from attnbench.runs import resolve_run_dir
+    from attnbench.store import load_run
 
+    _check_number("--tolerance", tolerance, 0, 1, low_open=True, high_open=True)
     try:
         b, c = resolve_run_dir(baseline), resolve_run_dir(current)
-        rows = gatemod.compare_runs(b, c, tolerance=tolerance)
+        base_run, current_run = load_run(b), load_run(c)
+        gatemod.check_comparable(base_run, current_run, allow_other_gpu=allow_other_gpu)
+        rows = gatemod.compare_runs(base_run, current_run, tolerance=tolerance)
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
     md = gatemod.gate_markdown(rows, baseline=str(b), current=str(c), tolerance=tolerance)
-    (out or c / "gate.md").write_text(md)
+    target = out or c / "gate.md"
+    try:
+        target.write_text(md)
+    except OSError as exc:
+        fail(f"{target}: cannot write the gate summary ({exc.strerror or exc}); choose another --out", 2)
     console.print(md, highlight=False, soft_wrap=True)
     raise typer.Exit(gatemod.gate_exit_code(rows))
 
@@ -392,14 +501,17 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
     if rescore is not None:
         _rescore_spot_check(matrix_path, rescore)
     _check_device(device)
+    _check_clean_gpu_options(max_util, min_free_gb, wait)
     reader = _require_gpu() if device == "cuda" else None
     try:
-        plan = spotcheck.load_spot_check(matrix_path, device=device)
+        plan = spotcheck.load_spot_check(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         run = None
         if plan.matrix is not None:
+            if resume is None:
+                _check_results_root(results_root)
             clean_check = _clean_gpu_check(plan.matrix.gate, max_util, min_free_gb)
-            run = load_run(_run(plan.matrix, device, clean_check, gpu, wait, resume, results_root, None, sys.argv[1:], reader,
-                                    command="spot-check"))
+            run = load_run(_run(plan.matrix, device, clean_check, gpu, wait, resume, results_root, None,
+                                _command_line(), reader))
         torch_device = device
         if device == "cuda":
             import torch
@@ -449,6 +561,8 @@ def accuracy(device: str = DeviceOpt,
     from kernels.pasa import accuracy as acc
 
     _check_device(device)
+    for option, value in (("--n", n), ("--heads-q", heads_q), ("--seeds", seeds)):
+        _check_number(option, value, 1, integer=True)
     if device == "cuda":
         import torch
 
@@ -471,15 +585,39 @@ def accuracy(device: str = DeviceOpt,
     console.print(f"wrote {out_dir}/accuracy.csv, accuracy.md and {len(pngs)} heat-maps", highlight=False)
 
 
-def main():
+def _click_exception():
+    try:   # typer ≥ 0.28 vendors click; older typer (the GPU machine's) uses click itself
+        from typer._click.exceptions import ClickException
+    except ImportError:
+        from click.exceptions import ClickException
+    return ClickException
+
+
+def main(argv: list[str] | None = None) -> None:
+    global _argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _argv = argv
     # Triton's interpreter must be configured before anything imports triton.
-    if "--device" in sys.argv:
-        i = sys.argv.index("--device")
-        if i + 1 < len(sys.argv) and sys.argv[i + 1] == "cpu":
+    if "--device" in argv:
+        i = argv.index("--device")
+        if i + 1 < len(argv) and argv[i + 1] == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
-    elif any(a.startswith("--device=cpu") for a in sys.argv):
+    elif any(a.startswith("--device=cpu") for a in argv):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    app()
+    try:
+        code = app(args=argv, prog_name="attnbench", standalone_mode=False)
+    except _click_exception() as exc:
+        # the parser's own errors (unknown option, missing argument, not a number): one line, like ours
+        if type(exc).__name__ == "NoArgsIsHelpError":   # `attnbench` alone: typer has printed the help already
+            if exc.format_message().strip():
+                err.print(exc.format_message(), markup=False, highlight=False)
+        else:
+            context = getattr(exc, "ctx", None)
+            where = f"{context.command_path}: " if context is not None else ""
+            err.print(f"[bold red]error:[/] {escape(where + exc.format_message())} (see --help)", highlight=False,
+                      soft_wrap=True)
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

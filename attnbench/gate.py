@@ -152,6 +152,37 @@ def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int
     return sorted(rows, key=lambda r: (r.cell_id, r.n if r.n is not None else -1, r.point_id))
 
 
+class NotComparable(ValueError):
+    """Two runs the gate refuses to judge (CLI: one line, exit 2): a verdict on them would mean nothing."""
+
+
+def _device_model(run: Run) -> str:
+    if run.manifest.get("device") == "cpu" or not run.manifest.get("gpu"):
+        return "the CPU"
+    return str((run.manifest.get("gpu") or {}).get("name") or "an unnamed GPU")
+
+
+def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False) -> None:
+    """Refuse (NotComparable) what would otherwise pass on nothing: runs from different GPU models (or a CPU
+    run against a GPU baseline) unless `allow_other_gpu`, and runs without one measured point in common."""
+    b_model, c_model = _device_model(baseline), _device_model(current)
+    if b_model != c_model and not allow_other_gpu:
+        raise NotComparable(f"baseline {baseline.path} ran on {b_model}, current {current.path} on {c_model}: "
+                            "runs from different GPU models are not compared (--allow-other-gpu to do it anyway)")
+
+    def measured(run: Run) -> set[str]:
+        pts = run.points
+        ok = pts["status"].isin(("clean", "noisy")) & pts["lat_ratio"].map(_finite)
+        return set(pts.loc[ok, "point_id"])
+
+    b_points, c_points = measured(baseline), measured(current)
+    if not b_points & c_points:
+        raise NotComparable(f"nothing to compare: baseline {baseline.path} ({len(b_points)} measured points, matrix "
+                            f"{baseline.manifest.get('matrix_name', '?')}) and current {current.path} "
+                            f"({len(c_points)}, matrix {current.manifest.get('matrix_name', '?')}) have no measured "
+                            "point in common")
+
+
 def _load(run_or_dir) -> Run:
     return run_or_dir if isinstance(run_or_dir, Run) else load_run(resolve_run_dir(run_or_dir))
 

@@ -20,7 +20,7 @@ from attnbench import gpu as gpumod
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import Matrix, Point
 from attnbench.measure import ClockMonitor, SideResult, is_oom, measure_pair, robust_cv, stats
-from attnbench.store import RunStore, utc_now
+from attnbench.store import RunDirError, RunStore, utc_now
 
 
 class RunInterrupted(Exception):
@@ -58,6 +58,14 @@ def _git_commit() -> str | None:
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _program() -> list[str]:
+    """How this process was started, so the resume hint can be pasted where it ran: the installed `attnbench`
+    script, or `python -m attnbench` (the GPU machine runs it from the tree)."""
+    if Path(sys.argv[0]).name == "attnbench":
+        return ["attnbench"]
+    return [sys.executable, "-m", "attnbench"]
 
 
 def versions(reader=None) -> dict:
@@ -303,7 +311,7 @@ class Runner:
                    "sm_count": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count}
         return {"matrix_path": str(self.matrix.path), "matrix_name": self.matrix.name,
                 "matrix_sha256": self.matrix.sha256, "plan_sha256": self.matrix.plan_sha256(),
-                "argv": self.opt.argv, "git_commit": _git_commit(),
+                "program": _program(), "argv": self.opt.argv, "cwd": os.getcwd(), "git_commit": _git_commit(),
                 "started_utc": utc_now(), "finished_utc": None, "device": self.opt.device,
                 "versions": versions(self.reader), "gpu": gpu,
                 # stored under "gate", the key every run directory has used for the clean-GPU thresholds
@@ -312,25 +320,51 @@ class Runner:
                 "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown, "python_executable": sys.executable}
 
     def run(self, resume: Path | None = None) -> Path:
+        """Measure every point into a new run directory, or finish `resume`; returns the run directory.
+        The directory is locked while this runs, so a second process cannot append to it."""
         prepare_device(self.opt.device)
+        if resume is not None:
+            store = RunStore.open_existing(resume)
+            store.lock()
+            try:
+                return self._resume(store)
+            finally:
+                store.unlock()
+        choice = self._choose_and_bind_gpu()
+        store = RunStore.create(self.opt.results_root, self.matrix.name, self.manifest(choice))
+        try:
+            return self._measure(store, self.matrix.points(), set(), choice)
+        finally:
+            store.unlock()
+
+    def _choose_and_bind_gpu(self):
         choice = self.select_gpu()
         if choice is not None:
             self._bind_torch_device(choice)
-        if resume is not None:
-            store = RunStore.open_existing(resume)
-            manifest = store.read_manifest()
-            if not self.matrix.can_resume(manifest):
-                from attnbench.store import RunDirError
+        return choice
 
-                raise RunDirError(f"{resume}: the cells of {self.matrix.path} this run measures changed since it "
-                                  f"started (sha256 {manifest.get('matrix_sha256', '?')[:12]} → "
-                                  f"{self.matrix.sha256[:12]}); start a new run")
-            done = store.finished_point_ids()
-            store.update_manifest(interrupted=False, resumed_utc=utc_now())
-        else:
-            store = RunStore.create(self.opt.results_root, self.matrix.name, self.manifest(choice))
-            done = set()
+    def _resume(self, store: RunStore) -> Path:
+        manifest = store.read_manifest()
+        if not self.matrix.can_resume(manifest):
+            raise RunDirError(f"{store.path}: the cells of {self.matrix.path} this run measures changed since it "
+                              f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
+                              f"{self.matrix.sha256[:12]}); start a new run")
+        started_on = manifest.get("device") or "cuda"
+        if started_on != self.opt.device:
+            raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
+        for line in store.repair():
+            self.on_event("repair", run_dir=store.path, message=line)
+        done = store.finished_point_ids()
         points = self.matrix.points()
+        if manifest.get("finished_utc") and all(p.id in done for p in points):
+            # a complete run: nothing to measure, and nothing in the directory is rewritten
+            self.on_event("complete", run_dir=store.path, total=len(points))
+            return store.path
+        choice = self._choose_and_bind_gpu()
+        store.update_manifest(interrupted=False, resumed_utc=utc_now())
+        return self._measure(store, points, done, choice)
+
+    def _measure(self, store: RunStore, points: list[Point], done: set[str], choice) -> Path:
         todo = [p for p in points if p.id not in done]
         self.on_event("start", run_dir=store.path, total=len(points), todo=len(todo), gpu=choice)
         try:
@@ -350,7 +384,7 @@ class Runner:
         max_attempts = self.opt.max_attempts or cell.retry["max_attempts"]
         skip = _skip_reason(point, self.opt.device)
         if skip:
-            snap = self._snapshot()
+            snap = self._snapshot(reuse_s=3.0)   # nothing runs for a skipped point: the last snapshot still holds
             record = _attempt_record(point, 1, "skipped", [], skip, None, snap, snap, None)
             store.append_attempt(record)
             row = _point_row(point, record, 1)

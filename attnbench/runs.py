@@ -7,7 +7,6 @@ Plain functions over plain data, nothing prints.
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -67,16 +66,9 @@ def load_runs(run_dirs) -> pd.DataFrame:
 
 
 def final_attempts(run: Run) -> dict[str, dict]:
-    """point_id → its final attempt record (the highest attempt number; the later line on ties)."""
-    out: dict[str, dict] = {}
-    for a in run.attempts:
-        pid = a.get("point_id")
-        if pid is None:
-            continue
-        prev = out.get(pid)
-        if prev is None or int(a.get("attempt") or 0) >= int(prev.get("attempt") or 0):
-            out[pid] = a
-    return out
+    """point_id → its final attempt record: the last one in the file. (Not the highest attempt number: a point
+    whose row a crash tore is measured again on resume, and its new attempts count from 1.)"""
+    return {a["point_id"]: a for a in run.attempts if a.get("point_id") is not None}
 
 
 def resolve_run_dir(path) -> Path:
@@ -122,22 +114,27 @@ def run_progress(run: Run) -> dict:
     Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
     matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
     or None when it is complete or can no longer be resumed)."""
-    from attnbench.matrix import MatrixError, load_matrix   # the matrix only when progress is asked for
+    from attnbench.matrix import MatrixError, load_matrix
+    from attnbench.store import resume_command
 
     m = run.manifest
-    argv = list(m.get("argv") or [])
+    argv = [str(a) for a in (m.get("argv") or [])]
     command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
-    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
+    if "--only" in argv[:-1]:
+        only = argv[argv.index("--only") + 1]
     path = m.get("matrix_path") or "?"
+    # a relative matrix path is relative to where the run was started (recorded as cwd since it is)
+    where = Path(m["cwd"]) / path if m.get("cwd") and not Path(path).is_absolute() else Path(path)
     measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
     planned, problem = None, None
     try:
         if command == "spot-check":
             from attnbench.spotcheck import load_spot_check
 
-            matrix = load_spot_check(path, device=m.get("device") or "cuda").matrix
+            matrix = load_spot_check(where, device=m.get("device") or "cuda").matrix
         else:
-            matrix = load_matrix(path, device=m.get("device") or "cuda").select(only)
+            matrix = load_matrix(where, device=m.get("device") or "cuda").select(only)
         if matrix is None:            # a spot-check file none of whose cells can run
             problem = "none of its cells can run now"
         elif matrix.can_resume(m):
@@ -147,15 +144,16 @@ def run_progress(run: Run) -> dict:
                        else "the matrix file changed since")
     except (MatrixError, OSError):
         problem = "its matrix file is missing or invalid now"
-    if m.get("finished_utc"):
+    torn = f"torn last line of {' and '.join(run.torn)} (a crash mid-write): resume re-measures its point"
+    lost = planned is not None and measured < planned     # finished once, but rows are missing now
+    if m.get("finished_utc") and not run.torn and not lost:
         state = "complete" + (f" ({problem})" if problem else "")
     elif problem:
         state = f"unfinished, not resumable: {problem}"
+    elif run.torn:
+        state = f"interrupted, {torn}"
     else:
-        state = "interrupted" if m.get("interrupted") else "unfinished"
-    resume = None
-    if state in ("interrupted", "unfinished"):
-        parts = ["attnbench", command, path] + (["--only", only] if only else []) + ["--resume", str(run.path)]
-        resume = " ".join(shlex.quote(p) for p in parts)
+        state = "interrupted" if m.get("interrupted") or lost else "unfinished"
+    resume = resume_command(m, run.path) if state.startswith(("interrupted", "unfinished")) and not problem else None
     return dict(run=run.path.name, matrix=path, started=m.get("started_utc") or "–", measured=measured,
                 planned=planned, state=state, resume=resume)

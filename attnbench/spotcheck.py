@@ -57,7 +57,7 @@ import yaml
 
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, get_backend
-from attnbench.matrix import Matrix, MatrixError, load_matrix
+from attnbench.matrix import Matrix, MatrixError, load_matrix, read_yaml
 from attnbench.store import Run
 
 VERDICTS = ("PASS", "FAIL", "NOT_LANDED", "ERROR")
@@ -249,7 +249,7 @@ def _landed_reason(raw: dict) -> str | None:
     return None
 
 
-def load_spot_check(path, device: str = "cuda") -> SpotCheckPlan:
+def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None) -> SpotCheckPlan:
     """Read a spot-check file; return the runnable part as a Matrix plus what has not landed.
 
     Cells whose kernel is not implemented yet, and model cells before model support exists, are left out
@@ -258,14 +258,7 @@ def load_spot_check(path, device: str = "cuda") -> SpotCheckPlan:
     file is a MatrixError, as for run-matrix.
     """
     path = Path(path)
-    if not path.is_file():
-        raise MatrixError(f"{path}: no such matrix file")
-    text = path.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        load_matrix(path, device=device, allow_checks=True)  # raises the MatrixError with the line number
-        raise
+    data, text = read_yaml(path)   # the matrix file's own checks: size, encoding, syntax, duplicate keys, aliases
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         load_matrix(path, device=device, allow_checks=True)
         raise MatrixError(f"{path}: not a matrix")
@@ -290,13 +283,12 @@ def load_spot_check(path, device: str = "cuda") -> SpotCheckPlan:
             tmp_path = Path(tmp) / path.name
             tmp_path.write_text(yaml.safe_dump(filtered, sort_keys=False))
             try:
-                matrix = load_matrix(tmp_path, device=device, allow_checks=True)
+                matrix = load_matrix(tmp_path, device=device, allow_checks=True, memory_bytes=memory_bytes)
             except MatrixError as exc:
                 raise MatrixError(str(exc).replace(str(tmp_path), str(path))) from None
         # the run records the file the user named, not our filtered copy
         matrix.path = path
         matrix.sha256 = hashlib.sha256(text.encode()).hexdigest()
-        matrix.name = str(data.get("name") or path.stem)
     return SpotCheckPlan(path=path, matrix=matrix, checks=checks, not_landed=not_landed, unrunnable=unrunnable)
 
 

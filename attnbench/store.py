@@ -5,16 +5,26 @@ Layout (``results/runs/<UTC time>_<matrix name>/``):
 - ``attempts.jsonl`` one record per attempt, with the GPU/system snapshots before and after, flushed as made;
 - ``points.csv``     one row per finished point (its final attempt), flushed as made.
 
-A point is finished once its row is in ``points.csv``; ``--resume`` skips exactly those, so an
+A point is finished once its complete row is in ``points.csv``; ``--resume`` skips exactly those, so an
 interrupted run loses at most the point that was being measured.
+
+Crash safety. Both logs are written one whole line per append (fsync'd), so a crash can leave only a
+*torn last line*: the start of a record without its newline. Readers (report, runs, gate) ignore it and
+say so (``Run.torn``); a resume, holding the run directory's lock, moves it to ``torn_records.jsonl``
+(kept, never dropped) and measures its point again. Anything malformed before the last line is
+corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid,
+so a second ``--resume`` of the same directory is refused instead of interleaving rows.
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
-from dataclasses import dataclass
+import re
+import shlex
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,6 +37,10 @@ POINT_COLUMNS = [
     "kernel_tflops", "baseline_tflops", "status", "attempts", "reason",
 ]
 STATUSES = ("clean", "noisy", "oom", "skipped", "error")
+HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
+LOCK_FILE = ".lock"                      # the writer's pid while a run is measured or resumed
+TORN_FILE = "torn_records.jsonl"         # torn last lines set aside by a resume, with where they came from
+SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class RunDirError(ValueError):
@@ -50,22 +64,37 @@ class RunStore:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._lock_fd: int | None = None
 
     @classmethod
     def create(cls, root: Path, matrix_name: str, manifest: dict, now: datetime | None = None) -> "RunStore":
+        """A new run directory under `root`, locked by this process (release it with `unlock`)."""
+        if not SAFE_NAME.fullmatch(matrix_name) or matrix_name in (".", ".."):
+            # matrix.py only lets safe names through; this keeps a run directory inside `root` whatever the caller
+            raise RunDirError(f"matrix name {matrix_name!r}: not a safe directory name (letters, digits, '-', '_', '.')")
+        check_results_root(root)
         now = now or datetime.now(timezone.utc)
         base = f"{now.strftime('%Y%m%dT%H%M%SZ')}_{matrix_name}"
-        path = Path(root) / base
         suffix = 1
-        while path.exists():  # two runs in the same second must not share a directory
-            suffix += 1
-            path = Path(root) / f"{base}-{suffix}"
-        path.mkdir(parents=True)
+        while True:
+            path = Path(root) / (base if suffix == 1 else f"{base}-{suffix}")
+            try:
+                path.mkdir()   # exclusive: two runs started in the same second must not share a directory
+                break
+            except FileExistsError:
+                suffix += 1
+            except OSError as exc:
+                raise RunDirError(f"{root}: cannot create a run directory there ({exc.strerror or exc})") from None
         store = cls(path)
-        store.write_manifest(manifest)
-        with open(path / "points.csv", "w", newline="") as fh:
-            csv.writer(fh).writerow(POINT_COLUMNS)
-        (path / "attempts.jsonl").touch()
+        store.lock()
+        try:
+            store.write_manifest(manifest)
+            with open(path / "points.csv", "w", newline="") as fh:
+                fh.write(HEADER_LINE)
+            (path / "attempts.jsonl").touch()
+        except BaseException:
+            store.unlock()
+            raise
         return store
 
     @classmethod
@@ -76,12 +105,57 @@ class RunStore:
                 raise RunDirError(f"{path}: not a run directory ({name} missing)")
         return cls(path)
 
+    # -- the lock ---------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the run directory for this process: RunDirError naming the holder's pid if another has it."""
+        import fcntl
+
+        lock_path = self.path / LOCK_FILE
+        while True:
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise RunDirError(f"{self.path}: cannot write the run directory ({exc.strerror or exc})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunDirError(f"{self.path}: in use by another attnbench process (pid {holder}) that holds "
+                                  f"its lock ({LOCK_FILE}); wait for it to finish or stop it") from None
+            # the previous holder unlinks the file when it lets go: make sure we locked the file that is there now
+            try:
+                if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is None:
+            return
+        try:
+            os.unlink(self.path / LOCK_FILE)   # while still holding it, so a waiter re-checks which file it locked
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
     # -- manifest -------------------------------------------------------------------------------
     def read_manifest(self) -> dict:
+        path = self.path / "manifest.json"
         try:
-            return json.loads((self.path / "manifest.json").read_text())
+            manifest = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RunDirError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
-            raise RunDirError(f"{self.path / 'manifest.json'}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
+            raise RunDirError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
+        if not isinstance(manifest, dict):
+            raise RunDirError(f"{path}: must be a JSON object, found {type(manifest).__name__}")
+        return manifest
 
     def write_manifest(self, manifest: dict) -> None:
         tmp = self.path / "manifest.json.tmp"
@@ -104,21 +178,67 @@ class RunStore:
         if unknown:
             raise KeyError(f"unknown point columns: {sorted(unknown)}")
         values = [_csv_value(row.get(col)) for col in POINT_COLUMNS]
-        with open(self.path / "points.csv", "a", newline="") as fh:
-            csv.writer(fh).writerow(values)
-            fh.flush()
-            os.fsync(fh.fileno())
+        buf = io.StringIO()
+        csv.writer(buf).writerow(values)
+        _append_line(self.path / "points.csv", buf.getvalue())   # one write: a crash tears at most this row
 
     def finished_point_ids(self) -> set[str]:
-        with open(self.path / "points.csv", newline="") as fh:
-            return {row["point_id"] for row in csv.DictReader(fh)}
+        """The points with a complete row in points.csv (a torn last row does not count)."""
+        rows, _, _ = _read_points(self.path / "points.csv")
+        if not rows:
+            return set()
+        column = rows[0].index("point_id")
+        return {row[column] for row in rows[1:]}
+
+    def repair(self) -> list[str]:
+        """Under the lock, before resuming: move torn last lines to torn_records.jsonl and give an emptied
+        points.csv its header back. Returns one line per thing done (empty: nothing needed)."""
+        assert self._lock_fd is not None, "repair() needs the run directory's lock"
+        done = []
+        points = self.path / "points.csv"
+        rows, _, torn = _read_points(points)
+        if torn and not (not rows and HEADER_LINE.startswith(torn)):   # a torn header holds no measurement
+            self._set_aside("points.csv", torn)
+            done.append(f"points.csv: torn last row {_preview(torn)} set aside in {TORN_FILE}; its point is measured again")
+        if not rows:
+            with open(points, "w", newline="") as fh:   # 0 bytes, or only a torn header
+                fh.write(HEADER_LINE)
+                fh.flush()
+                os.fsync(fh.fileno())
+            done.append("points.csv: header restored")
+        elif torn:
+            _truncate_tail(points, len(torn.encode("utf-8", "surrogateescape")))
+        attempts = self.path / "attempts.jsonl"
+        _, torn, complete_tail = _read_attempts(attempts)
+        if complete_tail:      # a whole record that only lacks its newline
+            _append_line(attempts, "\n")
+        elif torn:
+            self._set_aside("attempts.jsonl", torn)
+            _truncate_tail(attempts, len(torn.encode("utf-8", "surrogateescape")))
+            done.append(f"attempts.jsonl: torn last record {_preview(torn)} set aside in {TORN_FILE}")
+        return done
+
+    def _set_aside(self, source: str, text: str) -> None:
+        record = {"file": source, "set_aside_utc": utc_now(), "text": text}
+        _append_line(self.path / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n")
 
 
 def _append_line(path: Path, line: str) -> None:
-    with open(path, "a") as fh:
+    with open(path, "a", newline="", encoding="utf-8") as fh:
         fh.write(line)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _truncate_tail(path: Path, nbytes: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(os.fstat(fh.fileno()).st_size - nbytes)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _preview(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else text[:width] + "…")
 
 
 def _csv_value(value):
@@ -130,7 +250,65 @@ def _csv_value(value):
         return repr(round(value, 6)) if abs(value) >= 1e-3 else f"{value:.6g}"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, str):
+        return " ".join(value.splitlines())   # one row per line: what makes a torn row detectable
     return value
+
+
+def _split_tail(path: Path) -> tuple[str, str]:
+    """A line-oriented file → (its complete lines, the torn tail after the last newline or '')."""
+    data = path.read_bytes()
+    cut = data.rfind(b"\n") + 1
+    try:
+        complete = data[:cut].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RunDirError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    # a crash may also cut a multi-byte character: keep the tail's bytes exactly (surrogateescape)
+    return complete, data[cut:].decode("utf-8", "surrogateescape")
+
+
+def _read_points(path: Path) -> tuple[list[list[str]], str, str]:
+    """points.csv → (header + complete rows as lists of fields, their text, the torn tail). A malformed row
+    before the last line is corruption (RunDirError); an empty file reads as no rows at all (not even a header)."""
+    complete, torn = _split_tail(path)
+    rows = list(csv.reader(io.StringIO(complete, newline="")))
+    if rows:
+        missing = [c for c in POINT_COLUMNS if c not in rows[0]]
+        if missing:
+            raise RunDirError(f"{path}: missing columns {', '.join(missing)}")
+        for lineno, row in enumerate(rows[1:], 2):
+            if len(row) != len(rows[0]):
+                raise RunDirError(f"{path}:{lineno}: {len(row)} fields, expected {len(rows[0])} "
+                                  f"(a corrupt row, not a torn last line)")
+    return rows, complete, torn
+
+
+def _read_attempts(path: Path) -> tuple[list[dict], str, bool]:
+    """attempts.jsonl → (records, torn tail, whether the tail is a whole record lacking only its newline)."""
+    complete, torn = _split_tail(path)
+    records = []
+    for lineno, line in enumerate(complete.split("\n"), 1):
+        if line.strip():
+            records.append(_attempt(path, lineno, line))
+    if torn.strip():
+        try:
+            record = json.loads(torn)
+        except ValueError:
+            return records, torn, False
+        if isinstance(record, dict):
+            records.append(record)
+            return records, "", True
+    return records, torn if torn.strip() else "", False
+
+
+def _attempt(path: Path, lineno: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise RunDirError(f"{path}:{lineno}: invalid JSON (a corrupt record, not a torn last line)") from None
+    if not isinstance(record, dict):
+        raise RunDirError(f"{path}:{lineno}: an attempt record must be a JSON object")
+    return record
 
 
 def _all_finite(obj) -> bool:
@@ -161,6 +339,7 @@ class Run:
     manifest: dict
     points: pd.DataFrame
     attempts: list[dict]
+    torn: list[str] = field(default_factory=list)   # files whose torn last line was left out (a resume sets it aside)
 
 
 def run_dirs(root) -> list[Path]:
@@ -170,28 +349,53 @@ def run_dirs(root) -> list[Path]:
 
 
 def load_run(run_dir) -> Run:
-    """Read a run directory; RunDirError (one line) if it is not one or a file is corrupt."""
+    """Read a run directory; RunDirError (one line) if it is not one or a file is corrupt. A torn last line
+    (a crash mid-write) is left out and named in `Run.torn`; the files are not changed (a resume repairs them)."""
     store = RunStore.open_existing(Path(run_dir))
     manifest = store.read_manifest()
-    try:
-        points = pd.read_csv(store.path / "points.csv", dtype={"point_id": str, "cell_id": str, "reason": str})
-    except pd.errors.ParserError as exc:
-        raise RunDirError(f"{store.path / 'points.csv'}: {exc}") from None
-    missing = [c for c in POINT_COLUMNS if c not in points.columns]
-    if missing:
-        raise RunDirError(f"{store.path / 'points.csv'}: missing columns {', '.join(missing)}")
+    rows, complete, torn_points = _read_points(store.path / "points.csv")
+    if rows:
+        points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
+    else:   # an empty points.csv (a crash right after creating it): no points yet
+        points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
-    attempts = []
-    with open(store.path / "attempts.jsonl") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                attempts.append(json.loads(line))
-            except json.JSONDecodeError:
-                # the last line may be torn by a kill mid-write; anything earlier is corruption
-                if lineno == sum(1 for _ in open(store.path / "attempts.jsonl")):
-                    break
-                raise RunDirError(f"{store.path / 'attempts.jsonl'}:{lineno}: invalid JSON") from None
-    return Run(path=store.path, manifest=manifest, points=points, attempts=attempts)
+    attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")
+    torn = [name for name, tail in (("points.csv", torn_points), ("attempts.jsonl", torn_attempts)) if tail]
+    return Run(path=store.path, manifest=manifest, points=points, attempts=attempts, torn=torn)
+
+
+def check_results_root(root) -> None:
+    """`root` exists (created if needed) and this process may create run directories in it; else RunDirError."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunDirError(f"results root {root}: exists and is not a folder") from None
+    except OSError as exc:
+        raise RunDirError(f"results root {root}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise RunDirError(f"results root {root}: not writable by this user")
+
+
+def resume_command(manifest: dict, run_dir) -> str:
+    """The shell command that finishes a run: the program and command line it was started with (every option:
+    --device, --results-root, --gpu, --only, ...) plus --resume RUN_DIR; prefixed by a cd when it was started
+    in another folder than this one."""
+    program = [str(a) for a in (manifest.get("program") or ["attnbench"])]
+    argv = [str(a) for a in (manifest.get("argv") or [])]
+    if not argv or argv[0] not in ("run-matrix", "spot-check"):
+        argv = ["run-matrix", str(manifest.get("matrix_path") or "?")]   # runs that did not record their argv
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--resume", "--dry-run"):
+            skip = arg == "--resume"
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    started_in = manifest.get("cwd")
+    run_dir = Path(run_dir)
+    if started_in and Path(started_in) != Path.cwd():
+        return f"cd {shlex.quote(started_in)} && " + shlex.join([*program, *kept, "--resume", str(run_dir.resolve())])
+    return shlex.join([*program, *kept, "--resume", str(run_dir)])

@@ -75,9 +75,17 @@ def test_backend_capabilities_are_checked_for_the_target_device(tmp_path):
     cell = GOOD_CELL.replace("kernel: efficient", "kernel: cudnn")
     with pytest.raises(MatrixError, match=r"head_dim 80 unsupported"):
         load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 80}\n")))
-    # efficient has no CPU implementation
-    with pytest.raises(MatrixError, match=r"device cpu unsupported"):
-        load_matrix(write(tmp_path, matrix_text()), device="cpu")
+    # efficient has no CPU implementation: with --device cpu its points load and are skipped with the reason
+    # (any GPU matrix runs on the CPU), while what the backend cannot do on any device stays an error there too
+    from attnbench.runner import _skip_reason
+
+    m = load_matrix(write(tmp_path, matrix_text()), device="cpu")
+    assert not m.cells[0].allow_skip
+    assert _skip_reason(m.points()[0], "cpu") == "efficient: device cpu unsupported (supports cuda)"
+    assert _skip_reason(m.points()[0], "cuda") is None
+    cell = GOOD_CELL.replace("kernel: efficient", "kernel: cudnn")
+    with pytest.raises(MatrixError, match=r"head_dim 80 unsupported"):
+        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 80}\n")), device="cpu")
 
 
 def test_reserved_kernel_not_landed_is_a_clear_error(tmp_path, monkeypatch):

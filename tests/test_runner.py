@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -260,7 +261,8 @@ def test_runs_lists_progress_and_the_command_that_finishes_a_run(tmp_path, monke
     m, run_dir = interrupted_run(tmp_path, monkeypatch)
     info = run_progress(load_run(run_dir))
     assert (info["measured"], info["planned"], info["state"]) == (1, 3, "interrupted")
-    assert info["resume"] == f"attnbench run-matrix {m.path} --resume {run_dir}"
+    program = shlex.join([sys.executable, "-m", "attnbench"])   # how this (pytest) process would be resumed
+    assert info["resume"] == f"{program} run-matrix {m.path} --resume {run_dir}"
     proc = cli("runs", str(run_dir.parent))
     assert proc.returncode == 0 and "1/3" in proc.stdout and "interrupted" in proc.stdout
     # a cell of the file edited: the run can no longer be resumed, and says so
