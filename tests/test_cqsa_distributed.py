@@ -80,9 +80,16 @@ def test_errors_without_a_process_group_are_one_line():
 
 # --- under torchrun ------------------------------------------------------------------------------------
 
-def _torchrun(nproc: int, out: Path, scenarios: list[str], timeout: int = 900):
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+def _child_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def _torchrun(nproc: int, out: Path, scenarios: list[str], timeout: int = 900):
+    env = _child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            __file__, "--out", str(out), "--scenarios", ",".join(scenarios)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -177,11 +184,33 @@ def test_ranks_calling_with_different_problems_fail_together(three_ranks):
 
 
 def test_world_size_one(tmp_path):
-    proc = _torchrun(1, tmp_path, ["exact", "causal_uneven"])
-    res = _results(tmp_path, proc, 1, ["exact", "causal_uneven"])
+    proc = _torchrun(1, tmp_path, ["exact"])
+    res = _results(tmp_path, proc, 1, ["exact"])
     _check_exact(res["exact"], 1)
-    _check_exact(res["causal_uneven"], 1)
     assert res["exact"][0]["stats"]["itr"] == 1 and len(res["exact"][0]["stats"]["task_ids"]) == 7
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_equals_single_device(tmp_path):
+    """NCCL, one rank per GPU (world size 1 on a single GPU): fp32 to 2e-6 of the largest value against
+    single-device cqsa_attention, fp16 as close to float64 as single-device cqsa_attention (1.5x + 1e-4),
+    and host inputs streamed under a 64 MiB budget land on the host, as exact."""
+    world = min(2, torch.cuda.device_count())
+    scen = ["gpu_fp32", "gpu_fp16", "gpu_host_stream"]
+    proc = _torchrun(world, tmp_path, scen, timeout=600)
+    res = _results(tmp_path, proc, world, scen)
+    for s in scen:
+        for r in res[s]:
+            assert r["error"] is None, r["error"]
+            for run in r["runs"]:
+                e = run["errors"]
+                for name in ("out", "dq", "dk", "dv"):
+                    if s == "gpu_fp32":
+                        assert e[f"{name}_vs_single"] <= SAME_TOL * max(1.0, e[f"{name}_scale"]), (s, name, e)
+                    else:
+                        assert e[f"{name}_vs_f64"] <= 1.5 * e[f"{name}_single_vs_f64"] + 1e-4, (s, name, e)
+                if s == "gpu_host_stream":
+                    assert run["out_device"] == "cpu" and run["stats"]["mode"] == "stream"
 
 
 def test_a_dead_rank_ends_the_group_without_a_hang(tmp_path):
@@ -192,17 +221,99 @@ def test_a_dead_rank_ends_the_group_without_a_hang(tmp_path):
     assert not list(tmp_path.glob("die.rank*.json"))       # nobody returned a result
 
 
+# --- scripts/cqsa_scaling.py -------------------------------------------------------------------------------
+
+def _scaling_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cqsa_scaling", REPO / "scripts" / "cqsa_scaling.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scaling_estimate_reproduces_the_papers_gpu_hours():
+    sc = _scaling_module()
+    for itr, (x, _mf, t7f, hf, _mb, t7b, hb) in sc.PAPER_TABLE1.items():
+        # the paper prints t7 rounded to the second and the hours from the unrounded t7: within 1 h
+        assert abs(sc.gpu_hours(t7f, itr) - hf) <= 1 and abs(sc.gpu_hours(t7b, itr) - hb) <= 1, itr
+        assert abs(x / (1e9 * (3 / 7) ** itr) - 1) < 0.01          # the paper's subsequence lengths
+
+
+def test_scaling_table_fits_and_projection():
+    sc = _scaling_module()
+    A, B, C = 2e-12, 3e-7, 1e-2          # synthetic per-subsequence time; memory 1.5e-6 GiB per token + 0.1
+    pts = []
+    for itr in (7, 8, 9, 10):
+        x = 1e9 * (3 / 7) ** itr
+        for p, f in (("fwd", 1.0), ("bwd", 2.5)):
+            pts.append(dict(itr=itr, x=x, pass_=p, measured=7, t7_s=7 * f * (A * x * x + B * x + C),
+                            peak_gib=f * 1.5e-6 * x + 0.1))
+    rows, fits = sc.table_rows(pts, [5, 6, 7], 1e9)
+    x5 = 1e9 * (3 / 7) ** 5
+    assert rows[0]["fwd"]["how"] == "f" and rows[2]["fwd"]["how"] == "m"
+    assert rows[0]["fwd"]["t7_s"] == pytest.approx(7 * (A * x5 * x5 + B * x5 + C), rel=1e-6)
+    assert rows[0]["bwd"]["mem_gib"] == pytest.approx(2.5 * 1.5e-6 * x5 + 0.1, rel=1e-6)
+    assert rows[0]["fwdbwd_gpu_h"] == pytest.approx(3.5 * 7 * (A * x5 * x5 + B * x5 + C) * 7 ** 4 / 3600, rel=1e-6)
+    # the distributed model: a 1-rank rate, a 2-rank run 5 % slower than its share, a measured merge
+    n, cost = 1 << 20, (1 << 20) ** 2
+    base = dict(device="g", backend="nccl", n=n, heads=4, head_dim=128, dtype="float16", causal=False,
+                mem_budget=None, pass_="fwd", comm_bytes=4 * n * 4 * 130, agree_s=0.0, err_vs_single=0.0,
+                err_vs_f64_rows=0.0)
+    one = dict(base, world=1, itr=1, itr_forced=False, balance=1.0, cost_total=cost, wall_s=6.0, local_s=6.0,
+               local_max_s=6.0, merge_s=0.01)
+    plan2 = D.plan_tasks(n, 7, 2, 2, False)
+    two_local = 6.0 * plan2.balance / 2 * 1.05
+    two = dict(base, world=2, itr=2, itr_forced=False, balance=plan2.balance, cost_total=cost, wall_s=two_local + 0.02,
+               local_s=two_local, local_max_s=two_local, merge_s=0.02)
+    one2 = dict(one, itr=2, itr_forced=True)
+    args = type("A", (), dict(busbw_intra=300.0, busbw_inter=40.0))()
+    (s,) = sc.scaling_model([one, two, one2], args)
+    assert s["overhead_eps"] == pytest.approx(0.05, rel=1e-6)
+    p2 = next(p for p in s["projection"] if p["world"] == 2)
+    assert p2["compute_s"] == pytest.approx(two_local, rel=1e-6) and p2["busbw_from"] == "measured"
+    p64 = next(p for p in s["projection"] if p["world"] == 64)      # across nodes: the assumed 40 GB/s
+    plan64 = D.plan_tasks(n, 7, p64["itr"], 64, False)
+    merge64 = 2 * 63 / 64 * base["comm_bytes"] / 40e9
+    assert p64["busbw_from"] == "assumed" and p64["merge_s"] == pytest.approx(merge64, rel=1e-9)
+    assert p64["wall_s"] == pytest.approx(6.0 / cost * plan64.balance * cost / 64 * 1.05 + merge64, rel=1e-6)
+
+
+def test_scaling_script_runs_end_to_end_on_the_cpu(tmp_path):
+    env = dict(_child_env(), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    script = str(REPO / "scripts" / "cqsa_scaling.py")
+    small = ["--heads", "1", "--head-dim", "32", "--dtype", "float32", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, script, "table", "--total", "2000", "--itr-measure", "3,4",
+                           "--itr-table", "2,3,4", *small], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           script, "dist", "--tokens", "48", "--reps", "1", "--itr-table", "2,3,4", *small],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    if proc.returncode != 0 and "fwd w=1" not in proc.stdout:
+        pytest.skip(f"torchrun could not start 2 gloo ranks: {proc.stderr[-400:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads((tmp_path / "cqsa_scaling.json").read_text())
+    (table,) = rep["tables"]
+    for row in table["rows"]:
+        assert row["fwd"]["how"] == ("m" if row["itr"] in (3, 4) else "f")
+        assert row["fwd"]["gpu_h"] == pytest.approx(row["fwd"]["t7_s"] * 7 ** (row["itr"] - 1) / 3600)
+    (s,) = rep["scaling"]
+    assert [m["world"] for m in s["measured"]] == [1, 2]
+    assert all(m["err_vs_single"] <= SAME_TOL and m["err_vs_f64_rows"] <= F64_TOL for m in s["measured"])
+    assert [p["world"] for p in s["projection"]] == [2, 8, 64]
+    md = (tmp_path / "cqsa_scaling.md").read_text()
+    assert "## 2,000 tokens" in md and "## Distributed engine" in md
+
+
 # --- the worker (run by torchrun) -----------------------------------------------------------------------
 
-def _inputs(n, causal_seed=0):
-    g = torch.Generator().manual_seed(1234 + causal_seed)            # the same tensors on every rank
-    B, H, _, Dh = SHAPE
-    q, k, v, do = (torch.randn((B, H, n, Dh), generator=g, dtype=torch.float64).float() for _ in range(4))
-    return q, k, v, do
+def _inputs(n, seed=0, heads=SHAPE[1], head_dim=SHAPE[3], dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(1234 + seed)                   # the same tensors on every rank
+    shape = (SHAPE[0], heads, n, head_dim)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for _ in range(4)]
 
 
 def _fwd_bwd(fn, q, k, v, do):
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    q, k, v = ((t.clone().pin_memory() if t.is_pinned() else t.clone()).requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v)
     stats = None
     if isinstance(out, tuple):
@@ -212,30 +323,37 @@ def _fwd_bwd(fn, q, k, v, do):
 
 
 def _err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+    return (a.double().to(b.device) - b.double()).abs().max().item()
 
 
-def _exact_run(n, causal, dist_kw):
+def _exact_run(n, causal, dist_kw, dtype=torch.float32, device="cpu", heads=SHAPE[1], head_dim=SHAPE[3],
+               host=False):
+    """Distributed vs single-process cqsa_attention vs float64, forward and gradients. host: the distributed
+    call gets pinned host copies of the inputs (the streaming engine copies them to the GPU)."""
     import torch.distributed as dist
-    q, k, v, do = _inputs(n, int(causal))
-    res = _fwd_bwd(lambda a, b, c: cqsa_attention_distributed(a, b, c, causal=causal, return_stats=True,
-                                                               precision="ieee", **dist_kw), q, k, v, do)
-    single = _fwd_bwd(lambda a, b, c: cqsa_attention(a, b, c, causal=causal, precision="ieee"), q, k, v, do)
+    q, k, v, do = _inputs(n, int(causal), heads, head_dim, dtype, device)
+    prec = dict(precision="ieee") if dtype == torch.float32 and device == "cpu" else {}
+    hq, hk, hv, hdo = (t.cpu().pin_memory() for t in (q, k, v, do)) if host else (q, k, v, do)
+    res = _fwd_bwd(lambda a, b, c: cqsa_attention_distributed(a, b, c, causal=causal, return_stats=True, **prec,
+                                                               **dist_kw), hq, hk, hv, hdo)
+    single = _fwd_bwd(lambda a, b, c: cqsa_attention(a, b, c, causal=causal, **prec), q, k, v, do)
     f64 = _fwd_bwd(lambda a, b, c: reference_attention(a.double(), b.double(), c.double(), causal=causal), q, k, v, do)
     errors = {}
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         errors[f"{name}_vs_single"] = _err(res[i], single[i])
         errors[f"{name}_vs_f64"] = _err(res[i], f64[i])
+        errors[f"{name}_single_vs_f64"] = _err(single[i], f64[i])
+        errors[f"{name}_scale"] = f64[i].abs().max().item()
     stats = res[4]
-    # this rank's share alone, finalised without the merge: must be far from the answer
-    call_plan = D.plan_tasks(n, 7, stats.itr, stats.world, causal)
-    m, s, acc, mscale = D._local_forward(D._Call(
-        group=None, rank=dist.get_rank(), world=stats.world, backend="gloo", comm_dev=torch.device("cpu"),
-        plan=call_plan, causal=causal, scale=q.shape[-1] ** -0.5, precision="ieee", streaming=False,
-        engine_opts=None, signature=0, stats=stats), q, k, v)
-    share = acc / torch.where(s > 0, s, torch.ones_like(s))[..., None]
-    errors["share_only_out_vs_f64"] = _err(share, f64[0])
-    return dict(n=n, errors=errors, stats=_jsonable(stats.__dict__))
+    if stats.world > 1:    # this rank's share alone, finalised without the merge, is far from the answer
+        call_plan = D.plan_tasks(n, 7, stats.itr, stats.world, causal)
+        m, s, acc, mscale = D._local_forward(D._Call(
+            group=None, rank=dist.get_rank(), world=stats.world, backend="", comm_dev=q.device, plan=call_plan,
+            causal=causal, scale=q.shape[-1] ** -0.5, precision="ieee", streaming=False, engine_opts=None,
+            signature=0, stats=stats), q, k, v)
+        share = acc / torch.where(s > 0, s, torch.ones_like(s))[..., None]
+        errors["share_only_out_vs_f64"] = _err(share, f64[0])
+    return dict(n=n, errors=errors, stats=_jsonable(stats.__dict__), out_device=str(res[0].device))
 
 
 def _jsonable(x):
@@ -273,6 +391,15 @@ def _scenario(name, rank):
     if name == "mismatch":
         q, k, v, _ = _inputs(64)
         return cqsa_attention_distributed(q, k, v, causal=(rank == 2))
+    if name.startswith("gpu_"):
+        dev = f"cuda:{torch.cuda.current_device()}"
+        if name == "gpu_fp32":
+            return [_exact_run(2048, c, {}, torch.float32, dev, heads=2, head_dim=64) for c in (False, True)]
+        if name == "gpu_fp16":
+            return [_exact_run(4096, c, {}, torch.float16, dev, heads=2, head_dim=64) for c in (False, True)]
+        if name == "gpu_host_stream":
+            return [_exact_run(4096, True, dict(mem_budget=64 << 20), torch.float16, dev, heads=2, head_dim=64,
+                               host=True)]
     if name == "die":
         def die(ph, r, ids):
             if r == 1:
@@ -289,7 +416,9 @@ def _worker(argv):
     ap.add_argument("--scenarios", required=True)
     a = ap.parse_args(argv)
     out = Path(a.out)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=240))
     rank = dist.get_rank()
     (out / f"started.rank{rank}").write_text("ok")
     for name in a.scenarios.split(","):
@@ -298,6 +427,9 @@ def _worker(argv):
             r = _scenario(name, rank)
             if isinstance(r, dict):
                 rec.update(r)
+                rec["result"] = "ok"
+            elif isinstance(r, list):
+                rec["runs"] = r
                 rec["result"] = "ok"
             else:
                 rec["result"] = "tensor"
