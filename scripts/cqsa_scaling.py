@@ -43,7 +43,6 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -56,7 +55,7 @@ if not torch.cuda.is_available():
 from kernels.cqsa import cqsa_attention, cqsa_attention_distributed  # noqa: E402
 from kernels.cqsa import kernel as K  # noqa: E402
 from kernels.cqsa.attention import lse_log2  # noqa: E402
-from kernels.cqsa.distributed import auto_itr, plan_tasks, task_cost  # noqa: E402
+from kernels.cqsa.distributed import auto_itr, plan_tasks  # noqa: E402
 from kernels.cqsa.divide import build_tasks  # noqa: E402
 from kernels.cqsa.schedule import task_schedule  # noqa: E402
 

@@ -10,7 +10,8 @@ How the work is split. The c**itr tasks of one CQS Divide (divide.py) are indepe
 the task costs (kept score entries, causality included) and a longest-processing-time assignment
 (heaviest task first, to the least loaded rank; ties by task id, then by rank). With ``itr=None`` the
 divide is the shallowest whose plan puts at most 2 % more work on the busiest rank than the mean
-(``BALANCE_TOL``): c = 7 gives itr 1 on one rank, 3 on 2 to 8 ranks, 4 on 64.
+(``BALANCE_TOL``); at N = 2^20, c = 7 that is itr 1 on 1 rank (and on 7), 2 on 2, 3 on 8 and on 64 (task
+costs differ a little, and LPT packs unequal tasks tighter than their count suggests).
 Each rank runs only its tasks: resident (inputs on the compute device, no budget) as slot waves over
 its share of the tasks, exactly the single-device resident path restricted to a subset; streaming
 (``mem_budget`` given, or host inputs with a GPU present) through the streaming engine, under this rank's
@@ -41,7 +42,6 @@ meets the raise below, breaks the graph and runs the call eagerly; with fullgrap
 from __future__ import annotations
 
 import heapq
-import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -189,6 +189,15 @@ def _comm_device(backend: str, q: torch.Tensor) -> torch.device:
 def _signature(*parts) -> int:
     """A stable (not per-process salted) 31-bit hash of the call's problem and options."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def _check_inputs(q, k, v, causal, scale):
+    """kernels._common.check_inputs; host inputs on a machine with a GPU are streamed to it, so they are
+    checked as the GPU will see them (zero-stride CUDA views of their shape and dtype, no copy)."""
+    ts = (q, k, v)
+    if torch.cuda.is_available() and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in ts):
+        ts = tuple(torch.empty((1,) * t.dim(), dtype=t.dtype, device="cuda").expand(t.shape) for t in ts)
+    return check_inputs(NAME, *ts, causal=causal, scale=scale, head_dims=HEAD_DIMS)
 
 
 def _lastdim_contig(t):
@@ -443,7 +452,7 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(f"{NAME} is eager only: its collectives run from Python; call it outside torch.compile")
-    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, head_dims=HEAD_DIMS)
+    shape = _check_inputs(q, k, v, causal, scale)
     if shape.heads_q != shape.heads_kv:
         raise ValueError(f"{NAME}: q has {shape.heads_q} heads and k, v have {shape.heads_kv}: grouped K/V heads "
                          "are not supported here (pass k, v with q's heads)")
