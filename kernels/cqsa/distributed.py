@@ -34,7 +34,8 @@ call, and the first bytes of the error) tells every rank which ranks failed. If 
 raises one RuntimeError naming the failed ranks, their errors and their task ids: no rank returns a
 partial result and no rank is left waiting in the merge. The signature also catches ranks that called
 with different shapes or options (they would otherwise meet mismatched collectives). A rank that dies
-(killed, segfault) never reaches the status all-reduce: torchrun then stops the whole group.
+(killed, segfault), or whose GPU is lost so that its status cannot be sent, never reaches the status
+all-reduce: its process ends with the error and torchrun then stops the whole group (the tests check this).
 
 Eager only: the collectives and the per-rank scheduling run from Python. Under torch.compile Dynamo
 meets the raise below, breaks the graph and runs the call eagerly; with fullgraph=True it fails with it.
@@ -394,7 +395,8 @@ def _merge_grads(call: _Call, parts, likes):
 # --- autograd ----------------------------------------------------------------------------------------
 
 def _run_phase(call: _Call, phase: str, work):
-    """Local work inside a try, the status all-reduce, then the merge; returns (merged, timings)."""
+    """The local work inside a try, then the status all-reduce (which raises on every rank if any failed).
+    Returns (the local result, timings, the time the agreement ended)."""
     t0 = time.perf_counter()
     result, error = None, None
     try:
