@@ -136,7 +136,10 @@ def test_exact_noncausal_three_ranks(three_ranks):
     _check_exact(runs, 3)
     st = runs[0]["stats"]
     assert st["itr"] == 2 and st["n_tasks"] == 49 and st["mode"] == "resident"     # auto itr for 3 ranks
-    assert sorted(len(r["stats"]["task_ids"]) for r in runs) != [49 // 3] * 3      # 49 tasks: uneven counts
+    plan = D.plan_tasks(128, 7, 2, 3, False)           # each rank ran the plan's share (49 tasks: 16, 16, 17)
+    for r in runs:
+        assert tuple(r["stats"]["task_ids"]) == plan.owned[r["rank"]]
+        assert r["stats"]["cost"] == plan.loads[r["rank"]]
 
 
 def test_exact_causal_uneven_task_counts(three_ranks):
