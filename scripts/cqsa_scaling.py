@@ -18,21 +18,29 @@ dist    Under torchrun (NCCL on GPUs, gloo on CPUs): wall time of kernels.cqsa.c
         sub-groups of 1..W ranks at one N (one sub-group per world size, made from the first w ranks), its
         error against single-device cqsa_attention and against float64 on sampled rows, and single-rank times
         at the divides the projections use. Inputs are made on rank 0 and broadcast.
-report  Only rewrite the report. The projection to 2, 8 and 64 GPUs: per rank compute = the single-rank
-        rate (seconds per kept score entry, measured at that divide) × the busiest rank's share of the plan
-        (kernels.cqsa.distributed: LPT over task costs) × (1 + the per-rank overhead measured on ≥ 2 ranks,
-        0 if none was), plus the merge: a ring all-reduce of the bytes each rank contributes at a bus
-        bandwidth measured on ≥ 2 ranks or assumed (--busbw-intra / --busbw-inter, GB/s, 8 GPUs per node).
-        The same model turns the 1B table's GPU-hours into wall hours on 2, 8 and 64 GPUs.
+report  Fold the --merge directories' points in and rewrite the report.
 
-GPU (each call stays within ~5 minutes; run from the repository root):
-  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out OUT --passes fwd --deadline-s 240
-  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out OUT --passes bwd --deadline-s 240
-  PYTHONPATH=. torchrun --standalone --nproc_per_node 1 scripts/cqsa_scaling.py dist --out OUT --deadline-s 240
-  PYTHONPATH=. torchrun --standalone --nproc_per_node 2 scripts/cqsa_scaling.py dist --out OUT --deadline-s 240
+The projection to 2, 8 and 64 GPUs (in every report): per rank compute = the single-rank rate (seconds per
+kept score entry, measured at that divide) × the busiest rank's share of the plan (kernels.cqsa.distributed:
+LPT over task costs) × (1 + the per-rank overhead measured on ≥ 2 ranks, 0 if none was), plus the merge: a
+ring all-reduce of the bytes each rank contributes at a bus bandwidth measured on ≥ 2 ranks or assumed
+(--busbw-intra / --busbw-inter, GB/s, 8 GPUs per node). The same model turns the 1B table's GPU-hours into
+wall hours on 2, 8 and 64 GPUs.
+
+GPU (each call stays within ~5 minutes; run from the repository root). A device call starts with an empty
+$OUT: keep each call's files in the tree (say results/dev/cqsa/scaling/) and pass that directory to the next
+call's --merge, so the last report holds every point:
+  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out $OUT --itr-measure 8,9,10,11 --deadline-s 240
+  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out $OUT --itr-measure 7 --deadline-s 230 --merge DIR
+  PYTHONPATH=. torchrun --standalone --nproc_per_node 1 scripts/cqsa_scaling.py dist --out $OUT --passes fwd \
+      --deadline-s 200 --merge DIR
+  PYTHONPATH=. torchrun --standalone --nproc_per_node 1 scripts/cqsa_scaling.py dist --out $OUT --passes fwdbwd \
+      --reps 1 --deadline-s 200 --merge DIR
+(on a 2-GPU machine the same dist calls with --nproc_per_node 2). Past the deadline nothing new starts: a table
+row keeps the subsequences measured so far (t7 scaled by 7/k, marked mk), a dist run is skipped.
 CPU smoke run (Triton interpreter, tiny sizes; checks the code paths, its numbers mean nothing):
-  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out /tmp/s --total 20000 --itr-measure 4,5 --itr-table 3,4,5 \
-      --heads 1 --head-dim 32 --dtype float32
+  PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out /tmp/s --total 20000 --itr-measure 4,5 \
+      --itr-table 3,4,5 --heads 1 --head-dim 32 --dtype float32
   PYTHONPATH=. torchrun --standalone --nproc_per_node 2 scripts/cqsa_scaling.py dist --out /tmp/s --tokens 96 \
       --heads 1 --head-dim 32 --dtype float32 --reps 1
 """
@@ -97,6 +105,10 @@ def _device_name(dev):
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
 
 
+TABLE_KEY = ("device", "total", "heads", "head_dim", "dtype", "causal", "itr", "pass_")
+DIST_KEY = ("device", "n", "heads", "head_dim", "dtype", "causal", "mem_budget", "pass_", "world", "itr")
+
+
 def _load(path: Path) -> list:
     return json.loads(path.read_text()) if path.exists() else []
 
@@ -105,6 +117,20 @@ def _store(path: Path, rows: list, new: dict, key: tuple):
     """Replace the row with the same key, else append; written at once (a killed call loses nothing)."""
     rows[:] = [r for r in rows if tuple(r[k] for k in key) != tuple(new[k] for k in key)] + [new]
     path.write_text(json.dumps(rows, indent=1))
+
+
+def adopt_points(out: Path, dirs):
+    """Fold the points of earlier calls (each device call starts in an empty directory) into --out; a point
+    already in --out wins over one with the same key from --merge."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, key in ((TABLE_POINTS, TABLE_KEY), (DIST_POINTS, DIST_KEY)):
+        rows = []
+        for d in list(dirs or []) + [out]:
+            for r in _load(Path(d) / name):
+                _keep = [x for x in rows if tuple(x[k] for k in key) != tuple(r[k] for k in key)]
+                rows = _keep + [r]
+        if rows:
+            (out / name).write_text(json.dumps(rows, indent=1))
 
 
 # --- table: one divide's 7 subsequences ------------------------------------------------------------------
@@ -184,7 +210,7 @@ def cmd_table(a):
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = _dtype(a.dtype)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    adopt_points(out, a.merge)
     path = out / TABLE_POINTS
     rows = _load(path)
     passes = a.passes.split(",")
@@ -219,7 +245,7 @@ def cmd_table(a):
             rec = dict(cfg, itr=itr, n_scaled=n_scaled, x=x, measured=len(secs), pass_=p,
                        t7_s=float(sum(secs)) * 7 / len(secs), sub_s=secs,
                        peak_gib=max(b for _, b in per[p]) / GIB)
-            _store(path, rows, rec, ("device", "total", "heads", "head_dim", "dtype", "causal", "itr", "pass_"))
+            _store(path, rows, rec, TABLE_KEY)
             log(f"itr {itr} {p}: x={x:,.0f} t7={rec['t7_s']:.2f} s peak {rec['peak_gib']:.2f} GiB "
                 f"-> {gpu_hours(rec['t7_s'], itr):,.0f} GPU-h")
         last = (x, time.time() - t_start)
@@ -239,7 +265,7 @@ def cmd_dist(a):
     dtype = _dtype(a.dtype)
     out = Path(a.out)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        adopt_points(out, a.merge)
     shape = (1, a.heads, a.tokens, a.head_dim)
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(shape, device=dev, dtype=dtype, generator=gen) for _ in range(4))
@@ -267,8 +293,7 @@ def cmd_dist(a):
             rec = _time_world(a, p, w, itr, groups[w], rank, q, k, v, do, ref, ref_grads)
             if rank == 0:
                 rec = dict(cfg, **rec)
-                _store(out / DIST_POINTS, rows, rec, ("device", "n", "heads", "head_dim", "dtype", "causal",
-                                                     "mem_budget", "pass_", "world", "itr"))
+                _store(out / DIST_POINTS, rows, rec, DIST_KEY)
                 log(f"{p} w={w} itr={rec['itr']}: wall {rec['wall_s']:.3f} s (local {rec['local_s']:.3f}, "
                     f"merge {rec['merge_s']:.3f}) balance {rec['balance']:.4f} err vs single {rec['err_vs_single']}")
             dist.barrier()
@@ -575,11 +600,18 @@ def write_report(out: Path, a):
     log(f"wrote {out / 'cqsa_scaling.md'} and cqsa_scaling.json")
 
 
+def cmd_report(a):
+    adopt_points(Path(a.out), a.merge)
+    write_report(Path(a.out), a)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", required=True, help="directory for the points and the report")
+    common.add_argument("--merge", nargs="*", default=[], metavar="DIR",
+                        help="directories of earlier calls whose points join this report")
     common.add_argument("--itr-table", default="5,6,7,8,9", help="rows of the 1B table")
     common.add_argument("--busbw-intra", type=float, default=300.0,
                         help="assumed all-reduce bus bandwidth within a node, GB/s (when none was measured)")
@@ -605,7 +637,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.heads is None:
         a.heads = 1 if a.cmd == "table" else 4
-    {"table": cmd_table, "dist": cmd_dist, "report": lambda a: write_report(Path(a.out), a)}[a.cmd](a)
+    {"table": cmd_table, "dist": cmd_dist, "report": cmd_report}[a.cmd](a)
+
 
 
 if __name__ == "__main__":

@@ -283,12 +283,15 @@ def test_scaling_table_fits_and_projection():
 def test_scaling_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = dict(_child_env(), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     script = str(REPO / "scripts" / "cqsa_scaling.py")
-    small = ["--heads", "1", "--head-dim", "32", "--dtype", "float32", "--out", str(tmp_path)]
+    small = ["--heads", "1", "--head-dim", "32", "--dtype", "float32"]
+    first = tmp_path / "table"           # as on the device: each call its own directory, joined by --merge
     proc = subprocess.run([sys.executable, script, "table", "--total", "2000", "--itr-measure", "3,4",
-                           "--itr-table", "2,3,4", *small], env=env, capture_output=True, text=True, timeout=600)
+                           "--itr-table", "2,3,4", "--out", str(first), *small],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           script, "dist", "--tokens", "48", "--reps", "1", "--itr-table", "2,3,4", *small],
+                           script, "dist", "--tokens", "48", "--reps", "1", "--itr-table", "2,3,4", *small,
+                           "--out", str(tmp_path), "--merge", str(first)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     if proc.returncode != 0 and "fwd w=1" not in proc.stdout:
         pytest.skip(f"torchrun could not start 2 gloo ranks: {proc.stderr[-400:]}")
