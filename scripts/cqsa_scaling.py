@@ -286,7 +286,9 @@ def cmd_dist(a):
         runs += [(1, itr) for itr in sorted(extra)]
     for p in passes:
         for w, itr in runs:
-            if time.time() - T0 > a.deadline_s:
+            go = torch.tensor([float(time.time() - T0 <= a.deadline_s)], device=dev)
+            dist.broadcast(go, 0)                 # rank 0's clock decides for all: no rank left in a collective
+            if not go.item():
                 if rank == 0:
                     log(f"{p} w={w} itr={itr}: skipped (deadline)")
                 continue
