@@ -3,11 +3,13 @@ in process, and the engine under `torchrun --standalone --nproc_per_node 3` with
 (Triton interpreter): forward and gradients against single-process cqsa_attention and float64, causal and
 not, task counts the world size does not divide, a rank's own streaming engine refining its tasks, a rank
 that fails (the lost task ids named on every rank), ranks that disagree on the problem, a rank that dies
-(torchrun ends the group, no hang), and world size 1.
+(torchrun ends the group, no hang), and world size 1; scripts/cqsa_scaling.py's arithmetic and a CPU run of
+it. `-m gpu`: NCCL, one rank per GPU (fp32, fp16, host inputs streamed under a budget).
 
 This file is also the worker: torchrun runs it as a script (``--out DIR --scenarios a,b``); every rank writes
 one JSON per scenario and the tests read them. Tolerances (max_abs, float32): distributed vs single-process
-2e-6 (the same tasks' arithmetic, merged in another order), vs float64 1e-5 as in test_cqsa.py.
+2e-6 (the same tasks' arithmetic, merged in another order; on the GPU × the largest value), vs float64
+1e-5 as in test_cqsa.py; float16 (GPU): within 1.5× single-device cqsa_attention's own error + 1e-4.
 """
 from __future__ import annotations
 
