@@ -8,6 +8,7 @@ guardrail. Causal attention is supported (an extension beyond the paper): sorted
 tokens in global order, so the causal mask composes with the responsibility mask.
 """
 from .attention import cqsa_attention, last_stats
+from .distributed import cqsa_attention_distributed
 from .divide import INTEREST_SETS, balanced_layout, build_tasks, coverage_counts, is_difference_set, owner, refine
 
 BACKENDS = {
@@ -25,5 +26,5 @@ BACKENDS = {
     ),
 }
 
-__all__ = ["cqsa_attention", "last_stats", "BACKENDS", "INTEREST_SETS", "balanced_layout", "build_tasks",
-           "coverage_counts", "is_difference_set", "owner", "refine"]
+__all__ = ["cqsa_attention", "cqsa_attention_distributed", "last_stats", "BACKENDS", "INTEREST_SETS",
+           "balanced_layout", "build_tasks", "coverage_counts", "is_difference_set", "owner", "refine"]

@@ -523,9 +523,14 @@ class _Engine(ABC):
                 / wall if wall > 0 else None
         else:
             st.peak_bytes = int(self.peak_seen)
-        if st.pairs_covered != self.N * self.N:
-            raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected N²={self.N ** 2}")
+        if st.pairs_covered != self.expected_pairs():
+            raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected {self.expected_pairs()}")
         _last[0] = st
+
+    def expected_pairs(self) -> int:
+        """Kept pairs the merged tasks must cover: N², each pair once (an engine running a share of the
+        tasks, as distributed.py's, expects its share)."""
+        return self.N * self.N
 
     def note_merged(self, task: Task):
         st = self.stats
