@@ -325,3 +325,47 @@ def test_gpu_fast_launch_bit_identical(monkeypatch):
         assert n_fast[0] >= 4, f"{name}: fast path not taken ({n_fast[0]} launches)"
         for label, a, b, c in zip(("out", "dq", "dk", "dv"), ref, first, fast):
             assert torch.equal(a, b) and torch.equal(a, c), f"{name}: {label} differs with the fast path"
+
+
+# ---- Prepared: a launch site with fixed non-tensor arguments ----
+
+def test_prepared_first_call_through_launch_then_compiled_run_with_pointers(fast):
+    jit = FakeJIT()
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (3, 2), (128, 0.5), CX)
+    assert go(x, y) is jit.ck
+    assert len(jit.jit_calls) == 1 and jit.jit_calls[0] == ((3, 2), (x, y, 128, 0.5), CX) and jit.ck.calls == []
+    x2, y2 = _args()[:2]
+    fast.stream = 3000
+    assert go(x2, y2) is jit.ck
+    assert len(jit.jit_calls) == 1
+    (call,) = jit.ck.calls
+    # grid padded to 3, the stream of the device of the first call, then the data pointers as ints, the fixed
+    # arguments and every later argument in arg_names order (constexprs, the Python default)
+    assert call[:9] == (3, 2, 1, 3000, "cufunction", ("packed",), None, None, None)
+    assert call[9:] == (x2.data_ptr(), y2.data_ptr(), 128, 0.5, 64, 3, True)
+
+
+def test_prepared_takes_the_jit_path_when_disabled_hooked_or_not_eligible(fast, monkeypatch):
+    jit = FakeJIT()
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (1,), (128, 0.5), CX)
+    go(x, y)
+    go(x, y)
+    assert len(jit.jit_calls) == 1 and len(jit.ck.calls) == 1
+    L.set_enabled(False)
+    go(x, y)
+    assert len(jit.jit_calls) == 2 and len(jit.ck.calls) == 1
+    L.set_enabled(True)
+    L._knobs.runtime.launch_enter_hook = Chain([print])
+    go(x, y)
+    assert len(jit.jit_calls) == 3 and len(jit.ck.calls) == 1
+    L._knobs.runtime.launch_enter_hook = Chain()
+    go(x, y)
+    assert len(jit.jit_calls) == 3 and len(jit.ck.calls) == 2
+    monkeypatch.setattr(L, "_eligible", lambda fn: False)
+    other = FakeJIT()
+    go = L.Prepared(other, (1,), (128, 0.5), CX)
+    for _ in range(3):
+        go(x, y)
+    assert len(other.jit_calls) == 3 and other.ck.calls == []
