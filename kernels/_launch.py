@@ -7,7 +7,8 @@
 
 Why: on the H100 (torch 2.11, triton 3.6) a JIT launch of the Cron Root forward costs ~21 us of host time,
 calling the compiled kernel's own launcher ~6 us with bit-identical output
-(results/dev/launch_overhead_h100.json); at short sequences that host time is what our kernels lose by.
+(results/dev/launch_overhead_h100.json); at short sequences that host time is what our kernels lose by
+(scripts/host_cost.py measures it per kernel and per piece).
 
 How: the first call for a key goes through the JIT (``jit_fn[grid](...)``), which compiles or finds the
 kernel and returns its CompiledKernel; we store it with the argument values the launcher wants after the
@@ -34,10 +35,9 @@ the first call (through ``launch``) it calls the stored CompiledKernel with no k
 data pointers as ints (the launcher takes an int as the device pointer as it is, without asking the tensor for
 it and without the driver's pointer check). The JIT's global state (hooks, knobs) is still checked per call.
 
-On by default since its GPU checks passed on the H100 (2026-11-23: ELSA's and Cron Root's GPU suites with it
-on, outputs and gradients identical off/on in scripts/gpu/launch_overhead.py; tests/test_launch.py's gpu
-test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in the environment (read at import) or
-``set_enabled(False)`` turns it off: every launch then goes through the JIT, as before.
+On by default since its GPU checks passed on the H100 (ELSA's and Cron Root's GPU suites with it on, outputs
+and gradients identical off/on; tests/test_launch.py's gpu test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in
+the environment (read at import) or ``set_enabled(False)`` turns it off: every launch then goes through the JIT, as before.
 """
 from __future__ import annotations
 

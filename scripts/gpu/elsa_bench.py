@@ -79,7 +79,7 @@ def breakdown(out, budget):
     rows = []
     for dtype, D, N, mode in (("float16", 64, 16 * K, "fwdbwd"), ("float16", 128, 16 * K, "fwdbwd"),
                               ("float16", 64, 4 * K, "fwd"), ("float32", 64, 4 * K, "fwd")):
-        for extra in ({}, {"partition_width": N}):
+        for extra in ({}, {"config": {"plan": {"partition_width": N}}}):
             if not budget.ok(5):
                 return rows
             run = workload(elsa_attention, dtype, mode, N, D, **extra)
@@ -90,7 +90,7 @@ def breakdown(out, budget):
             per = {}
             for e in events:
                 per.setdefault(str(e["phase"]), []).append(e.get("ms"))
-            row = {"dtype": dtype, "D": D, "N": N, "mode": mode, **extra,
+            row = {"dtype": dtype, "D": D, "N": N, "mode": mode, "P1": bool(extra),
                    "P": max(e["grid"][2] for e in events if e["phase"] == 1),
                    "launches": {kk: len(vv) for kk, vv in per.items()},
                    "ms": {kk: round(sum(x or 0 for x in vv), 4) for kk, vv in per.items()}}

@@ -7,7 +7,8 @@ hundreds of registers is not worth device time).
 
 Same method as cron_root_compile_check.py (both through sm90_compile.py): ASTSource + triton.compile for an explicit target, resource usage
 from the cuobjdump that ships with Triton; arguments specialised like a launch on contiguous [B, H, N, D]
-tensors (pointers and strides divisible by 16, N and H plain i32). Non-causal, no bias.
+tensors (pointers and strides divisible by 16, lengths and heads plain i32). Non-causal, no bias; phase 1 with
+summaries (P >= 2) and the training outputs (lse). --dim is the head dim D; the tile is padded to block_d(D).
 """
 from __future__ import annotations
 
@@ -21,19 +22,22 @@ import sys
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sm90_compile import compile_usage, launch_signature, parse_target  # noqa: E402
+from kernels._common import block_d  # noqa: E402
 from kernels.elsa import kernel as tk  # noqa: E402
 
-FP32_PTRS = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
+FP32_PTRS = {"Lse", "Delta", "dS", "Sbuf"}
 PTRS = {"Q", "K", "V", "dOut", "dQ", "dK", "dV", "Bias", "Out"} | FP32_PTRS
 FLOATS = {"qk_scale", "sm_scale"}
 STRIDE = re.compile(r"^s[a-z]+$")
-KERNELS = {"phase1": tk._elsa_phase1, "dq": tk._elsa_bwd_dq, "dkdv": tk._elsa_bwd_dkdv}
+KERNELS = {"phase1": tk._elsa_phase1, "phase2": tk._elsa_phase2, "dq": tk._elsa_bwd_dq, "dkdv": tk._elsa_bwd_dkdv}
 
 
 def compile_one(fn, dtype, d, bm, bn, warps, stages, target):
+    """Phase 2 takes (BLOCK_M, ROWS = bn) from the tile; the others (BLOCK_M, BLOCK_N)."""
     fp32 = dtype == "float32"
-    meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False, BIAS_GRAD=False, FOLD_Q=fp32,
-                SCALE_IN_EXP=not fp32, DOT_PREC="tf32x3" if fp32 else "tf32")
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, ROWS=min(bn, bm), KBT=2, CAUSAL=False,
+                HAS_BIAS=False, BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
+                DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=False, STORE_LSE=True, GROUPED=False)
     tdt = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
     sig, consts, attrs = launch_signature(fn, meta, tdt, PTRS, FP32_PTRS, FLOATS, STRIDE)
     return compile_usage(fn, sig, consts, attrs, warps, stages, target)
