@@ -106,6 +106,18 @@ def test_queries_and_keys_of_different_lengths(device, Nq, Nk, causal):
         assert dq[:, :, :blind].abs().max().item() == 0.0
 
 
+def test_empty_problems(device):
+    """No keys: every row gives 0; no queries or no batch: empty outputs; gradients of the right shapes."""
+    for b, nq, nk in ((1, 5, 0), (1, 0, 5), (0, 5, 5)):
+        q, k, v = _qkv(b, 2, 1, nq, nk, 32, torch.float32, device)
+        for causal in (False, True):
+            out = elsa_attention(q, k, v, causal=causal)
+            assert out.shape == q.shape and (out.numel() == 0 or out.abs().max().item() == 0.0)
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+            assert all(g.numel() == 0 or g.abs().max().item() == 0.0 for g in grads)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_partition_equals_many(device, causal):
     """P = 1 (phase 1 writes the output) and P = 8 (7 merges per row, 4 q-chunks) give the same result."""
@@ -395,6 +407,8 @@ def test_plan_partitions_keys_and_chunks_queries():
     assert long.q_chunk <= max(waves_rows, 16384 // long.parts) + long.block_m
     tiny = plan_forward(128, 128, 1, 64, torch.float16, 132)
     assert tiny.final                                                   # the host-cost shape: one launch
+    vit = plan_forward(197, 197, 8 * 3, 64, torch.float16, 132)         # ViT-T/224's attention: one launch
+    assert vit.final and not plan_forward(257, 257, 8 * 3, 64, torch.float16, 132).final
 
 
 def test_every_head_dim_has_tiles():

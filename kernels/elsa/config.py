@@ -56,7 +56,10 @@ BWD_TABLE = {
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at
-# least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P).
+# least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P). Below MIN_SPLIT_N keys one
+# partition: a program's scan is a few tiles, and the split's second launch and summary buffer would cost more
+# host and device time than its parallelism gains (a ViT's 197 tokens: one launch instead of two).
+MIN_SPLIT_N = 256
 TARGET_WAVES = 2
 LONG_N = 4096
 MIN_P_LONG = 2
@@ -181,10 +184,12 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qblocks = -(-nq // bm)
         parts = -(-TARGET_WAVES * sms // max(1, qblocks * bh))
         parts = min(parts, MAX_P, -(-nk // max(MIN_W, bn)))
+        if nk < MIN_SPLIT_N:
+            parts = 1
         if nk >= LONG_N:
             parts = max(parts, MIN_P_LONG)
         parts = max(parts, 1)
-        width = -(-(-(-nk // parts)) // bn) * bn
+        width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
     if parts == 1:

@@ -88,7 +88,6 @@ class _Common:
         strides = [((t.shape[1] * t.shape[2] * t.shape[3], t.shape[2] * t.shape[3], t.shape[3]) if c else
                     tuple(t.stride()[:3])) for t, c in zip((q, k, v), self.copy)]
         self.qkv_strides = (*strides[0], *strides[1], *strides[2])
-        self.has_bias = bias is not None
         if bias is None:
             self.bias_strides = (0, 0, 0, 0)
         else:
@@ -102,7 +101,7 @@ class _Common:
         self.fold_q = q.dtype == torch.float32
         self.scale_in_exp = not self.fold_q and bias is None
         self.prec = dot_precision(q.dtype, precision)
-        # the whole feature: the element types and flags every kernel shares
+        # the constexprs every kernel takes
         self.flags = dict(HEAD_DIM=self.D, BLOCK_D=self.BD, CAUSAL=causal, HAS_BIAS=bias is not None,
                           FOLD_Q=self.fold_q, SCALE_IN_EXP=self.scale_in_exp, DOT_PREC=self.prec)
 
