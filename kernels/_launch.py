@@ -37,7 +37,8 @@ it and without the driver's pointer check). The JIT's global state (hooks, knobs
 
 On by default since its GPU checks passed on the H100 (ELSA's and Cron Root's GPU suites with it on, outputs
 and gradients identical off/on; tests/test_launch.py's gpu test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in
-the environment (read at import) or ``set_enabled(False)`` turns it off: every launch then goes through the JIT, as before.
+the environment (read at import) or ``set_enabled(False)`` turns it off: every launch then goes through the JIT,
+as before.
 """
 from __future__ import annotations
 

@@ -263,8 +263,8 @@ def run(args) -> dict:
     sdpa = res["kernels"].get("sdpa", {})
     for name in names:
         got = res["kernels"].get(name, {})
-        res["ratios"][name] = {mode: round(got[mode]["median_us"] / sdpa[mode]["median_us"], 2)
-                               for mode in MODES if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
+        res["ratios"][name] = {mode: round(got[mode]["median_us"] / sdpa[mode]["median_us"], 2) for mode in MODES
+                               if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
         res["ratios"][name]["target"] = TARGET[name]
     return res
 
@@ -273,15 +273,16 @@ def table(res) -> str:
     m = res["meta"]
     lines = [f"host time per call, us (median of {m['repeats']} x {m['calls']} calls), B=1 H=1 N={m['shape'][2]} "
              f"D=64 {m['dtype']}, {m['device']}, torch {m['torch']}, triton {m['triton']}",
-             f"{'kernel':<11}{'fwd':>10}{'fwd_nograd':>12}{'fwdbwd':>10}{'fwd/sdpa':>10}{'fwdbwd/sdpa':>13}{'target':>8}"]
+             f"{'kernel':<11}" + "".join(f"{h:>12}" for h in MODES) + "".join(f"{h + '/sdpa':>16}" for h in MODES)
+             + f"{'target':>8}"]
 
     def us(entry):
         return f"{entry['median_us']:.1f}" if isinstance(entry, dict) else "-"
 
     for name, modes in res["kernels"].items():
         r = res["ratios"].get(name, {})
-        lines.append(f"{name:<11}{us(modes.get('fwd')):>10}{us(modes.get('fwd_nograd')):>12}{us(modes.get('fwdbwd')):>10}"
-                     f"{r.get('fwd', ''):>10}{r.get('fwdbwd', ''):>13}{r.get('target', ''):>8}")
+        lines.append(f"{name:<11}" + "".join(f"{us(modes.get(h)):>12}" for h in MODES)
+                     + "".join(f"{r.get(h, ''):>16}" for h in MODES) + f"{r.get('target', ''):>8}")
     if res["elsa_pieces"]:
         lines.append("elsa pieces: " + ", ".join(f"{k} {us(v)}" for k, v in res["elsa_pieces"].items()))
     for where, err in res["errors"].items():

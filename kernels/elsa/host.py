@@ -170,7 +170,8 @@ class _FwdPlan:
         final = plan.final
         sbuf = out if final else _empty(self.sbuf_numel, dtype=_f32, device=c.device)
         if final:
-            buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="", summary_ptr=None)
+            buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="",
+                          summary_ptr=None)
         else:
             buffer = dict(summary_buffer=(self.sbuf_numel,), summary_device=str(sbuf.device),
                           summary_dtype=str(sbuf.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())

@@ -95,8 +95,7 @@ def _elsa_bwd_bias_fake(grad_out, q, k, v, out, lse, attn_bias, causal, scale, p
 class _ElsaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, causal, scale, precision, config):
-        with _below_autograd():
-            out, lse = _elsa_fwd(q, k, v, attn_bias, causal, scale, precision, config)
+        out, lse = _elsa_fwd(q, k, v, attn_bias, causal, scale, precision, config)   # Autograd: fallthrough
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.options = (causal, scale, precision, config)
         return out
