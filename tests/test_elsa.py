@@ -134,7 +134,7 @@ def test_one_partition_equals_many(device, causal):
     assert _max_err(many, reference_attention(q, k, v, causal=causal)) <= FWD_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("Nq, Nk", [(40, 200), (200, 40), (130, 130)])
+@pytest.mark.parametrize("Nq, Nk", [(24, 130), (130, 40), (70, 70)])
 def test_multi_partition_causal_offsets_and_groups(device, Nq, Nk):
     """Phase 2 with the bottom-right causal diagonal (partitions past it skipped, rows that see nothing) and a
     key/value group, in fp16 and fp32, fwd and grads."""
