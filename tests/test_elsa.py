@@ -546,12 +546,13 @@ SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2}
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, D", [
     (torch.float32, 64),
-    # a known defect, kept visible: the fp32 D=128 and D=256 dQ and dK/dV kernels spill in every tile (sm_90 compile
-    # check, kernels/elsa/NOTES.md); strict, so the test reports it the day they stop spilling
+    # a known defect, kept visible: the fp32 dK/dV kernel of the 128- and 256-wide tiles (and the dQ kernel of the
+    # 256-wide one) spills in every tile tried (sm_90 compile check, kernels/elsa/NOTES.md); strict, so the test
+    # reports it the day they stop spilling
     pytest.param(torch.float32, 128, marks=pytest.mark.xfail(
-        strict=True, reason="fp32 D=128 backward spills in every tile (sm_90 compile check)")),
+        strict=True, reason="fp32 D=128 dK/dV spills in every tile tried (sm_90 compile check)")),
     pytest.param(torch.float32, 256, marks=pytest.mark.xfail(
-        strict=True, reason="fp32 D=256 spills in every tile (sm_90 compile check)")),
+        strict=True, reason="fp32 D=256 dQ and dK/dV spill in every tile tried (sm_90 compile check)")),
     (torch.float16, 64), (torch.float16, 128), (torch.bfloat16, 64), (torch.float16, 32), (torch.float16, 16),
     (torch.float16, 256)])
 def test_gpu_registered_configs_do_not_spill(dtype, D):
