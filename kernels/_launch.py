@@ -1,11 +1,14 @@
 """Fast launch of Triton kernels: skip the JIT's per-call binding and cache lookup.
 
-    from kernels._launch import launch
+    from kernels._launch import launch, Prepared
     ck = launch(jit_fn, grid, args, constexprs)     # same as jit_fn[grid](*args, **constexprs)
+    go = Prepared(jit_fn, grid, fixed, constexprs)  # a launch whose non-tensor arguments are fixed:
+    go(*tensors)                                    # same as jit_fn[grid](*tensors, *fixed, **constexprs)
 
 Why: on the H100 (torch 2.11, triton 3.6) a JIT launch of the Cron Root forward costs ~21 us of host time,
 calling the compiled kernel's own launcher ~6 us with bit-identical output
-(results/dev/launch_overhead_h100.json); at short sequences that host time is what our kernels lose by.
+(results/dev/launch_overhead_h100.json); at short sequences that host time is what our kernels lose by
+(scripts/host_cost.py measures it per kernel and per piece).
 
 How: the first call for a key goes through the JIT (``jit_fn[grid](...)``), which compiles or finds the
 kernel and returns its CompiledKernel; we store it with the argument values the launcher wants after the
@@ -26,10 +29,16 @@ tracing by torch.compile) takes the JIT path. What the fast path does not do tha
 that the kernel's global constants have not changed since compilation (module constants here, never
 reassigned).
 
-On by default since its GPU checks passed on the H100 (2026-11-23: ELSA's and Cron Root's GPU suites with it
-on, outputs and gradients identical off/on in scripts/gpu/launch_overhead.py; tests/test_launch.py's gpu
-test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in the environment (read at import) or
-``set_enabled(False)`` turns it off: every launch then goes through the JIT, as before.
+``Prepared`` goes one step further for a caller that caches its own launch plans: the caller's cache key holds
+everything ``call_key`` would (shapes, strides, scalars, the tensors' dtypes, alignment and device), so after
+the first call (through ``launch``) it calls the stored CompiledKernel with no key at all, passing the tensors'
+data pointers as ints (the launcher takes an int as the device pointer as it is, without asking the tensor for
+it and without the driver's pointer check). The JIT's global state (hooks, knobs) is still checked per call.
+
+On by default since its GPU checks passed on the H100 (ELSA's and Cron Root's GPU suites with it on, outputs
+and gradients identical off/on; tests/test_launch.py's gpu test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in
+the environment (read at import) or ``set_enabled(False)`` turns it off: every launch then goes through the JIT,
+as before.
 """
 from __future__ import annotations
 
@@ -201,3 +210,42 @@ def launch(jit_fn, grid, args, constexprs):
     ck.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _get_stream(device), ck.function,
            ck.packed_metadata, None, None, None, *args, *tail)
     return ck
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class Prepared:
+    """One launch site whose grid, trailing non-tensor arguments and constexprs are fixed:
+    ``Prepared(jit_fn, grid, fixed, constexprs)(*tensors)`` is ``jit_fn[grid](*tensors, *fixed, **constexprs)``.
+
+    The caller guarantees that every call passes tensors with the dtypes, the 16-byte alignment of the data
+    pointer and the device of its first call (the caller's own cache key holds them), on that device made
+    current. The first call goes through ``launch`` (the JIT compiles or finds the kernel); later calls launch
+    the stored CompiledKernel directly. Disabled fast path, hooks or other JIT state than at the first call,
+    the interpreter and torch.compile tracing take ``launch``'s path every time."""
+
+    __slots__ = ("jit_fn", "grid", "fixed", "constexprs", "_ck", "_tail", "_state", "_device", "_grid3")
+
+    def __init__(self, jit_fn, grid: tuple, fixed: tuple, constexprs: dict):
+        self.jit_fn, self.grid, self.fixed, self.constexprs = jit_fn, tuple(grid), tuple(fixed), constexprs
+        self._grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self._ck = None
+
+    def __call__(self, *tensors):
+        ck = self._ck
+        if ck is not None and _enabled and _state_key(self.jit_fn) == self._state:
+            g = self._grid3
+            ck.run(g[0], g[1], g[2], _get_stream(self._device), ck.function, ck.packed_metadata, None, None, None,
+                   *map(_data_ptr, tensors), *self._tail)
+            return ck
+        ck = launch(self.jit_fn, self.grid, tensors + self.fixed, self.constexprs)
+        if ck is not None and _enabled and not _is_compiling():
+            slot = _caches.get(id(self.jit_fn))
+            if slot is not None and slot[1] is not False:      # eligible: a real CUDA JITFunction
+                state = _state_key(self.jit_fn)
+                if state is not None:
+                    self._state, self._device = state, _get_device()
+                    self._tail = self.fixed + _tail(self.jit_fn, len(tensors) + len(self.fixed), self.constexprs)
+                    self._ck = ck
+        return ck

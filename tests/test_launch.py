@@ -287,26 +287,30 @@ def _run(fn, q, k, v, do, **kw):
 
 
 def _cases():
+    """(name, fn, shape, dtype, kwargs, launches that must take the fast path in one fwd+bwd)."""
     from kernels.cron_root import cron_root_attention
     from kernels.elsa import elsa_attention
 
-    # every ELSA kernel in both dtypes, both masks and all three head dims, in few compilations (each new
-    # shape/dtype compiles five kernels: the full cross product ran past the device call's step limit)
-    for dtype, causal, shape in ((torch.float16, False, (8, 3, 197, 64)), (torch.float16, True, (2, 4, 300, 32)),
+    # every ELSA kernel in both dtypes, both masks and all head-dim tiles, in few compilations (each new
+    # shape/dtype compiles four kernels: the full cross product ran past the device call's step limit); ELSA
+    # launches through kernels._launch.Prepared: 2 forward launches (phase 1, 2) and 2 backward (dQ, dK/dV)
+    for dtype, causal, shape in ((torch.float16, False, (8, 3, 257, 64)), (torch.float16, True, (2, 4, 300, 32)),
                                  (torch.float32, True, (1, 2, 1024, 128)), (torch.float32, False, (2, 4, 300, 64))):
-        yield f"elsa-{dtype}-{causal}-{shape}", elsa_attention, shape, dtype, dict(causal=causal)
+        yield f"elsa-{dtype}-{causal}-{shape}", elsa_attention, shape, dtype, dict(causal=causal), 4
+    # a short sequence: one partition, phase 1 writes the output (one forward launch)
+    yield "elsa-float16-197", elsa_attention, (8, 3, 197, 64), torch.float16, dict(causal=False), 3
     # one global-slot segment: its fp32 atomics then add onto zeros once per element, so dK/dV are
     # deterministic and comparable bit for bit (several segments reorder the adds from run to run)
     for n in (1000, 9000):
         for dtype in (torch.float16, torch.float32):
             yield (f"cron-{dtype}-{n}", cron_root_attention, (1, 4, n, 64), dtype,
-                   dict(_config={"glob": {"segments": 1}}))
+                   dict(_config={"glob": {"segments": 1}}), 4)
 
 
 @pytest.mark.gpu
 def test_gpu_fast_launch_bit_identical(monkeypatch):
     dev = torch.device("cuda")
-    for name, fn, shape, dtype, kw in _cases():
+    for name, fn, shape, dtype, kw, min_fast in _cases():
         q, k, v, do = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(4))
         monkeypatch.setattr(L, "_enabled", False)
         ref = _run(fn, q, k, v, do, **kw)
@@ -322,6 +326,50 @@ def test_gpu_fast_launch_bit_identical(monkeypatch):
         monkeypatch.setattr(L, "_get_stream", counting)  # only the fast path asks for the stream
         fast = _run(fn, q, k, v, do, **kw)
         monkeypatch.setattr(L, "_get_stream", get_stream)
-        assert n_fast[0] >= 4, f"{name}: fast path not taken ({n_fast[0]} launches)"
+        assert n_fast[0] >= min_fast, f"{name}: fast path not taken ({n_fast[0]} launches)"
         for label, a, b, c in zip(("out", "dq", "dk", "dv"), ref, first, fast):
             assert torch.equal(a, b) and torch.equal(a, c), f"{name}: {label} differs with the fast path"
+
+
+# ---- Prepared: a launch site with fixed non-tensor arguments ----
+
+def test_prepared_first_call_through_launch_then_compiled_run_with_pointers(fast):
+    jit = FakeJIT()
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (3, 2), (128, 0.5), CX)
+    assert go(x, y) is jit.ck
+    assert len(jit.jit_calls) == 1 and jit.jit_calls[0] == ((3, 2), (x, y, 128, 0.5), CX) and jit.ck.calls == []
+    x2, y2 = _args()[:2]
+    fast.stream = 3000
+    assert go(x2, y2) is jit.ck
+    assert len(jit.jit_calls) == 1
+    (call,) = jit.ck.calls
+    # grid padded to 3, the stream of the device of the first call, then the data pointers as ints, the fixed
+    # arguments and every later argument in arg_names order (constexprs, the Python default)
+    assert call[:9] == (3, 2, 1, 3000, "cufunction", ("packed",), None, None, None)
+    assert call[9:] == (x2.data_ptr(), y2.data_ptr(), 128, 0.5, 64, 3, True)
+
+
+def test_prepared_takes_the_jit_path_when_disabled_hooked_or_not_eligible(fast, monkeypatch):
+    jit = FakeJIT()
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (1,), (128, 0.5), CX)
+    go(x, y)
+    go(x, y)
+    assert len(jit.jit_calls) == 1 and len(jit.ck.calls) == 1
+    L.set_enabled(False)
+    go(x, y)
+    assert len(jit.jit_calls) == 2 and len(jit.ck.calls) == 1
+    L.set_enabled(True)
+    L._knobs.runtime.launch_enter_hook = Chain([print])
+    go(x, y)
+    assert len(jit.jit_calls) == 3 and len(jit.ck.calls) == 1
+    L._knobs.runtime.launch_enter_hook = Chain()
+    go(x, y)
+    assert len(jit.jit_calls) == 3 and len(jit.ck.calls) == 2
+    monkeypatch.setattr(L, "_eligible", lambda fn: False)
+    other = FakeJIT()
+    go = L.Prepared(other, (1,), (128, 0.5), CX)
+    for _ in range(3):
+        go(x, y)
+    assert len(other.jit_calls) == 3 and other.ck.calls == []

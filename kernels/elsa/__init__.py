@@ -2,6 +2,7 @@
 
 Phase 1 writes one (m, z, s) monoid summary per (query row, key partition) to global memory; phase 2,
 a separate launch, merges them and writes out = s / z. See NOTES.md and shared/specs/elsa.md.
+The public function calls the torch.library ops attnbench::elsa / elsa_fwd / elsa_bwd (ops.py).
 """
 from .attention import HEAD_DIMS, PRECISIONS, elsa_attention
 from .trace import trace_launches
@@ -17,7 +18,8 @@ BACKENDS = {
         devices=("cuda", "cpu"),
         options={"precision": "tf32x3"},
         description="ELSA two-pass parallel scan: phase-1 partition summaries (m,z,s) in HBM, "
-                    "phase-2 merge; exact recompute backward (float32 dots: tf32x3 by default)",
+                    "phase-2 merge; exact recompute backward (float32 dots: tf32x3 by default); "
+                    "grouped-query K/V, Nq != Nk (bottom-right causal), head dims 16-256",
     ),
 }
 

@@ -1,7 +1,9 @@
-"""ELSA launch configurations: a small table per (dtype class, head dim), plus the partition/chunk plan.
+"""ELSA launch configurations: a small table per (dtype class, head-dim tile), the partition / q-chunk plan,
+and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
-No per-call autotuning: a new sequence length must not re-run a tuning sweep. The table values were
-chosen from the H100 sweep in scripts/gpu/elsa_tune.py (see NOTES.md and results/dev/elsa/).
+No per-call autotuning: a new sequence length must not re-run a tuning sweep. The D = 32/64/128 table values
+were chosen from the H100 sweep in scripts/gpu/elsa_tune.py (see NOTES.md and results/dev/elsa/); the
+16- and 256-wide tiles from an sm_90 compile check (registers, spills, shared memory; NOTES.md).
 """
 from __future__ import annotations
 
@@ -11,37 +13,53 @@ from dataclasses import dataclass
 
 import torch
 
-# (dtype class, D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
-# dtype class: "16" for float16/bfloat16, "32" for float32.
+from .._common import block_d, tile_config
+
+# (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
+# dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
+# (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
 FWD_TABLE = {
+    ("16", 16): (128, 64, 4, 3),      # D=64's tiles
     ("16", 32): (128, 64, 4, 3),      # not swept; D=64's tiles
     ("16", 64): (128, 64, 4, 3),      # H100 N=4K 0.120 ms, 16K 1.34 ms; 8 warps was slower (0.173 / 1.38)
     ("16", 128): (64, 64, 4, 3),      # 4K 0.195 ms vs 0.273 for (128, 64, 8, 3); 16K 2.50 vs 2.46
+    ("16", 256): (64, 64, 8, 2),      # sm_90 compile check (not timed): 216 regs, no spills, 160 KB shared
+    ("32", 16): (64, 64, 4, 2),       # D=64's tiles
     ("32", 32): (64, 64, 4, 2),       # not swept; D=64's tiles
     ("32", 64): (64, 64, 4, 2),       # tf32x3 4K 0.756 ms (0.58 x efficient), 249 regs, no spills
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
+    ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
 }
-# Short sequences: a smaller query block gives more programs (N <= SHORT_N).
+# Short sequences: a smaller query block gives more programs (NQ <= SHORT_N).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
 
-# (dtype class, D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
+# (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
 BWD_TABLE = {
+    ("16", 16): ((64, 64, 4, 3), (32, 128, 4, 3)),        # D=64's tiles
     ("16", 32): ((64, 64, 4, 3), (32, 128, 4, 3)),        # not swept; D=64's tiles
     # dkdv (32, 128, 4, 3) spills 2 registers on sm_90 with triton 3.6 (255 regs; 16 with 3.9) and is still the
     # fastest: N=8K bwd 0.99 ms vs 1.13 for the best tile without spills (32, 64, 4, 3) and 1.38 for the same
     # tile at 8 warps (results/dev/elsa/bwd_tiles_h100.log); the GPU spill test allows exactly these 2
     ("16", 64): ((64, 64, 4, 3), (32, 128, 4, 3)),
     ("16", 128): ((128, 32, 8, 3), (32, 128, 8, 3)),      # N=8K bwd 2.03 ms
+    ("16", 256): ((64, 32, 8, 2), (64, 32, 8, 2)),        # sm_90 compile check (not timed): no spills
+    ("32", 16): ((128, 32, 8, 2), (32, 64, 4, 2)),        # D=64's tiles
     ("32", 32): ((128, 32, 8, 2), (32, 64, 4, 2)),        # not swept; D=64's tiles
     ("32", 64): ((128, 32, 8, 2), (32, 64, 4, 2)),        # tf32x3 N=4K bwd 2.89 ms; BN=64 dkdv at 8 warps spills
-    ("32", 128): ((32, 32, 4, 2), (32, 32, 4, 2)),        # not swept: smallest tiles (fp32 D=128 spills first)
+    # fp32 D >= 128 backward: tf32x3 keeps hi/lo copies of every operand live; sm_90 compile check (not timed):
+    # dq (16, 32, 4, 2) is the one tile without spills, dK/dV spills in every tile tried, least at 8 warps
+    ("32", 128): ((16, 32, 4, 2), (32, 32, 8, 2)),
+    ("32", 256): ((16, 32, 8, 2), (16, 16, 8, 2)),
 }
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at
-# least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P).
+# least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P). Below MIN_SPLIT_N keys one
+# partition: a program's scan is a few tiles, and the split's second launch and summary buffer would cost more
+# host and device time than its parallelism gains (a ViT's 197 tokens: one launch instead of two).
+MIN_SPLIT_N = 256
 TARGET_WAVES = 2
 LONG_N = 4096
 MIN_P_LONG = 2
@@ -51,10 +69,14 @@ MAX_P = 16
 # output's bytes (extra memory O(N)), but never below CHUNK_MIN_WAVES waves of programs per launch.
 SUMMARY_BUDGET = 1.0
 CHUNK_MIN_WAVES = 8
-# Phase 2: rows per program and partitions reduced per slab, per D (slab = KBT x ROWS x D fp32).
-PHASE2_ROWS = {32: 64, 64: 32, 128: 16}
+# Phase 2: rows per program and partitions reduced per slab, per BLOCK_D (slab = KBT x ROWS x BLOCK_D fp32).
+PHASE2_ROWS = {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}
 PHASE2_KBT = 2   # 4 spilled at D=64, BM=128 (255 regs); phase 2 is memory-bound anyway
+PHASE2_WARPS = 4
 DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there is no SM count
+
+TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+PLAN_PARAMS = ("partition_width", "q_chunk")   # 0 in the defaults: chosen by the plan
 
 _sm_cache: dict = {}
 
@@ -72,6 +94,57 @@ def dtype_class(dtype: torch.dtype) -> str:
     return "32" if dtype == torch.float32 else "16"
 
 
+# ------------------------------------------------------------------------------------------------
+# Tile-config override: config={part: {param: value}} -> one canonical string (an op argument)
+# ------------------------------------------------------------------------------------------------
+
+def default_config(dtype: torch.dtype, head_dim: int) -> dict:
+    """The tile parameters of every part for this dtype and head dim (the table's; the plan's values are 0 =
+    chosen per call). What ``config=`` may override."""
+    key = (dtype_class(dtype), block_d(head_dim))
+    dq, dkdv = BWD_TABLE[key]
+    return {"fwd": dict(zip(TILE_PARAMS, FWD_TABLE[key])), "plan": dict.fromkeys(PLAN_PARAMS, 0),
+            "dq": dict(zip(TILE_PARAMS, dq)), "dkdv": dict(zip(TILE_PARAMS, dkdv))}
+
+
+def canonical_config(override, dtype: torch.dtype, head_dim: int) -> str:
+    """Validate ``config=`` (kernels._common.tile_config, plus what Triton needs: power-of-two blocks of at least
+    16, power-of-two warps) and return it as "part.param=value;..." (sorted, only the overridden values);
+    "" for none."""
+    if not override:
+        return ""
+    tile_config("elsa", default_config(dtype, head_dim), override)
+    items = []
+    for part, params in override.items():
+        for param, value in params.items():
+            if param.startswith("BLOCK") and (value < 16 or value & (value - 1)):
+                raise ValueError(f"elsa: config[{part!r}][{param!r}] must be a power of two >= 16, got {value}")
+            if param == "num_warps" and value & (value - 1):
+                raise ValueError(f"elsa: config[{part!r}]['num_warps'] must be a power of two, got {value}")
+            items.append(f"{part}.{param}={value}")
+    return ";".join(sorted(items))
+
+
+@functools.lru_cache(maxsize=256)
+def parse_config(text: str) -> dict:
+    """The overrides of a canonical config string: {part: {param: value}}."""
+    parts: dict = {}
+    for item in filter(None, text.split(";")):
+        name, value = item.split("=")
+        part, param = name.split(".")
+        parts.setdefault(part, {})[param] = int(value)
+    return parts
+
+
+def _tiles(part: str, table_value: tuple, overrides: dict) -> tuple:
+    given = overrides.get(part, {})
+    return tuple(given.get(name, default) for name, default in zip(TILE_PARAMS, table_value))
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward plan
+# ------------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class FwdPlan:
     block_m: int
@@ -79,67 +152,79 @@ class FwdPlan:
     num_warps: int
     num_stages: int
     width: int          # W: keys per partition (a multiple of block_n)
-    parts: int          # P = ceil(N / W)
+    parts: int          # P = ceil(NK / W); 1: phase 1 writes the output itself (no phase 2)
     q_chunk: int        # query rows per phase-1/phase-2 launch pair (a multiple of block_m)
     p2_rows: int
     p2_kbt: int
+
+    @property
+    def final(self) -> bool:
+        """One partition: nothing to merge, phase 1 normalises and writes the output (one launch)."""
+        return self.parts == 1
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=1024)   # a pure function of its arguments, called on every forward (host time)
-def plan_forward(n: int, bh: int, d: int, dtype: torch.dtype, device: torch.device, *,
-                 block_m=None, block_n=None, num_warps=None, num_stages=None,
-                 partition_width=None, q_chunk=None) -> FwdPlan:
-    """Tiles, partitions and q-chunks for one forward call. Keyword overrides are test/tuning knobs."""
-    bm, bn, warps, stages = FWD_TABLE[(dtype_class(dtype), d)]
-    if n <= SHORT_N and bm > SHORT_BLOCK_M:
+@functools.lru_cache(maxsize=1024)   # a pure function of its arguments
+def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "") -> FwdPlan:
+    """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
+    streaming multiprocessors; ``config`` a canonical override string (canonical_config)."""
+    bd = block_d(d)
+    overrides = parse_config(config)
+    bm, bn, warps, stages = FWD_TABLE[(dtype_class(dtype), bd)]
+    if nq <= SHORT_N and bm > SHORT_BLOCK_M:
         bm = SHORT_BLOCK_M
-    bm = block_m or bm
-    bn = block_n or bn
-    warps = num_warps or warps
-    stages = num_stages or stages
-    sms = sm_count(device)
-    if partition_width is not None:
-        width = max(bn, -(-int(partition_width) // bn) * bn)
+    bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
+    plan_given = overrides.get("plan", {})
+    if "partition_width" in plan_given:
+        width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
     else:
-        qblocks = -(-n // bm)
+        qblocks = -(-nq // bm)
         parts = -(-TARGET_WAVES * sms // max(1, qblocks * bh))
-        parts = min(parts, MAX_P, -(-n // max(MIN_W, bn)))
-        if n >= LONG_N:
+        parts = min(parts, MAX_P, -(-nk // max(MIN_W, bn)))
+        if nk < MIN_SPLIT_N:
+            parts = 1
+        if nk >= LONG_N:
             parts = max(parts, MIN_P_LONG)
         parts = max(parts, 1)
-        width = -(-(-(-n // parts)) // bn) * bn
-    parts = max(1, -(-n // width))
-    if q_chunk is not None:
-        qc = max(bm, -(-int(q_chunk) // bm) * bm)
+        width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
+    parts = max(1, -(-nk // width))
+    all_rows = -(-max(nq, 1) // bm) * bm
+    if parts == 1:
+        qc = all_rows                                      # no summaries, nothing to chunk
+    elif "q_chunk" in plan_given:
+        qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)
     else:
-        out_bytes = bh * n * d * dtype.itemsize
+        out_bytes = bh * nq * d * dtype.itemsize
         row_bytes = parts * bh * (d + 2) * 4               # summary bytes per query row
         qc_budget = int(SUMMARY_BUDGET * out_bytes) // max(1, row_bytes)
         qc_parallel = bm * -(-CHUNK_MIN_WAVES * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
         qc = -(-qc // bm) * bm
-    qc = min(qc, -(-n // bm) * bm)
-    rows = min(PHASE2_ROWS[d], bm)
+    qc = min(qc, all_rows)
+    rows = min(PHASE2_ROWS[bd], bm)
     kbt = min(PHASE2_KBT, _next_pow2(parts))
     return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt)
 
 
 @dataclass(frozen=True)
 class BwdPlan:
-    dq: tuple
+    dq: tuple       # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     dkdv: tuple
-    pre_block_m: int = 64
 
 
-def plan_backward(d: int, dtype: torch.dtype, *, dq_config=None, dkdv_config=None) -> BwdPlan:
-    dq, dkdv = BWD_TABLE[(dtype_class(dtype), d)]
-    return BwdPlan(tuple(dq_config or dq), tuple(dkdv_config or dkdv))
+@functools.lru_cache(maxsize=256)
+def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
+    dq, dkdv = BWD_TABLE[(dtype_class(dtype), block_d(d))]
+    overrides = parse_config(config)
+    return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
 
 
-def summary_bytes(plan: FwdPlan, n: int, bh: int, d: int) -> int:
-    rows = plan.parts * math.ceil(min(plan.q_chunk, n) / plan.block_m) * bh * plan.block_m
+def summary_bytes(plan: FwdPlan, nq: int, bh: int, d: int) -> int:
+    """Bytes of the fp32 summary buffer of one q-chunk (0 when phase 1 writes the output itself)."""
+    if plan.final:
+        return 0
+    rows = plan.parts * math.ceil(min(plan.q_chunk, nq) / plan.block_m) * bh * plan.block_m
     return rows * (d + 2) * 4

@@ -18,6 +18,7 @@ sys.path.insert(0, os.getcwd())
 
 import torch  # noqa: E402
 
+from kernels.elsa.config import TILE_PARAMS  # noqa: E402
 from elsa_common import (BASELINES, Budget, bench_ms, compiled_info, elsa_attention, fwd_flops, gpu_header,  # noqa: E402
                          make_inputs, sampled_max_abs, write_json)
 
@@ -50,11 +51,14 @@ def log(*a):
     print(*a, flush=True)
 
 
-def run_fwd(dtype, D, N, cfg=None, causal=False, **extra):
+def run_fwd(dtype, D, N, cfg=None, causal=False, precision="tf32x3", **plan):
+    """One forward: phase-1 tiles cfg = (BLOCK_M, BLOCK_N, num_warps, num_stages), plan = partition_width / q_chunk."""
     q, k, v = make_inputs(1, 8, N, D, DT[dtype])
-    kw = dict(extra)
+    config = {"plan": plan} if plan else {}
     if cfg is not None:
-        kw.update(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+        config["fwd"] = dict(zip(TILE_PARAMS, cfg))
+    kw = dict(precision=precision, config=config or None)
+    extra = dict(plan, **({"precision": precision} if precision != "tf32x3" else {}))
     fn = lambda: elsa_attention(q, k, v, causal=causal, **kw)  # noqa: E731
     row = {"dtype": dtype, "D": D, "N": N, "causal": causal, "cfg": cfg, **{kk: vv for kk, vv in extra.items()}}
     try:
@@ -141,7 +145,7 @@ def section_bwd(dtype, D, N, budget):
         bases[b] = baseline(b, dtype, D, N, mode="fwdbwd")
 
     def measure(dkdv, dq):
-        kw = dict(dkdv_config=dkdv, dq_config=dq)
+        kw = dict(config={"dkdv": dict(zip(TILE_PARAMS, dkdv)), "dq": dict(zip(TILE_PARAMS, dq))})
         row = {"dtype": dtype, "D": D, "N": N, "dkdv": dkdv, "dq": dq}
         try:
             out = elsa_attention(q, k, v, **kw)
@@ -173,7 +177,8 @@ def section_bwd(dtype, D, N, budget):
         from kernels.reference import reference_attention
         qs, ks, vs = make_inputs(1, 2, 2048, D, DT[dtype], grad=True, seed=5)
         dos = torch.randn_like(qs)
-        g = torch.autograd.grad(elsa_attention(qs, ks, vs, dkdv_config=best_dkdv), (qs, ks, vs), dos)
+        g = torch.autograd.grad(elsa_attention(qs, ks, vs, config={"dkdv": dict(zip(TILE_PARAMS, best_dkdv))}),
+                                (qs, ks, vs), dos)
         gr = torch.autograd.grad(reference_attention(qs, ks, vs), (qs, ks, vs), dos.double())
         err = max((a.double() - b).abs().max().item() for a, b in zip(g, gr))
         results["bwd"].append({"dtype": dtype, "D": D, "N": 2048, "grad_max_abs": err, "dkdv": best_dkdv})

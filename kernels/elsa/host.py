@@ -1,0 +1,311 @@
+"""ELSA host code: the bodies of the torch.library ops (kernels/elsa/ops.py): buffers and launches.
+
+Forward, per q-chunk of rows [q0, q0 + q_chunk):
+  phase 1  grid (QB, B*Hq, P): program (qb, bh, p) folds the keys of partition p for BLOCK_M query rows
+           into one monoid summary per row, (m, z, s) in fp32, and stores it to global memory;
+  phase 2  grid (QB*BLOCK_M/ROWS, B*Hq), a separate launch: reads only those summaries, merges the
+           partitions of each row (causal: only partitions at or before the block's diagonal) and
+           writes out = s / z (0 for a row with no visible key), plus lse = m + log2 z for training.
+With a single partition (P = 1, short key lengths) there is nothing to merge: phase 1 writes out and lse
+itself, one launch and no summary buffer.
+Backward: a dQ kernel (which also stores Delta = rowsum(dO * O)) then a dK/dV kernel, both rebuilding every
+softmax weight as 2^(x - lse). Extra memory: the summary buffer of one q-chunk plus O(B*Hq*Nq) row terms.
+
+Host cost matters at short sequences (a ViT's 197 tokens): everything that depends only on the call's
+signature (shapes, strides, dtypes, devices, options) is computed once and cached — the partition plan, the
+strides, the grids and every launch's fixed arguments (kernels._launch.Prepared) — so a call is one key
+lookup, its allocations and its launches.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
+from .._launch import Prepared
+from . import trace
+from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count
+from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
+
+_INT32_MAX = 2**31 - 1
+_GRID_Y_MAX = 65535
+# Plans are keyed by the full call signature; a cache that grows past this is cleared (each signature is then
+# planned once more).
+_MAX_PLANS = 1024
+_fwd_plans: dict = {}
+_bwd_plans: dict = {}
+_f32 = torch.float32
+_empty = torch.empty
+_zeros = torch.zeros
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (tests; the next call of each signature plans again)."""
+    _fwd_plans.clear()
+    _bwd_plans.clear()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _signature(q, k, v, bias, causal, scale, precision, config, flag):
+    """Everything a plan depends on: shapes, strides, dtypes, devices, the options, and whether every data
+    pointer is 16-byte aligned (Triton specialises on it; so do the prepared launches)."""
+    if bias is None:
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, causal, scale, precision, config, flag,
+                (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, causal, scale, precision, config, flag,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr() | bias.data_ptr()) & 15 == 0,
+            bias.shape, bias.stride(), bias.dtype, bias.device)
+
+
+def _off_device(device_index) -> bool:
+    """True when the call's CUDA device is not the current one (Triton launches on the current device): the
+    caller then runs under torch.cuda.device(device_index). The common case costs one C call."""
+    return device_index is not None and _cuda_get_device() != device_index
+
+
+class _Common:
+    """What the forward and the backward plan of one signature share."""
+
+    def __init__(self, q, k, v, bias, causal, scale, precision):
+        shape = check_inputs("elsa", q, k, v, causal=causal, scale=scale)   # op called directly: checked too
+        check_precision("elsa", precision)
+        self.B, self.H, self.HKV = shape.batch, shape.heads_q, shape.heads_kv
+        self.NQ, self.NK, self.D = shape.len_q, shape.len_kv, shape.head_dim
+        self.group = shape.group
+        self.BH = self.B * self.H
+        if self.BH > _GRID_Y_MAX:
+            raise ValueError(f"elsa: batch x query heads = {self.BH} exceeds the CUDA grid limit {_GRID_Y_MAX}")
+        self.BD = block_d(self.D)
+        self.dtype = q.dtype
+        self.device = q.device
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.copy = tuple(unit_last("elsa", t) is not t for t in (q, k, v))
+        strides = [((t.shape[1] * t.shape[2] * t.shape[3], t.shape[2] * t.shape[3], t.shape[3]) if c else
+                    tuple(t.stride()[:3])) for t, c in zip((q, k, v), self.copy)]
+        self.qkv_strides = (*strides[0], *strides[1], *strides[2])
+        if bias is None:
+            self.bias_strides = (0, 0, 0, 0)
+        else:
+            view = bias.expand(self.B, self.H, self.NQ, self.NK)
+            self.bias_strides = tuple(view.stride())
+            if (self.NQ - 1) * abs(self.bias_strides[2]) + (self.NK - 1) * abs(self.bias_strides[3]) > _INT32_MAX:
+                raise ValueError("elsa: attn_bias of one head exceeds 2^31 elements (int32 in-head offsets)")
+        self.qk_scale = scale * LOG2E
+        self.scale = scale
+        self.causal = causal
+        self.fold_q = q.dtype == torch.float32
+        self.scale_in_exp = not self.fold_q and bias is None
+        self.prec = dot_precision(q.dtype, precision)
+        # the constexprs every kernel takes
+        self.flags = dict(HEAD_DIM=self.D, BLOCK_D=self.BD, CAUSAL=causal, HAS_BIAS=bias is not None,
+                          FOLD_Q=self.fold_q, SCALE_IN_EXP=self.scale_in_exp, DOT_PREC=self.prec)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+
+class _FwdPlan:
+    """Buffers and prepared launches of the forward of one signature."""
+
+    def __init__(self, q, k, v, bias, causal, scale, precision, config, need_lse):
+        c = self.c = _Common(q, k, v, bias, causal, scale, precision)
+        self.need_lse = need_lse
+        self.out_shape = (c.B, c.H, c.NQ, c.D)
+        self.lse_shape = (c.B, c.H, c.NQ)
+        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config)
+        bm, W, P = plan.block_m, plan.width, plan.parts
+        out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
+        qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
+        nrows = 0 if plan.final else P * qb_max * c.BH * bm
+        self.sbuf_numel = nrows * (c.D + 2)
+        p1_const = dict(c.flags, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final, STORE_LSE=need_lse,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
+                        STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
+        self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
+        if c.BH == 0:
+            return
+        for q0 in range(0, c.NQ, plan.q_chunk):
+            qlen = min(plan.q_chunk, c.NQ - q0)
+            QB = _cdiv(qlen, bm)
+            grid1 = (QB, c.BH, P)
+            p1 = Prepared(_elsa_phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
+                                                c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
+            p2 = None
+            grid2 = (QB * (bm // plan.p2_rows), c.BH)
+            if not plan.final:
+                p2 = Prepared(_elsa_phase2, grid2, (*out_strides, c.H, c.NQ, c.NK, q0, QB, c.BH, P, W, nrows),
+                              p2_const)
+            self.chunks.append((p1, p2, dict(q0=q0, qlen=qlen, QB=QB, grid1=grid1, grid2=grid2)))
+
+    def run(self, q, k, v, bias):
+        c = self.c
+        cq, ck, cv = c.copy
+        if cq or ck or cv:
+            q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        out = _empty(self.out_shape, dtype=c.dtype, device=c.device)
+        lse = _empty(self.lse_shape, dtype=_f32, device=c.device) if self.need_lse else out
+        b = q if bias is None else bias
+        if trace.active():
+            self._run_traced(q, k, v, b, out, lse)
+        elif self.plan.final:
+            for p1, _, _ in self.chunks:
+                p1(q, k, v, b, out, out, lse)
+        else:
+            sbuf = _empty(self.sbuf_numel, dtype=_f32, device=c.device)
+            for p1, p2, _ in self.chunks:
+                p1(q, k, v, b, sbuf, out, lse)
+                p2(sbuf, out, lse)
+        return out, (lse if self.need_lse else None)
+
+    def _run_traced(self, q, k, v, b, out, lse):
+        """run() with one trace event per launch (trace.py; `attnbench verify-2pass` reads them)."""
+        c, plan = self.c, self.plan
+        final = plan.final
+        sbuf = out if final else _empty(self.sbuf_numel, dtype=_f32, device=c.device)
+        if final:
+            buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="",
+                          summary_ptr=None)
+        else:
+            buffer = dict(summary_buffer=(self.sbuf_numel,), summary_device=str(sbuf.device),
+                          summary_dtype=str(sbuf.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())
+        for p1, p2, info in self.chunks:
+            summary_shape = None if final else (plan.parts, info["QB"], c.BH, plan.block_m, c.D)
+            ev = trace.start_event(c.device)
+            k1 = p1(q, k, v, b, sbuf, out, lse)
+            trace.record(start=ev, phase=1, kernel=_elsa_phase1.__name__, grid=info["grid1"],
+                         programs=info["QB"] * c.BH * plan.parts, partitions=plan.parts, partition_width=plan.width,
+                         q_chunk=(info["q0"], info["qlen"]), block_m=plan.block_m, final=final,
+                         args=trace.kernel_arg_names(_elsa_phase1), compiled=k1,
+                         **dict(buffer, summary_shape=summary_shape))
+            if p2 is not None:
+                ev = trace.start_event(c.device)
+                k2 = p2(sbuf, out, lse)
+                trace.record(start=ev, phase=2, kernel=_elsa_phase2.__name__, grid=info["grid2"],
+                             programs=info["grid2"][0] * c.BH, partitions=plan.parts,
+                             q_chunk=(info["q0"], info["qlen"]), args=trace.kernel_arg_names(_elsa_phase2),
+                             compiled=k2, **dict(buffer, summary_shape=summary_shape))
+
+
+def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
+    """The cached plan of this forward signature (made on first use)."""
+    key = _signature(q, k, v, bias, causal, scale, precision, config, need_lse)
+    plan = _fwd_plans.get(key)
+    if plan is None:
+        plan = _FwdPlan(q, k, v, bias, causal, scale, precision, config, need_lse)
+        if len(_fwd_plans) >= _MAX_PLANS:
+            _fwd_plans.clear()
+        _fwd_plans[key] = plan
+    return plan
+
+
+def forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
+    """(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 in log2 units, or None unless need_lse)."""
+    plan = forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)
+    if _off_device(plan.c.device_index):
+        with torch.cuda.device(plan.c.device_index):
+            return plan.run(q, k, v, bias)
+    return plan.run(q, k, v, bias)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+
+class _BwdPlan:
+    """Buffers and prepared launches of the backward of one signature (that of the forward plus dO's layout)."""
+
+    def __init__(self, do, q, k, v, bias, causal, scale, precision, config, bias_grad):
+        c = self.c = _Common(q, k, v, bias, causal, scale, precision)
+        if tuple(do.shape) != (c.B, c.H, c.NQ, c.D) or do.dtype != c.dtype or do.device != c.device:
+            raise ValueError(f"elsa: the output gradient is {tuple(do.shape)} {do.dtype} on {do.device}, expected "
+                             f"{(c.B, c.H, c.NQ, c.D)} {c.dtype} on {c.device}")
+        self.copy_do = unit_last("elsa", do) is not do
+        do_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D) if self.copy_do else tuple(do.stride()[:3])
+        if bias_grad and c.NQ * c.NK > _INT32_MAX:
+            raise ValueError(f"elsa: the attn_bias gradient of one head ({c.NQ} x {c.NK}) exceeds 2^31 elements")
+        self.bias_grad = bias_grad
+        self.q_shape, self.kv_shape = (c.B, c.H, c.NQ, c.D), (c.B, c.HKV, c.NK, c.D)
+        self.lse_shape = (c.B, c.H, c.NQ)
+        self.ds_shape = (c.B, c.H, c.NQ, c.NK)
+        plan = self.plan = plan_backward(c.D, c.dtype, config)
+        out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
+        kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
+        bm, bn, warps, stages = plan.dq
+        self.dq_grid = (_cdiv(c.NQ, bm), c.BH)
+        self.dq = Prepared(_elsa_bwd_dq, self.dq_grid, (
+            *c.qkv_strides, *out_strides, *do_strides, *out_strides, *c.bias_strides,
+            c.H, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
+            c.flags, BLOCK_M=bm, BLOCK_N=bn, BIAS_GRAD=bias_grad, num_warps=warps, num_stages=stages))
+        bm, bn, warps, stages = plan.dkdv
+        self.dkdv_grid = (_cdiv(c.NK, bn), c.B * c.HKV)
+        self.dkdv = Prepared(_elsa_bwd_dkdv, self.dkdv_grid, (
+            *c.qkv_strides, *do_strides, *kv_strides, *kv_strides, *c.bias_strides,
+            c.HKV, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
+            c.flags, BLOCK_M=bm, BLOCK_N=bn, GROUPED=c.group > 1, num_warps=warps, num_stages=stages))
+        # nothing to launch for empty problems: the gradients of zero rows / keys are empty or zero
+        self.empty = c.BH == 0 or c.NQ == 0 or c.NK == 0
+
+    def run(self, do, q, k, v, out, lse, bias):
+        c = self.c
+        cq, ck, cv = c.copy
+        if cq or ck or cv:
+            q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        if self.copy_do:
+            do = do.contiguous()
+        dev = c.device
+        if self.empty:
+            grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
+                     _zeros(self.kv_shape, dtype=c.dtype, device=dev))
+            return grads + (_zeros(self.ds_shape, dtype=_f32, device=dev),) if self.bias_grad else grads
+        dq = _empty(self.q_shape, dtype=c.dtype, device=dev)
+        dk = _empty(self.kv_shape, dtype=c.dtype, device=dev)
+        dv = _empty(self.kv_shape, dtype=c.dtype, device=dev)
+        delta = _empty(self.lse_shape, dtype=_f32, device=dev)
+        ds = delta
+        if self.bias_grad:
+            # causal: the tiles past the diagonal are never visited, so they must start at zero
+            ds = (_zeros if c.causal else _empty)(self.ds_shape, dtype=_f32, device=dev)
+        b = q if bias is None else bias
+        tracing = trace.active()
+        ev = trace.start_event(dev) if tracing else None
+        kq = self.dq(q, k, v, out, do, lse, delta, dq, b, ds)
+        if tracing:
+            trace.record(start=ev, phase="bwd_dq", kernel=_elsa_bwd_dq.__name__, grid=self.dq_grid,
+                         programs=self.dq_grid[0] * c.BH, compiled=kq)
+            ev = trace.start_event(dev)
+        kkv = self.dkdv(q, k, v, do, lse, delta, dk, dv, b)
+        if tracing:
+            trace.record(start=ev, phase="bwd_dkdv", kernel=_elsa_bwd_dkdv.__name__, grid=self.dkdv_grid,
+                         programs=self.dkdv_grid[0] * self.dkdv_grid[1], compiled=kkv)
+        return (dq, dk, dv, ds) if self.bias_grad else (dq, dk, dv)
+
+
+def backward_plan(do, q, k, v, bias, causal: bool, scale: float, precision: str, config: str, bias_grad: bool):
+    """The cached plan of this backward signature (made on first use)."""
+    key = (_signature(q, k, v, bias, causal, scale, precision, config, bias_grad), do.shape, do.stride(),
+           do.dtype, do.data_ptr() & 15 == 0)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        plan = _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)
+        if len(_bwd_plans) >= _MAX_PLANS:
+            _bwd_plans.clear()
+        _bwd_plans[key] = plan
+    return plan
+
+
+def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
+             bias_grad: bool):
+    """(dq, dk, dv), and with bias_grad dscores, the fp32 gradient of the natural-log scores [B, Hq, Nq, Nk]
+    (what attn_bias's gradient sums); dk, dv summed over each key/value head's query group."""
+    plan = backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)
+    if _off_device(plan.c.device_index):
+        with torch.cuda.device(plan.c.device_index):
+            return plan.run(do, q, k, v, out, lse, bias)
+    return plan.run(do, q, k, v, out, lse, bias)
