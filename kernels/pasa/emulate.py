@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from kernels.pasa.attention import DEFAULT_VARIANT, LOG2E, VARIANTS
+from kernels._common import LOG2E, block_d
+from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, VARIANTS
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 
 M_INIT = -60000.0   # initial running max (spec pitfall 3): finite, so inf − inf never happens
@@ -68,9 +69,13 @@ def _reductions(sum_order: str, work: torch.dtype, device, seed: int):
     return matmul, rowsum
 
 
-def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, block_m=128, state_dtype="fp16",
+def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, block_m=None, state_dtype="fp16",
                  round_ybar=False, variant=None, sum_order="torch", order_seed=0, invariance=None):
-    """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, H, N, D] (float64 if exact).
+    """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, Hq, Nq, D] (float64 if exact).
+
+    q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D] as the kernel takes them: grouped-query K/V, causal aligned
+    bottom-right when Nq != Nk, a row that sees no key gives 0. ``block_n`` (the window n) and ``block_m``
+    (the query tile: causal tiles skip the blocks past their last row) default to the kernel's tiles.
 
     ``variant`` is the kernel's main loop (``kernels.pasa.attention.VARIANTS``; None: the default):
     - "ref", Algorithm 1 as written: P̂ = fp16(e^{Ŝ−μ}), ŝ = fp16(ΣP̂), fp16(P̂V), then ℓ = α·ℓ + γ·ŝ and
@@ -94,6 +99,9 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     fused = VARIANTS[variant]
+    tiles = DEFAULT_CONFIGS["pasa"][block_d(q.shape[-1])]["fwd"]
+    block_n = tiles["BLOCK_N"] if block_n is None else block_n
+    block_m = tiles["BLOCK_M"] if block_m is None else block_m
     rs = _rounder(state_dtype)
     exact = state_dtype == "exact"
     r16 = rs if exact else (lambda t: t.half().float())
@@ -101,6 +109,10 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     q, k, v = (t.to(work) if exact else t.to(torch.float16).float() for t in (q, k, v))
     bsz, heads, n_q, d = q.shape
     n_k = k.shape[2]
+    group = heads // k.shape[1]          # grouped-query K/V: query head h reads kv head h // group
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    shift_causal = n_k - n_q             # bottom-right causal: row i sees keys j <= i + n_k − n_q
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     beta = default_beta(block_n, scale) if beta is None else float(beta)
     dev = q.device
@@ -142,7 +154,7 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
             ybar32 = rs(ybar32)
         visible = (real & (keys >= first_new))[None, :].expand(n_q, -1)
         if causal:
-            visible = visible & (keys[None, :] <= rows[:, None])
+            visible = visible & (keys[None, :] <= rows[:, None] + shift_causal)
         s = rs(r16(s32)).masked_fill(~visible, float("-inf"))          # the fp16 score tile
         mu = torch.clamp(s.amax(-1), min=M_INIT)                      # a max of fp16 values: exact
 
@@ -174,11 +186,11 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
         # the kernel visits block j only for query tiles that can see it (causal skips the rest)
         if causal:
             tile_end = (rows // block_m + 1) * block_m
-            seen = (j * block_n < tile_end)
+            seen = (j * block_n < tile_end + shift_causal)
         else:
             seen = torch.ones(n_q, dtype=torch.bool, device=dev)
         m = torch.where(seen, m_new, m)
         ell = torch.where(seen, ell_new, ell)
         g = torch.where(seen, g_new, g)
         acc = torch.where(seen[:, None], acc_new, acc)
-    return rs(acc / ell[..., None])
+    return torch.where(ell[..., None] == 0, 0.0, rs(acc / ell[..., None]))   # a row that saw no key: 0
