@@ -28,13 +28,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels._common import LOG2E, block_d, forward_only_error, launch, on_device
+from kernels._common import LOG2E, block_d, forward_only_error, launch, on_device, unit_last
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
 FORWARD_ONLY_WHY = "PASA is a forward-only (inference) algorithm; the paper defines no backward pass"
 SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memory-bound
-_INT32_MAX = 2**31 - 1
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -104,18 +103,6 @@ def _fa16_plan(options: str, d: int, causal: bool) -> tuple:
     return plan
 
 
-def _strides(name: str, t: Tensor) -> tuple:
-    """(t, its strides): t with a unit feature stride and int32 offsets inside one (batch, head), which is how
-    the kernels address rows (kernels._common.unit_last; inlined: one stride() call per tensor)."""
-    st = t.stride()
-    if st[3] != 1 or (t.shape[2] - 1) * st[2] + t.shape[3] > _INT32_MAX:
-        t = t.contiguous()
-        st = t.stride()
-        if (t.shape[2] - 1) * st[2] + t.shape[3] > _INT32_MAX:
-            raise ValueError(f"{name}: one head of {tuple(t.shape)} exceeds 2^31 elements (int32 in-head offsets)")
-    return t, st
-
-
 def _to_fp16(name: str, q: Tensor, k: Tensor, v: Tensor) -> tuple:
     """bfloat16 -> float16, as the paper prescribes; refuse values that float16 cannot hold instead of making inf.
     The check reads the values back (a device sync), so it runs on this path only, and not while a CUDA graph
@@ -133,9 +120,8 @@ def _to_fp16(name: str, q: Tensor, k: Tensor, v: Tensor) -> tuple:
 
 def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The pre-pass (K̃ = fp16(λM·K) per KV window and kv head) and Algorithm 1 (kernel.py); float16 in and out."""
-    q, sq = _strides("pasa", q)
-    k, sk = _strides("pasa", k)
-    v, sv = _strides("pasa", v)
+    q, k, v = unit_last("pasa", q), unit_last("pasa", k), unit_last("pasa", v)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
     bsz, heads_q, len_q, d = q.shape
     _, heads_kv, len_k, _ = k.shape
     out = torch.empty((bsz, heads_q, len_q, d), device=q.device, dtype=torch.float16)
@@ -157,9 +143,8 @@ def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, op
 
 def fa16_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The FA16-FP32 comparator (kernel.py); float16 in and out."""
-    q, sq = _strides("fa16", q)
-    k, sk = _strides("fa16", k)
-    v, sv = _strides("fa16", v)
+    q, k, v = unit_last("fa16", q), unit_last("fa16", k), unit_last("fa16", v)
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
     bsz, heads_q, len_q, d = q.shape
     _, heads_kv, len_k, _ = k.shape
     out = torch.empty((bsz, heads_q, len_q, d), device=q.device, dtype=torch.float16)
