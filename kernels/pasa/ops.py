@@ -4,7 +4,7 @@
         options: "beta=<float|None> state=<fp16|fp32> loop=<ref|fused> tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
     attnbench::fa16_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
-    attnbench::forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name)
+    attnbench::pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name)
         -> (Tensor, Tensor, Tensor)      raises ForwardOnlyError when it runs
 
 Each forward op takes q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D] (validated by the public functions in
@@ -191,14 +191,14 @@ for _name, _impl in (("pasa_fwd", _pasa_fwd), ("fa16_fwd", _fa16_fwd)):
     _lib.define(_name + _FORWARD_SCHEMA)
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"attnbench::{_name}", _forward_fake, lib=_lib)
-_lib.define("forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name) "
+_lib.define("pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name) "
             "-> (Tensor, Tensor, Tensor)")
-_lib.impl("forward_only_backward", _forward_only_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("attnbench::forward_only_backward", _forward_only_backward_fake, lib=_lib)
+_lib.impl("pasa_forward_only_backward", _forward_only_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("attnbench::pasa_forward_only_backward", _forward_only_backward_fake, lib=_lib)
 
 pasa_fwd = torch.ops.attnbench.pasa_fwd.default
 fa16_fwd = torch.ops.attnbench.fa16_fwd.default
-forward_only_backward = torch.ops.attnbench.forward_only_backward.default
+forward_only_backward = torch.ops.attnbench.pasa_forward_only_backward.default
 
 
 def _register_forward_only(name: str) -> None:
