@@ -166,20 +166,32 @@ PASA_CANDIDATES = {
 
 
 def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
-    import triton.language as tl
-
+    from kernels._common import block_d
     from kernels.pasa import kernel as K
-    from kernels.pasa.attention import DEFAULT_CONFIGS, VARIANTS
+    from kernels.pasa.attention import DEFAULT_CONFIGS, TILE_PARAMS, VARIANTS
+    from kernels.pasa.ops import SHIFT_WARPS
 
+    ptrs, floats = {"Q", "KS", "V", "O", "K"}, {"c_arg", "diag", "off", "qk_scale"}
+    stride = re.compile(r"^stride_").match
     jobs = []
-    for d, state in itertools.product(dims, ("fp16", "fp32")):   # PASA converts every input to fp16
-        configs = PASA_CANDIDATES[d] if tiles else [DEFAULT_CONFIGS["pasa"][d]]
-        for (bm, bn, w, st), causal, variant in itertools.product(configs, (False, True), VARIANTS):
-            meta = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, CAUSAL=causal,
-                        STATE={"fp16": tl.float16, "fp32": tl.float32}[state], FUSED=VARIANTS[variant])
-            jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, {"Q", "KS", "V", "O", "K"},
-                            floats={"c_arg", "diag", "off", "qk_scale"},
-                            label=dict(D=d, variant=variant, causal=causal, state=state, cfg=[bm, bn, w, st])))
+    for d in dims:   # PASA converts every input to fp16: one dtype
+        shipped = tuple(DEFAULT_CONFIGS["pasa"][block_d(d)]["fwd"][p] for p in TILE_PARAMS)
+        configs = PASA_CANDIDATES.get(d, [shipped]) if tiles else [shipped]
+        for bm, bn, w, st in configs:
+            meta = dict(BLOCK_N=bn, D=d, BLOCK_D=block_d(d))
+            jobs.append(Job("pasa", "shift_k", K._shift_k_kernel, "fp16", meta, SHIFT_WARPS, 1, ptrs, floats=floats,
+                            div16=stride, label=dict(D=d, cfg=[bn, SHIFT_WARPS, 1])))
+            for causal, state in itertools.product((False, True), ("fp16", "fp32")):
+                for variant in VARIANTS:
+                    meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal,
+                                STATE_FP32=state == "fp32", FUSED=VARIANTS[variant])
+                    jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
+                                    div16=stride, label=dict(D=d, variant=variant, causal=causal, state=state,
+                                                             cfg=[bm, bn, w, st])))
+            for causal in (False, True):
+                meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal)
+                jobs.append(Job("pasa", "fa16", K._fa16_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
+                                div16=stride, label=dict(D=d, causal=causal, cfg=[bm, bn, w, st])))
     return jobs
 
 

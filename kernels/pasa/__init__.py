@@ -1,13 +1,14 @@
 """PASA: FlashAttention with online pseudo-average shifting, overflow-free in fp16 (arXiv:2503.01873).
 
-Forward only, Triton. ``pasa_attention`` is the kernel; ``fa16_attention`` is the partially
-low-precision FlashAttention (fp16 scores, no shift) the paper shows overflowing; ``beta`` solves the
-paper's optimal-accuracy condition; ``emulate`` is a PyTorch model of the kernel's roundings.
+Forward only, Triton, as torch.library ops (``ops``). ``pasa_attention`` is the kernel; ``fa16_attention``
+is the partially low-precision FlashAttention (fp16 scores, no shift) the paper shows overflowing; ``beta``
+solves the paper's optimal-accuracy condition; ``emulate`` is a PyTorch model of the kernel's roundings.
 """
-from kernels.pasa.attention import BACKWARD_ERROR, fa16_attention, pasa_attention
+from kernels._common import HEAD_DIMS
+from kernels.pasa.attention import fa16_attention, pasa_attention
 from kernels.pasa.beta import default_beta, solve_beta
 
-_COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, True), head_dims=(64, 128),
+_COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, True), head_dims=HEAD_DIMS,
                devices=("cuda", "cpu"))
 
 BACKENDS = {
@@ -21,4 +22,4 @@ BACKENDS = {
                  **_COMMON),
 }
 
-__all__ = ["BACKENDS", "BACKWARD_ERROR", "pasa_attention", "fa16_attention", "solve_beta", "default_beta"]
+__all__ = ["BACKENDS", "pasa_attention", "fa16_attention", "solve_beta", "default_beta"]

@@ -3,9 +3,16 @@
 It exists to check the kernel (same windows, same block order, same fp16 roundings up to the order of
 fp32 summations) and to explore the precision allocation on the CPU without the Triton interpreter.
 Everything is computed in float32 and rounded to the state format exactly where the kernel rounds (an
-fp16 operation is an fp32 operation rounded once). Both main-loop variants are modelled; with β = 0 (no
-ȳ amplification) the interpreted kernel matches this model bit for bit on ≥ 99 % of the outputs
-(``tests/test_pasa.py::test_kernel_matches_its_emulation``). Forward only; vectorised over batch, heads, rows.
+fp16 operation is an fp32 operation rounded once). Both main-loop variants are modelled. Forward only;
+vectorised over batch, heads, rows.
+
+What it cannot model is the order of the kernel's fp32 sums (the two GEMMs, ȳ, ℓ's row sum): that belongs to
+the tensor cores, or to NumPy and the CPU in the Triton interpreter. Two orders of one sum of n terms differ by
+at most ~n·2⁻²⁴·Σ|terms|, far below half an fp16 ulp, so the following fp16 rounding agrees except near a
+rounding boundary, where it moves by one ulp. ``sum_order`` makes that visible: "torch" (the default) sums as
+torch does on this machine, "permuted" sums every reduction in a seeded random order of its terms, "float64"
+sums exactly (float64, rounded once to float32). ``tests/test_pasa.py`` bounds the kernel's distance from this
+model by the arithmetic and checks the same bound between the orders, so it holds on any CPU.
 """
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ import math
 
 import torch
 
-from kernels.pasa.attention import DEFAULT_VARIANT, LOG2E, VARIANTS
+from kernels._common import LOG2E, block_d
+from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, VARIANTS
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 
 M_INIT = -60000.0   # initial running max (spec pitfall 3): finite, so inf − inf never happens
@@ -35,9 +43,39 @@ def kv_windows(n_keys: int, block_n: int):
     return [(min(j * block_n, max(n_keys - block_n, 0)), j * block_n) for j in range(t_c)]
 
 
-def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, block_m=128, state_dtype="fp16",
-                 round_ybar=False, variant=None):
-    """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, H, N, D] (float64 if exact).
+SUM_ORDERS = ("torch", "permuted", "float64")
+
+
+def _reductions(sum_order: str, work: torch.dtype, device, seed: int):
+    """(matmul, rowsum) computing the fp32 reductions in the asked order (module docstring)."""
+    if sum_order not in SUM_ORDERS:
+        raise ValueError(f"sum_order must be one of {', '.join(SUM_ORDERS)}, got {sum_order!r}")
+    if sum_order == "torch" or work == torch.float64:
+        return (lambda a, b: a @ b), (lambda x: x.sum(-1))
+    if sum_order == "float64":
+        return (lambda a, b: (a.double() @ b.double()).to(work)), (lambda x: x.double().sum(-1).to(work))
+    gen = torch.Generator().manual_seed(seed)
+
+    def perm(n):
+        return torch.randperm(n, generator=gen).to(device)
+
+    def matmul(a, b):
+        p = perm(a.shape[-1])
+        return a[..., p] @ b[..., p, :]
+
+    def rowsum(x):
+        return x[..., perm(x.shape[-1])].sum(-1)
+
+    return matmul, rowsum
+
+
+def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, block_m=None, state_dtype="fp16",
+                 round_ybar=False, variant=None, sum_order="torch", order_seed=0, invariance=None):
+    """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, Hq, Nq, D] (float64 if exact).
+
+    q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D] as the kernel takes them: grouped-query K/V, causal aligned
+    bottom-right when Nq != Nk, a row that sees no key gives 0. ``block_n`` (the window n) and ``block_m``
+    (the query tile: causal tiles skip the blocks past their last row) default to the kernel's tiles.
 
     ``variant`` is the kernel's main loop (``kernels.pasa.attention.VARIANTS``; None: the default):
     - "ref", Algorithm 1 as written: P̂ = fp16(e^{Ŝ−μ}), ŝ = fp16(ΣP̂), fp16(P̂V), then ℓ = α·ℓ + γ·ŝ and
@@ -54,9 +92,16 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     ``round_ybar=True`` rounds the local pseudo-average ȳ to the state format before use, as the
     released NPU code stores it; the kernel keeps ȳ in fp32 (see ``kernels.pasa.kernel``), and this
     switch shows why: on biased inputs the rounding error of ȳ, times c ≈ 63.5, dominates.
+
+    ``sum_order``: the order of the fp32 sums (module docstring; ``order_seed`` seeds "permuted").
+    ``invariance``: the recovery constant c; None is the kernel's c = β/(1 − β) (a test gives another to see
+    what an error in c would do).
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     fused = VARIANTS[variant]
+    tiles = DEFAULT_CONFIGS["pasa"][block_d(q.shape[-1])]["fwd"]
+    block_n = tiles["BLOCK_N"] if block_n is None else block_n
+    block_m = tiles["BLOCK_M"] if block_m is None else block_m
     rs = _rounder(state_dtype)
     exact = state_dtype == "exact"
     r16 = rs if exact else (lambda t: t.half().float())
@@ -64,6 +109,10 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
     q, k, v = (t.to(work) if exact else t.to(torch.float16).float() for t in (q, k, v))
     bsz, heads, n_q, d = q.shape
     n_k = k.shape[2]
+    group = heads // k.shape[1]          # grouped-query K/V: query head h reads kv head h // group
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    shift_causal = n_k - n_q             # bottom-right causal: row i sees keys j <= i + n_k − n_q
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     beta = default_beta(block_n, scale) if beta is None else float(beta)
     dev = q.device
@@ -76,7 +125,9 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
         arg = s.double() * log2e.double() - (off * log2e).double()[..., None]
         return torch.exp2(arg.to(work))
 
-    c = rs(torch.tensor(ideal_invariance(beta), device=dev, dtype=work))
+    matmul, rowsum = _reductions(sum_order, work, dev, order_seed)
+    c = ideal_invariance(beta) if invariance is None else float(invariance)
+    c = rs(torch.tensor(c, device=dev, dtype=work))
     if exact:
         diag, off = scale * (1.0 - beta / block_n), -scale * beta / block_n
     else:
@@ -96,14 +147,14 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
         v_win = torch.zeros(bsz, heads, block_n, d, device=dev, dtype=work)
         k_win[:, :, real] = k[:, :, keys[real]]
         v_win[:, :, real] = v[:, :, keys[real]]
-        k_shift = r16(shift @ k_win)                                   # ② K̃ = fp16(M·K), fp32 accumulation
-        s32 = q @ k_shift.transpose(-1, -2)                            # scaled and shifted logits, fp32
-        ybar32 = s32.mean(-1)                                          # ③ local pseudo-average, from fp32
+        k_shift = r16(matmul(shift, k_win))                            # ② K̃ = fp16(M·K), fp32 accumulation
+        s32 = matmul(q, k_shift.transpose(-1, -2))                     # scaled and shifted logits, fp32
+        ybar32 = rowsum(s32) / block_n                                 # ③ local pseudo-average, from fp32
         if round_ybar:
             ybar32 = rs(ybar32)
         visible = (real & (keys >= first_new))[None, :].expand(n_q, -1)
         if causal:
-            visible = visible & (keys[None, :] <= rows[:, None])
+            visible = visible & (keys[None, :] <= rows[:, None] + shift_causal)
         s = rs(r16(s32)).masked_fill(~visible, float("-inf"))          # the fp16 score tile
         mu = torch.clamp(s.amax(-1), min=M_INIT)                      # a max of fp16 values: exact
 
@@ -118,12 +169,12 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
             alpha = rs(exp(cand_old - m_new))
             frame = torch.clamp(m_new - d_cur, min=M_INIT)
             p = rs(exp_fma(s, frame))
-            ell_new = rs(alpha * ell + p.sum(-1))
-            acc_new = rs(alpha[..., None] * acc + r16(p) @ v_win)
+            ell_new = rs(alpha * ell + rowsum(p))
+            acc_new = rs(alpha[..., None] * acc + matmul(r16(p), v_win))
         else:       # ④ as written: the local softmax, then γ on the rounded ŝ and P̂·V
             p = rs(exp(s - mu[..., None]))
-            s_sum = rs(p.sum(-1))
-            pv = rs(r16(p) @ v_win)
+            s_sum = rs(rowsum(p))
+            pv = rs(matmul(r16(p), v_win))
             cand_new = mu + d_cur
             m_new = torch.maximum(cand_new, cand_old)
             alpha = rs(exp(cand_old - m_new))
@@ -135,11 +186,11 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=128, bloc
         # the kernel visits block j only for query tiles that can see it (causal skips the rest)
         if causal:
             tile_end = (rows // block_m + 1) * block_m
-            seen = (j * block_n < tile_end)
+            seen = (j * block_n < tile_end + shift_causal)
         else:
             seen = torch.ones(n_q, dtype=torch.bool, device=dev)
         m = torch.where(seen, m_new, m)
         ell = torch.where(seen, ell_new, ell)
         g = torch.where(seen, g_new, g)
         acc = torch.where(seen[:, None], acc_new, acc)
-    return rs(acc / ell[..., None])
+    return torch.where(ell[..., None] == 0, 0.0, rs(acc / ell[..., None]))   # a row that saw no key: 0

@@ -1,8 +1,9 @@
 """Triton kernels for PASA (online pseudo-average shifting attention) and its fa16 comparator.
 
 Three kernels, one idea each:
-- ``_shift_k_kernel``  the pre-pass: K̃_j = fp16(λM · K_j) for every KV window, one tensor-core matmul
-  per window (paper steps ①②). It costs one pass over K and writes a K-sized fp16 buffer.
+- ``_shift_k_kernel``  the pre-pass: K̃_j = fp16(λM · K_j) for every KV window of every key/value head, one
+  tensor-core matmul per window (paper steps ①②). It costs one pass over K and writes a K-sized fp16 buffer
+  (Hkv heads: grouped query heads share it, spec pitfall 10).
 - ``_pasa_fwd_kernel`` Algorithm 1 of the spec: the FA-2 loop on the shifted keys, in the paper's full
   low-precision allocation (fp16 score tile, fp16 softmax state, fp16 output accumulator), with the
   online recovery of the global pseudo-average and the corrected max/sum/output updates (③④).
@@ -10,6 +11,12 @@ Three kernels, one idea each:
   the H100), ``_pasa_block_fused`` folds γ into the exponent and accumulates P·V in place (variant="fused").
 - ``_fa16_fwd_kernel`` the comparator "FA16-FP32": the same tiling, the unscaled QKᵀ rounded to fp16
   (which is where partially-low-precision FlashAttention overflows), everything else in fp32.
+
+Shapes (the kernel contract, kernels/_common.py): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D] read in place
+through their batch/head/row strides (unit feature stride); query head h reads key/value head h // (Hq / Hkv);
+causal is aligned bottom-right (row i sees keys j <= i + Nk − Nq) and a row that sees no key gives 0; D is any
+multiple of 8 up to 256, padded with masked zero columns to BLOCK_D (a power of two), which add nothing to the
+products.
 
 Precision model (shared with ``kernels.pasa.emulate``): a matmul accumulates in fp32 and its result is
 rounded once; a row reduction (sum) accumulates in fp32 and is rounded once; every elementwise op
@@ -24,63 +31,80 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
-M_INIT = tl.constexpr(-60000.0)   # (constexpr: triton 3.6 refuses plain globals in kernels) initial running max: finite in fp16, so inf − inf can never happen (spec pitfall 3)
+from kernels._common import LOG2E as _LOG2E
+
+# constexprs: triton 3.6 refuses plain globals inside kernels
+LOG2E = tl.constexpr(_LOG2E)
+M_INIT = tl.constexpr(-60000.0)   # the initial running max: finite in fp16, so inf − inf never happens (pitfall 3)
 
 
 @triton.jit
-def _shift_k_kernel(K, KS, N, diag, off, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """KS[bh, j·n + t] = fp16(Σ_s M[t, s] · K[bh, start_j + s]): the KV window j shifted and scaled."""
+def _shift_k_kernel(K, KS, stride_kb, stride_kh, stride_kn, H_KV, N_K, diag, off,
+                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """KS[b, h, j·n + t] = fp16(Σ_s M[t, s] · K[b, h, start_j + s]): the KV window j of key/value head h shifted
+    and scaled. K is read in place (any batch/head/row strides, unit feature stride); KS is contiguous
+    [B, H_KV, T_c·n, BLOCK_D], its padded columns zero (so the main loop loads it without masks)."""
     j = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n_blocks = tl.cdiv(N, BLOCK_N)
+    bh = tl.program_id(1)
+    b = (bh // H_KV).to(tl.int64)
+    h = (bh % H_KV).to(tl.int64)
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
     # The last, ragged block uses the window [N − n, N): n real keys, so its mean is not diluted by
     # padding (spec §3). Only N < n pads, with zeros (exact: those columns are masked after ȳ).
-    start = tl.minimum(j * BLOCK_N, tl.maximum(N - BLOCK_N, 0))
+    start = tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
     t = tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_D)
     keys = start + t
-    k = tl.load(K + bh * N * HEAD_DIM + keys[:, None] * HEAD_DIM + cols[None, :],
-                mask=keys[:, None] < N, other=0.0)
+    mask = keys[:, None] < N_K
+    if D < BLOCK_D:
+        mask = mask & (cols[None, :] < D)
+    k = tl.load(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_kn + cols[None, :], mask=mask, other=0.0)
     # λM = diag on the diagonal, off elsewhere; both already fp16 values, so the cast is exact.
     shift = tl.where(t[:, None] == t[None, :], diag, off).to(tl.float16)
     k_shift = tl.dot(shift, k)
-    tl.store(KS + bh * n_blocks * BLOCK_N * HEAD_DIM + (j * BLOCK_N + t)[:, None] * HEAD_DIM + cols[None, :],
-             k_shift.to(tl.float16))
+    tl.store(KS + bh.to(tl.int64) * n_blocks * BLOCK_N * BLOCK_D + (j * BLOCK_N + t)[:, None] * BLOCK_D
+             + cols[None, :], k_shift.to(tl.float16))
 
 
 @triton.jit
-def _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   MASKED: tl.constexpr):
+def _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
     """KV block j of both loops: its key positions, the shifted K̃ tile and the V tile. The ragged last block
-    is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole blocks, so its
-    loads never need a mask."""
+    is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole blocks and to
+    BLOCK_D columns, so its loads never need a mask."""
     t = tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
-    start = tl.minimum(j * BLOCK_N, tl.maximum(N - BLOCK_N, 0))
+    cols = tl.arange(0, BLOCK_D)
+    start = tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
     keys = start + t
-    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * HEAD_DIM + cols[None, :])
+    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * BLOCK_D + cols[None, :])
+    v_ptrs = V + v_base + keys[:, None] * stride_vn + cols[None, :]
     if MASKED:
-        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
+        if D < BLOCK_D:
+            v = tl.load(v_ptrs, mask=(keys[:, None] < N_K) & (cols[None, :] < D), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=keys[:, None] < N_K, other=0.0)
+    elif D < BLOCK_D:
+        v = tl.load(v_ptrs, mask=cols[None, :] < D, other=0.0)
     else:
-        v = tl.load(V + v_base + keys[:, None] * HEAD_DIM + cols[None, :])
+        v = tl.load(v_ptrs)
     return keys, k_shift, v
 
 
 @triton.jit
-def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                STATE: tl.constexpr):
-    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc)."""
-    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N, HEAD_DIM, MASKED)
+def _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, STATE: tl.constexpr):
+    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc). `last_key`: per query row,
+    the last key it may see when causal (row + N_K − N_Q, bottom-right aligned)."""
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))                  # λ·(QKᵀ)·M₀ in fp32 registers
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ local pseudo-average over all n columns, pre-mask
     s = s32.to(tl.float16).to(STATE)                     # the fp16 score tile of the paper
     if MASKED:
-        visible = ((keys >= j * BLOCK_N) & (keys < N))[None, :]   # overlap / padding columns
+        visible = ((keys >= j * BLOCK_N) & (keys < N_K))[None, :]   # overlap / padding columns
         if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
+            visible = visible & (keys[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
     # Uncorrected local softmax (eq 3). The clamp keeps a row that sees nothing in this block finite.
     mu = tl.maximum(tl.max(s, 1), M_INIT)
@@ -107,9 +131,9 @@ def _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
 
 @triton.jit
-def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      STATE: tl.constexpr):
+def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                      MASKED: tl.constexpr, STATE: tl.constexpr):
     """One step of Algorithm 1 in FlashAttention's in-place form; returns the updated (m, ell, g, acc).
 
     The frame bookkeeping (μ, G, δ_cur, δ_prev, m_new, α, all in the state format) comes first, then the
@@ -122,15 +146,15 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
     Every rounding is an explicit cast (tl.max promotes fp16 to fp32, and promotion rules differ between
     Triton versions); ``kernels.pasa.emulate`` (variant "fused") performs the same operations."""
-    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, j, N, BLOCK_N, HEAD_DIM, MASKED)
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ from the fp32 accumulator, pre-mask
     s = s32.to(tl.float16).to(tl.float32)                # the fp16 score tile Ŝ (its values, held in fp32)
     if MASKED:
-        visible = ((keys >= j * BLOCK_N) & (keys < N))[None, :]
+        visible = ((keys >= j * BLOCK_N) & (keys < N_K))[None, :]
         if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
+            visible = visible & (keys[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
     mu = tl.maximum(tl.max(s, 1), M_INIT).to(STATE)      # exact: a max of fp16 values
 
@@ -152,31 +176,61 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
 
 
 @triton.jit
-def _pasa_step(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-               STATE: tl.constexpr, FUSED: tl.constexpr):
+def _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
     """One KV block with the chosen main loop (attention.VARIANTS)."""
     if FUSED:
-        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-                                           BLOCK_N, HEAD_DIM, CAUSAL, MASKED, STATE)
+        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j,
+                                           N_K, BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
     else:
-        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, rows, m, ell, g, acc, c, j, N,
-                                     BLOCK_N, HEAD_DIM, CAUSAL, MASKED, STATE)
+        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                     BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
     return m, ell, g, acc
 
 
 @triton.jit
-def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     CAUSAL: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
+def _block_range(i, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The KV blocks query tile i visits: [0, hi_full) need no mask at all (the whole window new, inside N_K and,
+    if causal, visible to every row of the tile); [hi_full, hi) are the ragged last block and the diagonal
+    blocks. Causal is bottom-right aligned: row r sees keys up to r + N_K − N_Q (a row may see none)."""
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
+    if CAUSAL:
+        shift = N_K - N_Q
+        hi = tl.minimum(n_blocks, tl.cdiv(tl.maximum(i * BLOCK_M + BLOCK_M + shift, 0), BLOCK_N))
+        hi_full = tl.minimum(tl.maximum(i * BLOCK_M + shift + 1, 0) // BLOCK_N, N_K // BLOCK_N)
+    else:
+        hi = n_blocks
+        hi_full = N_K // BLOCK_N
+    return hi_full, hi
+
+
+@triton.jit
+def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, stride_vh, stride_vn,
+                     stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, c_arg,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CAUSAL: tl.constexpr, STATE_FP32: tl.constexpr, FUSED: tl.constexpr):
+    """Query tile i of query head h: Algorithm 1 over the KV blocks of key/value head h // (H_Q // H_KV)
+    (grouped-query attention reads the shared K̃ and V in place). The softmax state is fp16 (the paper's
+    allocation) or, with STATE_FP32, fp32 (its hybrid mode); a bool, not a dtype, so the launch key stays plain."""
+    STATE: tl.constexpr = tl.float32 if STATE_FP32 else tl.float16
     i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    base = bh * N * HEAD_DIM
-    ks_base = bh * n_blocks * BLOCK_N * HEAD_DIM
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = (h // (H_Q // H_KV)).to(tl.int64)
+    h = h.to(tl.int64)
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
+    ks_base = (b * H_KV + hk) * n_blocks * BLOCK_N * BLOCK_D
+    v_base = b * stride_vb + hk * stride_vh
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=rows[:, None] < N, other=0.0)
+    cols = tl.arange(0, BLOCK_D)
+    io_mask = rows[:, None] < N_Q
+    if D < BLOCK_D:
+        io_mask = io_mask & (cols[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols[None, :], mask=io_mask,
+                other=0.0)
+    last_key = rows + (N_K - N_Q)
 
     # c as a row vector in the state format (a runtime scalar arg is fp32, or a Python float when interpreted)
     c = (tl.zeros([BLOCK_M], tl.float32) + c_arg).to(STATE)
@@ -184,80 +238,93 @@ def _pasa_fwd_kernel(Q, KS, V, O, N, c_arg,
     ell = tl.zeros([BLOCK_M], STATE)
     g = tl.zeros([BLOCK_M], STATE)
     if FUSED:   # the wgmma accumulator itself (holds α·A + P·V until its next read rounds it)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], STATE)
-    # Blocks [0, hi_full) need no mask at all (whole window new, inside N, below the diagonal);
-    # [hi_full, hi) are the ragged last block and, if causal, the diagonal blocks.
-    if CAUSAL:
-        hi = tl.minimum(n_blocks, tl.cdiv((i + 1) * BLOCK_M, BLOCK_N))
-        hi_full = tl.minimum((i * BLOCK_M) // BLOCK_N, N // BLOCK_N)
-    else:
-        hi = n_blocks
-        hi_full = N // BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_D], STATE)
+    hi_full, hi = _block_range(i, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(0, hi_full):
-        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                    BLOCK_N, HEAD_DIM, CAUSAL, False, STATE, FUSED)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                    BLOCK_N, D, BLOCK_D, CAUSAL, False, STATE, FUSED)
     for j in range(hi_full, hi):
-        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, base, rows, m, ell, g, acc, c, j, N,
-                                    BLOCK_N, HEAD_DIM, CAUSAL, True, STATE, FUSED)
-    out = acc.to(STATE) / ell[:, None]                   # eq 8, in the state format
-    tl.store(O + base + rows[:, None] * HEAD_DIM + cols[None, :], out.to(O.dtype.element_ty),
-             mask=rows[:, None] < N)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                    BLOCK_N, D, BLOCK_D, CAUSAL, True, STATE, FUSED)
+    # eq 8, in the state format; a row that saw no key (bottom-right causal with N_Q > N_K) has ℓ = 0 and gives 0
+    out = tl.where((ell == 0)[:, None], 0.0, acc.to(STATE) / ell[:, None])
+    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :],
+             out.to(O.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _fa16_block(q, K, V, base, rows, m, ell, acc, qk_scale, j, N,
-                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+def _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale, j, N_K,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr):
     keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, BLOCK_D)
+    k_ptrs = K + k_base + keys[:, None] * stride_kn + cols[None, :]
+    v_ptrs = V + v_base + keys[:, None] * stride_vn + cols[None, :]
     if MASKED:
-        k = tl.load(K + base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
-        v = tl.load(V + base + keys[:, None] * HEAD_DIM + cols[None, :], mask=keys[:, None] < N, other=0.0)
+        kv_mask = keys[:, None] < N_K
+        if D < BLOCK_D:
+            kv_mask = kv_mask & (cols[None, :] < D)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif D < BLOCK_D:
+        k = tl.load(k_ptrs, mask=cols[None, :] < D, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[None, :] < D, other=0.0)
     else:
-        k = tl.load(K + base + keys[:, None] * HEAD_DIM + cols[None, :])
-        v = tl.load(V + base + keys[:, None] * HEAD_DIM + cols[None, :])
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     # The unscaled score leaves the matrix unit in fp16: > 65504 becomes inf (the overflow under test);
     # the static scale is applied afterwards, in fp32, together with log2(e) for exp2.
     s = tl.dot(q, tl.trans(k)).to(tl.float16).to(tl.float32) * qk_scale
     if MASKED:
-        visible = (keys < N)[None, :]
+        visible = (keys < N_K)[None, :]
         if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
+            visible = visible & (keys[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])                      # +inf score: inf − inf = NaN, as on the NPU
+    # a row with no visible key so far keeps m = −inf: offset by 0 so that −inf − (−inf) never happens; a +inf
+    # score (fp16 overflow) keeps m_new = +inf and gives inf − inf = NaN, as on the NPU
+    m_off = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_off)
+    p = tl.exp2(s - m_off[:, None])
     ell = ell * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
     return m_new, ell, acc
 
 
 @triton.jit
-def _fa16_fwd_kernel(Q, K, V, O, N, qk_scale,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+def _fa16_fwd_kernel(Q, K, V, O, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, qk_scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CAUSAL: tl.constexpr):
     i = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    base = bh * N * HEAD_DIM
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = (h // (H_Q // H_KV)).to(tl.int64)
+    h = h.to(tl.int64)
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=rows[:, None] < N, other=0.0)
+    cols = tl.arange(0, BLOCK_D)
+    io_mask = rows[:, None] < N_Q
+    if D < BLOCK_D:
+        io_mask = io_mask & (cols[None, :] < D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols[None, :], mask=io_mask,
+                other=0.0)
+    last_key = rows + (N_K - N_Q)
+    k_base = b * stride_kb + hk * stride_kh
+    v_base = b * stride_vb + hk * stride_vh
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     ell = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        hi = tl.minimum(n_blocks, tl.cdiv((i + 1) * BLOCK_M, BLOCK_N))
-        hi_full = tl.minimum((i * BLOCK_M) // BLOCK_N, N // BLOCK_N)
-    else:
-        hi = n_blocks
-        hi_full = N // BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi_full, hi = _block_range(i, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(0, hi_full):
-        m, ell, acc = _fa16_block(q, K, V, base, rows, m, ell, acc, qk_scale, j, N,
-                                  BLOCK_N, HEAD_DIM, CAUSAL, False)
+        m, ell, acc = _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale,
+                                  j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, False)
     for j in range(hi_full, hi):
-        m, ell, acc = _fa16_block(q, K, V, base, rows, m, ell, acc, qk_scale, j, N,
-                                  BLOCK_N, HEAD_DIM, CAUSAL, True)
-    out = acc / ell[:, None]
-    tl.store(O + base + rows[:, None] * HEAD_DIM + cols[None, :], out.to(O.dtype.element_ty),
-             mask=rows[:, None] < N)
+        m, ell, acc = _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale,
+                                  j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, True)
+    # a row that saw no key gives 0; a NaN ℓ (overflow) stays NaN
+    out = tl.where((ell == 0)[:, None], 0.0, acc / ell[:, None])
+    tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :],
+             out.to(O.dtype.element_ty), mask=io_mask)

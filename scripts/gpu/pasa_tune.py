@@ -35,8 +35,9 @@ from triton.testing import do_bench
 
 from attnbench.backends import get_backend
 from kernels.pasa import fa16_attention, pasa_attention
-from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, VARIANTS
-from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
+from kernels._common import block_d, launch
+from kernels.pasa import ops
+from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, TILE_PARAMS, VARIANTS
 from kernels.pasa.kernel import _pasa_fwd_kernel, _shift_k_kernel
 from kernels.reference import reference_attention
 
@@ -74,27 +75,31 @@ def rel_rmse(out, ref):
 
 
 def kw(cfg):
-    bm, bn, warps, stages = cfg
-    return dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+    """The config= override of one candidate tile (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    return dict(config={"fwd": dict(zip(TILE_PARAMS, cfg))})
+
+
+def default_tile(d):
+    return tuple(DEFAULT_CONFIGS["pasa"][block_d(d)]["fwd"][p] for p in TILE_PARAMS)
 
 
 def main_kernel_only(q, k, v, cfg, variant=DEFAULT_VARIANT):
-    """The PASA main kernel alone, with K̃ precomputed: separates the pre-pass cost."""
-    bm, bn, warps, stages = cfg
+    """The PASA main kernel alone, with K̃ precomputed: separates the pre-pass cost (contiguous fp16 q, k, v,
+    Hq == Hkv, non-causal; the same plan and launches as kernels.pasa.ops.pasa_forward)."""
     _, heads, n, d = q.shape
-    scale = d ** -0.5
-    beta = default_beta(bn, scale)
-    diag, off = shift_entries(beta, bn, scale)
+    options = ops.pasa_options(None, "fp16", variant, tuple(cfg))
+    bm, bn, bd, diag, off, c, shift_meta, main_meta = ops._pasa_plan(options, d, False, d ** -0.5)
     n_blocks = triton.cdiv(n, bn)
-    k_shift = torch.empty((1, heads, n_blocks * bn, d), device=q.device, dtype=torch.float16)
-    _shift_k_kernel[(n_blocks, heads)](k, k_shift, n, diag, off, BLOCK_N=bn, HEAD_DIM=d, num_warps=4, num_stages=1)
+    k_shift = torch.empty((1, heads, n_blocks * bn, bd), device=q.device, dtype=torch.float16)
+    sk = k.stride()
+    launch(_shift_k_kernel, (n_blocks, heads), (k, k_shift, sk[0], sk[1], sk[2], heads, n, diag, off), shift_meta)
     out = torch.empty_like(q)
-    import triton.language as tl
+    sq, sv, so = q.stride(), v.stride(), out.stride()
 
     def run():
-        _pasa_fwd_kernel[(triton.cdiv(n, bm), heads)](q, k_shift, v, out, n, ideal_invariance(beta), BLOCK_M=bm,
-                                                      BLOCK_N=bn, HEAD_DIM=d, CAUSAL=False, STATE=tl.float16,
-                                                      FUSED=VARIANTS[variant], num_warps=warps, num_stages=stages)
+        launch(_pasa_fwd_kernel, (triton.cdiv(n, bm), heads),
+               (q, k_shift, v, out, sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads, heads, n, n,
+                c), main_meta)
     return run
 
 
@@ -229,7 +234,7 @@ def phase_latency(out_dir: Path, results: dict, ns, causal_ns):
     rows = []
     flash, cudnn = get_backend("flash").fn, get_backend("cudnn").fn
     for d in (64, 128):
-        cfg = best.get(d, DEFAULT_CONFIGS["pasa"][d])
+        cfg = best.get(d, default_tile(d))
         for causal in (False, True):
             for n in (ns if not causal else causal_ns):
                 gen = torch.Generator(device="cuda").manual_seed(n)
