@@ -285,7 +285,7 @@ def test_ops_pass_opcheck(device):
 
 def _compile_like_eager(fn, *inputs):
     """fn compiled with fullgraph=True (aot_eager on the CPU, inductor on the GPU): no graph break, and the
-    same output and gradients as eager."""
+    same output and gradients as eager (to rounding in 16-bit: inductor may fuse the code around the op)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -293,13 +293,12 @@ def _compile_like_eager(fn, *inputs):
     compiled = torch.compile(fn, fullgraph=True, backend="inductor" if torch.cuda.is_available() else "aot_eager")
     out_c, out_e = compiled(*inputs), fn(*inputs)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    _assert_close(out_c, out_e, 1e-6, 1e-6, "compiled out")
+    oa, orl, ga, grl = (1e-6,) * 4 if out_e.dtype == torch.float32 else TOL[out_e.dtype]
+    _assert_close(out_c, out_e, oa, orl, "compiled out")
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if isinstance(fn, torch.nn.Module):
-        leaves += list(fn.parameters())
     d_out = torch.randn_like(out_e)
     for g_c, g_e in zip(torch.autograd.grad(out_c, leaves, d_out), torch.autograd.grad(out_e, leaves, d_out)):
-        _assert_close(g_c, g_e, 1e-6, 1e-6, "compiled grad")
+        _assert_close(g_c, g_e, ga, grl, "compiled grad")
 
 
 def test_compiles_fullgraph_forward_and_backward(device):
@@ -590,9 +589,8 @@ gpu = pytest.mark.gpu
 
 
 @gpu
-@pytest.mark.parametrize("n", [8193, 16384])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("n,dtype,d", [(n, dt, d) for n in (8193, 16384) for dt in (torch.float16, torch.bfloat16)
+                                       for d in (64, 128)] + [(8193, torch.bfloat16, 256)])
 def test_gpu_large_n_real_relay_gate(n, dtype, d):
     # default threshold: relay is on at both lengths
     q, k, v = _inputs((1, 1, n, d), dtype, "cuda")
@@ -609,12 +607,14 @@ def test_gpu_small_n_both_relay_settings(n, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("d", [16, 40, 80, 96, 136, 256])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("heads_kv", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("d,dtype,heads_kv", [
+    (40, torch.bfloat16, 2), (40, torch.float16, 1), (80, torch.bfloat16, 1), (80, torch.float32, 2),
+    (96, torch.bfloat16, 4), (96, torch.float16, 2), (256, torch.bfloat16, 2), (256, torch.float16, 4),
+    (256, torch.float32, 1)])
 def test_gpu_head_dims_and_grouped_kv(d, dtype, heads_kv):
-    # every tile bucket (64, 128, 256) and both 16-bit dtypes with grouped K/V read in place; relay on at
-    # N=3001 (W=55: 54 anchors, 53 relay means), so the group sums cover all three kinds of slot
+    # every tile bucket (64, 128, 256) with each dtype, and multi-head, grouped and multi-query K/V (4 query
+    # heads over 4, 2, 1 key/value heads), each compiled variant once; relay on at N=3001 (W=55: 54 anchors,
+    # 53 relay means), so the group sums cover all three kinds of slot
     q = torch.randn(2, 4, 3001, d, dtype=dtype, device="cuda", requires_grad=True)
     k, v = (torch.randn(2, heads_kv, 3001, d, dtype=dtype, device="cuda", requires_grad=True) for _ in range(2))
     _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, dtype, relay_threshold=0)
@@ -649,13 +649,13 @@ def test_gpu_strided_layout_batches():
 
 @gpu
 def test_gpu_compile_inductor_fullgraph():
-    # inductor on the GPU: the ops, the hybrid (both branches and the stored crossover) and the module
+    # inductor on the GPU: the ops, the hybrid (the sparse branch, and the stored crossover: dense at N=2000 on
+    # an H100) and the module
     q = torch.randn(1, 8, 2000, 80, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     k, v = (torch.randn(1, 2, 2000, 80, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2))
     _compile_like_eager(lambda q, k, v: cron_root_attention(q, k, v, relay_threshold=0) * 2, q, k, v)
     _compile_like_eager(lambda q, k, v: cron_root_hybrid(q, k, v, crossover=2000), q, k, v)
-    _compile_like_eager(lambda q, k, v: cron_root_hybrid(q, k, v, crossover=2001), q, k, v)
-    _compile_like_eager(lambda q, k, v: cron_root_hybrid(q, k, v), q, k, v)
+    _compile_like_eager(lambda q, k, v: cron_root_hybrid(q, k, v), q, k, v)     # the stored crossover
     _, ours = _mha_pair(256, 4)
     ours = ours.to("cuda", torch.bfloat16)
     x = torch.randn(1000, 2, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -689,8 +689,10 @@ def test_gpu_cuda_graph_capture_forward_and_backward():
     graph.replay()
     torch.cuda.synchronize()
     eager = step()
-    for name, got, want in zip(("out", "dq", "dk", "dv"), captured, eager):
-        _assert_close(got, want, 0, 0, f"graph replay {name}")
+    # out and dq are deterministic; dK/dV's anchor and relay parts merge query segments with fp32 atomics, whose
+    # order varies between runs (a last-bit difference after rounding to fp16)
+    for name, got, want, tol in zip(("out", "dq", "dk", "dv"), captured, eager, (0, 0, 2e-3, 2e-3)):
+        _assert_close(got, want, tol, tol, f"graph replay {name}")
 
 
 @gpu
@@ -784,5 +786,18 @@ def test_gpu_host_cost_within_1_5x_sdpa():
             fn()
             best[key] = min(best[key], per_call_us(fn))
     report = ", ".join(f"{n} {m} {t:.1f} us" for (n, m), t in best.items())
-    for mode in ("fwd", "fwdbwd"):
-        assert best["cron_root", mode] <= 1.5 * best["sdpa", mode], f"host time per call: {report}"
+    if any(best["cron_root", mode] > 1.5 * best["sdpa", mode] for mode in ("fwd", "fwdbwd")):
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()      # where Cron Root's host time goes, for the failure message
+        prof.enable()
+        for _ in range(300):
+            cases["cron_root", "fwdbwd"]()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        pytest.fail(f"host time per call above 1.5x SDPA's: {report}\n{out.getvalue()}")
+    print(f"host time per call: {report}")

@@ -66,7 +66,7 @@ class _Plan:
     def __init__(self, q_shape, heads_kv, dtype, device, relay_threshold, precision, config):
         b, h, n, d = q_shape
         self.h, self.g, self.n = h, h // heads_kv, n
-        self.w = w = window(n)
+        self.w = window(n)
         self.n_relay = visible_relay_blocks(n, relay_threshold)
         self.n_anchor = visible_anchors(n)
         self.n_slots = self.n_anchor + self.n_relay

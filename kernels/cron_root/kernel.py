@@ -29,8 +29,9 @@ the tile sees entirely (MASKED=False): the mask is pure overhead there, and at l
 Rows past N are loaded as zeros (q, dO, LSE, Delta = 0), which makes their gradient contributions exactly 0,
 so unmasked chunks may include them.
 
-N, W and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
-tile sizes, the head dim and the dot precision are constexpr.
+N, W, H, G and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
+tile sizes, the head dim, the dot precision and GROUPED (G > 1: the dK/dV kernels loop over query heads) are
+constexpr.
 """
 import triton
 import triton.language as tl
