@@ -365,7 +365,7 @@ def test_hybrid_grouped_kv_both_branches(device):
                        relay_threshold=0)
 
 
-def test_stored_crossover_per_mode(monkeypatch):
+def test_stored_crossover_per_mode(monkeypatch, device):
     """A GPU entry with forward-only and fwd+bwd crossovers: the hybrid takes the one for what autograd will do."""
     from kernels.cron_root import hybrid, tuning
 
@@ -379,7 +379,7 @@ def test_stored_crossover_per_mode(monkeypatch):
         assert tuning.crossover_for("GPU C", True) == 1536
         monkeypatch.setattr(hybrid, "device_name", lambda device: "GPU A")
         monkeypatch.setattr(hybrid, "_device_crossover", {})
-        q, k, v = _inputs((1, 1, 50, 32), torch.float32, "cpu", requires_grad=False)
+        q, k, v = _inputs((1, 1, 50, 32), torch.float32, device, requires_grad=False)
         with torch.no_grad():      # forward only: 50 >= 40, the sparse kernel
             _assert_close(cron_root_hybrid(q, k, v), cron_root_reference(q, k, v), 2e-5, 1e-5, "fwd-only sparse")
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))     # training: 50 < 300, dense SDPA
@@ -405,6 +405,11 @@ def test_tuning_json_is_read_as_before():
             assert int(bucket_name) in (64, 128, 256)
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU inputs need the Triton interpreter, which "
+                              "conftest sets only without CUDA (the GPU tests cover flex)")
+
+
+@CPU_ONLY
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_peer_forward_eager_cpu():
     # FlexAttention's backward does not run on the CPU; eager flex (no compile) keeps this test short.
@@ -418,6 +423,7 @@ def test_flex_peer_forward_eager_cpu():
         _assert_close(out, cron_root_reference(q, k, v, relay_threshold=thr), 1e-5, 1e-5, f"flex N={n} D={d}")
 
 
+@CPU_ONLY
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_peer_traces_inside_an_outer_compile_cpu():
     # what a user's torch.compile sees: flex_attention and the block mask built in the graph, grouped K/V, the
