@@ -159,5 +159,5 @@ def resolve(device: torch.device, dtype: torch.dtype, head_dim: int, precision: 
                     cfg[part].update(p)
         for part, p in decode(config).items():
             cfg[part].update(p)
-        cfg = _resolved[key] = cfg
+        _resolved[key] = cfg
     return cfg
