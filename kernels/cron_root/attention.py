@@ -1,79 +1,34 @@
-"""Cron Root attention: the public function, its input checks, tile configs and the autograd Function.
+"""Cron Root attention: the torch.library ops (forward, backward, autograd, fake), their launch plans and the
+public function ``cron_root_attention``.
+
+Ops (namespace attnbench):
+  cron_root_fwd(q, k, v, scale, relay_threshold, precision, config) -> (out, lse)
+  cron_root_bwd(grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config) -> (dq, dk, dv)
+``lse`` is the base-2 row log-sum-exp [B*H, N] (float32) the backward needs; ``config`` is the canonical
+string of a tile override (configs.encode; "" for none). The ops are opaque to torch.compile (their fake
+implementations give the shapes), so the launches, the fast launch path and the interpreter work inside.
 
 Launches per call: forward = 1 Triton kernel (+ 2 small torch means for the relay keys/values when
-N > relay_threshold); backward = 3 Triton kernels (dQ, global-slot dK/dV, local dK/dV) + one zero fill.
+N > relay_threshold); backward = 3 Triton kernels (dQ, global-slot dK/dV, local dK/dV; 2 when no query sees
+an anchor) and 4 allocations (dq, dk, dv, one fp32 scratch).
+
+Host time: everything derived from the shapes and options (grids, tile constexprs, slot counts, scratch
+layout) is computed once per problem and cached (``_plan``); a call reads the strides once per tensor,
+allocates and launches. The autograd formula is registered on the op's Autograd key as a lean
+autograd.Function (``_fwd_autograd``): torch.library.register_autograd's generic wrapper costs about twice
+as much host time per call (schema default filling, metadata objects; NOTES.md, "Host cost").
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .._launch import launch
+from .._common import (LOG2E, PRECISIONS, check_inputs, check_precision, default_scale, dot_precision,
+                       block_d, launch, on_device, unit_last)
+from . import configs
 from . import kernel as tk
 from .reference import RELAY_THRESHOLD, visible_anchors, visible_relay_blocks, window
-from .tuning import device_name, tuned_configs
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PRECISIONS = ("tf32x3", "ieee")
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
-_LOG2E = 1.4426950408889634
-
-# Default tile configs for 16-bit inputs per head-dim bucket (D <= 64, D <= 128), from the FlashAttention
-# tutorial's Hopper tiles, checked for spills and shared memory on sm_90; tuning.json overrides them per GPU
-# name where a tuning sweep found better ones (the H100 entry holds only the measured hybrid crossovers).
-# fwd: query tile BLOCK_M, local-band key chunk BLOCK_N, gathered anchor/relay chunk BLOCK_S.
-# dq: the same roles; glob: slot chunk BLOCK_G x query chunk BLOCK_Q; loc: key tile BLOCK_N x query chunk BLOCK_Q.
-GPU_CONFIGS = {
-    64: dict(
-        fwd=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_S=64, num_warps=4, num_stages=3),
-        fwd_small=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_S=64, num_warps=4, num_stages=3),
-        dq=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_S=64, num_warps=4, num_stages=2),
-        glob=dict(BLOCK_G=64, BLOCK_Q=64, num_warps=4, num_stages=2),
-        loc=dict(BLOCK_N=64, BLOCK_Q=64, num_warps=4, num_stages=2),
-    ),
-    128: dict(
-        fwd=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_S=64, num_warps=8, num_stages=2),
-        fwd_small=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_S=64, num_warps=4, num_stages=2),
-        dq=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_S=32, num_warps=4, num_stages=2),
-        glob=dict(BLOCK_G=64, BLOCK_Q=64, num_warps=8, num_stages=2),
-        loc=dict(BLOCK_N=64, BLOCK_Q=64, num_warps=8, num_stages=2),
-    ),
-}
-# float32 operands take twice the registers and shared memory: smaller tiles, or the defaults above spill and
-# (D=128) exceed the 227 KB of shared memory. "ieee" dots run on FMA units and need the smallest tiles.
-FP32_CONFIGS = {
-    ("tf32x3", 64): dict(
-        fwd=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=2),
-        fwd_small=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=2),
-        dq=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=2),
-        glob=dict(BLOCK_G=32, BLOCK_Q=32, num_warps=4, num_stages=2),
-        loc=dict(BLOCK_N=32, BLOCK_Q=32, num_warps=4, num_stages=2),
-    ),
-    ("tf32x3", 128): dict(
-        fwd=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_S=32, num_warps=8, num_stages=2),
-        fwd_small=dict(BLOCK_M=64, BLOCK_N=32, BLOCK_S=32, num_warps=8, num_stages=2),
-        dq=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=2),
-        glob=dict(BLOCK_G=32, BLOCK_Q=32, num_warps=4, num_stages=2),
-        loc=dict(BLOCK_N=32, BLOCK_Q=32, num_warps=4, num_stages=2),
-    ),
-}
-for _d in (64, 128):
-    FP32_CONFIGS[("ieee", _d)] = dict(
-        fwd=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=1),
-        fwd_small=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=1),
-        dq=dict(BLOCK_M=32, BLOCK_N=32, BLOCK_S=32, num_warps=4, num_stages=1),
-        glob=dict(BLOCK_G=32, BLOCK_Q=32, num_warps=4, num_stages=1),
-        loc=dict(BLOCK_N=32, BLOCK_Q=32, num_warps=4, num_stages=1),
-    )
-# The interpreter: 16-row tiles make the loops (band, anchors, relay, tails) run several chunks at test sizes.
-CPU_CONFIG = dict(
-    fwd=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_S=16),
-    fwd_small=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_S=16),
-    dq=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_S=16),
-    glob=dict(BLOCK_G=16, BLOCK_Q=16),
-    loc=dict(BLOCK_N=16, BLOCK_Q=16),
-)
+NAME = "cron_root"
 # Global-slot backward: aim for this many programs per SM (the query range of a slot chunk is cut into segments);
 # a glob config may set "programs_per_sm" (tuned) or "segments" (forced, for tests).
 GLOBAL_PROGRAMS_PER_SM = 4
@@ -90,227 +45,253 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count[idx]
 
 
-def _interpreted() -> bool:
-    return type(tk._fwd).__name__ == "InterpretedFunction"
-
-
-def validate(q, k, v, causal, scale, relay_threshold, precision, name="cron_root", triton=True) -> None:
-    """One-line ValueError naming the first problem with the inputs or options."""
-    if not causal:
-        raise ValueError(f"{name}: causal=False is not supported (Cron Root is a causal-only pattern)")
-    for t, tn in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: {tn} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: {tn} must be [B, H, N, D], got {t.dim()} dims {tuple(t.shape)}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"{name}: q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{name}: q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"{name}: dtype {q.dtype} unsupported (float16, bfloat16, float32)")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    b, h, n, d = q.shape
-    if n < 1 or b < 1 or h < 1:
-        raise ValueError(f"{name}: empty input {tuple(q.shape)}")
-    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"{name}: head dim {d} unsupported ({MIN_HEAD_DIM}..{MAX_HEAD_DIM})")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"{name}: scale must be a finite float or None, got {scale!r}")
-    if not isinstance(relay_threshold, int) or isinstance(relay_threshold, bool):
-        raise ValueError(f"{name}: relay_threshold must be an int, got {relay_threshold!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"{name}: precision must be one of {PRECISIONS}, got {precision!r}")
-    if triton and q.device.type == "cpu" and not _interpreted():
-        raise ValueError(f"{name}: CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before importing)")
-    if triton and q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: device {q.device} unsupported (cuda, or cpu via the Triton interpreter)")
-
-
-def _rowmajor(t: torch.Tensor) -> torch.Tensor:
-    # kernels take any b/h/n strides but need unit stride over D (and offsets inside one (b, h) in int32)
-    st = t.stride()
-    if st[-1] != 1 or (t.shape[-2] - 1) * st[-2] + t.shape[-1] >= 2**31:
-        t = t.contiguous()
-    return t
-
-
-def _strides(t: torch.Tensor):
-    # one stride() call, not three: these run for every tensor of every launch (host time at short N)
-    return t.stride()[:3]
-
-
-_base_configs: dict = {}
-
-
-def default_gpu_configs(d: int, dtype: torch.dtype, precision: str) -> dict:
-    """The built-in GPU tile configs for a head dim, dtype and fp32 dot precision (before tuning.json)."""
-    bucket = 64 if d <= 64 else 128
-    return FP32_CONFIGS[(precision, bucket)] if dtype == torch.float32 else GPU_CONFIGS[bucket]
-
-
-def _configs(d: int, dtype: torch.dtype, precision: str, device: torch.device, override: dict | None) -> dict:
-    """Tile configs for one call: defaults (per head-dim bucket; float32 per precision), then for 16-bit
-    inputs the GPU's tuning.json entry, then the caller's override."""
-    bucket = 64 if d <= 64 else 128
-    key = (device, bucket, dtype == torch.float32, precision)
-    if key not in _base_configs:
-        if device.type == "cpu":
-            cfg = {kname: dict(v) for kname, v in CPU_CONFIG.items()}
-        else:
-            cfg = {kname: dict(v) for kname, v in default_gpu_configs(d, dtype, precision).items()}
-            if dtype != torch.float32:
-                for kname, v in tuned_configs(device_name(device), bucket).items():
-                    cfg[kname].update(v)
-        _base_configs[key] = cfg
-    cfg = _base_configs[key]
-    if override:
-        cfg = {kname: dict(v) for kname, v in cfg.items()}
-        for kname, v in override.items():
-            cfg[kname].update(v)
-    return cfg
-
-
-def _launch_opts(cfg: dict) -> tuple[dict, dict]:
-    """Split a config into constexpr tile sizes and launch options (num_warps, num_stages); other keys
-    (e.g. the global kernel's forced ``segments``) are read by the caller."""
-    meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
-    launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
-    return meta, launch
-
-
-def _dot_precision(dtype: torch.dtype, precision: str) -> str:
-    # input_precision only acts on float32 operands; 16-bit dots always use the tensor cores, and "tf32" is
-    # Triton's own default there (it changes nothing for fp16/bf16).
-    return precision if dtype == torch.float32 else "tf32"
-
-
-def _relay(t: torch.Tensor, n_relay: int, w: int) -> torch.Tensor:
-    # only full blocks can ever be visible (block r needs (r+2)W <= N), so no padding is needed here;
-    # computed in the input dtype on the input's device, as the original does
-    return t[:, :, : n_relay * w].unflatten(2, (n_relay, w)).mean(3).contiguous()
-
-
-def cron_root_forward(q, k, v, scale, relay_threshold, precision, config=None):
-    """Run the forward kernel; returns (o, lse2, rk, rv, meta) where lse2 is the base-2 row log-sum-exp."""
-    b, h, n, d = q.shape
-    w = window(n)
-    n_relay = visible_relay_blocks(n, relay_threshold)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cfgs = _configs(d, q.dtype, precision, q.device, config)
-    if n_relay > 0:
-        rk, rv = _relay(k, n_relay, w), _relay(v, n_relay, w)
-    else:
-        rk, rv = k, v  # never read: the relay loop runs 0 times
-    o = torch.empty_like(q)
-    if o.stride(-1) != 1:
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
-    # small grids leave SMs idle with 128-row tiles: use 64-row tiles then
-    use_small = q.device.type == "cuda" and triton_cdiv(n, cfgs["fwd"]["BLOCK_M"]) * b * h < 2 * _num_sms(q.device)
-    meta, opts = _launch_opts(cfgs["fwd_small" if use_small else "fwd"])
-    grid = (triton_cdiv(n, meta["BLOCK_M"]), b * h)
-    launch(tk._fwd, grid, (q, k, v, rk, rv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                           h, n, w, n_relay, scale * _LOG2E),
-           dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **meta, **opts))
-    return o, lse, rk, rv, dict(w=w, n_relay=n_relay, scale=scale)
-
-
-def cron_root_backward(q, k, v, o, lse, rk, rv, do, meta, precision, config=None):
-    """dQ, dK, dV: three kernels (dQ + Delta; global-slot dK/dV into an fp32 buffer; local dK/dV + scatter)."""
-    b, h, n, d = q.shape
-    cfgs = _configs(d, q.dtype, precision, q.device, config)
-    do = _rowmajor(do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty((b * h, n), dtype=torch.float32, device=q.device)
-    n_slots = visible_anchors(n) + meta["n_relay"]
-    # fp32 accumulators for anchor and relay-slot gradients (atomics in fp32, cast once at the end)
-    dg = torch.zeros((2, b * h, max(n_slots, 1), d), dtype=torch.float32, device=q.device)
-    launch_dq(q, k, v, o, lse, rk, rv, do, dq, delta, meta, precision, cfgs["dq"])
-    if n_slots > 0:
-        launch_global(q, k, v, rk, rv, do, lse, delta, dg, meta, precision, cfgs["glob"])
-    launch_local(q, k, v, do, lse, delta, dg, dk, dv, meta, precision, cfgs["loc"])
-    return dq, dk, dv
-
-
-def launch_dq(q, k, v, o, lse, rk, rv, do, dq, delta, meta, precision, cfg):
-    b, h, n, d = q.shape
-    scale = meta["scale"]
-    m, lo = _launch_opts(cfg)
-    launch(tk._bwd_dq, (triton_cdiv(n, m["BLOCK_M"]), b * h), (
-        q, k, v, rk, rv, o, do, dq, lse, delta,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        h, n, meta["w"], meta["n_relay"], scale * _LOG2E, scale),
-        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
-
-
-def launch_global(q, k, v, rk, rv, do, lse, delta, dg, meta, precision, cfg):
-    b, h, n, d = q.shape
-    scale, n_relay, n_anchor = meta["scale"], meta["n_relay"], visible_anchors(n)
-    m, lo = _launch_opts(cfg)
-    bg, bq = m["BLOCK_G"], m["BLOCK_Q"]
-    n_chunks = triton_cdiv(n_anchor, bg) + triton_cdiv(n_relay, bg)
-    # cut each slot chunk's query range into segments so that the grid fills the GPU; every segment adds its
-    # partial sums with fp32 atomics, so fewer segments = less contention
-    per_sm = cfg.get("programs_per_sm", GLOBAL_PROGRAMS_PER_SM)
-    n_seg = max(1, per_sm * _num_sms(q.device) // (n_chunks * b * h))
-    n_seg = min(n_seg, max(1, n // (4 * bq)))          # keep >= 4 query chunks per program
-    n_seg = cfg.get("segments", n_seg)
-    seg_len = triton_cdiv(triton_cdiv(n, n_seg), bq) * bq
-    n_seg = triton_cdiv(n, seg_len)
-    launch(tk._bwd_global, (n_chunks, n_seg, b * h), (
-        q, k, v, rk, rv, do, lse, delta, dg[0], dg[1],
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        h, n, meta["w"], n_anchor, n_relay, seg_len, scale * _LOG2E, scale),
-        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
-
-
-def launch_local(q, k, v, do, lse, delta, dg, dk, dv, meta, precision, cfg):
-    b, h, n, d = q.shape
-    scale, w = meta["scale"], meta["w"]
-    m, lo = _launch_opts(cfg)
-    launch(tk._bwd_local, (triton_cdiv(n, m["BLOCK_N"]), b * h), (
-        q, k, v, do, lse, delta, dg[0], dg[1], dk, dv,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-        h, n, w, visible_anchors(n), meta["n_relay"], scale * _LOG2E, scale, 1.0 / w),
-        dict(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=_dot_precision(q.dtype, precision), **m, **lo))
-
-
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _block_d(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
+def _split(cfg: dict, grid: tuple, head_dim: int, prec: str, **constexprs) -> tuple:
+    """(grid, constexprs + launch options) of one launch: the BLOCK_* sizes and num_warps/num_stages of a
+    config (other keys, e.g. glob's ``segments``, are read by the planner), the head-dim constexprs and any
+    others given."""
+    meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_") or k in ("num_warps", "num_stages")}
+    meta.update(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PREC=prec, **constexprs)
+    return grid, meta
 
 
-class _CronRoot(torch.autograd.Function):
+class _Plan:
+    """Everything one problem's launches need that does not depend on the tensors' addresses or strides."""
+    __slots__ = ("h", "g", "n", "w", "n_relay", "n_anchor", "n_slots", "seg_len", "dg_off", "dg_size",
+                 "scratch", "lse_shape", "fwd", "dq", "glob", "loc")
+
+    def __init__(self, q_shape, heads_kv, dtype, device, relay_threshold, precision, config):
+        b, h, n, d = q_shape
+        self.h, self.g, self.n = h, h // heads_kv, n
+        self.w = window(n)
+        self.n_relay = visible_relay_blocks(n, relay_threshold)
+        self.n_anchor = visible_anchors(n)
+        self.n_slots = self.n_anchor + self.n_relay
+        # backward scratch (float32): Delta [B*H, N], then dG_K and dG_V [B*Hkv, n_slots, D] each
+        self.dg_off = b * h * n
+        self.dg_size = b * heads_kv * self.n_slots * d
+        self.scratch = self.dg_off + 2 * self.dg_size
+        self.lse_shape = (b * h, n)
+        cfgs = configs.resolve(device, dtype, d, precision, config)
+        prec = dot_precision(dtype, precision)
+        # small grids leave SMs idle with the big query tiles: use the small ones then
+        fwd = cfgs["fwd"]
+        if device.type == "cuda" and _cdiv(n, fwd["BLOCK_M"]) * b * h < 2 * _num_sms(device):
+            fwd = cfgs["fwd_small"]
+        self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec)
+        self.dq = _split(cfgs["dq"], (_cdiv(n, cfgs["dq"]["BLOCK_M"]), b * h), d, prec)
+        # the dK/dV kernels run per key/value head and loop over its query heads when there are several
+        grouped = self.g > 1
+        self.loc = _split(cfgs["loc"], (_cdiv(n, cfgs["loc"]["BLOCK_N"]), b * heads_kv), d, prec, GROUPED=grouped)
+        glob = cfgs["glob"]
+        bg, bq = glob["BLOCK_G"], glob["BLOCK_Q"]
+        n_chunks = _cdiv(self.n_anchor, bg) + _cdiv(self.n_relay, bg)
+        # cut each slot chunk's query range into segments so that the grid fills the GPU; every segment adds its
+        # partial sums with fp32 atomics, so fewer segments = less contention
+        per_sm = glob.get("programs_per_sm", GLOBAL_PROGRAMS_PER_SM)
+        n_seg = max(1, per_sm * _num_sms(device) // max(1, n_chunks * b * heads_kv))
+        n_seg = min(n_seg, max(1, n // (4 * bq)))          # keep >= 4 query chunks per program
+        n_seg = glob.get("segments", n_seg)
+        self.seg_len = _cdiv(_cdiv(n, n_seg), bq) * bq
+        self.glob = _split(glob, (n_chunks, _cdiv(n, self.seg_len), b * heads_kv), d, prec, GROUPED=grouped)
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+
+
+def _plan(q, k, relay_threshold, precision, config) -> _Plan:
+    key = (q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:      # many distinct shapes: start over rather than grow without bound
+            _plans.clear()
+        plan = _plans[key] = _Plan(q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
+    return plan
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """An output shaped like t with a unit feature stride (the kernels' one layout requirement); the fake
+    implementations use it too, so real and fake outputs have the same strides."""
+    out = torch.empty_like(t)
+    return out if out.stride(-1) == 1 else t.new_empty(t.shape)
+
+
+def _relay(t: torch.Tensor, n_relay: int, w: int) -> torch.Tensor:
+    # block means of the first n_relay full blocks, [B, Hkv, n_relay, D] contiguous; only full blocks can ever
+    # be visible (block r needs (r+2)W <= N), so no padding. In the input dtype, as the original computes them.
+    return t[:, :, : n_relay * w].unflatten(2, (n_relay, w)).mean(3).contiguous()
+
+
+def _forward(q, k, v, scale, relay_threshold, precision, config):
+    """The forward op on CPU (interpreter) and CUDA tensors: (out, lse)."""
+    p = _plan(q, k, relay_threshold, precision, config)
+    o = _like(q)
+    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
+    q, k, v = unit_last(NAME, q), unit_last(NAME, k), unit_last(NAME, v)
+    # relay off: k and v stand in for the relay buffers, which the relay loops (0 trips) never read
+    rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
+    grid, meta = p.fwd
+    with on_device(q):
+        launch(tk._fwd, grid, (q, k, v, rk, rv, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1],
+                               sv[2], so[0], so[1], so[2], p.h, p.g, p.n, p.w, p.n_relay, scale * LOG2E), meta)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config):
+    """The backward op: (dq, dk, dv), dk and dv summed over the query heads that share a key/value head."""
+    p = _plan(q, k, relay_threshold, precision, config)
+    dq, dk, dv = _like(q), _like(k), _like(v)
+    scratch = q.new_empty(p.scratch, dtype=torch.float32)
+    q, k, v = unit_last(NAME, q), unit_last(NAME, k), unit_last(NAME, v)
+    o, do = unit_last(NAME, o), unit_last(NAME, do)
+    # the relay means again (two small reductions, only for N > relay_threshold) rather than a forward output
+    rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
+    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
+    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
+    qk_scale = scale * LOG2E
+    with on_device(q):
+        # dQ + Delta; also clears the global-slot accumulators in scratch
+        grid, meta = p.dq
+        launch(tk._bwd_dq, grid, (
+            q, k, v, rk, rv, o, do, dq, lse, scratch,
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+            sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
+            p.h, p.g, p.n, p.w, p.n_relay, p.dg_off, p.dg_size, qk_scale, scale), meta)
+        if p.n_slots:
+            grid, meta = p.glob
+            launch(tk._bwd_global, grid, (
+                q, k, v, rk, rv, do, lse, scratch,
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+                p.h, p.g, p.n, p.w, p.n_anchor, p.n_relay, p.seg_len, p.dg_off, p.dg_size, qk_scale, scale), meta)
+        grid, meta = p.loc
+        launch(tk._bwd_local, grid, (
+            q, k, v, do, lse, scratch, dk, dv,
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
+            sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
+            p.h, p.g, p.n, p.w, p.n_anchor, p.n_relay, p.dg_off, p.dg_size, qk_scale, scale, 1.0 / p.w), meta)
+    return dq, dk, dv
+
+
+# --- the torch.library ops -----------------------------------------------------------------------------------
+
+_lib = torch.library.Library("attnbench", "FRAGMENT")
+_lib.define("cron_root_fwd(Tensor q, Tensor k, Tensor v, float scale, int relay_threshold, str precision, "
+            "str config) -> (Tensor, Tensor)")
+_lib.define("cron_root_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
+            "int relay_threshold, str precision, str config) -> (Tensor, Tensor, Tensor)")
+for _key in ("CPU", "CUDA"):
+    _lib.impl("cron_root_fwd", _forward, _key)
+    _lib.impl("cron_root_bwd", _backward, _key)
+fwd_op = torch.ops.attnbench.cron_root_fwd.default
+bwd_op = torch.ops.attnbench.cron_root_bwd.default
+
+
+@torch.library.register_fake("attnbench::cron_root_fwd", lib=_lib)
+def _forward_fake(q, k, v, scale, relay_threshold, precision, config):
+    b, h, n, _ = q.shape
+    return _like(q), q.new_empty((b * h, n), dtype=torch.float32)
+
+
+@torch.library.register_fake("attnbench::cron_root_bwd", lib=_lib)
+def _backward_fake(grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config):
+    return _like(q), _like(k), _like(v)
+
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _plain(*tensors) -> bool:
+    """True when redispatching below autograd would land straight in the CPU/CUDA implementation: plain
+    tensors (no subclass with a Python dispatch key), no torch dispatch mode (fake tensors, tracing), no
+    functorch transform. The Autograd kernels then call the implementation themselves, which saves the
+    second pass through the dispatcher (about 3 us of host time per op call); anything else redispatches."""
+    for t in tensors:
+        if type(t) is not _Tensor:
+            return False
+    return not _dispatch_modes() and not _functorch_active()
+
+
+class _CronRootFunction(torch.autograd.Function):
+    """The autograd formula of cron_root_fwd: save the inputs, out and lse; the backward is cron_root_bwd."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, relay_threshold, precision, config):
-        o, lse, rk, rv, meta = cron_root_forward(q, k, v, scale, relay_threshold, precision, config)
-        ctx.save_for_backward(q, k, v, o, lse, rk, rv)
-        ctx.meta, ctx.precision, ctx.config = meta, precision, config
-        return o
+    def forward(ctx, keyset, q, k, v, scale, relay_threshold, precision, config):
+        if keyset is None:
+            out, lse = _forward(q, k, v, scale, relay_threshold, precision, config)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = fwd_op.redispatch(keyset, q, k, v, scale, relay_threshold, precision, config)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (scale, relay_threshold, precision, config)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, rk, rv = ctx.saved_tensors
-        dq, dk, dv = cron_root_backward(q, k, v, o, lse, rk, rv, do, ctx.meta, ctx.precision, ctx.config)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, *ctx.options)
+        return None, dq, dk, dv, None, None, None, None
 
 
-@torch.compiler.disable  # a graph break: dynamo must not trace into the launches (as in the original)
+def _fwd_autograd(keyset, q, k, v, scale, relay_threshold, precision, config):
+    """cron_root_fwd's Autograd kernel (what torch.library.register_autograd installs, with less host work)."""
+    below = None if _plain(q, k, v) else keyset & _BELOW_AUTOGRAD
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _CronRootFunction.apply(below, q, k, v, scale, relay_threshold, precision, config)
+    if below is None:
+        return _forward(q, k, v, scale, relay_threshold, precision, config)
+    with torch._C._AutoDispatchBelowAutograd():
+        return fwd_op.redispatch(below, q, k, v, scale, relay_threshold, precision, config)
+
+
+def _bwd_autograd(keyset, grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config):
+    """cron_root_bwd has no derivative: a second backward through it is refused in one line."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v, out)):
+        raise RuntimeError(f"{NAME}: double backward is not supported (the backward has no autograd formula)")
+    if _plain(grad_out, q, k, v, out, lse):
+        return _backward(grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config)
+    with torch._C._AutoDispatchBelowAutograd():
+        return bwd_op.redispatch(keyset & _BELOW_AUTOGRAD, grad_out, q, k, v, out, lse, scale, relay_threshold,
+                                 precision, config)
+
+
+_lib.impl("cron_root_fwd", _fwd_autograd, "Autograd", with_keyset=True)
+_lib.impl("cron_root_bwd", _bwd_autograd, "Autograd", with_keyset=True)
+
+
+# --- the public function ---------------------------------------------------------------------------------------
+
+def check_options(name: str, shape, relay_threshold, precision) -> None:
+    """The checks kernels._common.check_inputs leaves to the kernel: a non-empty problem and Cron Root's
+    own options."""
+    if not (shape.batch and shape.heads_q and shape.len_q):
+        raise ValueError(f"{name}: empty input: batch {shape.batch}, heads {shape.heads_q}, length {shape.len_q}")
+    if type(relay_threshold) is not int:
+        raise ValueError(f"{name}: relay_threshold must be an int, got {relay_threshold!r}")
+    if precision not in PRECISIONS:
+        check_precision(name, precision)
+
+
 def cron_root_attention(q, k, v, causal: bool = True, scale: float | None = None,
-                        relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3", _config=None):
-    """Cron Root sparse causal attention, O(N sqrt N): local window + strided anchors + relay block means.
+                        relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3", config=None):
+    """Cron Root sparse causal self-attention, O(N sqrt N): local window + strided anchors + relay block means.
 
-    q, k, v: [B, H, N, D] (float16, bfloat16 or float32; 16 <= D <= 128; any N >= 1), same device.
+    q: [B, H, N, D]; k, v: [B, Hkv, N, D] with H % Hkv == 0 (grouped-query: read in place); float16,
+    bfloat16 or float32; D any multiple of 8 from 16 to 256; any N >= 1. Causal only (``causal=False`` and
+    a key length other than the query length are one-line errors).
     The relay phase exists iff N > relay_threshold (default 8192, the original's gate); it changes the result.
-    ``precision`` applies to float32 inputs only: "tf32x3" (default, ~fp32 accurate) or "ieee" (exact, slow).
-    ``_config`` overrides tile sizes (used by the tuning script). Differentiable in q, k and v.
+    ``precision`` applies to float32 inputs: "tf32x3" (default, ~fp32 accurate), "ieee" (exact, slow) or
+    "tf32". ``config={part: {param: value}}`` overrides tile sizes (configs.py). Differentiable in q, k, v.
     """
-    validate(q, k, v, causal, scale, relay_threshold, precision)
-    q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
-    return _CronRoot.apply(q, k, v, scale, relay_threshold, precision, _config)
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    check_options(NAME, shape, relay_threshold, precision)
+    return fwd_op(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
+                  configs.encode(config))[0]

@@ -2,16 +2,22 @@
 
 The relay slots are not tokens, so the pattern is not a pure token mask: the visible relay block means are
 appended to K and V (length N + n_relay) and a mask_mod over the extended key index reproduces the exact
-pattern (local band, anchors, relay). flex_attention is torch.compile'd; compiled code and block masks are
-cached per (N, device), so timings after the first call exclude compilation (the first call includes it).
+pattern (local band, anchors, relay). Grouped K/V go to flex_attention as they are (enable_gqa); a head dim
+that is not a power of two is zero-padded to one (q.k and the kept output columns are unchanged).
+
+Called eagerly, flex_attention is torch.compile'd once and block masks are cached per (N, n_relay, device), so
+timings after the first call exclude compilation. Called inside an outer torch.compile (GPU), it is plain
+traced code: flex_attention and the block mask are compiled into the caller's graph.
 """
 from __future__ import annotations
 
 import torch
 
-from .attention import validate
+from .._common import block_d, check_inputs, default_scale
+from .attention import check_options
 from .reference import RELAY_THRESHOLD, visible_relay_blocks, window
 
+NAME = "flex_cron_root"
 _compiled = None
 _block_masks: dict = {}
 
@@ -29,14 +35,17 @@ def pattern_mask_mod(n: int, w: int):
     return mask_mod
 
 
-def block_mask_for(n: int, n_relay: int, device: torch.device):
+def _block_mask(n: int, n_relay: int, device: torch.device, traced: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
+    mask_mod = pattern_mask_mod(n, window(n))
+    if traced:       # inside the caller's compiled graph: built there, no cache (a side effect dynamo would replay)
+        return create_block_mask(mask_mod, None, None, n, n + n_relay, device=device)
     key = (n, n_relay, str(device))
     if key not in _block_masks:
         # _compile=True builds the block mask without materialising the [N, N + R] boolean mask (64 GB at 256K)
-        _block_masks[key] = create_block_mask(pattern_mask_mod(n, window(n)), None, None, n, n + n_relay,
-                                              device=device, _compile=device.type == "cuda")
+        _block_masks[key] = create_block_mask(mask_mod, None, None, n, n + n_relay, device=device,
+                                              _compile=device.type == "cuda")
     return _block_masks[key]
 
 
@@ -57,21 +66,26 @@ def _compiled_flex():
 
 def flex_cron_root(q, k, v, causal: bool = True, scale: float | None = None,
                    relay_threshold: int = RELAY_THRESHOLD, compile: bool = True):
-    """Cron Root attention via FlexAttention (compiled unless compile=False, which runs eager flex)."""
-    validate(q, k, v, causal, scale, relay_threshold, "tf32x3", name="flex_cron_root", triton=False)
-    d = q.shape[-1]
-    if d & (d - 1):
-        raise ValueError(f"flex_cron_root: head dim {d} unsupported (FlexAttention needs a power of two)")
-    n = q.shape[-2]
+    """Cron Root attention via FlexAttention (compiled unless compile=False, which runs eager flex).
+
+    Inputs as cron_root_attention's: q [B, H, N, D], k, v [B, Hkv, N, D] (grouped-query), D any multiple
+    of 8 from 16 to 256, causal only."""
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    check_options(NAME, shape, relay_threshold, "tf32x3")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    n, d = shape.len_q, shape.head_dim
     w = window(n)
     n_relay = visible_relay_blocks(n, relay_threshold)
     if n_relay > 0:
         rk = k[:, :, : n_relay * w].unflatten(2, (n_relay, w)).mean(3)
         rv = v[:, :, : n_relay * w].unflatten(2, (n_relay, w)).mean(3)
         k, v = torch.cat([k, rk], dim=2), torch.cat([v, rv], dim=2)
-    block_mask = block_mask_for(n, n_relay, q.device)
-    if compile:
-        fn = _compiled_flex()
-    else:
-        from torch.nn.attention.flex_attention import flex_attention as fn
-    return fn(q, k, v, block_mask=block_mask, scale=scale)
+    width = block_d(d)
+    if width != d:      # flex wants a power-of-two head dim: zero columns change neither q.k nor columns < D
+        q, k, v = (torch.nn.functional.pad(t, (0, width - d)) for t in (q, k, v))
+    traced = torch.compiler.is_compiling()
+    block_mask = _block_mask(n, n_relay, q.device, traced)
+    fn = flex_attention if traced or not compile else _compiled_flex()
+    out = fn(q, k, v, block_mask=block_mask, scale=default_scale(scale, d), enable_gqa=shape.group > 1)
+    return out[..., :d] if width != d else out

@@ -3,6 +3,8 @@
 Below the crossover this computes *dense* causal attention, a different function from the sparse pattern;
 ``cron_root_hybrid_reference`` mirrors that choice so accuracy checks compare like with like.
 The crossover is stored per GPU name in tuning.json (written from a GPU tuning run), with a default.
+Traceable by torch.compile(fullgraph=True): the stored crossover is read as a constant at trace time and
+the length test is on a static shape.
 """
 from __future__ import annotations
 
@@ -10,31 +12,38 @@ import torch
 
 from kernels.reference import reference_attention
 
-from .attention import cron_root_attention, validate
+from .._common import check_inputs, default_scale
+from . import configs
+from .attention import check_options, fwd_op
 from .reference import RELAY_THRESHOLD, cron_root_reference
 from .tuning import crossover_for, device_name
 
+NAME = "cron_root_hybrid"
 _device_crossover: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def stored_crossover(device: torch.device, train: bool) -> int:
+    """The crossover stored for this device's GPU (tuning.json) for forward-only or fwd+bwd use."""
+    key = (device, train)
+    if key not in _device_crossover:
+        _device_crossover[key] = crossover_for(device_name(device), train)
+    return _device_crossover[key]
 
 
 def _resolve(crossover, device, train: bool) -> int:
     if crossover is None:
-        if (device, train) not in _device_crossover:
-            _device_crossover[device, train] = crossover_for(device_name(device), train)
-        return _device_crossover[device, train]
-    if not isinstance(crossover, int) or isinstance(crossover, bool) or crossover < 0:
-        raise ValueError(f"cron_root_hybrid: crossover must be an int >= 0 or None, got {crossover!r}")
+        return stored_crossover(device, train)
+    if type(crossover) is not int or crossover < 0:
+        raise ValueError(f"{NAME}: crossover must be an int >= 0 or None, got {crossover!r}")
     return crossover
 
 
-def _sdpa_causal(q, k, v, scale):
-    if q.device.type == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # flash for fp16/bf16 (D <= 256); the memory-efficient kernel takes float32 and other head dims
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+def _sdpa_causal(q, k, v, scale, group: int):
+    # PyTorch's own choice: flash for 16-bit inputs, memory-efficient for float32, math for grouped K/V in
+    # float32 (GQA runs on flash and math only); never the math kernel where a fused one can run
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                            enable_gqa=group > 1)
 
 
 def _training(q, k, v) -> bool:
@@ -42,24 +51,26 @@ def _training(q, k, v) -> bool:
 
 
 def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, crossover: int | None = None,
-                     relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3"):
-    """SDPA causal (dense) for N < crossover, Cron Root (sparse) for N >= crossover.
+                     relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3", config=None):
+    """SDPA causal (dense) for N < crossover, Cron Root (sparse, the attnbench::cron_root_fwd op) for N >= it.
 
     crossover=None uses the value stored for this GPU in tuning.json (or its default): the fwd+bwd crossover
     when autograd will need a backward (grad enabled and an input requires grad), the forward-only one otherwise.
+    Inputs as cron_root_attention's (grouped K/V included).
     """
-    validate(q, k, v, causal, scale, relay_threshold, precision, name="cron_root_hybrid")
-    if q.shape[-2] < _resolve(crossover, q.device, _training(q, k, v)):
-        return _sdpa_causal(q, k, v, scale)
-    return cron_root_attention(q, k, v, causal=True, scale=scale, relay_threshold=relay_threshold,
-                               precision=precision)
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    check_options(NAME, shape, relay_threshold, precision)
+    if shape.len_q < _resolve(crossover, q.device, _training(q, k, v)):
+        return _sdpa_causal(q, k, v, scale, shape.group)
+    return fwd_op(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
+                  configs.encode(config))[0]
 
 
 def cron_root_hybrid_reference(q, k, v, causal: bool = True, scale: float | None = None,
                                crossover: int | None = None, relay_threshold: int = RELAY_THRESHOLD, **_options):
     """Float64 reference of cron_root_hybrid: dense causal below the crossover, the sparse pattern from it."""
     if not causal:
-        raise ValueError("cron_root_hybrid: causal=False is not supported (Cron Root is a causal-only pattern)")
+        raise ValueError(f"{NAME}: causal=False is not supported (Cron Root is a causal-only pattern)")
     if q.shape[-2] < _resolve(crossover, q.device, _training(q, k, v)):
         return reference_attention(q, k, v, causal=True, scale=scale)
     return cron_root_reference(q, k, v, causal=True, scale=scale, relay_threshold=relay_threshold)

@@ -6,27 +6,38 @@ Index rules (see ``reference.py`` and the spec), with W = ceil(sqrt(N)) and i th
   relay   block mean r visible iff  (r + 2) * W <= i + 1      (the whole block before the local window)
 All three kinds of slot take part in ONE online softmax per query row.
 
+Grouped-query attention: q has H heads, k/v have H // G; query head h reads key/value head h // G in place.
+The dK/dV kernels run one program per key/value head and loop over its G query heads, so the gradients of
+a shared K/V row (its local, anchor and relay-mean parts) are summed in registers, never through a copy.
+
 Kernels (one idea each):
   _fwd            query-tiled forward: O and the row log-sum-exp (base 2) for the backward.
-  _bwd_dq         query-tiled dQ over all three phases; also writes Delta_i = sum_d O*dO.
-  _bwd_global     dK/dV of the *global* slots (anchors, relay means): grid over (slot chunk, query segment),
-                  fp32 atomic_add into a small [BH, n_anchor + n_relay, D] buffer (few segments -> low contention).
+  _bwd_dq         query-tiled dQ over all three phases; also writes Delta_i = sum_d O*dO and clears the
+                  global-slot accumulator that the next launch adds into (no separate zero-fill launch).
+  _bwd_global     dK/dV of the *global* slots (anchors, relay means): grid over (slot chunk, query segment,
+                  key/value head), fp32 atomic_add into a small [B*Hkv, n_anchor + n_relay, D] buffer (few
+                  segments per slot -> low contention).
   _bwd_local      key-block-major dK/dV of the local band (no atomics: each key block owns its rows), whose
                   epilogue adds the global-slot gradients: anchor s*W gets dG[s]; every token of relay block r
                   gets dG_relay[r] / W (the Jacobian of the block mean).
+
+The backward's fp32 scratch is ONE buffer (one allocation per call): Delta [B*H, N] at offset 0, then the
+global-slot accumulators dG_K and dG_V, each [B*Hkv, n_slots, D], at dg_off and dg_off + dg_size.
 
 Every loop is split into chunks that need the per-element visibility mask (edges) and chunks every row of
 the tile sees entirely (MASKED=False): the mask is pure overhead there, and at large N most chunks are such.
 Rows past N are loaded as zeros (q, dO, LSE, Delta = 0), which makes their gradient contributions exactly 0,
 so unmasked chunks may include them.
 
-N, W and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
-tile sizes, the head dim and the dot precision are constexpr.
+N, W, H, G and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
+tile sizes, the head dim, the dot precision and GROUPED (G > 1: the dK/dV kernels loop over query heads) are
+constexpr.
 """
 import triton
 import triton.language as tl
 
-_RUNTIME = ["H", "N", "W", "n_anchor", "n_relay", "seg_len"]
+_RUNTIME = ["H", "G", "N", "W", "n_anchor", "n_relay", "seg_len", "dg_off", "dg_size"]
+_ZERO_BLOCK = tl.constexpr(1024)
 
 
 # --- forward -------------------------------------------------------------------------------------------------
@@ -101,22 +112,28 @@ def _band_split(i_first, i_last, W, BLOCK: tl.constexpr):
     return lo, lo + k1 * BLOCK, lo + k2 * BLOCK
 
 
+@triton.jit
+def _kv_bases(bh, K, V, RK, RV, skb, skh, svb, svh, H, G, n_relay, HEAD_DIM: tl.constexpr):
+    """Query (batch, head) bh -> b, h and the bases of its key/value head h // G in K, V and the relay
+    buffers (ours: contiguous [B, H // G, n_relay, HEAD_DIM])."""
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = ((bh % H) // G).to(tl.int64)
+    rel = (bh // G).to(tl.int64) * n_relay * HEAD_DIM        # bh // G = b * (H // G) + h // G
+    return b, h, K + b * skb + hk * skh, V + b * svb + hk * svh, RK + rel, RV + rel
+
+
 @triton.jit(do_not_specialize=_RUNTIME)
 def _fwd(Q, K, V, RK, RV, O, LSE,
          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-         H, N, W, n_relay, qk_scale,
+         H, G, N, W, n_relay, qk_scale,
          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_S: tl.constexpr, PREC: tl.constexpr):
     # later query tiles see more anchors/relays: launch them first so the tail of the grid is short
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
-    # relay buffers are ours: contiguous [B*H, n_relay, HEAD_DIM]
-    rk_base = RK + bh.to(tl.int64) * n_relay * HEAD_DIM
-    rv_base = RV + bh.to(tl.int64) * n_relay * HEAD_DIM
+    b, h, k_base, v_base, rk_base, rv_base = _kv_bases(bh, K, V, RK, RV, skb, skh, svb, svh, H, G, n_relay,
+                                                       HEAD_DIM)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -208,19 +225,26 @@ def _dq_gather(dq, q, do, lse, delta, k_base, v_base, k_step, v_step, c_lo, c_hi
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_dq(Q, K, V, RK, RV, O, DO, DQ, LSE, DELTA,
+def _bwd_dq(Q, K, V, RK, RV, O, DO, DQ, LSE, SCRATCH,
             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon, sdqb, sdqh, sdqn,
-            H, N, W, n_relay, qk_scale, scale,
+            H, G, N, W, n_relay, dg_off, dg_size, qk_scale, scale,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_S: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
-    rk_base = RK + bh.to(tl.int64) * n_relay * HEAD_DIM
-    rv_base = RV + bh.to(tl.int64) * n_relay * HEAD_DIM
+    b, h, k_base, v_base, rk_base, rv_base = _kv_bases(bh, K, V, RK, RV, skb, skh, svb, svh, H, G, n_relay,
+                                                       HEAD_DIM)
+    DELTA = SCRATCH
+
+    # clear this program's share of the global-slot accumulators (dG_K, dG_V: 2 * dg_size floats from
+    # dg_off); _bwd_global, the next launch on the stream, adds into them
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    per = tl.cdiv(2 * dg_size, n_prog)
+    z_lo = (bh * tl.num_programs(0) + tl.program_id(0)) * per
+    z_hi = tl.minimum(z_lo + per, 2 * dg_size)
+    for z in range(z_lo, z_hi, _ZERO_BLOCK):
+        offs_z = z + tl.arange(0, _ZERO_BLOCK)
+        tl.store(SCRATCH + dg_off + offs_z.to(tl.int64), tl.zeros([_ZERO_BLOCK], tl.float32), mask=offs_z < z_hi)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -269,44 +293,67 @@ def _bwd_dq(Q, K, V, RK, RV, O, DO, DQ, LSE, DELTA,
 # --- backward: dK/dV (key-major: global slots, then the local band with the scatter epilogue) -----------------
 
 @triton.jit
-def _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, LSE_bh, DELTA_bh, offs_k, offs_d, d_ok, c_lo, c_hi,
-                 q_end, W, thr, qk_scale, LOCAL: tl.constexpr, BLOCK_Q: tl.constexpr, PREC: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """Accumulate dK/dV of a key tile (rows = keys) over queries c_lo .. c_hi-1 (loads masked at q_end).
-    Visibility: LOCAL -> key j seen by i in [j, j+W); else slot seen by i >= thr[slot]."""
-    for start in range(c_lo, c_hi, BLOCK_Q):
-        offs_q = start + tl.arange(0, BLOCK_Q)
-        q_ok = offs_q < q_end
-        tq = q_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + offs_q[:, None] * sqn + offs_d[None, :], mask=tq, other=0.0)
-        do = tl.load(do_base + offs_q[:, None] * sdon + offs_d[None, :], mask=tq, other=0.0)
-        # zero LSE/Delta past the end: with q = dO = 0 there, those columns contribute exactly 0
-        lse = tl.load(LSE_bh + offs_q, mask=q_ok, other=0.0)
-        delta = tl.load(DELTA_bh + offs_q, mask=q_ok, other=0.0)
-        pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
-        if MASKED:
-            if LOCAL:
-                vis = (offs_q[None, :] >= offs_k[:, None]) & (offs_q[None, :] < offs_k[:, None] + W)
-            else:
-                vis = thr[:, None] <= offs_q[None, :]
-            pT = tl.where(vis, pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
-        dsT = pT * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC)
+def _dkv_chunk(dk, dv, k, v, q_head, do_head, lse_head, delta_head, sqn, sdon, offs_q, offs_k, offs_d, d_ok, q_end, W,
+               thr, qk_scale, LOCAL: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """dK/dV of a key tile (rows = keys) from one chunk of query rows offs_q of one query head (loads masked
+    at q_end). Visibility: LOCAL -> key j seen by i in [j, j+W); else slot seen by i >= thr[slot]."""
+    q_ok = offs_q < q_end
+    tq = q_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_head + offs_q[:, None] * sqn + offs_d[None, :], mask=tq, other=0.0)
+    do = tl.load(do_head + offs_q[:, None] * sdon + offs_d[None, :], mask=tq, other=0.0)
+    # zero LSE/Delta past the end: with q = dO = 0 there, those columns contribute exactly 0
+    lse = tl.load(lse_head + offs_q, mask=q_ok, other=0.0)
+    delta = tl.load(delta_head + offs_q, mask=q_ok, other=0.0)
+    pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+    if MASKED:
+        if LOCAL:
+            vis = (offs_q[None, :] >= offs_k[:, None]) & (offs_q[None, :] < offs_k[:, None] + W)
+        else:
+            vis = thr[:, None] <= offs_q[None, :]
+        pT = tl.where(vis, pT, 0.0)
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
+    dsT = pT * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, offs_k, offs_d,
+                 d_ok, c_lo, c_hi, q_end, W, thr, qk_scale, LOCAL: tl.constexpr, GROUPED: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """Accumulate dK/dV of a key tile over queries c_lo .. c_hi-1 of each of the G query heads that share its
+    key/value head: head j's rows at q_base + j*sqh (dO likewise), its LSE/Delta at lse_base/delta_base + j*N.
+    GROUPED (G > 1): one flat loop over (head, query chunk), since a nested head loop keeps more values live
+    and spills on sm_90; otherwise the plain query loop."""
+    if GROUPED:
+        n_chunks = tl.cdiv(tl.maximum(c_hi - c_lo, 0), BLOCK_Q)
+        for it in range(0, G * n_chunks):
+            j = it // n_chunks
+            offs_q = c_lo + (it - j * n_chunks) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            j = j.to(tl.int64)
+            dk, dv = _dkv_chunk(dk, dv, k, v, q_base + j * sqh, do_base + j * sdoh, lse_base + j * N,
+                                delta_base + j * N, sqn, sdon, offs_q, offs_k, offs_d, d_ok, q_end, W, thr, qk_scale,
+                                LOCAL, PREC, MASKED)
+    else:
+        for start in range(c_lo, c_hi, BLOCK_Q):
+            dk, dv = _dkv_chunk(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon,
+                                start + tl.arange(0, BLOCK_Q), offs_k, offs_d, d_ok, q_end, W, thr, qk_scale, LOCAL,
+                                PREC, MASKED)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_global(Q, K, V, RK, RV, DO, LSE, DELTA, DG_K, DG_V,
+def _bwd_global(Q, K, V, RK, RV, DO, LSE, SCRATCH,
                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-                H, N, W, n_anchor, n_relay, seg_len, qk_scale, scale,
+                H, G, N, W, n_anchor, n_relay, seg_len, dg_off, dg_size, qk_scale, scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, GROUPED: tl.constexpr):
     chunk = tl.program_id(0)
     seg = tl.program_id(1)
-    bh = tl.program_id(2)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bhk = tl.program_id(2)                  # (batch, key/value head)
+    H_kv = H // G
+    b = (bhk // H_kv).to(tl.int64)
+    hk = (bhk % H_kv).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     n_anchor_chunks = tl.cdiv(n_anchor, BLOCK_G)
@@ -316,8 +363,8 @@ def _bwd_global(Q, K, V, RK, RV, DO, LSE, DELTA, DG_K, DG_V,
         g_last = tl.minimum(chunk * BLOCK_G + BLOCK_G, n_anchor) - 1
         slot_ok = g < n_anchor
         ld = slot_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + b * skb + h * skh + (g * W)[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
-        v = tl.load(V + b * svb + h * svh + (g * W)[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
+        k = tl.load(K + b * skb + hk * skh + (g * W)[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(V + b * svb + hk * svh + (g * W)[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
         thr = (g + 1) * W
         first_q = (chunk * BLOCK_G + 1) * W
         all_q = (g_last + 1) * W
@@ -328,7 +375,7 @@ def _bwd_global(Q, K, V, RK, RV, DO, LSE, DELTA, DG_K, DG_V,
         g_last = tl.minimum(r0 + BLOCK_G, n_relay) - 1
         slot_ok = g < n_relay
         ld = slot_ok[:, None] & d_ok[None, :]
-        rbase = bh.to(tl.int64) * n_relay * HEAD_DIM
+        rbase = bhk.to(tl.int64) * n_relay * HEAD_DIM
         k = tl.load(RK + rbase + g[:, None] * HEAD_DIM + offs_d[None, :], mask=ld, other=0.0)
         v = tl.load(RV + rbase + g[:, None] * HEAD_DIM + offs_d[None, :], mask=ld, other=0.0)
         thr = (g + 2) * W - 1
@@ -342,46 +389,45 @@ def _bwd_global(Q, K, V, RK, RV, DO, LSE, DELTA, DG_K, DG_V,
     if q_lo < q_hi:
         dk = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
-        lse_bh = LSE + bh.to(tl.int64) * N
-        delta_bh = DELTA + bh.to(tl.int64) * N
         q_mid = tl.minimum(q_lo + tl.cdiv(tl.maximum(all_q - q_lo, 0), BLOCK_Q) * BLOCK_Q, q_hi)
-        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, g, offs_d, d_ok,
-                              q_lo, q_mid, q_hi, W, thr, qk_scale, False, BLOCK_Q, PREC, True)
-        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, g, offs_d, d_ok,
-                              q_mid, q_hi, q_hi, W, thr, qk_scale, False, BLOCK_Q, PREC, False)
-        n_slots = n_anchor + n_relay
-        dst = bh.to(tl.int64) * n_slots * HEAD_DIM + out_row[:, None] * HEAD_DIM + offs_d[None, :]
+        # the G query heads h = hk*G + j that share this key/value head: their gradients sum here
+        h0 = hk * G
+        q_base = Q + b * sqb + h0 * sqh
+        do_base = DO + b * sdob + h0 * sdoh
+        lse_base = LSE + (bhk * G).to(tl.int64) * N          # bhk * G = b * H + h0
+        delta_base = SCRATCH + (bhk * G).to(tl.int64) * N
+        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, g,
+                              offs_d, d_ok, q_lo, q_mid, q_hi, W, thr, qk_scale, False, GROUPED, BLOCK_Q, PREC, True)
+        dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, g,
+                              offs_d, d_ok, q_mid, q_hi, q_hi, W, thr, qk_scale, False, GROUPED, BLOCK_Q, PREC, False)
+        dg_k = SCRATCH + dg_off + bhk.to(tl.int64) * (n_anchor + n_relay) * HEAD_DIM
+        dst = out_row[:, None] * HEAD_DIM + offs_d[None, :]
         # few query segments per slot, so contention on these fp32 atomics is low
-        tl.atomic_add(DG_K + dst, dk * scale, mask=ld)
-        tl.atomic_add(DG_V + dst, dv, mask=ld)
+        tl.atomic_add(dg_k + dst, dk * scale, mask=ld)
+        tl.atomic_add(dg_k + dg_size + dst, dv, mask=ld)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
-def _bwd_local(Q, K, V, DO, LSE, DELTA, DG_K, DG_V, DK, DV,
+def _bwd_local(Q, K, V, DO, LSE, SCRATCH, DK, DV,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
                sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-               H, N, W, n_anchor, n_relay, qk_scale, scale, inv_w,
+               H, G, N, W, n_anchor, n_relay, dg_off, dg_size, qk_scale, scale, inv_w,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, GROUPED: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bhk = tl.program_id(1)                  # (batch, key/value head)
+    H_kv = H // G
+    b = (bhk // H_kv).to(tl.int64)
+    hk = (bhk % H_kv).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     key_ok = offs_n < N
     tk = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=tk, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=tk, other=0.0)
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :], mask=tk, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :], mask=tk, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    q_base = Q + b * sqb + h * sqh
-    do_base = DO + b * sdob + h * sdoh
-    lse_bh = LSE + bh.to(tl.int64) * N
-    delta_bh = DELTA + bh.to(tl.int64) * N
 
     # key j is local to queries j .. j+W-1: the tile's queries form one run of <= BLOCK_N + W - 1 rows, of which
     # rows [j_first + BLOCK_N - 1, j_first + W) see every key of the tile
@@ -391,30 +437,36 @@ def _bwd_local(Q, K, V, DO, LSE, DELTA, DG_K, DG_V, DK, DV,
     k2 = tl.maximum(W // BLOCK_Q, k1)
     mid_lo = tl.minimum(j_first + k1 * BLOCK_Q, q_hi)
     mid_hi = tl.minimum(j_first + k2 * BLOCK_Q, q_hi)
-    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
-                          j_first, mid_lo, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, True)
-    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
-                          mid_lo, mid_hi, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, False)
-    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, sqn, sdon, lse_bh, delta_bh, offs_n, offs_d, d_ok,
-                          mid_hi, q_hi, q_hi, W, offs_n, qk_scale, True, BLOCK_Q, PREC, True)
+    # the G query heads h = hk*G + j that share this key/value head: their gradients sum here
+    h0 = hk * G
+    q_base = Q + b * sqb + h0 * sqh
+    do_base = DO + b * sdob + h0 * sdoh
+    lse_base = LSE + (bhk * G).to(tl.int64) * N              # bhk * G = b * H + h0
+    delta_base = SCRATCH + (bhk * G).to(tl.int64) * N
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, offs_n,
+                          offs_d, d_ok, j_first, mid_lo, q_hi, W, offs_n, qk_scale, True, GROUPED, BLOCK_Q, PREC, True)
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, offs_n,
+                          offs_d, d_ok, mid_lo, mid_hi, q_hi, W, offs_n, qk_scale, True, GROUPED, BLOCK_Q, PREC, False)
+    dk, dv = _dkv_queries(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqh, sdoh, sqn, sdon, G, N, offs_n,
+                          offs_d, d_ok, mid_hi, q_hi, q_hi, W, offs_n, qk_scale, True, GROUPED, BLOCK_Q, PREC, True)
     dk = dk * scale
 
-    # epilogue: gradients of the global slots that are copies (anchors) or means (relay) of these rows
-    n_slots = n_anchor + n_relay
-    gbase = bh.to(tl.int64) * n_slots * HEAD_DIM
+    # epilogue: gradients of the global slots that are copies (anchors) or means (relay) of these rows,
+    # already summed over the group by _bwd_global
+    dg_k = SCRATCH + dg_off + bhk.to(tl.int64) * (n_anchor + n_relay) * HEAD_DIM
     blk = offs_n // W
     is_anchor = key_ok & (offs_n % W == 0) & (blk < n_anchor)
-    src = gbase + blk[:, None] * HEAD_DIM + offs_d[None, :]
+    src = blk[:, None] * HEAD_DIM + offs_d[None, :]
     m_a = is_anchor[:, None] & d_ok[None, :]
-    dk += tl.load(DG_K + src, mask=m_a, other=0.0)
-    dv += tl.load(DG_V + src, mask=m_a, other=0.0)
+    dk += tl.load(dg_k + src, mask=m_a, other=0.0)
+    dv += tl.load(dg_k + dg_size + src, mask=m_a, other=0.0)
     in_relay = key_ok & (blk < n_relay)
-    src = gbase + (n_anchor + blk)[:, None] * HEAD_DIM + offs_d[None, :]
+    src = (n_anchor + blk)[:, None] * HEAD_DIM + offs_d[None, :]
     m_r = in_relay[:, None] & d_ok[None, :]
-    dk += tl.load(DG_K + src, mask=m_r, other=0.0) * inv_w
-    dv += tl.load(DG_V + src, mask=m_r, other=0.0) * inv_w
+    dk += tl.load(dg_k + src, mask=m_r, other=0.0) * inv_w
+    dv += tl.load(dg_k + dg_size + src, mask=m_r, other=0.0) * inv_w
 
-    tl.store(DK + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=tk)
-    tl.store(DV + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
              mask=tk)

@@ -58,7 +58,8 @@ def cron_root_mask(n: int, relay: bool, device=None) -> torch.Tensor:
 
 def cron_root_reference(q, k, v, causal: bool = True, scale: float | None = None,
                         relay_threshold: int = RELAY_THRESHOLD, **_options) -> torch.Tensor:
-    """Dense float64 Cron Root attention on the inputs' device; differentiable. q, k, v: [B, H, N, D].
+    """Dense float64 Cron Root attention on the inputs' device; differentiable. q: [B, H, N, D]; k, v:
+    [B, Hkv, N, D] with H % Hkv == 0 (grouped-query: query head h reads key/value head h // (H // Hkv)).
 
     Extra keyword options of the kernels (precision, crossover, ...) are accepted and ignored, so this can
     stand in as ``reference=`` for every backend of the package.
@@ -68,6 +69,8 @@ def cron_root_reference(q, k, v, causal: bool = True, scale: float | None = None
     b, h, n, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     q64, k64, v64 = q.double(), k.double(), v.double()
+    if k.shape[1] != h:
+        k64, v64 = k64.repeat_interleave(h // k.shape[1], 1), v64.repeat_interleave(h // k.shape[1], 1)
     keys, vals = k64, v64
     relay = uses_relay(n, relay_threshold)
     if relay:

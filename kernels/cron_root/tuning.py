@@ -1,7 +1,7 @@
-"""Per-GPU tuning data (tuning.json): the hybrid's crossover length and optional tile configs.
+"""Per-GPU tuning data (tuning.json): the hybrid's crossover length and optional tile configs, and
+get_gpu_info() (what is known about this GPU).
 
-Written from a GPU run of scripts/gpu/cron_root_tune.py (it emits a merged tuning.json under its --out);
-read once per process and device.
+Written from a GPU tuning run (it emits a merged tuning.json); read once per process and device.
 """
 from __future__ import annotations
 
@@ -46,3 +46,33 @@ def crossover_for(name: str | None, train: bool | None = None) -> int:
 def tuned_configs(name: str | None, dim_bucket: int) -> dict:
     """Stored tile configs {kernel: {BLOCK_*: ..., num_warps: ...}} for a GPU name and head-dim bucket."""
     return gpu_entry(name).get("configs", {}).get(str(dim_bucket), {})
+
+
+def get_gpu_info(device=None) -> dict:
+    """What Cron Root knows about a CUDA device (default: the current one): its name, SM count, compute
+    capability, and the hybrid's crossovers stored for it in tuning.json (None where nothing is stored; ``note``
+    then names the default the hybrid uses). Never raises: without CUDA, ``cuda_available`` is False, ``note``
+    says so and the other fields are empty."""
+    info = dict(cuda_available=False, gpu_name=None, sm_count=0, compute_capability=None, crossover_fwd=None,
+                crossover_fwdbwd=None, crossover=None, note="")
+    try:
+        if not torch.cuda.is_available():
+            info["note"] = ("no CUDA device (torch.cuda.is_available() is False): Cron Root runs on the CPU only "
+                            "through the Triton interpreter")
+            return info
+        info["cuda_available"] = True
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    except Exception as exc:      # a broken driver or a bad device argument is reported, not raised
+        info["note"] = f"no CUDA device information: {type(exc).__name__}: {exc}".splitlines()[0]
+        return info
+    entry = gpu_entry(props.name)
+    info.update(gpu_name=props.name, sm_count=props.multi_processor_count,
+                compute_capability=f"{props.major}.{props.minor}")
+    if "crossover" in entry:
+        info.update(crossover=crossover_for(props.name), crossover_fwd=crossover_for(props.name, False),
+                    crossover_fwdbwd=crossover_for(props.name, True))
+        info["note"] = f"crossovers measured on this GPU ({entry.get('crossover_workload', 'see tuning.json')})"
+    else:
+        info["note"] = (f"no crossover stored for {props.name!r} in tuning.json: cron_root_hybrid uses the default "
+                        f"{crossover_for(None)} (the original's threshold, not a measurement)")
+    return info
