@@ -83,9 +83,11 @@ def signature(job: Job) -> tuple[dict, dict]:
 
 def compile_job(job: Job, target: GPUTarget) -> dict:
     sig, attrs = signature(job)
+    # a kernel takes only the constexprs it declares (one meta dict serves a package's several kernels)
+    constexprs = {k: v for k, v in job.constexprs.items() if k in job.fn.arg_names}
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": job.num_warps, "num_stages": job.num_stages})
-    cc = triton.compile(ASTSource(fn=job.fn, signature=sig, constexprs=job.constexprs, attrs=attrs), target=target,
+    cc = triton.compile(ASTSource(fn=job.fn, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
                         options=options.__dict__)
     ptx = cc.asm.get("ptx", "")
     usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX}
@@ -106,38 +108,40 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 # -- each kernel package's jobs -------------------------------------------------------------------------------
 
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels._common import block_d
     from kernels.elsa import config
     from kernels.elsa import kernel as K
 
-    fp32_ptrs = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
+    fp32_ptrs = {"Lse", "Delta", "dS", "Sbuf"}
     ptrs = {"Q", "K", "V", "dOut", "dQ", "dK", "dV", "Bias", "Out"}
     stride = re.compile(r"^s[a-z]+$").match
     fns = {"phase1": K._elsa_phase1, "dq": K._elsa_bwd_dq, "dkdv": K._elsa_bwd_dkdv}
     jobs = []
     for dtype, d in itertools.product(dtypes, dims):
         fp32 = dtype == "fp32"
-        cls = "32" if fp32 else "16"
+        key = (config.dtype_class(TORCH_DTYPES[dtype]), block_d(d))
         if tiles:
             grid = [(bm, bn, w, st) for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))
                     if bm * bn <= 128 * 128 and not (w == 8 and bm * bn < 64 * 64)]
             configs = {name: grid for name in fns}
         else:
-            dq, dkdv = config.BWD_TABLE[(cls, d)]
-            configs = {"phase1": [config.FWD_TABLE[(cls, d)]], "dq": [dq], "dkdv": [dkdv]}
+            dq, dkdv = config.BWD_TABLE[key]
+            configs = {"phase1": [config.FWD_TABLE[key]], "dq": [dq], "dkdv": [dkdv]}
         for name, fn in fns.items():
             for bm, bn, w, st in configs[name]:
-                meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False, FOLD_Q=fp32,
-                            SCALE_IN_EXP=not fp32, DOT_PREC="tf32x3" if fp32 else "tf32")
-                if name == "dq":
-                    meta["BIAS_GRAD"] = False
+                # phase 1 with summaries (P >= 2) and the training output (lse); non-causal, no bias, one head a kv head
+                meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False,
+                            BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
+                            DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=False, STORE_LSE=True, GROUPED=False)
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=dict(D=d, cfg=[bm, bn, w, st])))
     return jobs
 
 
 def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels._common import block_d
     from kernels.cron_root import kernel as K
-    from kernels.cron_root.attention import _block_d, default_gpu_configs
+    from kernels.cron_root.configs import default_gpu_configs
 
     if tiles:
         raise SystemExit("--tiles: Cron Root has no candidate grid here; its tiles are swept on the GPU")
@@ -150,15 +154,19 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             configs = default_gpu_configs(d, TORCH_DTYPES[dtype], prec if dtype == "fp32" else "tf32x3")
             for name, fn in fns.items():
                 cfg = configs[name]
-                meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
-                meta.update(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=prec)
-                jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4), cfg.get("num_stages", 3),
-                                ptrs, {"LSE", "DELTA", "DG_K", "DG_V"}, floats={"qk_scale", "scale", "inv_w"},
-                                div16=stride, label=dict(D=d, prec=prec, cfg=cfg)))
+                for grouped in ((False, True) if name in ("glob", "loc") else (None,)):
+                    meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
+                    meta.update(HEAD_DIM=d, BLOCK_D=block_d(d), PREC=prec)
+                    if grouped is not None:
+                        meta["GROUPED"] = grouped
+                    jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4),
+                                    cfg.get("num_stages", 3), ptrs, {"LSE", "SCRATCH"},
+                                    floats={"qk_scale", "scale", "inv_w"}, div16=stride,
+                                    label=dict(D=d, prec=prec, grouped=grouped, cfg=cfg)))
     return jobs
 
 
-# PASA's sweep candidates (scripts/gpu/pasa_tune.py times them on the GPU)
+# PASA's sweep candidates (scripts/tune.py times them on the GPU)
 PASA_CANDIDATES = {
     64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
