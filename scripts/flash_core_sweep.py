@@ -61,6 +61,7 @@ CLIFF_CANDIDATES = {
 }
 SEARCH_N, LENGTHS_N, CLIFF_N = 16384, (4096, 65536), 16384
 BATCH, HEADS = 1, 8
+DEVICE = "cuda"          # a name, so the control flow can be exercised on the CPU (interpreter) with tiny shapes
 CHECK_TOL = {"fp16": 2e-3, "bf16": 6e-3}
 TOP_K = 2
 
@@ -108,10 +109,11 @@ def compile_job(job):
     from kernels import _flash_core as core
     dtype, d, causal, variant, bm, bn, w, s = job
     try:
-        q, k, v = (torch.randn(BATCH, HEADS, 256, d, device="cuda", dtype=getattr(torch, DTYPES[dtype]))
+        q, k, v = (torch.randn(BATCH, HEADS, 256, d, device=DEVICE, dtype=getattr(torch, DTYPES[dtype]))
                    for _ in range(3))
         _, ran = _call(core, q, k, v, causal, variant, bm, bn, w, s)
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         ck = ran["compiled"]
         return job, dict(warps_compiled=ck.metadata.num_warps, ws_effective=ck.metadata.num_warps > w,
                          regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None),
@@ -158,13 +160,12 @@ class Sweep:
 
     def inputs(self, dtype, d, n):
         torch = self.torch
-        g = torch.Generator(device="cuda").manual_seed(n * 1000 + d)
-        return [torch.randn(BATCH, HEADS, n, d, device="cuda", generator=g).to(getattr(torch, DTYPES[dtype]))
+        g = torch.Generator(device=DEVICE).manual_seed(n * 1000 + d)
+        return [torch.randn(BATCH, HEADS, n, d, device=DEVICE, generator=g).to(getattr(torch, DTYPES[dtype]))
                 for _ in range(3)]
 
     def baseline(self, dtype, d, n, causal, q, k, v):
         """SDPA cuDNN and flash timings at this point, and flash's output as the check's reference."""
-        torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
         key = (dtype, d, n, causal)
@@ -233,7 +234,8 @@ class Sweep:
         ref = self.baseline(dtype, d, n, causal, q, k, v)
         rows = [self.measure(stage, dtype, d, n, causal, c, q, k, v, ref) for c in cands]
         del q, k, v, ref
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         return rows
 
 
@@ -285,8 +287,8 @@ def summary(rows: list[dict], left_out: list[str]) -> str:
                          f"{tuple(best['cfg'])}{' (shipped)' if best.get('shipped') else ''} | "
                          f"{_fmt(best['tflops'])} | {_fmt(best.get('cudnn_tflops'))} | "
                          f"{_fmt(best.get('flash_tflops'))} | {_fmt(best.get('ratio_cudnn'), '.2f')} | "
-                         f"{_fmt(best.get('ratio_flash'), '.2f')} | {best.get('regs', '')} | "
-                         f"{best.get('spills', '')} |")
+                         f"{_fmt(best.get('ratio_flash'), '.2f')} | {_fmt(best.get('regs'), 'd')} | "
+                         f"{_fmt(best.get('spills'), 'd')} |")
     bad = [r for r in rows if r.get("status") in ("compile_error", "wrong", "error")]
     if bad:
         lines += ["", "Not timed:", ""]

@@ -85,7 +85,6 @@ def resolve(spec: str):
     if not name:
         raise SystemExit(f"ncu_summary: --workload {spec!r}: expected one of {', '.join(WORKLOADS)} or MODULE:FUNCTION")
     if module == "sdpa":
-        import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
@@ -247,23 +246,28 @@ def profile(a) -> int:
     child = [sys.executable, str(Path(__file__).resolve()), "--run-workload", "--workload", a.workload,
              "--d", str(a.d), "--n", str(a.n), "--b", str(a.b), "--h", str(a.h), "--dtype", a.dtype] + \
         (["--causal"] if a.causal else [])
-    cmd = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none",
-           "--kernel-name", f"regex:{kernel}", "--launch-count", "1", "--force-overwrite", "--export", str(report)]
-    for s in SECTIONS:
-        cmd += ["--section", s]
-    if extra:
-        cmd += ["--metrics", ",".join(extra)]
-    print("ncu_summary: " + " ".join(cmd + child), flush=True)
+    base = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none",
+            "--kernel-name", f"regex:{kernel}", "--launch-count", "1", "--force-overwrite", "--export", str(report)]
+    for section in SECTIONS:
+        base += ["--section", section]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    prof = subprocess.run(cmd + child, env=env, capture_output=True, text=True)
-    log = prof.stdout + prof.stderr
+    # with the extra counters first; a metric ncu refuses aborts the profile, so once more without them
+    for metrics in ([extra] if extra else []) + [[]]:
+        cmd = base + (["--metrics", ",".join(metrics)] if metrics else []) + child
+        print("ncu_summary: " + " ".join(cmd), flush=True)
+        report.unlink(missing_ok=True)
+        prof = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = prof.stdout + prof.stderr
+        if prof.returncode == 0 and report.exists():
+            break
     if a.keep_report:
         (out_dir / f"{label}.log").write_text(log)
     if prof.returncode != 0 or not report.exists():
         tail = "\n".join(log.strip().splitlines()[-15:])
         print(f"ncu_summary: ncu exited {prof.returncode}; last lines:\n{tail}", file=sys.stderr)
         return 1
-    raw = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw"], capture_output=True, text=True)
+    raw = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "raw", "--print-units", "base"],
+                         capture_output=True, text=True)
     try:
         values, units = parse_raw_csv(raw.stdout)
     except ValueError as exc:
