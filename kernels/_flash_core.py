@@ -306,21 +306,22 @@ def ensure_allocator() -> None:
 
 
 # Tiles per (dtype class, padded head dim): (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize).
-# Starting points from the H100 anchors (shared/anchors/h100_triton_tma_ws_*.jsonl: D=64 best (128, 128, 4, 3)
-# without warp specialization, D=128 best (128, 128, 4, 2) with it); scripts/hopper_sweep.py measures the rest.
+# 16-bit: starting points from the H100 anchors (shared/anchors/h100_triton_tma_ws_*.jsonl: D=64 best (128, 128, 4, 3)
+# without warp specialization, D=128 best (128, 128, 4, 2) with it); scripts/flash_core_sweep.py measures the rest.
+# float32 (tf32x3 dots, 3 MMAs per product) is not what this core is for: the least-spilling tiles compiled for sm_90
+# on triton 3.6 (none at D <= 64; at D >= 128 every tile tried spills, 0.5-3 KB; kernels/FLASH_CORE.md).
 TILES = {
     ("16", 16): (128, 128, 4, 3, 0),
     ("16", 32): (128, 128, 4, 3, 0),
     ("16", 64): (128, 128, 4, 3, 0),
     ("16", 128): (128, 128, 4, 2, 1),
     ("16", 256): (64, 64, 4, 2, 0),
-    ("32", 16): (64, 64, 4, 2, 0),
-    ("32", 32): (64, 64, 4, 2, 0),
-    ("32", 64): (64, 64, 4, 2, 0),
-    ("32", 128): (32, 32, 4, 2, 0),
-    ("32", 256): (32, 32, 4, 2, 0),
+    ("32", 16): (64, 32, 4, 2, 0),
+    ("32", 32): (64, 32, 4, 2, 0),
+    ("32", 64): (64, 32, 4, 2, 0),
+    ("32", 128): (32, 32, 8, 2, 0),
+    ("32", 256): (64, 16, 8, 2, 0),
 }
-_TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
 def default_config(dtype: torch.dtype, head_dim: int) -> tuple[dict, bool]:

@@ -285,6 +285,16 @@ def test_gpu_every_path_ragged_and_bottom_right(path, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_gpu_float32_tf32x3(d, causal):
+    """float32 through descriptors with tf32x3 dots (the shipped fp32 tiles, which spill at D=128: correct, slow)."""
+    q, k, v = _inputs(1, 2, 1, 2048, 2048, d, torch.float32, "cuda")
+    out, ran = core.forward(q, k, v, causal=causal)
+    assert ran["descriptors"]
+    assert _rel_rms(out, _reference_chunked(q, k, v, causal)) <= TOL[torch.float32]
+
+
+@pytest.mark.gpu
 def test_gpu_warp_specialization_takes_effect():
     """On sm_90 with triton 3.6 the warp-specialized loop compiles to more warps than asked: a producer
     warpgroup issuing TMA and two consumer warpgroups of 64 rows each (4 asked -> 12)."""
