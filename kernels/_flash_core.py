@@ -20,16 +20,17 @@ qk_scale = scale * log2(e) (max(raw) * c == max(raw * c) since c > 0 and roundin
 
 fold_keys splits [lo, hi) into a hot loop of full tiles that need no mask (every key < n_k and, causal, at or
 before the block's first row's horizon) and a short masked loop (the ragged end past n_k, the causal diagonal
-band). Causal is bottom-right aligned: query row i sees key j iff j <= i + causal_shift (causal_shift =
+band); warp-specialized, it is one loop (all triton 3.6's Hopper pass accepts: fold_keys' docstring). Causal is bottom-right aligned: query row i sees key j iff j <= i + causal_shift (causal_shift =
 Nk - Nq for the contract's alignment, 0 for self-attention). GQA: the caller passes the kv head's base.
 Head dims that are not a power of two are padded to BLOCK_D (a power of two >= 16): Triton block shapes must
-be powers of two (tensor descriptors included; checked on 3.6 and 3.9), and the padded columns read as zero,
+be powers of two (tensor descriptors included: triton 3.6's and 3.9's interpreters reject a [8, 40] block), and
+the padded columns read as zero,
 so they add nothing to q . k and give zero output columns that are never stored.
 
 Host decisions, one place each: `use_descriptors` (TMA descriptors or pointers), `warp_specialize_ok`,
 `ensure_allocator` (device-side descriptors need a global scratch allocator, per thread). The standalone
 forward `flash_core_fwd(q, k, v, causal, scale)` is built on the helpers; it tests and times the core alone
-(kernels/FLASH_CORE.md: the floors, the predictions, the measurements), and is not a public backend.
+(kernels/FLASH_CORE.md: the floors and the predictions to check), and is not a public backend.
 """
 from __future__ import annotations
 

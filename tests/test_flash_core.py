@@ -192,6 +192,8 @@ def _fold(q, k, v, causal, parts, lo, width, state=None, path="pointers", bm=16,
         state = (torch.empty(parts, nq, device=q.device), torch.empty(parts, nq, device=q.device),
                  torch.empty(parts, nq, block_d(d), device=q.device))
     opts = PATHS[path]
+    if q.is_cuda and opts["descriptors"]:
+        core.ensure_allocator()
     _fold_partitions[(triton.cdiv(nq, bm), parts)](
         q, k, v, *state, nq, nk, nk - nq, LOG2E / math.sqrt(d), lo, width,
         HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
