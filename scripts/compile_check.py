@@ -4,12 +4,12 @@ registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and 
 instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
 spill or cannot launch, before any device time is spent.
 
-    python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|all [--json OUT] [--tiles]
+    python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|all [--json OUT] [--tiles]
         [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
 candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
-4/8 warps × 2/3 stages, PASA's sweep candidates. Exit 1 if any kernel fails to compile; spills are reported,
+4/8 warps × 2/3 stages, PASA's sweep candidates, the flash core's (scripts/flash_core_sweep.py). Exit 1 if any kernel fails to compile; spills are reported,
 not failed (some are known and allowed: kernels/elsa/NOTES.md).
 
 Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit target) with the arguments
@@ -90,7 +90,8 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     cc = triton.compile(ASTSource(fn=job.fn, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
                         options=options.__dict__)
     ptx = cc.asm.get("ptx", "")
-    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX}
+    # warps: as compiled; more than asked when warp specialization added a producer warpgroup
+    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX, "warps": cc.metadata.num_warps}
     usage.update({key: sum(ptx.count(p) for p in pats) for key, pats in PTX_COUNTS.items()})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cc.asm["cubin"])
@@ -238,7 +239,34 @@ def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
-KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "cqsa": cqsa_jobs}
+def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels import _flash_core as core
+    from kernels._common import block_d
+
+    if tiles:
+        from scripts.flash_core_sweep import CANDIDATES, CLIFF_CANDIDATES
+    jobs = []
+    for dtype, d in itertools.product(dtypes, dims):
+        fp32 = dtype == "fp32"
+        if tiles:
+            if fp32:
+                continue                                  # the sweep is 16-bit only
+            configs = {**CANDIDATES, **CLIFF_CANDIDATES}.get(d, [])
+        else:
+            bm, bn, w, st, ws = core.TILES[("32" if fp32 else "16", block_d(d))]
+            configs = [("ws" if ws else "tma", bm, bn, w, st)]
+        for (variant, bm, bn, w, st), causal in itertools.product(configs, (False, True)):
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
+                        USE_DESC=variant != "ptr", WARP_SPECIALIZE=variant == "ws",
+                        DOT_PREC="tf32x3" if fp32 else "tf32")
+            jobs.append(Job("flash_core", "fwd", core._flash_core_fwd, dtype, meta, w, st, {"Q", "K", "V", "Out"},
+                            floats={"qk_scale"}, div16=re.compile(r"^s[a-z]+$").match,
+                            label=dict(D=d, causal=causal, variant=variant, cfg=[bm, bn, w, st])))
+    return jobs
+
+
+KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "cqsa": cqsa_jobs,
+           "flash_core": flash_core_jobs}
 
 
 def main(argv=None) -> int:
@@ -272,7 +300,7 @@ def main(argv=None) -> int:
                 print(f"{job.kernel} {job.name} {job.dtype} {what}: {row['error']}", flush=True)
             else:
                 print(f"{job.kernel} {job.name} {job.dtype} {what}: regs={row.get('regs')} "
-                      f"spill_stack={row.get('spill_stack')} shared={row['shared']} wgmma={row['wgmma']} "
+                      f"spill_stack={row.get('spill_stack')} shared={row['shared']} warps={row['warps']} wgmma={row['wgmma']} "
                       f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)"),
                       flush=True)
     spilled = sum(1 for r in rows if r.get("spill_stack"))
