@@ -25,8 +25,9 @@ from triton.compiler import ASTSource
 from kernels.cqsa import kernel as K
 
 PTR16 = {"Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV", "O"}
-PTR32 = {"LSE", "ACC", "MST", "LST", "LSE2", "DELTA", "DQACC", "DKACC", "DVACC", "OUTI", "LSEI", "SST"}
-NOT_DIV16 = {"H", "qk_scale", "sm_scale", "first", "last", "mscale", "n", "g0"}
+PTR32 = {"LSE", "STATE", "WS", "MST", "SST", "ACC"}
+NOT_DIV16 = {"H", "HKV", "GROUP", "N_OUT", "N_ROWS", "off_m", "off_l", "off_delta", "off_dk", "off_dv", "causal_off",
+             "qk_scale", "sm_scale", "first", "last", "mscale", "n", "g0", "N"}
 
 
 def _ptxas():
@@ -79,42 +80,37 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    cuda = torch.device("cuda")
     rows = []
     dts = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    for dt, d in [("fp16", 128), ("bf16", 128), ("fp16", 64), ("bf16", 64), ("fp16", 32), ("fp32", 128), ("fp32", 64),
-                  ("fp32", 32)]:
-        prec = "tf32x3" if dt == "fp32" else "ieee"
-        for kind, fns in (("fwd", [K.cqsa_fwd_kernel]), ("bwd", [K.cqsa_bwd_dq_kernel, K.cqsa_bwd_dkdv_kernel])):
-            bm, bn, w, st = K.config(kind, d, dts[dt], cuda)
-            for fn in fns:
+    for dt in ("fp16", "bf16", "fp32"):
+        for d in (16, 40, 64, 80, 128, 256):          # every head-dim bucket, padded (40, 80) and not
+            prec = "tf32x3" if dt == "fp32" else "tf32"
+            tiles = K.default_tiles(d, dts[dt], "cuda")
+            for name, fn, extra in (("fwd", K.cqsa_fwd_kernel, dict(MODE=1)), ("fwd", K.cqsa_fwd_kernel, dict(MODE=0)),
+                                    ("dq", K.cqsa_bwd_dq_kernel, dict(DELTA_FROM_O=True)),
+                                    ("dkdv", K.cqsa_bwd_dkdv_kernel, {})):
                 for causal in (False, True):
-                    for mode in ((0, 1) if kind == "fwd" else (None,)):
-                        consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, PRECISION=prec)
-                        if mode is not None:
-                            consts["MODE"] = mode
-                        r = compile_variant(fn, dt, consts, w, st)
-                        r.update(kernel=fn.__name__, dtype=dt, head_dim=d, causal=causal, mode=mode,
-                                 config=[bm, bn, w, st])
-                        rows.append(r)
-                        print(json.dumps(r), flush=True)
-                        if mode == 1:
-                            # streaming merge="kernel": the accumulator is passed as OUT (fp32, never stored)
-                            r = compile_variant(fn, dt, consts, w, st, fp32_ptrs=("OUT",))
-                            r.update(kernel=fn.__name__, dtype=dt, head_dim=d, causal=causal, mode=mode,
-                                     config=[bm, bn, w, st], note="streaming merge=kernel (OUT fp32)")
-                            rows.append(r)
-                            print(json.dumps(r), flush=True)
+                    consts = K.constexprs(name, d, tiles, causal, prec, **extra)
+                    warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+                    # MODE 0 writes fp32 partials (OUT fp32)
+                    r = compile_variant(fn, dt, consts, warps, stages,
+                                        fp32_ptrs=("OUT",) if extra.get("MODE") == 0 else ())
+                    r.update(kernel=fn.__name__, dtype=dt, head_dim=d, causal=causal,
+                             config=[consts["BLOCK_M"], consts["BLOCK_N"], warps, stages], **extra)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
         # the streaming row-chunk finaliser (O in the input dtype)
         fn = K.cqsa_finalize_kernel
-        r = compile_variant(fn, dt, dict(HEAD_DIM=d, BLOCK=K.FINAL_BLOCK), 4, 1)
-        r.update(kernel=fn.__name__, dtype=dt, head_dim=d, config=[K.FINAL_BLOCK, 4])
+        r = compile_variant(fn, dt, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK=K.FINAL_BLOCK), 4, 1)
+        r.update(kernel=fn.__name__, dtype=dt, head_dim=128, config=[K.FINAL_BLOCK, 4])
         rows.append(r)
         print(json.dumps(r), flush=True)
     out = dict(triton=triton.__version__, target="sm_90 (ptxas -v for sm_90a)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    spills = [r for r in rows if r.get("spill_store_bytes") and r["dtype"] != "fp32"]
+    print(f"{len(rows)} variants; 16-bit variants that spill: {len(spills)}")
 
 
 if __name__ == "__main__":
