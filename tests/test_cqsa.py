@@ -746,6 +746,9 @@ def test_gpu_half_precision_within_flash_error(dtype, itr, causal, d, hq, hkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq,nk,causal", [(700, 2900, True), (2900, 700, True), (1000, 3001, False)])
 def test_gpu_queries_and_keys_of_different_lengths(nq, nk, causal):
+    """bf16, grouped-query K/V, Nq != Nk: within 1.5x the error of SDPA's memory-efficient kernel on the same
+    inputs (bottom-right causal through torch.nn.attention.bias.causal_lower_right, K/V repeated for it)."""
+    from torch.nn.attention.bias import causal_lower_right
     dtype = torch.bfloat16
     q = torch.randn(1, 8, nq, 128, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, 2, nk, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
@@ -753,9 +756,19 @@ def test_gpu_queries_and_keys_of_different_lengths(nq, nk, causal):
     do = torch.randn_like(ref)
     gref = torch.autograd.grad(ref, (q, k, v), do)
     out = cqsa_attention(q, k, v, causal=causal, c=7, itr=1)
-    assert max_err(out, ref) <= 2e-2
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), do.to(dtype)), gref):
-        assert a.shape == b.shape and max_err(a, b) <= 6e-2
+    g = torch.autograd.grad(out, (q, k, v), do.to(dtype))
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lo = max(nq - nk, 0) if causal else 0          # rows before lo see no key (SDPA would give NaN there)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        eff = torch.nn.functional.scaled_dot_product_attention(
+            qs[:, :, lo:], ks, vs, attn_mask=causal_lower_right(nq - lo, nk) if causal else None)
+    eff = torch.cat([torch.zeros_like(qs[:, :, :lo]), eff], 2)
+    ge = torch.autograd.grad(eff, (qs, ks, vs), do.to(dtype))
+    ge = (ge[0], ge[1].unflatten(1, (2, 4)).sum(2), ge[2].unflatten(1, (2, 4)).sum(2))
+    assert max_err(out, ref) <= max(1.5 * max_err(eff, ref), 2e-2)
+    for a, b, e in zip(g, gref, ge):
+        assert a.shape == b.shape and max_err(a, b) <= max(1.5 * max_err(e, b), 5e-2)
 
 
 @pytest.mark.gpu

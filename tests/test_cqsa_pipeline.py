@@ -2,7 +2,6 @@
 epilogue (merge="kernel") against the per-piece PyTorch merge, the row-chunk finaliser (finalize="rows"/"end") and its
 output paths, under the OOM guardrail. CPU runs use the Triton interpreter (conftest), sizes stay small.
 """
-import itertools
 import math
 from types import SimpleNamespace
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from kernels.cqsa.divide import build_tasks
-from kernels.cqsa.kernel import LN2, launch_finalize
+from kernels._common import LN2
+from kernels.cqsa.kernel import launch_finalize
 from kernels.cqsa.schedule import task_schedule
 from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_forward
 from kernels.reference import reference_attention

@@ -35,9 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import LN2, LOG2E, block_d, interpreted, launch, tile_config
-
-__all__ = ["LN2", "LOG2E"]
+from .._common import block_d, interpreted, launch, tile_config
 
 
 @triton.jit
