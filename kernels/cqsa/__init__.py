@@ -11,6 +11,7 @@ in global order, so the causal mask composes with the responsibility mask.
 """
 from .._common import HEAD_DIMS
 from .attention import cqsa_attention
+from .distributed import cqsa_attention_distributed
 from .divide import INTEREST_SETS, balanced_layout, build_tasks, coverage_counts, is_difference_set, owner, refine
 
 BACKENDS = {
@@ -28,5 +29,5 @@ BACKENDS = {
     ),
 }
 
-__all__ = ["cqsa_attention", "BACKENDS", "INTEREST_SETS", "balanced_layout", "build_tasks",
-           "coverage_counts", "is_difference_set", "owner", "refine"]
+__all__ = ["cqsa_attention", "cqsa_attention_distributed", "BACKENDS", "INTEREST_SETS", "balanced_layout",
+           "build_tasks", "coverage_counts", "is_difference_set", "owner", "refine"]

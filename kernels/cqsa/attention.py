@@ -20,7 +20,6 @@ kernels._common.launch.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .._common import LOG2E, default_scale, dot_precision, launch, on_device, unit_last
@@ -47,15 +46,9 @@ _MAX_PLANS = 256
 
 
 def _device_tables(n, n_kv, c, itr, block, causal, rows, device):
-    """One schedule's tables in one int32 device tensor (one copy): (ranges view, [(items view, count)])."""
-    s = resident_schedule(n, c, itr, block, causal, n_kv, rows)
-    flat = torch.from_numpy(np.concatenate([s.ranges.ravel()] + [w.ravel() for w in s.waves])).to(device)
-    off = s.ranges.size
-    waves = []
-    for w in s.waves:
-        waves.append((flat[off:off + w.size].view(w.shape), int(w.shape[0])))
-        off += w.size
-    return flat[:s.ranges.size].view(-1, 3), waves
+    """One schedule's tables on the device: (ranges, [(items, count)] per wave)."""
+    ranges, waves = resident_schedule(n, c, itr, block, causal, n_kv, rows).on(device)
+    return ranges, [(w, int(w.shape[0])) for w in waves]
 
 
 def _plan(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backward: bool) -> _Plan:

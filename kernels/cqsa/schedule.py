@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from .divide import Task, build_tasks
 
@@ -37,6 +38,19 @@ class Schedule:
     waves: list[np.ndarray]       # each [I, 5] int32
     block_rows: int
     work: float                   # visited row×column pairs (before causal clipping), for FLOP counts
+    _device_cache: dict = None
+
+    def on(self, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The tables as int32 tensors on `device` (copied once per device, then kept: resident schedules are
+        cached, so a call finds them there)."""
+        if self._device_cache is None:
+            self._device_cache = {}
+        key = str(device)
+        if key not in self._device_cache:
+            r = torch.from_numpy(np.ascontiguousarray(self.ranges)).to(device)
+            w = [torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in self.waves]
+            self._device_cache[key] = (r, w)
+        return self._device_cache[key]
 
 
 def _task_tables(task: Task, rows: str, coord: str, block_rows: int, causal: bool, causal_off: int,

@@ -538,8 +538,13 @@ class _Engine(ABC):
                 / wall if wall > 0 else None
         else:
             st.peak_bytes = int(self.peak_seen)
-        if st.pairs_covered != self.N * self.Nk:
-            raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected Nq·Nk={self.N * self.Nk}")
+        if st.pairs_covered != self.expected_pairs():
+            raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected {self.expected_pairs()}")
+
+    def expected_pairs(self) -> int:
+        """Kept pairs the merged tasks must cover: Nq·Nk, each pair once (an engine running a share of the
+        tasks, as distributed.py's, expects its share)."""
+        return self.N * self.Nk
 
     def note_merged(self, task: Task):
         st = self.stats

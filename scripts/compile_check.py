@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Compile a kernel package's Triton code for sm_90 without a GPU and report, per kernel and tile config:
+registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and the wgmma / cp.async
+instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
+spill or cannot launch, before any device time is spent.
+
+    python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|all [--json OUT] [--tiles]
+        [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
+
+By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
+candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
+4/8 warps × 2/3 stages, PASA's sweep candidates. Exit 1 if any kernel fails to compile; spills are reported,
+not failed (some are known and allowed: kernels/elsa/NOTES.md).
+
+Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit target) with the arguments
+specialised as a launch on contiguous [B, H, N, D] tensors specialises them (pointers and strides divisible
+by 16, lengths and counts plain i32), and the cuobjdump shipped with Triton for the resource usage.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)      # compile for real: the interpreter compiles nothing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+SMEM_MAX = 232448   # sm_90: 227 KB of shared memory per block (opt-in); a config above it cannot launch
+PTX_COUNTS = {"wgmma": ("wgmma.mma_async",), "cp_async": ("cp.async.cg", "cp.async.ca"),
+              "ex2": ("ex2.approx",), "cvt_f16x2": ("cvt.rn.f16x2.f32",), "cvt_f32_f16": ("cvt.f32.f16",)}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Job:
+    """One kernel at one tile config: what to compile and how its arguments are specialised."""
+    kernel: str                      # the package: elsa, cron_root, pasa, cqsa
+    name: str                        # the Triton function's role, e.g. phase1, dq, fwd
+    fn: object                       # the @triton.jit function
+    dtype: str                       # fp16, bf16, fp32: the element type of the input/output pointers
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    ptrs: set                        # pointer arguments of the input dtype
+    fp32_ptrs: set = field(default_factory=set)   # pointers that are always fp32 (statistics, accumulators)
+    i32_ptrs: set = field(default_factory=set)
+    floats: set = field(default_factory=set)      # fp32 scalar arguments
+    div16: object = None             # name -> True for the integer arguments a launch sees divisible by 16 (strides)
+    label: dict = field(default_factory=dict)     # what the report shows besides the kernel
+
+
+def signature(job: Job) -> tuple[dict, dict]:
+    """(signature, attrs) as a launch on contiguous tensors specialises them: every pointer 16-byte aligned,
+    the integers `div16` names divisible by 16, other integers plain i32."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(job.fn.arg_names):
+        if name in job.constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
+            sig[name] = "*fp32" if name in job.fp32_ptrs else "*i32" if name in job.i32_ptrs else f"*{job.dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in job.floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if job.div16 is not None and job.div16(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_job(job: Job, target: GPUTarget) -> dict:
+    sig, attrs = signature(job)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": job.num_warps, "num_stages": job.num_stages})
+    cc = triton.compile(ASTSource(fn=job.fn, signature=sig, constexprs=job.constexprs, attrs=attrs), target=target,
+                        options=options.__dict__)
+    ptx = cc.asm.get("ptx", "")
+    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX}
+    usage.update({key: sum(ptx.count(p) for p in pats) for key, pats in PTX_COUNTS.items()})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cc.asm["cubin"])
+    try:
+        out = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
+                              "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m:
+        usage.update(regs=int(m.group(1)), spill_stack=int(m.group(2)))
+    return usage
+
+
+# -- each kernel package's jobs -------------------------------------------------------------------------------
+
+def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels.elsa import config
+    from kernels.elsa import kernel as K
+
+    fp32_ptrs = {"L2", "Delta", "dBias", "Msum", "Zsum", "Ssum", "Mrow", "Zrow"}
+    ptrs = {"Q", "K", "V", "dOut", "dQ", "dK", "dV", "Bias", "Out"}
+    stride = re.compile(r"^s[a-z]+$").match
+    fns = {"phase1": K._elsa_phase1, "dq": K._elsa_bwd_dq, "dkdv": K._elsa_bwd_dkdv}
+    jobs = []
+    for dtype, d in itertools.product(dtypes, dims):
+        fp32 = dtype == "fp32"
+        cls = "32" if fp32 else "16"
+        if tiles:
+            grid = [(bm, bn, w, st) for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))
+                    if bm * bn <= 128 * 128 and not (w == 8 and bm * bn < 64 * 64)]
+            configs = {name: grid for name in fns}
+        else:
+            dq, dkdv = config.BWD_TABLE[(cls, d)]
+            configs = {"phase1": [config.FWD_TABLE[(cls, d)]], "dq": [dq], "dkdv": [dkdv]}
+        for name, fn in fns.items():
+            for bm, bn, w, st in configs[name]:
+                meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False, FOLD_Q=fp32,
+                            SCALE_IN_EXP=not fp32, DOT_PREC="tf32x3" if fp32 else "tf32")
+                if name == "dq":
+                    meta["BIAS_GRAD"] = False
+                jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
+                                div16=stride, label=dict(D=d, cfg=[bm, bn, w, st])))
+    return jobs
+
+
+def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels.cron_root import kernel as K
+    from kernels.cron_root.attention import _block_d, default_gpu_configs
+
+    if tiles:
+        raise SystemExit("--tiles: Cron Root has no candidate grid here; its tiles are swept on the GPU")
+    ptrs = {"Q", "K", "V", "RK", "RV", "O", "DO", "DQ", "DK", "DV"}
+    stride = re.compile(r"^s[a-z]+[bhn]$").match
+    fns = {"fwd": K._fwd, "fwd_small": K._fwd, "dq": K._bwd_dq, "glob": K._bwd_global, "loc": K._bwd_local}
+    jobs = []
+    for d, dtype in itertools.product(dims, dtypes):
+        for prec in (("tf32x3", "ieee") if dtype == "fp32" else ("tf32",)):
+            configs = default_gpu_configs(d, TORCH_DTYPES[dtype], prec if dtype == "fp32" else "tf32x3")
+            for name, fn in fns.items():
+                cfg = configs[name]
+                meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
+                meta.update(HEAD_DIM=d, BLOCK_D=_block_d(d), PREC=prec)
+                jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4), cfg.get("num_stages", 3),
+                                ptrs, {"LSE", "DELTA", "DG_K", "DG_V"}, floats={"qk_scale", "scale", "inv_w"},
+                                div16=stride, label=dict(D=d, prec=prec, cfg=cfg)))
+    return jobs
+
+
+# PASA's sweep candidates (scripts/gpu/pasa_tune.py times them on the GPU)
+PASA_CANDIDATES = {
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+}
+
+
+def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    import triton.language as tl
+
+    from kernels.pasa import kernel as K
+    from kernels.pasa.attention import DEFAULT_CONFIGS, VARIANTS
+
+    jobs = []
+    for d, state in itertools.product(dims, ("fp16", "fp32")):   # PASA converts every input to fp16
+        configs = PASA_CANDIDATES[d] if tiles else [DEFAULT_CONFIGS["pasa"][d]]
+        for (bm, bn, w, st), causal, variant in itertools.product(configs, (False, True), VARIANTS):
+            meta = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, CAUSAL=causal,
+                        STATE={"fp16": tl.float16, "fp32": tl.float32}[state], FUSED=VARIANTS[variant])
+            jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, {"Q", "KS", "V", "O", "K"},
+                            floats={"c_arg", "diag", "off", "qk_scale"},
+                            label=dict(D=d, variant=variant, causal=causal, state=state, cfg=[bm, bn, w, st])))
+    return jobs
+
+
+def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels._common import block_d
+    from kernels.cqsa import kernel as K
+
+    if tiles:
+        raise SystemExit("--tiles: CQSA has no candidate grid here; pass config= to cqsa_attention to try tiles")
+    fp32_ptrs = {"LSE", "STATE", "WS", "MST", "SST", "ACC"}
+    ptrs = {"Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV", "O"}
+    scalars = {"qk_scale", "sm_scale", "mscale"}
+    # the integers a launch may see not divisible by 16 (strides and the rest are)
+    not_div16 = {"H", "HKV", "GROUP", "N_OUT", "N_ROWS", "off_m", "off_l", "off_delta", "off_dk", "off_dv",
+                 "causal_off", "first", "last", "n", "g0", "N"}
+    jobs = []
+
+    def job(name, fn, dtype, meta, w, st, extra_fp32=(), **label):
+        return Job("cqsa", name, fn, dtype, meta, w, st, ptrs - set(extra_fp32), fp32_ptrs | set(extra_fp32),
+                   i32_ptrs={"ITEMS", "RANGES"}, floats=scalars, div16=lambda arg: arg not in not_div16, label=label)
+
+    kernels = (("fwd", K.cqsa_fwd_kernel, dict(MODE=1)), ("fwd", K.cqsa_fwd_kernel, dict(MODE=0)),
+               ("dq", K.cqsa_bwd_dq_kernel, dict(DELTA_FROM_O=True)), ("dkdv", K.cqsa_bwd_dkdv_kernel, {}))
+    for dtype, d in itertools.product(dtypes, dims):
+        prec = "tf32x3" if dtype == "fp32" else "tf32"
+        tiles_d = K.default_tiles(d, TORCH_DTYPES[dtype], "cuda")
+        for (part, fn, extra), causal in itertools.product(kernels, (False, True)):
+            meta = K.constexprs(part, d, tiles_d, causal, prec, **extra)
+            w, st = meta.pop("num_warps"), meta.pop("num_stages")
+            label = dict(D=d, causal=causal, **extra, cfg=[meta["BLOCK_M"], meta["BLOCK_N"], w, st])
+            # MODE 0 writes fp32 partials; MODE 1 is the resident wave merge and the streaming merge in the kernel
+            jobs.append(job(fn.__name__, fn, dtype, meta, w, st,
+                            extra_fp32=("OUT",) if extra.get("MODE") == 0 else (), **label))
+        jobs.append(job("cqsa_finalize_kernel", K.cqsa_finalize_kernel, dtype,
+                        dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK=K.FINAL_BLOCK), 4, 1, D=d,
+                        cfg=[K.FINAL_BLOCK, 4]))
+    return jobs
+
+
+KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "cqsa": cqsa_jobs}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", required=True, choices=[*KERNELS, "all"])
+    p.add_argument("--dtypes", default="fp16,bf16,fp32", help="element types of the inputs (PASA: always fp16)")
+    p.add_argument("--dims", default="64,128", help="head dims")
+    p.add_argument("--tiles", action="store_true", help="the candidate tiles of a tuning sweep, not the shipped ones")
+    p.add_argument("--target", default="cuda:90:32", help="backend:arch:warp size")
+    p.add_argument("--json", help="write every row here")
+    a = p.parse_args(argv)
+    dtypes = [x for x in a.dtypes.split(",") if x]
+    dims = [int(x) for x in a.dims.split(",") if x]
+    bad = [x for x in dtypes if x not in TORCH_DTYPES]
+    if bad:
+        p.error(f"--dtypes {bad[0]!r}: allowed {', '.join(TORCH_DTYPES)}")
+    backend, arch, warp = a.target.split(":")
+    target = GPUTarget(backend, int(arch), int(warp))
+    rows, failures = [], 0
+    for kernel in (KERNELS if a.kernel == "all" else [a.kernel]):
+        for job in KERNELS[kernel](dtypes, dims, a.tiles):
+            row = dict(kernel=job.kernel, function=job.name, dtype=job.dtype, **job.label)
+            try:
+                row.update(compile_job(job, target))
+            except Exception as exc:   # a compile error is a finding: report it and go on
+                failures += 1
+                row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+            rows.append(row)
+            what = " ".join(f"{k}={v}" for k, v in job.label.items())
+            if "error" in row:
+                print(f"{job.kernel} {job.name} {job.dtype} {what}: {row['error']}", flush=True)
+            else:
+                print(f"{job.kernel} {job.name} {job.dtype} {what}: regs={row.get('regs')} "
+                      f"spill_stack={row.get('spill_stack')} shared={row['shared']} wgmma={row['wgmma']} "
+                      f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)"),
+                      flush=True)
+    spilled = sum(1 for r in rows if r.get("spill_stack"))
+    print(f"{len(rows)} compiled for {a.target}: {failures} failed, {spilled} spill", flush=True)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(dict(target=a.target, triton=triton.__version__, rows=rows), indent=1,
+                                           default=str) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
