@@ -388,7 +388,8 @@ def test_kernel_partials_on_synthetic_masks(device, pattern, causal):
     rng = np.random.default_rng(len(pattern) + causal)
     qlen = rng.integers(1, 23, size=7).astype(np.int64)
     klen = rng.integers(1, 23, size=5).astype(np.int64)
-    words = {"zero": lambda p: np.zeros(p), "all_masked": lambda p: np.ones(p), "random": lambda p: rng.integers(0, 8, p),
+    words = {"zero": lambda p: np.zeros(p), "all_masked": lambda p: np.ones(p),
+             "random": lambda p: rng.integers(0, 8, p),
              "half": lambda p: np.arange(p) < p // 2, "stripe": lambda p: 1 + (np.arange(p) % 2)}[pattern]
     qbits, kbits = words(len(qlen)).astype(np.int64), words(len(klen)).astype(np.int64)
     # pieces at increasing global positions with gaps (as a gathered task has them)
@@ -757,7 +758,8 @@ def test_gpu_queries_and_keys_of_different_lengths(nq, nk, causal):
     gref = torch.autograd.grad(ref, (q, k, v), do)
     out = cqsa_attention(q, k, v, causal=causal, c=7, itr=1)
     g = torch.autograd.grad(out, (q, k, v), do.to(dtype))
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
+    qs, ks, vs = (t.detach().clone().requires_grad_()
+                  for t in (q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     lo = max(nq - nk, 0) if causal else 0          # rows before lo see no key (SDPA would give NaN there)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):

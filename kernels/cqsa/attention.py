@@ -14,9 +14,9 @@ Streaming mode (a memory budget, or inputs on the host while a GPU exists) is st
 eagerly only; under torch.compile it says so.
 
 Host time per call is what short sequences pay (issue 16): the op bodies look everything up in one plan
-cached per (Nq, Nk, c, itr, causal, tiles, device) — the slot-wave tables already on the device, the
-constexprs of each kernel — allocate three (forward) or four (backward) buffers and launch through
-kernels._common.launch.
+cached per (Nq, Nk, c, itr, causal, tiles, D, precision, device) — the slot-wave tables already on the
+device, the constexprs of each kernel — allocate three (forward) or four (backward) buffers and launch
+through kernels._common.launch; the public function caches its checks per call signature.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from .stream import stream_attention
 
 class _Plan:
     """Slot-wave tables on one device: ranges and [(items, count)] per wave, for the forward (query rows),
-    dQ (query rows) and dK/dV (key rows), and each kernel's constexprs. The backward's tables are built on its first use."""
+    dQ (query rows) and dK/dV (key rows), and each kernel's constexprs. The backward's tables are built on its
+    first use."""
     __slots__ = ("key", "fwd", "dq", "dkdv", "fwd_consts", "dq_consts", "dkdv_consts")
 
     def __init__(self, key):
@@ -215,6 +216,7 @@ def _resolve(q, k, v, causal, scale, c, itr, precision, config):
     shape = check_call(q, k, v, causal=causal, scale=scale, c=c, itr=itr, precision=precision)
     tiles = resolve_tiles(shape.head_dim, q.dtype, q.device.type, config)
     return default_scale(scale, shape.head_dim), dot_precision(q.dtype, precision), list(tiles)
+
 
 def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=None, *, precision="tf32x3",
                    config=None, stream=None, device=None, return_stats=False, **stream_opts):
