@@ -205,37 +205,38 @@ def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 
 
 def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels._common import block_d
     from kernels.cqsa import kernel as K
 
     if tiles:
-        raise SystemExit("--tiles: CQSA has no candidate grid here; its tiles are swept on the GPU")
-    fp32_ptrs = {"LSE", "ACC", "MST", "LST", "LSE2", "DELTA", "DQACC", "DKACC", "DVACC", "OUTI", "LSEI", "SST"}
+        raise SystemExit("--tiles: CQSA has no candidate grid here; pass config= to cqsa_attention to try tiles")
+    fp32_ptrs = {"LSE", "STATE", "WS", "MST", "SST", "ACC"}
     ptrs = {"Q", "K", "V", "DO", "OUT", "DQ", "DK", "DV", "O"}
     scalars = {"qk_scale", "sm_scale", "mscale"}
-    not_div16 = {"H", "first", "last", "n", "g0"}     # every other integer a launch passes is a multiple of 16
-    cuda = torch.device("cuda")
+    # the integers a launch may see not divisible by 16 (strides and the rest are)
+    not_div16 = {"H", "HKV", "GROUP", "N_OUT", "N_ROWS", "off_m", "off_l", "off_delta", "off_dk", "off_dv",
+                 "causal_off", "first", "last", "n", "g0", "N"}
     jobs = []
 
     def job(name, fn, dtype, meta, w, st, extra_fp32=(), **label):
         return Job("cqsa", name, fn, dtype, meta, w, st, ptrs - set(extra_fp32), fp32_ptrs | set(extra_fp32),
                    i32_ptrs={"ITEMS", "RANGES"}, floats=scalars, div16=lambda arg: arg not in not_div16, label=label)
 
+    kernels = (("fwd", K.cqsa_fwd_kernel, dict(MODE=1)), ("fwd", K.cqsa_fwd_kernel, dict(MODE=0)),
+               ("dq", K.cqsa_bwd_dq_kernel, dict(DELTA_FROM_O=True)), ("dkdv", K.cqsa_bwd_dkdv_kernel, {}))
     for dtype, d in itertools.product(dtypes, dims):
-        prec = "tf32x3" if dtype == "fp32" else "ieee"
-        for kind, fns in (("fwd", [K.cqsa_fwd_kernel]), ("bwd", [K.cqsa_bwd_dq_kernel, K.cqsa_bwd_dkdv_kernel])):
-            bm, bn, w, st = K.config(kind, d, TORCH_DTYPES[dtype], cuda)
-            for fn, causal in itertools.product(fns, (False, True)):
-                for mode in ((0, 1) if kind == "fwd" else (None,)):
-                    meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, PRECISION=prec)
-                    if mode is not None:
-                        meta["MODE"] = mode
-                    label = dict(D=d, causal=causal, mode=mode, cfg=[bm, bn, w, st])
-                    jobs.append(job(fn.__name__, fn, dtype, meta, w, st, **label))
-                    if mode == 1:   # streaming, merge in the kernel: the fp32 accumulator is passed as OUT
-                        jobs.append(job(fn.__name__, fn, dtype, meta, w, st, extra_fp32=("OUT",),
-                                        note="streaming merge in the kernel (OUT fp32)", **label))
+        prec = "tf32x3" if dtype == "fp32" else "tf32"
+        tiles_d = K.default_tiles(d, TORCH_DTYPES[dtype], "cuda")
+        for (part, fn, extra), causal in itertools.product(kernels, (False, True)):
+            meta = K.constexprs(part, d, tiles_d, causal, prec, **extra)
+            w, st = meta.pop("num_warps"), meta.pop("num_stages")
+            label = dict(D=d, causal=causal, **extra, cfg=[meta["BLOCK_M"], meta["BLOCK_N"], w, st])
+            # MODE 0 writes fp32 partials; MODE 1 is the resident wave merge and the streaming merge in the kernel
+            jobs.append(job(fn.__name__, fn, dtype, meta, w, st,
+                            extra_fp32=("OUT",) if extra.get("MODE") == 0 else (), **label))
         jobs.append(job("cqsa_finalize_kernel", K.cqsa_finalize_kernel, dtype,
-                        dict(HEAD_DIM=d, BLOCK=K.FINAL_BLOCK), 4, 1, D=d, cfg=[K.FINAL_BLOCK, 4]))
+                        dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK=K.FINAL_BLOCK), 4, 1, D=d,
+                        cfg=[K.FINAL_BLOCK, 4]))
     return jobs
 
 

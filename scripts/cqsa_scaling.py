@@ -61,8 +61,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before kernels (and triton) are imported
 
 from kernels.cqsa import cqsa_attention, cqsa_attention_distributed  # noqa: E402
+from kernels._common import LOG2E, dot_precision  # noqa: E402
 from kernels.cqsa import kernel as K  # noqa: E402
-from kernels.cqsa.attention import lse_log2  # noqa: E402
 from kernels.cqsa.distributed import auto_itr, plan_tasks  # noqa: E402
 from kernels.cqsa.divide import build_tasks  # noqa: E402
 from kernels.cqsa.schedule import task_schedule  # noqa: E402
@@ -171,36 +171,37 @@ def run_subsequence(task, heads, head_dim, dtype, causal, dev, passes, gen):
     """One subsequence as the streaming engine runs it with a host accumulator: inputs gathered on the device,
     fp32 partials out. Returns {pass: (seconds, peak bytes above what was allocated before)}."""
     L, scale, clock = task.L, head_dim ** -0.5, _Clock(dev)
-    prec = K.precision_for(dtype, "tf32x3")
+    prec = dot_precision(dtype, "tf32x3")
+    tiles = K.default_tiles(head_dim, dtype, dev.type)
     res = {}
     f32 = dict(dtype=torch.float32, device=dev)
     base = _peak_reset(dev)
     q, k, v = (torch.randn((1, heads, L, head_dim), device=dev, dtype=dtype, generator=gen) for _ in range(3))
-    fb = K.config("fwd", head_dim, dtype, dev)
-    sf = task_schedule(task, fb[0], causal, inputs_global=False)
+    sf = task_schedule(task, tiles[0], causal, inputs_global=False)
     rf, wf = torch.from_numpy(sf.ranges).to(dev), torch.from_numpy(sf.waves[0]).to(dev)
     out = torch.empty((1, heads, L, head_dim), **f32)
     lse = torch.empty((1, heads, L), **f32)
-    t = clock(lambda: K.launch_fwd(q, k, v, out, lse, wf, rf, causal=causal, scale=scale, block=fb, precision=prec,
-                                   mode=0))
+    t = clock(lambda: K.launch_fwd(q, k, v, out, lse, lse, wf, rf, n_out=L, causal_off=0, qk_scale=scale * LOG2E,
+                                   consts=K.constexprs("fwd", head_dim, tiles, causal, prec, MODE=0)))
     if "fwd" in passes:
         res["fwd"] = (t, _peak(dev, base, (3 * dtype.itemsize + 4) * L * heads * head_dim + 4 * L * heads))
     if "bwd" in passes:
         do = torch.randn((1, heads, L, head_dim), device=dev, dtype=dtype, generator=gen)
         delta = (do.float() * out).sum(-1)          # δ and the lse of this subsequence stand in for the global ones
-        lse2 = lse_log2(lse).contiguous()
-        del out, lse
+        del out
         base = _peak_reset(dev) - (4 * dtype.itemsize * L * heads * head_dim + 8 * L * heads)   # inputs included
-        bb = K.config("bwd", head_dim, dtype, dev)
-        sq, sk = task_schedule(task, bb[0], causal, False), task_schedule(task, bb[1], causal, False)
+        sq = task_schedule(task, tiles[4], causal, False)
+        sk = task_schedule(task, tiles[9], causal, False, rows="k")
         rq, wq = torch.from_numpy(sq.ranges).to(dev), torch.from_numpy(sq.waves[0]).to(dev)
         rk, wk = torch.from_numpy(sk.ranges).to(dev), torch.from_numpy(sk.waves[0]).to(dev)
         parts = [torch.empty((1, heads, L, head_dim), **f32) for _ in range(3)]
-        kw = dict(causal=causal, scale=scale, block=bb, precision=prec)
+        kw = dict(n_rows=L, causal_off=0, qk_scale=scale * LOG2E, sm_scale=scale)
+        cq = K.constexprs("dq", head_dim, tiles, causal, prec, DELTA_FROM_O=False)
+        ck = K.constexprs("dkdv", head_dim, tiles, causal, prec)
 
         def bwd():
-            K.launch_bwd_dq(q, k, v, do, lse2, delta, parts[0], wq, rq, **kw)
-            K.launch_bwd_dkdv(q, k, v, do, lse2, delta, parts[1], parts[2], wk, rk, **kw)
+            K.launch_bwd_dq(q, k, v, delta, do, lse, delta, parts[0], wq, rq, n_out=L, consts=cq, **kw)
+            K.launch_bwd_dkdv(q, k, v, do, lse, delta, parts[1], parts[2], wk, rk, n_out=L, consts=ck, **kw)
         t = clock(bwd)
         res["bwd"] = (t, _peak(dev, base, (4 * dtype.itemsize + 12) * L * heads * head_dim + 8 * L * heads))
     return res

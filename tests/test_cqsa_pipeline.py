@@ -2,7 +2,6 @@
 epilogue (merge="kernel") against the per-piece PyTorch merge, the row-chunk finaliser (finalize="rows"/"end") and its
 output paths, under the OOM guardrail. CPU runs use the Triton interpreter (conftest), sizes stay small.
 """
-import itertools
 import math
 from types import SimpleNamespace
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from kernels.cqsa.divide import build_tasks
-from kernels.cqsa.kernel import LN2, launch_finalize
+from kernels._common import LN2
+from kernels.cqsa.kernel import launch_finalize
 from kernels.cqsa.schedule import task_schedule
 from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_forward
 from kernels.reference import reference_attention
@@ -62,7 +62,7 @@ def test_global_output_tables_map_local_rows_to_global_ids():
     for t in build_tasks(150, 7, 2):
         for inputs_global in (False, True):
             w = task_schedule(t, 16, False, inputs_global, out_global=True).waves[0]
-            ids = t.ids()
+            ids = t.q.ids()
             for rs, re, _, _, shift in w:
                 rows = np.arange(rs, re)
                 want = rows if inputs_global else ids[rows]        # input row -> global output row
@@ -159,7 +159,7 @@ def test_kernel_merge_needs_less_memory_per_task():
 
 def _fake_engine(N, chunk, fin_mode="rows"):
     B, H, D = 1, 1, 32
-    eng = SimpleNamespace(B=B, H=H, N=N, D=D, dtype=torch.float32, cuda=False, fin_mode=fin_mode,
+    eng = SimpleNamespace(B=B, H=H, N=N, Nk=N, D=D, dtype=torch.float32, cuda=False, fin_mode=fin_mode,
                           acc=StableAccumulator(B, H, N, D, "cpu"), stats=SimpleNamespace(fin_chunks=0, fin_chunks_early=0),
                           live=((), ()), fin_s=None, timer=SimpleNamespace(start=lambda s=None: 0, stop=lambda *a: None,
                                                                         host={"host_copy": 0.0}))

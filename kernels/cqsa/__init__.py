@@ -2,12 +2,15 @@
 
 ``cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=None)`` computes exact
 softmax attention by CQS Divide: c**itr subsequence tasks whose responsibility masks partition the
-N×N score matrix, merged with a log-sum-exp rule. Resident mode batches the tasks into slot waves;
+Nq×Nk score matrix, merged with a log-sum-exp rule. Resident mode batches the tasks into slot waves
+(torch.library ops ``attnbench::cqsa_fwd`` / ``attnbench::cqsa_bwd``: torch.compile and CUDA graphs work);
 streaming mode (``mem_budget`` or host inputs) schedules them under a memory budget with the OOM
-guardrail. Causal attention is supported (an extension beyond the paper): sorted gather keeps
-tokens in global order, so the causal mask composes with the responsibility mask.
+guardrail, eagerly. Grouped-query K/V, Nq != Nk (causal aligned bottom-right) and head dims 16..256 in
+steps of 8 are supported. Causal attention is an extension beyond the paper: sorted gather keeps tokens
+in global order, so the causal mask composes with the responsibility mask.
 """
-from .attention import cqsa_attention, last_stats
+from .._common import HEAD_DIMS
+from .attention import cqsa_attention
 from .distributed import cqsa_attention_distributed
 from .divide import INTEREST_SETS, balanced_layout, build_tasks, coverage_counts, is_difference_set, owner, refine
 
@@ -18,7 +21,7 @@ BACKENDS = {
         cpu_dtypes=("float32", "float16"),       # the Triton CPU interpreter gets bf16 wrong
         modes=("fwd", "bwd", "fwdbwd"),
         causal=(False, True),
-        head_dims=(32, 64, 128),
+        head_dims=HEAD_DIMS,
         devices=("cuda", "cpu"),
         options={"c": 7, "itr": 1},
         description="Stream-CQSA: exact attention as c**itr CQS subsequence tasks merged by log-sum-exp "
@@ -26,5 +29,5 @@ BACKENDS = {
     ),
 }
 
-__all__ = ["cqsa_attention", "cqsa_attention_distributed", "last_stats", "BACKENDS", "INTEREST_SETS",
-           "balanced_layout", "build_tasks", "coverage_counts", "is_difference_set", "owner", "refine"]
+__all__ = ["cqsa_attention", "cqsa_attention_distributed", "BACKENDS", "INTEREST_SETS", "balanced_layout",
+           "build_tasks", "coverage_counts", "is_difference_set", "owner", "refine"]

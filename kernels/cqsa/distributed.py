@@ -52,12 +52,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._common import check_inputs, default_scale
-from .attention import HEAD_DIMS, check_bf16_device, lse_log2, row_delta
+from .._common import LN2, LOG2E, check_inputs, check_precision, default_scale, dot_precision
 from .divide import INTEREST_SETS, MAX_BITS, Task, build_tasks, interest_set, max_depth
-from .kernel import LN2, config, launch_bwd_dkdv, launch_bwd_dq, launch_fwd, precision_for
+from .kernel import constexprs, launch_bwd_dkdv, launch_bwd_dq, launch_fwd, resolve_tiles
 from .schedule import build_schedule
-from .stream import _BwdEngine, _engine_kwargs, _FwdEngine
+from .stream import StableAccumulator, _BwdEngine, _compute_device, _engine_kwargs, _FwdEngine, row_delta
 
 NAME = "cqsa_attention_distributed"
 BALANCE_TOL = 0.02               # auto itr: busiest rank's kept pairs <= (1 + tol) x the mean
@@ -74,8 +73,8 @@ _test_fault_hook = None
 def task_cost(task: Task, causal: bool) -> int:
     """Score entries the task computes: pairs of its pieces kept by responsibility, and on or below the
     diagonal of the global ids when causal (pieces are in global order, so piece i after piece j means
-    every row of i follows every column of j)."""
-    n = task.length.astype(np.int64)
+    every row of i follows every column of j). Self-attention: the task's query and key sides are one."""
+    n = task.q.length.astype(np.int64)
     pairs = np.outer(n, n)
     if causal:
         idx = np.arange(len(n))
@@ -136,11 +135,13 @@ def auto_itr(n: int, c: int, world: int, causal: bool) -> int:
 
 
 @lru_cache(maxsize=64)
-def _rank_schedule(n: int, c: int, itr: int, world: int, causal: bool, rank: int, block_rows: int):
-    """Slot waves over this rank's tasks in global coordinates (resident mode on a share of the tasks:
-    a wave still touches each token at most once, so its epilogue merges race-free)."""
+def _rank_schedule(n: int, c: int, itr: int, world: int, causal: bool, rank: int, block_rows: int, rows: str):
+    """Slot waves over this rank's tasks in global coordinates, queries (rows="q") or keys ("k") as rows
+    (resident mode on a share of the tasks: a wave still touches each token at most once, so its epilogue
+    merges race-free)."""
     plan = plan_tasks(n, c, itr, world, causal)
-    return build_schedule([plan.tasks[i] for i in plan.owned[rank]], "global", block_rows, causal, by_slot=True)
+    return build_schedule([plan.tasks[i] for i in plan.owned[rank]], "global", block_rows, causal, by_slot=True,
+                          rows=rows)
 
 
 # --- what one call carries ------------------------------------------------------------------------
@@ -198,7 +199,12 @@ def _check_inputs(q, k, v, causal, scale):
     ts = (q, k, v)
     if torch.cuda.is_available() and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in ts):
         ts = tuple(torch.empty((1,) * t.dim(), dtype=t.dtype, device="cuda").expand(t.shape) for t in ts)
-    return check_inputs(NAME, *ts, causal=causal, scale=scale, head_dims=HEAD_DIMS)
+    return check_inputs(NAME, *ts, causal=causal, scale=scale)
+
+
+def _check_bf16(dtype, device: torch.device):
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        raise ValueError(f"{NAME}: bfloat16 needs a CUDA device (the Triton CPU interpreter computes bf16 wrongly)")
 
 
 def _lastdim_contig(t):
@@ -288,53 +294,64 @@ def _local_forward(call: _Call, q, k, v):
     """This rank's tasks -> (m, s, acc, mscale): fp32 LSE state, natural lse = m·mscale + ln s."""
     plan = call.plan
     B, H, N, D = q.shape
+    prec = dot_precision(q.dtype, call.precision)
     if call.streaming:
+        dev = call.engine_opts["device"]
         eng = _RankFwdEngine("fwd", [q, k, v], causal=call.causal, scale=call.scale, c=plan.c, itr=plan.itr,
-                             precision=call.precision, **call.engine_opts).use_share(plan, call.rank)
+                             precision=prec, tiles=resolve_tiles(D, q.dtype, dev.type),
+                             **call.engine_opts).use_share(plan, call.rank)
         call.stats.engine = eng.run().as_dict()
         st = eng.state
         return st.m, st.s, st.acc, st.mscale
     q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    m = torch.full((B, H, N), float("-inf"), **f32)     # log2 units: the kernel's running max
-    s = torch.zeros((B, H, N), **f32)
-    acc = torch.zeros((B, H, N, D), **f32)
+    st = StableAccumulator(B, H, N, D, q.device, mscale=LN2)    # the kernel's state layout; m in log2 units
     if plan.owned[call.rank]:
-        block = config("fwd", D, q.dtype, q.device)
+        tiles = resolve_tiles(D, q.dtype, q.device.type)
         ranges, waves = _rank_schedule(N, plan.c, plan.itr, plan.world, plan.causal, call.rank,
-                                       block[0]).on(q.device)
-        prec = precision_for(q.dtype, call.precision)
+                                       tiles[0], "q").on(q.device)
+        consts = constexprs("fwd", D, tiles, call.causal, prec, MODE=1)
         for items in waves:    # the state starts empty, so every wave folds in (first=False) and none finalises
-            launch_fwd(q, k, v, acc, m, items, ranges, causal=call.causal, scale=call.scale, block=block,
-                       precision=prec, mode=1, first=False, last=False, acc=acc, mst=m, lst=s)
-    return m, s, acc, LN2
+            launch_fwd(q, k, v, st.buf, st.buf, st.buf, items, ranges, n_out=N, causal_off=0,
+                       qk_scale=call.scale * LOG2E, consts=consts, first=False, last=False, off_m=st.off_m,
+                       off_l=st.off_s)
+    return st.m, st.s, st.acc, LN2
 
 
 def _local_backward(call: _Call, q, k, v, out, lse, do):
     """This rank's tasks -> fp32 partial (dq, dk, dv), contiguous [B, H, N, D]."""
     plan = call.plan
     B, H, N, D = q.shape
+    prec = dot_precision(q.dtype, call.precision)
     if call.streaming:
+        dev = call.engine_opts["device"]
         eng = _RankBwdEngine("bwd", [q, k, v, out, lse, do], causal=call.causal, scale=call.scale, c=plan.c,
-                             itr=plan.itr, precision=call.precision, **call.engine_opts).use_share(plan, call.rank)
+                             itr=plan.itr, precision=prec, tiles=resolve_tiles(D, q.dtype, dev.type),
+                             **call.engine_opts).use_share(plan, call.rank)
         eng.run()
         return eng.partials
     q, k, v, do = (_lastdim_contig(t) for t in (q, k, v, do))
-    parts = [torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device) for _ in range(3)]
+    n = B * H * N * D
+    # the kernels' fp32 workspace: dQ | dK | dV accumulators (the partials, zero for rows no task of this rank
+    # holds), then δ = rowsum(dO·O)
+    ws = torch.zeros(3 * n + B * H * N, dtype=torch.float32, device=q.device)
+    parts = [ws[i * n:(i + 1) * n].view(B, H, N, D) for i in range(3)]
     if plan.owned[call.rank]:
-        dq, dk, dv = parts
-        delta = row_delta(do, out)
-        lse2 = lse_log2(lse).contiguous()
-        block = config("bwd", D, q.dtype, q.device)
-        prec = precision_for(q.dtype, call.precision)
-        kw = dict(causal=call.causal, scale=call.scale, block=block, precision=prec, first=False, last=False)
+        ws[3 * n:].view(B, H, N).copy_(row_delta(do, out))
+        lse = lse.contiguous()
+        tiles = resolve_tiles(D, q.dtype, q.device.type)
+        # every wave adds into the workspace (first=False) and none writes the outputs (last=False)
+        kw = dict(n_rows=N, n_out=N, causal_off=0, qk_scale=call.scale * LOG2E, sm_scale=call.scale, first=False,
+                  last=False, off_delta=3 * n)
         key = (N, plan.c, plan.itr, plan.world, plan.causal, call.rank)
-        ranges, waves = _rank_schedule(*key, block[0]).on(q.device)       # dQ: query row blocks
+        ranges, waves = _rank_schedule(*key, tiles[4], "q").on(q.device)       # dQ: query row blocks
+        consts = constexprs("dq", D, tiles, call.causal, prec, DELTA_FROM_O=False)
         for items in waves:
-            launch_bwd_dq(q, k, v, do, lse2, delta, dq, items, ranges, dqacc=dq, **kw)
-        ranges, waves = _rank_schedule(*key, block[1]).on(q.device)       # dK, dV: key row blocks
+            launch_bwd_dq(q, k, v, out, do, lse, ws, ws, items, ranges, consts=consts, **kw)
+        ranges, waves = _rank_schedule(*key, tiles[9], "k").on(q.device)       # dK, dV: key row blocks
+        consts = constexprs("dkdv", D, tiles, call.causal, prec)
         for items in waves:
-            launch_bwd_dkdv(q, k, v, do, lse2, delta, dk, dv, items, ranges, dkacc=dk, dvacc=dv, **kw)
+            launch_bwd_dkdv(q, k, v, do, lse, ws, ws, ws, items, ranges, consts=consts, off_dk=n, off_dv=2 * n,
+                            **kw)
     return parts
 
 
@@ -446,7 +463,8 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
     """Exact attention with the tasks of one CQS Divide spread over the ranks of a process group.
 
     Every rank of ``group`` (default: the world) calls this with the same q, k, v ([B, H, N, D], one
-    dtype and device; float32, float16, bfloat16 on CUDA; D in 32/64/128) and receives the whole output;
+    dtype and device; float32, float16, bfloat16 on CUDA; D any multiple of 8 from 16 to 256) and receives the
+    whole output;
     backward gives every rank the whole gradients. ``itr``: the divide depth whose tasks are assigned
     (None: the shallowest balanced one, see the module docstring). ``mem_budget``: bytes each rank's
     streaming engine may hold on its device (``stream_opts`` go to that engine). Returns out, or
@@ -467,7 +485,7 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
         raise ValueError(f"{NAME}: itr must be None or an int >= 1, got {itr!r}")
     if itr is not None and itr * (len(interest_set(c)) - 1) > MAX_BITS:
         raise ValueError(f"{NAME}: itr={itr} with c={c} exceeds the {MAX_BITS}-bit responsibility budget")
-    precision_for(q.dtype, precision)
+    check_precision(NAME, precision)
     streaming = mem_budget is not None or (q.device.type == "cpu" and torch.cuda.is_available())
     if streaming:
         bad = {"finalize", "host_out", "final_chunk", "mem_budget"} & set(stream_opts)
@@ -475,14 +493,14 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
             raise ValueError(f"{NAME}: option(s) {', '.join(sorted(bad))} do not apply (each rank keeps its "
                              "fp32 state for the merge)")
         engine_opts = _engine_kwargs(dict(stream_opts, mem_budget=mem_budget, finalize="legacy"))
-        check_bf16_device(q.dtype, torch.device(engine_opts["device"]) if engine_opts["device"] is not None
-                          else torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        engine_opts["device"] = _compute_device(engine_opts["device"])
+        _check_bf16(q.dtype, engine_opts["device"])
     else:
         if stream_opts:
             raise ValueError(f"{NAME}: streaming option(s) {', '.join(sorted(stream_opts))} need mem_budget "
                              "or host inputs with a GPU")
         engine_opts = None
-        check_bf16_device(q.dtype, q.device)
+        _check_bf16(q.dtype, q.device)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{NAME}: torch.distributed is not initialised (start the ranks with torchrun and call "
                            "torch.distributed.init_process_group first)")

@@ -17,7 +17,12 @@ injected by ``oom_hook``) is evicted — nothing of it merged — and requeued; 
 at n_cap = 1 the failing task (``refine="hybrid"``) or every queued task (``"uniform"``) is
 refined one level deeper and a calibration pass (one task alone, peak measured) re-sizes n_cap.
 Merges are idempotent per task path; the engine checks at the end that the merged tasks' kept
-pairs sum to exactly N² (each pair once), so a lost or doubled contribution cannot go unnoticed.
+pairs sum to exactly Nq·Nk (each pair once), so a lost or doubled contribution cannot go unnoticed.
+
+Grouped-query K/V and Nq != Nk work here too: a task's query side and key side are gathered separately
+(divide.py), the kernels read key/value head h // group, and the gradient accumulator holds dK, dV with
+the key/value heads (the dK/dV kernel sums each group). The engine runs eagerly only: ``stream_attention``
+(what cqsa_attention calls) is hidden from torch.compile and says so.
 """
 from __future__ import annotations
 
@@ -30,9 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention import check_bf16_device, lse_log2, row_delta, validate
-from .divide import Task, build_tasks, interest_set, max_depth, refine
-from .kernel import LN2, config, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd, precision_for
+from .._common import LN2, LOG2E, default_scale, dot_precision
+from .checks import check_call
+from .divide import Pieces, Task, build_tasks, interest_set, max_depth, refine
+from .kernel import constexprs, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd, resolve_tiles
 from .schedule import task_schedule
 
 OOM = torch.OutOfMemoryError
@@ -79,13 +85,6 @@ class StreamStats:
         return d
 
 
-_last = [None]
-
-
-def last_run_stats():
-    return _last[0]
-
-
 # --- helpers -----------------------------------------------------------------------------------
 
 def _layout(t: torch.Tensor) -> str:
@@ -102,10 +101,10 @@ def _empty_like_layout(layout, B, H, L, D, dtype, device, pin=False):
     return torch.empty((B, H, L, D), dtype=dtype, device=device, pin_memory=pin)
 
 
-def _copy_pieces(dst, src, task: Task, layout: str, non_blocking: bool):
+def _copy_pieces(dst, src, pieces: Pieces, layout: str, non_blocking: bool):
     """dst[..., local piece, :] <- src[..., global piece, :], in dense memcpy-able units."""
     B, H = src.shape[0], src.shape[1]
-    for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
+    for g, l, n in zip(pieces.gstart.tolist(), pieces.lstart.tolist(), pieces.length.tolist()):
         if layout == "token_major":
             for b in range(B):
                 dst[b, :, l:l + n].copy_(src[b, :, g:g + n], non_blocking=non_blocking)
@@ -116,14 +115,18 @@ def _copy_pieces(dst, src, task: Task, layout: str, non_blocking: bool):
 
 
 def _rows(t: torch.Tensor, task: Task) -> torch.Tensor:
-    """[B, H, N] -> [B, H, L]: the task's rows (small; per-row vectors such as lse and δ)."""
-    return torch.cat([t[:, :, g:g + n] for g, n in zip(task.gstart.tolist(), task.length.tolist())], dim=2)
+    """[B, H, Nq] -> [B, H, Lq]: the task's query rows (small; per-row vectors such as lse and δ)."""
+    return torch.cat([t[:, :, g:g + n] for g, n in zip(task.q.gstart.tolist(), task.q.length.tolist())], dim=2)
 
 
-def _task_pairs(task: Task) -> int:
-    keep = task.keep_pieces()
-    n = task.length.astype(np.float64)
-    return int(round(float((keep * np.outer(n, n)).sum())))
+def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """δ = rowsum(dO ⊙ O) in fp32 where O lives (host inputs: on the host), chunked along N so no full fp32
+    copy of O is made."""
+    B, H, N, _ = out.shape
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=out.device)
+    for s in range(0, N, chunk):
+        delta[:, :, s:s + chunk] = (do[:, :, s:s + chunk].float() * out[:, :, s:s + chunk].float()).sum(-1)
+    return delta
 
 
 def _depth_bound(n: int, c: int, itr: int) -> int:
@@ -181,16 +184,21 @@ def _union_length(intervals) -> float:
 # --- accumulators ------------------------------------------------------------------------------
 
 class StableAccumulator:
-    """Per-token fp32 (m, s, acc) merged with the log-sum-exp rule (spec §3.3), idempotent per task."""
+    """Per-query-token fp32 (m, s, acc) merged with the log-sum-exp rule (spec §3.3), idempotent per task.
+
+    One buffer in the forward kernel's MODE 1 state layout (acc [B,H,N,D] at 0, m at off_m, s at off_s), so the
+    kernel can merge a task into it directly (merge="kernel")."""
 
     def __init__(self, B, H, N, D, device, mscale: float = 1.0):
-        f32 = dict(dtype=torch.float32, device=device)
         # lse = m·mscale + ln s: 1 for this class's natural-log merge; ln 2 when the forward kernel's
         # epilogue merges into the state directly (merge="kernel": m is its log2-unit running max)
         self.mscale = mscale
-        self.m = torch.full((B, H, N), float("-inf"), **f32)
-        self.s = torch.zeros((B, H, N), **f32)
-        self.acc = torch.zeros((B, H, N, D), **f32)
+        rows = B * H * N
+        self.buf = torch.zeros(rows * (D + 2), dtype=torch.float32, device=device)
+        self.off_m, self.off_s = rows * D, rows * (D + 1)
+        self.acc = self.buf[:self.off_m].view(B, H, N, D)
+        self.m = self.buf[self.off_m:self.off_s].view(B, H, N).fill_(float("-inf"))
+        self.s = self.buf[self.off_s:].view(B, H, N)
         self.done: set = set()
         self.dirty = False
 
@@ -206,7 +214,8 @@ class StableAccumulator:
             return False
         # every temporary first: an OOM here leaves the state untouched and the task can be retried
         plan = []
-        for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
+        qs = task.q
+        for g, l, n in zip(qs.gstart.tolist(), qs.lstart.tolist(), qs.length.tolist()):
             lse_p = lse_i[:, :, l:l + n]
             ok = torch.isfinite(lse_p)
             m0 = self.m[:, :, g:g + n]
@@ -245,16 +254,21 @@ class StableAccumulator:
 
 
 class GradAccumulator:
-    """fp32 dQ, dK, dV; a task's contribution is added once (idempotent per path)."""
+    """fp32 dQ [B,H,N,D] and dK, dV [B,heads_kv,n_kv,D] (default: H, N); a task's contribution is added once
+    (idempotent per path): dQ over its query pieces, dK and dV over its key pieces."""
 
-    def __init__(self, B, H, N, D, device):
-        self.g = [torch.zeros((B, H, N, D), dtype=torch.float32, device=device) for _ in range(3)]
+    def __init__(self, B, H, N, D, device, heads_kv=None, n_kv=None):
+        hk, nk = heads_kv or H, N if n_kv is None else n_kv
+        f32 = dict(dtype=torch.float32, device=device)
+        self.g = [torch.zeros((B, H, N, D), **f32), torch.zeros((B, hk, nk, D), **f32),
+                  torch.zeros((B, hk, nk, D), **f32)]
         self.done: set = set()
         self.dirty = False
 
     @staticmethod
-    def nbytes(B, H, N, D) -> int:
-        return 12 * B * H * N * D
+    def nbytes(B, H, N, D, heads_kv=None, n_kv=None) -> int:
+        hk, nk = heads_kv or H, N if n_kv is None else n_kv
+        return 4 * B * D * (H * N + 2 * hk * nk)
 
     def merge(self, task: Task, parts) -> bool:
         if self.dirty:
@@ -262,9 +276,10 @@ class GradAccumulator:
         if task.path in self.done:
             return False
         try:
-            for g, l, n in zip(task.gstart.tolist(), task.lstart.tolist(), task.length.tolist()):
-                for acc, part in zip(self.g, parts):
-                    acc[:, :, g:g + n].add_(part[:, :, l:l + n])
+            for accs, prts, side in ((self.g[:1], parts[:1], task.q), (self.g[1:], parts[1:], task.k)):
+                for g, l, n in zip(side.gstart.tolist(), side.lstart.tolist(), side.length.tolist()):
+                    for acc, part in zip(accs, prts):
+                        acc[:, :, g:g + n].add_(part[:, :, l:l + n])
         except Exception as exc:
             self.dirty = True
             raise MergeError(f"cqsa: gradient merge of task {task.path} failed midway: {exc}") from exc
@@ -290,21 +305,20 @@ class _Engine(ABC):
     """Shared task loop; subclasses say what a task allocates, computes and merges."""
 
     def __init__(self, mode, inputs, *, causal, scale, c, itr, mem_budget, device, n_cap, n_cap_max, acc,
-                 refine_mode, gather, precision, oom_hook, peak_hook, calib_coef,
+                 refine_mode, gather, precision, tiles, oom_hook, peak_hook, calib_coef,
                  merge="auto", finalize="auto", host_out="auto", final_chunk=None):
-        q = inputs[0]
-        self.B, self.H, self.N, self.D = q.shape
+        q, k = inputs[0], inputs[1]
+        self.B, self.H, self.N, self.D = q.shape         # H, N: query heads and length
+        self.Hkv, self.Nk = k.shape[1], k.shape[2]
+        self.causal_off = self.Nk - self.N               # bottom-right causal alignment
         self.dtype = q.dtype
         self.src_device = q.device
-        self.dev = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        if self.dev.type == "cuda" and self.dev.index is None:
-            self.dev = torch.device("cuda", torch.cuda.current_device())
-        check_bf16_device(self.dtype, self.dev)
+        self.dev = device
         self.cuda = self.dev.type == "cuda"
         self.inputs_in_place = (q.device == self.dev) and gather != "always"
         self.causal, self.scale, self.c = causal, scale, c
-        self.prec = precision_for(self.dtype, precision)
+        self.qk_scale = scale * LOG2E
+        self.prec, self.tiles = precision, tiles
         self.budget = mem_budget
         self.acc_mode = acc
         self.refine_mode = refine_mode
@@ -325,7 +339,7 @@ class _Engine(ABC):
         self.ledger = 0                  # bytes held by the engine (the CPU's stand-in for memory_allocated)
         self.peak_seen = 0
         self.inputs = inputs
-        self.layouts = [_layout(t) if not self.inputs_in_place else "head_major" for t in self.gathered()]
+        self.layouts = [_layout(t) if not self.inputs_in_place else "head_major" for t, _ in self.gathered()]
         self.stats = StreamStats(mode=mode, c=c, itr_start=itr, budget=mem_budget,
                                  inputs="device" if self.inputs_in_place else "host")
         self.timer = _Timer(self.cuda)
@@ -345,8 +359,8 @@ class _Engine(ABC):
 
     # The forward and backward engines differ in what one task and the resident state cost in bytes.
     @abstractmethod
-    def task_need(self, L: int) -> int:
-        """Bytes one task of L tokens needs on the device."""
+    def task_need(self, Lq: int, Lk: int) -> int:
+        """Bytes one task of Lq query and Lk key tokens needs on the device."""
 
     @abstractmethod
     def floor_bytes(self, acc_on_device: bool) -> int:
@@ -357,7 +371,7 @@ class _Engine(ABC):
 
     # planning -----------------------------------------------------------------------------------
     def plan(self) -> tuple[int, str]:
-        cap = max_depth(self.N, self.c)
+        cap = max_depth(self.N, self.c, self.Nk)
         accs = [self.acc_mode] if self.acc_mode != "auto" else ["device", "host"]
         if self.budget is None:
             return self.itr_min, accs[0]
@@ -367,7 +381,8 @@ class _Engine(ABC):
             self.configure(acc == "device")
             floor = base + self.floor_bytes(acc == "device")
             for itr in range(self.itr_min, max(cap, self.itr_min) + 1):
-                if floor + slots * self.task_need(_depth_bound(self.N, self.c, itr)) <= 0.95 * self.budget:
+                need = self.task_need(_depth_bound(self.N, self.c, itr), _depth_bound(self.Nk, self.c, itr))
+                if floor + slots * need <= 0.95 * self.budget:
                     return itr, acc
         # nothing fits by the estimate: start at the deepest level; the guardrail raises if it really fails
         return max(cap, self.itr_min), accs[-1]
@@ -393,9 +408,9 @@ class _Engine(ABC):
             cur = torch.cuda.current_stream(self.dev)
             for s in (self.copy_s, self.comp_s, self.merge_s, self.fin_s):
                 s.wait_stream(cur)
-        queue = deque(build_tasks(self.N, self.c, itr))
+        queue = deque(build_tasks(self.N, self.c, itr, n_kv=self.Nk))
         self.stats.times_s["plan"] += time.perf_counter() - t0
-        cap_depth = max_depth(self.N, self.c)
+        cap_depth = max_depth(self.N, self.c, self.Nk)
         n_cap = 1
         state = "calibrate" if self.n_cap_user is None else "run"
         if self.n_cap_user is not None:
@@ -471,10 +486,10 @@ class _Engine(ABC):
         """n_cap is 1 and `task` still does not fit: go one level deeper (the paper's itr + 1)."""
         if task.depth + 1 > cap_depth:
             raise OOM(f"cqsa: task {task.path} (L={task.L}) does not fit even at the depth cap itr={task.depth} "
-                      f"(N={self.N}, c={self.c}); raise the budget or use a larger c")
+                      f"(Nq={self.N}, Nk={self.Nk}, c={self.c}); raise the budget or use a larger c")
         if self.refine_mode == "hybrid":
             queue.popleft()
-            kids = [k for k in refine(task, self.c) if k.L > 0]
+            kids = [k for k in refine(task, self.c) if k.L > 0 or k.Lk > 0]
             for k in reversed(kids):
                 queue.appendleft(k)
             self.stats.escalations.append((task.path, task.depth + 1))
@@ -483,7 +498,7 @@ class _Engine(ABC):
             queue.clear()
             for t in old:
                 if t.depth <= task.depth:
-                    queue.extend(k for k in refine(t, self.c) if k.L > 0)
+                    queue.extend(k for k in refine(t, self.c) if k.L > 0 or k.Lk > 0)
                 else:
                     queue.append(t)
             self.stats.escalations.append(("all", task.depth + 1))
@@ -525,38 +540,39 @@ class _Engine(ABC):
             st.peak_bytes = int(self.peak_seen)
         if st.pairs_covered != self.expected_pairs():
             raise RuntimeError(f"cqsa: merged tasks cover {st.pairs_covered} pairs, expected {self.expected_pairs()}")
-        _last[0] = st
 
     def expected_pairs(self) -> int:
-        """Kept pairs the merged tasks must cover: N², each pair once (an engine running a share of the
+        """Kept pairs the merged tasks must cover: Nq·Nk, each pair once (an engine running a share of the
         tasks, as distributed.py's, expects its share)."""
-        return self.N * self.N
+        return self.N * self.Nk
 
     def note_merged(self, task: Task):
         st = self.stats
         st.n_tasks += 1
         st.task_lengths[task.L] = st.task_lengths.get(task.L, 0) + 1
         st.itr_final = max(st.itr_final, task.depth)
-        st.pairs_covered += _task_pairs(task)
+        st.pairs_covered += task.pairs()
 
     # gathered inputs -----------------------------------------------------------------------------
-    def load_inputs(self, h: _Handle, tensors, layouts):
-        """Device copies of the task's pieces of `tensors` (only when inputs are not in place)."""
+    def load_inputs(self, h: _Handle):
+        """The gathered tensors for the task: in place, or device copies of the task's pieces (its query side
+        for q and dO, its key side for k and v)."""
         task = h.task
-        L = task.L
         out = []
-        for t, lay in zip(tensors, layouts):
+        for (t, side), lay in zip(self.gathered(), self.layouts):
             if self.inputs_in_place:
                 out.append(t)
                 continue
+            pieces = task.q if side == "q" else task.k
+            B, H, L, D = t.shape[0], t.shape[1], pieces.L, t.shape[3]
             lay = lay if lay != "other" else "head_major"
             with self._stream_ctx(self.copy_s):
-                buf = _empty_like_layout(lay, self.B, self.H, L, self.D, t.dtype, self.dev)
+                buf = _empty_like_layout(lay, B, H, L, D, t.dtype, self.dev)
             h.bufs.append(buf)
             if t.device.type == "cpu" and self.cuda and not (t.is_pinned() and _layout(t) == lay):
                 g0 = self.timer.start()
-                stage = _empty_like_layout(lay, self.B, self.H, L, self.D, t.dtype, "cpu", pin=True)
-                _copy_pieces(stage, t, task, _layout(t) if _layout(t) != "other" else "head_major", False)
+                stage = _empty_like_layout(lay, B, H, L, D, t.dtype, "cpu", pin=True)
+                _copy_pieces(stage, t, pieces, _layout(t) if _layout(t) != "other" else "head_major", False)
                 self.timer.stop("gather", g0)
                 s0 = self.timer.start(self.copy_s)
                 with self._stream_ctx(self.copy_s):
@@ -566,13 +582,13 @@ class _Engine(ABC):
             else:
                 s0 = self.timer.start(self.copy_s)
                 with self._stream_ctx(self.copy_s):
-                    _copy_pieces(buf, t, task, lay if _layout(t) == lay else "head_major", self.cuda)
+                    _copy_pieces(buf, t, pieces, lay if _layout(t) == lay else "head_major", self.cuda)
                 self.timer.stop("h2d", s0, self.copy_s)
             out.append(buf)
         return out
 
-    def tables(self, task: Task, block_rows: int, out_global: bool = False):
-        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global)
+    def tables(self, task: Task, block_rows: int, rows: str = "q", out_global: bool = False):
+        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global, rows, self.causal_off)
         r = torch.from_numpy(sched.ranges)
         w = torch.from_numpy(sched.waves[0])
         if self.cuda:
@@ -580,7 +596,7 @@ class _Engine(ABC):
         return r, w
 
     def to_dev_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
-        """Per-row vector [B,H,N] -> the task's rows on the compute device (in-place inputs: whole)."""
+        """Per-query-row vector [B,H,Nq] -> the task's rows on the compute device (in-place inputs: whole)."""
         if self.inputs_in_place:
             return t
         rows = _rows(t, task)
@@ -602,9 +618,9 @@ class _RowFinalizer:
     on its own stream, so finalisation and the D2H of O overlap the remaining tasks (finalize="rows"), or
     all chunks after the loop (finalize="end").
 
-    Completion is counted in pairs: each (row, key) pair of the N×N matrix is kept by exactly one task
+    Completion is counted in pairs: each (row, key) pair of the Nq×Nk matrix is kept by exactly one task
     (responsibility only; causality is applied inside the kernel), so a row is complete when the merged
-    tasks' kept pairs on it sum to N. Per chunk that is rows × N — robust to requeues and refinement; a
+    tasks' kept pairs on it sum to Nk. Per chunk that is rows × Nk — robust to requeues and refinement; a
     count past it (a task merged twice) raises, and so does an incomplete chunk at the end (a lost task).
     A task whose rows see no key there adds 0 and may still run after the chunk was finalised: its merge
     writes the same values back (scale 1, weight 0), so the finaliser's reads are unaffected.
@@ -620,7 +636,7 @@ class _RowFinalizer:
         B, H, N, D = eng.B, eng.H, eng.N, eng.D
         self.chunk, self.path = chunk, path
         self.n = -(-N // chunk)
-        self.need = [min(chunk, N - j * chunk) * N for j in range(self.n)]
+        self.need = [min(chunk, N - j * chunk) * eng.Nk for j in range(self.n)]
         self.got = [0] * self.n
         self.enq = [False] * self.n
         self.pending: deque = deque()          # (event, slot, a, b) of the pageable path
@@ -643,10 +659,10 @@ class _RowFinalizer:
 
     def add(self, task: Task, event):
         """A merged task: count its kept pairs per chunk and finalise the chunks it completed."""
-        kept = task.keep_pieces().astype(np.int64) @ task.length      # kept key tokens per row piece
+        kept = task.keep_pieces().astype(np.int64) @ task.k.length      # kept key tokens per query piece
         touched = []
         ch = self.chunk
-        for g, n, kp in zip(task.gstart.tolist(), task.length.tolist(), kept.tolist()):
+        for g, n, kp in zip(task.q.gstart.tolist(), task.q.length.tolist(), kept.tolist()):
             if n == 0 or kp == 0:
                 continue
             for j in range(g // ch, (g + n - 1) // ch + 1):
@@ -744,7 +760,8 @@ class _RowFinalizer:
 
 class _FwdEngine(_Engine):
     def gathered(self):
-        return self.inputs[:3]
+        q, k, v = self.inputs
+        return [(q, "q"), (k, "k"), (v, "k")]
 
     def configure(self, acc_on_device: bool):
         # a host accumulator is merged on the host (torch) and finalised there (the legacy path)
@@ -766,13 +783,13 @@ class _FwdEngine(_Engine):
             cap = 1 << 15 if self.budget is None else int(max(256, min(1 << 15, 0.02 * self.budget // max(per, 1))))
             self.fin_chunk = max(1, min(cap, self.N))
 
-    def task_need(self, L: int) -> int:
+    def task_need(self, Lq: int, Lk: int) -> int:
         BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
-        inputs = 0 if self.inputs_in_place else 3 * s * L * BH * D
+        inputs = 0 if self.inputs_in_place else s * D * (Lq * BH + 2 * Lk * self.B * self.Hkv)
         if self.merge_eff == "kernel":         # the kernel merges into the accumulator: no partials
             return inputs + (2 << 20)
         # out_i, lse_i, merge temporaries (m1, a, w per row), tables, allocator rounding slack
-        return inputs + 4 * L * BH * D + 4 * L * BH + 12 * L * BH + (2 << 20)
+        return inputs + 4 * Lq * BH * D + 4 * Lq * BH + 12 * Lq * BH + (2 << 20)
 
     def floor_bytes(self, acc_on_device: bool) -> int:
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
@@ -789,7 +806,8 @@ class _FwdEngine(_Engine):
         self.acc = StableAccumulator(B, H, N, D, acc_dev, mscale=LN2 if self.merge_eff == "kernel" else 1.0)
         if not self.cuda:
             self.ledger += StableAccumulator.nbytes(B, H, N, D)
-        self.block = config("fwd", D, self.dtype, self.dev)
+        self.block_rows = self.tiles[0]
+        self.consts = {mode: constexprs("fwd", D, self.tiles, self.causal, self.prec, MODE=mode) for mode in (0, 1)}
         st = self.stats
         st.merge, st.finalize, st.out_path = self.merge_eff, self.fin_eff, self.out_path
         self.fin = None
@@ -809,15 +827,15 @@ class _FwdEngine(_Engine):
 
     def launch(self, task: Task, resident: int) -> _Handle:
         h = _Handle(task)
-        h.need = self.task_need(task.L)
+        h.need = self.task_need(task.L, task.Lk)
         self.admit_check(task, h.need, resident)
         B, H, L, D = self.B, self.H, task.L, self.D
-        q, k, v = self.load_inputs(h, self.gathered(), self.layouts)
+        q, k, v = self.load_inputs(h)
         if self.cuda:
             self.comp_s.wait_stream(self.copy_s)
         kernel_merge = self.merge_eff == "kernel"
         with self._stream_ctx(self.comp_s):
-            ranges, items = self.tables(task, self.block[0], out_global=kernel_merge)
+            ranges, items = self.tables(task, self.block_rows, "q", out_global=kernel_merge)
             if not kernel_merge:
                 out_i = torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev)
                 lse_i = torch.empty((B, H, L), dtype=torch.float32, device=self.dev)
@@ -832,17 +850,17 @@ class _FwdEngine(_Engine):
                 if a.dirty:
                     raise MergeError("cqsa: accumulator is dirty after a failed merge")
                 try:
-                    launch_fwd(q, k, v, a.acc, a.m, items, ranges, causal=self.causal, scale=self.scale,
-                               block=self.block, precision=self.prec, mode=1, first=False, last=False,
-                               acc=a.acc, mst=a.m, lst=a.s)
+                    launch_fwd(q, k, v, a.buf, a.buf, a.buf, items, ranges, n_out=self.N, causal_off=self.causal_off,
+                               qk_scale=self.qk_scale, consts=self.consts[1], first=False, last=False,
+                               off_m=a.off_m, off_l=a.off_s)
                 except Exception as exc:
                     a.dirty = True
                     raise MergeError(f"cqsa: merging launch of task {task.path} failed: {exc}") from exc
                 a.done.add(task.path)
                 h.merged = True
             else:
-                launch_fwd(q, k, v, out_i, lse_i, items, ranges, causal=self.causal, scale=self.scale,
-                           block=self.block, precision=self.prec, mode=0)
+                launch_fwd(q, k, v, out_i, lse_i, lse_i, items, ranges, n_out=L, causal_off=self.causal_off,
+                           qk_scale=self.qk_scale, consts=self.consts[0])
             self.timer.stop("compute", c0, self.comp_s)
             if self.cuda:
                 h.compute_done = torch.cuda.Event()
@@ -942,63 +960,70 @@ class _FwdEngine(_Engine):
 
 
 class _BwdEngine(_Engine):
-    def gathered(self):     # q, k, v, dO are copied per task; lse2 and δ rows ride along
+    def gathered(self):     # q, dO (query side) and k, v (key side) are copied per task; lse and δ rows ride along
         q, k, v, _o, _lse, do = self.inputs
-        return [q, k, v, do]
+        return [(q, "q"), (k, "k"), (v, "k"), (do, "q")]
 
-    def task_need(self, L: int) -> int:
-        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
-        inputs = 0 if self.inputs_in_place else (4 * s * L * BH * D + 8 * L * BH)
-        return inputs + 12 * L * BH * D + (2 << 20)
+    def task_need(self, Lq: int, Lk: int) -> int:
+        BHq, BHk, D, s = self.B * self.H, self.B * self.Hkv, self.D, self.dtype.itemsize
+        inputs = 0 if self.inputs_in_place else (2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq)
+        return inputs + 4 * D * (Lq * BHq + 2 * Lk * BHk) + (2 << 20)
 
     def floor_bytes(self, acc_on_device: bool) -> int:
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
-        acc = GradAccumulator.nbytes(B, H, N, D) if acc_on_device else 0
+        acc = GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk) if acc_on_device else 0
         rows = 8 * B * H * N if self.inputs_in_place else 0
-        grads = 3 * s * B * H * N * D if self.src_device == self.dev else 0
+        grads = s * B * D * (H * N + 2 * self.Hkv * self.Nk) if self.src_device == self.dev else 0
         return acc + rows + grads + (4 << 20)
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
         q, k, v, o, lse, do = self.inputs
-        self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"))
+        self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"),
+                                   self.Hkv, self.Nk)
         if not self.cuda:
-            self.ledger += GradAccumulator.nbytes(B, H, N, D)
+            self.ledger += GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk)
         self.delta = row_delta(do, o)              # where O and dO live (host inputs: on the host)
-        self.lse2 = lse_log2(lse).contiguous()
-        self.block = config("bwd", D, self.dtype, self.dev)
+        self.lse = lse.contiguous()
+        self.consts_dq = constexprs("dq", D, self.tiles, self.causal, self.prec, DELTA_FROM_O=False)
+        self.consts_dkdv = constexprs("dkdv", D, self.tiles, self.causal, self.prec)
 
     def acc_done(self):
         return self.acc.done
 
     def launch(self, task: Task, resident: int) -> _Handle:
         h = _Handle(task)
-        h.need = self.task_need(task.L)
+        h.need = self.task_need(task.L, task.Lk)
         self.admit_check(task, h.need, resident)
-        B, H, L, D = self.B, self.H, task.L, self.D
-        q, k, v, do = self.load_inputs(h, self.gathered(), self.layouts)
+        B, H, Lq, Lk, D = self.B, self.H, task.L, task.Lk, self.D
+        q, k, v, do = self.load_inputs(h)
         with self._stream_ctx(self.copy_s):
-            lse2 = self.to_dev_rows(self.lse2, task)
+            lse = self.to_dev_rows(self.lse, task)
             delta = self.to_dev_rows(self.delta, task)
         if self.cuda:
             self.comp_s.wait_stream(self.copy_s)
-        bm, bn, _, _ = self.block
         with self._stream_ctx(self.comp_s):
-            rq, iq = self.tables(task, bm)
-            rk, ik = self.tables(task, bn)
-            parts = [torch.empty((B, H, L, D), dtype=torch.float32, device=self.dev) for _ in range(3)]
+            rq, iq = self.tables(task, self.tiles[4], "q")
+            rk, ik = self.tables(task, self.tiles[9], "k")
+            f32 = dict(dtype=torch.float32, device=self.dev)
+            parts = [torch.empty((B, H, Lq, D), **f32), torch.empty((B, self.Hkv, Lk, D), **f32),
+                     torch.empty((B, self.Hkv, Lk, D), **f32)]
             if not self.cuda:
                 self.ledger += h.need
                 self.peak_seen = max(self.peak_seen, self.ledger)
             c0 = self.timer.start(self.comp_s)
-            kw = dict(causal=self.causal, scale=self.scale, block=self.block, precision=self.prec)
-            launch_bwd_dq(q, k, v, do, lse2, delta, parts[0], iq, rq, **kw)
-            launch_bwd_dkdv(q, k, v, do, lse2, delta, parts[1], parts[2], ik, rk, **kw)
+            # one task: first = last = wave 0, so the kernels write the parts directly; δ is read from `delta`
+            # (the workspace argument), O is not needed
+            n_rows = self.N if self.inputs_in_place else Lq
+            kw = dict(n_rows=n_rows, causal_off=self.causal_off, qk_scale=self.qk_scale, sm_scale=self.scale)
+            launch_bwd_dq(q, k, v, delta, do, lse, delta, parts[0], iq, rq, n_out=Lq, consts=self.consts_dq, **kw)
+            launch_bwd_dkdv(q, k, v, do, lse, delta, parts[1], parts[2], ik, rk, n_out=Lk, consts=self.consts_dkdv,
+                            **kw)
             self.timer.stop("compute", c0, self.comp_s)
             if self.cuda:
                 h.compute_done = torch.cuda.Event()
                 h.compute_done.record(self.comp_s)
-                for b in h.bufs + ([lse2, delta] if not self.inputs_in_place else []):
+                for b in h.bufs + ([lse, delta] if not self.inputs_in_place else []):
                     if b.device.type == "cuda":
                         b.record_stream(self.comp_s)
         h.parts = parts
@@ -1051,8 +1076,8 @@ class _BwdEngine(_Engine):
         self.grads = []
         for g in self.acc.g:
             out = torch.empty(g.shape, dtype=self.dtype, device=dev, pin_memory=pin)
-            chunk = self.final_chunk(2 * self.B * self.H * self.D * self.dtype.itemsize)
-            for s0 in range(0, self.N, chunk):
+            chunk = self.final_chunk(2 * self.B * g.shape[1] * self.D * self.dtype.itemsize)
+            for s0 in range(0, g.shape[2], chunk):
                 out[:, :, s0:s0 + chunk].copy_(g[:, :, s0:s0 + chunk].to(self.dtype), non_blocking=True)
             self.grads.append(out)
         if dev != self.acc.g[0].device:
@@ -1089,9 +1114,29 @@ def _engine_kwargs(kw):
     return allowed
 
 
-def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", **kw):
-    """Exact attention forward through the task engine. Returns (out, lse, stats); out and the
-    natural-log lse [B,H,N] live on q's device.
+def _compute_device(device) -> torch.device:
+    """Where the kernels run: `device`, else the current CUDA device when there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _prepare(q, k, v, causal, scale, c, itr, precision, config, kw):
+    """Checks and resolved settings shared by stream_forward and stream_backward."""
+    opts = _engine_kwargs(kw)
+    dev = opts["device"] = _compute_device(opts["device"])
+    shape = check_call(q, k, v, causal=causal, scale=scale, c=c, itr=itr, precision=precision, device=dev)
+    tiles = resolve_tiles(shape.head_dim, q.dtype, dev.type, config)
+    return dict(causal=causal, scale=default_scale(scale, shape.head_dim), c=c, itr=itr,
+                precision=dot_precision(q.dtype, precision), tiles=tiles, **opts)
+
+
+def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", config=None, **kw):
+    """Exact attention forward through the task engine. Returns (out, lse, stats); out [B,Hq,Nq,D] and the
+    natural-log lse [B,Hq,Nq] live on q's device. k, v may have fewer heads (grouped-query) and another length.
 
     Pipeline options (the GPU sweep in scripts/gpu/cqsa_tune.py compares them):
     - merge: "kernel" (default on CUDA): the forward kernel's epilogue folds each task straight into the
@@ -1105,11 +1150,7 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="
     - host_out (host inputs): "pageable" (default; staged through a pinned two-slot ring, landed by the host
       between launches) or "pinned" (O allocated pinned, async per-head D2H copies).
     """
-    validate(q, k, v, causal, scale, c, itr, precision)
-    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    opts = _engine_kwargs(kw)
-    eng = _FwdEngine("fwd", [q, k, v], causal=causal, scale=scale, c=c, itr=itr, precision=precision,
-                     **opts)
+    eng = _FwdEngine("fwd", [q, k, v], **_prepare(q, k, v, causal, scale, c, itr, precision, config, kw))
     if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         B, H, N, D = q.shape
         return torch.empty_like(q), torch.empty((B, H, N), device=q.device), eng.stats
@@ -1117,15 +1158,56 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="
     return eng.out, eng.lse, stats
 
 
-def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", **kw):
-    """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine."""
-    validate(q, k, v, causal, scale, c, itr, precision)
-    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    opts = _engine_kwargs(kw)
-    eng = _BwdEngine("bwd", [q, k, v, out, lse, do], causal=causal, scale=scale, c=c, itr=itr,
-                     precision=precision, **opts)
-    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3",
+                    config=None, **kw):
+    """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine; dk, dv have k's
+    heads (each summed over its group of query heads)."""
+    eng = _BwdEngine("bwd", [q, k, v, out, lse, do], **_prepare(q, k, v, causal, scale, c, itr, precision, config,
+                                                                  kw))
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), eng.stats
     stats = eng.run()
     dq, dk, dv = eng.grads
     return dq, dk, dv, stats
+
+
+# --- the streaming path of cqsa_attention (eager only) ------------------------------------------------------
+
+class _StreamFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, c, itr, precision, config, opts, stats_out):
+        out, lse, stats = stream_forward(q, k, v, causal=causal, scale=scale, c=c, itr=itr, precision=precision,
+                                         config=config, **opts)
+        stats_out.append(stats)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (causal, scale, c, itr, precision, config, opts)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, c, itr, precision, config, opts = ctx.cfg
+        dq, dk, dv, _ = stream_backward(q, k, v, out, lse, do.to(q.dtype), causal=causal, scale=scale, c=c, itr=itr,
+                                        precision=precision, config=config, **opts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+STREAM_EAGER_ONLY = ("cqsa: the streaming path (mem_budget, or host inputs with a GPU) runs eagerly only: "
+                     "call it outside torch.compile")
+
+
+def _eager_only(fn):
+    """Hide `fn` from torch.compile: with fullgraph=True the compile error carries STREAM_EAGER_ONLY; without it,
+    the graph breaks there and `fn` runs eagerly."""
+    try:
+        return torch.compiler.disable(fn, reason=STREAM_EAGER_ONLY)
+    except TypeError:                     # a torch without disable(reason=)
+        return torch.compiler.disable(fn)
+
+
+@_eager_only
+def stream_attention(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3", config=None, **opts):
+    """cqsa_attention's streaming path: (out, stats), differentiable (the backward streams too)."""
+    stats_out: list = []
+    out = _StreamFunction.apply(q, k, v, causal, scale, c, itr, precision, config, opts, stats_out)
+    return out, stats_out[0]

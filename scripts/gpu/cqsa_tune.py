@@ -33,6 +33,7 @@ if "--smoke" in sys.argv:
 import numpy as np
 import torch
 
+from kernels._common import LOG2E
 from kernels.cqsa import cqsa_attention
 from kernels.cqsa import kernel as K
 from kernels.cqsa.divide import build_tasks
@@ -103,10 +104,12 @@ def part_a(res, args, dev, cuda):
     rnd = lambda n: [torch.randn(1, H, n, D, device=dev, dtype=dt, generator=g) for _ in range(3)]
     q, k, v = rnd(sweep_n)
     sweep = []
+    tiles = {}          # the config= override every timed call below passes (the one tile override)
+    params = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
     for cfg in fwd_cfgs:
-        K.set_config("fwd", cfg)
+        tiles["fwd"] = dict(zip(params, cfg))
         try:
-            ms = time_ms(lambda: cqsa_attention(q, k, v), cuda)
+            ms = time_ms(lambda: cqsa_attention(q, k, v, config=tiles), cuda)
         except Exception as exc:          # a config that does not compile or fit shared memory
             ms = float("nan")
             log("config", cfg, "failed:", str(exc).splitlines()[0][:100])
@@ -114,12 +117,15 @@ def part_a(res, args, dev, cuda):
         log("fwd config", cfg, f"{ms:.3f} ms")
     ok = [s for s in sweep if not math.isnan(s["ms"])]
     best = min(ok, key=lambda s: s["ms"])["cfg"] if ok else None
-    K.set_config("fwd", best)
+    if best:
+        tiles["fwd"] = dict(zip(params, best))
+    else:
+        tiles.pop("fwd")
     res["a_fwd_config_sweep"] = dict(n=sweep_n, h=H, d=D, rows=sweep, best=best)
     # variants at the sweep length: c, itr, causal, and fwd+bwd with a backward config sweep
     var = []
     for c, itr, causal in [(7, 1, False), (13, 1, False), (7, 2, False), (7, 1, True)]:
-        ms = time_ms(lambda: cqsa_attention(q, k, v, causal=causal, c=c, itr=itr), cuda)
+        ms = time_ms(lambda: cqsa_attention(q, k, v, causal=causal, c=c, itr=itr, config=tiles), cuda)
         fl = time_ms(lambda: flash(q, k, v, causal), cuda)
         var.append(dict(c=c, itr=itr, causal=causal, ms=ms, flash_ms=fl, ratio=ms / fl))
         log("variant", c, itr, causal, f"{ms:.3f} ms, flash {fl:.3f}")
@@ -128,9 +134,9 @@ def part_a(res, args, dev, cuda):
     do = torch.randn_like(q)
     bwd_rows = []
     for cfg in ([(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2)] if cuda else [(32, 32, 4, 1)]):
-        K.set_config("bwd", cfg)
+        tiles["dq"] = tiles["dkdv"] = dict(zip(params, cfg))
         try:
-            ms = time_ms(lambda: torch.autograd.grad(cqsa_attention(qg, kg, vg), (qg, kg, vg), do), cuda)
+            ms = time_ms(lambda: torch.autograd.grad(cqsa_attention(qg, kg, vg, config=tiles), (qg, kg, vg), do), cuda)
         except Exception as exc:
             ms = float("nan")
             log("bwd config", cfg, "failed:", str(exc).splitlines()[0][:100])
@@ -138,7 +144,11 @@ def part_a(res, args, dev, cuda):
         log("bwd config", cfg, f"fwd+bwd {ms:.3f} ms")
     okb = [r for r in bwd_rows if not math.isnan(r["fwdbwd_ms"])]
     best_b = min(okb, key=lambda r: r["fwdbwd_ms"])["cfg"] if okb else None
-    K.set_config("bwd", best_b)
+    if best_b:
+        tiles["dq"] = tiles["dkdv"] = dict(zip(params, best_b))
+    else:
+        tiles.pop("dq")
+        tiles.pop("dkdv")
     fl_fb = time_ms(lambda: torch.autograd.grad(flash(qg, kg, vg), (qg, kg, vg), do), cuda)
     res["a_fwdbwd"] = dict(n=sweep_n, rows=bwd_rows, best=best_b, flash_fwdbwd_ms=fl_fb,
                            ratio=min(r["fwdbwd_ms"] for r in okb) / fl_fb if okb else None)
@@ -151,7 +161,7 @@ def part_a(res, args, dev, cuda):
         q, k, v = rnd(n)
         flops = 4.0 * H * n * n * D
         row = dict(n=n)
-        for name, fn in [("cqsa", lambda: cqsa_attention(q, k, v)), ("flash", lambda: flash(q, k, v)),
+        for name, fn in [("cqsa", lambda: cqsa_attention(q, k, v, config=tiles)), ("flash", lambda: flash(q, k, v)),
                          ("efficient", (lambda: eff(q, k, v)) if eff else None)]:
             if fn is None or (name == "efficient" and n > 131072):
                 continue
@@ -162,12 +172,12 @@ def part_a(res, args, dev, cuda):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            cqsa_attention(q, k, v)
+            cqsa_attention(q, k, v, config=tiles)
             torch.cuda.synchronize()
             row["cqsa_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         row["ratio_vs_flash"] = row["cqsa_ms"] / row["flash_ms"]
         if n == ns[0] or n == sweep_n:
-            o = cqsa_attention(q, k, v).double()
+            o = cqsa_attention(q, k, v, config=tiles).double()
             row["max_abs_vs_flash"] = (o - flash(q, k, v).double()).abs().max().item()
         rows.append(row)
         log("resident", row)
@@ -367,22 +377,23 @@ def part_d(res, args, dev, cuda):
     xs = [49152, 98304, 196608, 393216] if cuda else [60, 120]
     g = torch.Generator(device=dev).manual_seed(1)
     rows = []
-    block = K.config("fwd", d, dt, torch.device(dev))
+    tiles = K.default_tiles(d, dt, dev)
+    prec = "tf32x3" if dt == torch.float32 else "tf32"
+    consts = K.constexprs("fwd", d, tiles, False, prec, MODE=0)
     for x in xs:
         if elapsed() > args.limit_d:
             break
         n = int(round(x * 7 / 3))
         task = build_tasks(n, 7, 1)[0]
-        sched = build_schedule([task], "global", block[0], False, by_slot=False, out_local=True)
+        sched = build_schedule([task], "global", tiles[0], False, by_slot=False, out_local=True)
         ranges = torch.from_numpy(sched.ranges).to(dev)
         items = torch.from_numpy(sched.waves[0]).to(dev)
         q, k, v = (torch.randn(1, h, n, d, device=dev, dtype=dt, generator=g) for _ in range(3))
         L = task.L
         out = torch.empty(1, h, L, d, device=dev, dtype=torch.float32)
         lse = torch.empty(1, h, L, device=dev, dtype=torch.float32)
-        prec = K.precision_for(dt, "tf32x3")
-        fn = lambda: K.launch_fwd(q, k, v, out, lse, items, ranges, causal=False, scale=d ** -0.5, block=block,
-                                  precision=prec, mode=0)
+        fn = lambda: K.launch_fwd(q, k, v, out, lse, lse, items, ranges, n_out=L, causal_off=0,
+                                  qk_scale=d ** -0.5 * LOG2E, consts=consts)
         ms = time_ms(fn, cuda)
         task_bytes = (3 * dt.itemsize + 4) * L * h * d + 4 * L * h        # gathered inputs + fp32 partials
         rows.append(dict(x=L, ms=ms, task_bytes=task_bytes, kept_pairs=sched.work))
