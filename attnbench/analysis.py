@@ -37,9 +37,10 @@ TREND_FLAT_STEP = math.log(1.01)
 MEM_WIN_BELOW = 0.90
 MEM_LOSS_ABOVE = 1.10
 
-MEASURED = ("clean", "noisy")
+MEASURED = ("clean", "disturbed", "noisy")      # "noisy": runs written before disturbed windows were told apart
+NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
 # When several runs hold the same point, the best status wins, then the later run.
-_STATUS_RANK = {"clean": 0, "oom": 1, "noisy": 2, "error": 3, "skipped": 4}
+_STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
 
 RUN_FIELDS = ["run", "run_path", "matrix_name", "started_utc", "device", "gpu_name", "gpu_short", "git_commit"]
 CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim"]
@@ -118,6 +119,8 @@ def _cell_keys(df: pd.DataFrame) -> pd.Series:
     key = parts[0]
     for p in parts[1:]:
         key = key + "|" + p
+    if "timing" in df:   # graph-mode points are a row of their own; eager keys stay as they always were
+        key = key + df["timing"].map(lambda t: "|graph" if t == "graph" else "")
     return key
 
 
@@ -256,10 +259,11 @@ class CellSummary:
     mem: str                        # "0.02–0.09"
     trend: str
     notes: list[str] = field(default_factory=list)
+    timing: str = "eager"           # eager | graph (CUDA-graph replays: device time)
 
     @property
     def setup(self) -> str:
-        """"fp32 fwd · B1 H8 D64" (+ " causal")."""
+        """"fp32 fwd · B1 H8 D64" (+ " causal", + " · graph" for graph-mode timing)."""
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         parts = [f"{short} {self.mode}"]
         if not self.is_model:
@@ -267,7 +271,8 @@ class CellSummary:
         elif self.batch is not None:
             parts.append(f"batch {_key_str(self.batch)}")
         text = " · ".join(parts)
-        return text + " causal" if self.causal else text
+        text = text + " causal" if self.causal else text
+        return text + " · graph" if self.timing == "graph" else text
 
 
 def _int_or_none(v):
@@ -326,7 +331,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
             notes.append(f"`{row['cell_id']}` @{n_txt}: {status}{tries}" + (f": {reason}" if reason else ""))
         if has_ratio:
             flush()
-            star = "*" if status == "noisy" else ""
+            star = "*" if status in NOT_CLEAN else ""
             value = f"{n_txt} {format_ratio(row['lat_ratio'])}{star}"
             rng = format_range(row["lat_ratio_p10"], row["lat_ratio_p90"])
             tokens.append(("v", value))
@@ -348,7 +353,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
     if trend != "no data":
         trend += star
         # a trend read off the clean points must not hide noisy points that say the opposite
-        noisy = measured[measured["status"] == "noisy"]["lat_ratio"]
+        noisy = measured[measured["status"].isin(NOT_CLEAN)]["lat_ratio"]
         if len(clean) and ((trend.startswith("wins all") and (noisy >= 1).any())
                            or (trend.startswith("loses all") and (noisy < 1).any())):
             trend += " (clean points; noisy ones disagree)"
@@ -362,7 +367,8 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         dtype=str(first["dtype"]), mode=str(first["mode"]), causal=bool(first["causal"]) if _notna(first["causal"]) else False,
         batch=_int_or_none(first["batch"]), heads=_int_or_none(first["heads"]), head_dim=_int_or_none(first["head_dim"]),
         is_model=is_model, points=pts.reset_index(drop=True), sweep=_join(tokens), sweep_with_spread=_join(tokens_spread),
-        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes)
+        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes,
+        timing="graph" if str(first.get("timing")) == "graph" else "eager")
 
 
 def _notna(v) -> bool:
@@ -432,7 +438,7 @@ def scaling_table(summaries: list[CellSummary], min_points: int = 3) -> str | No
         pts = pts[[(_finite(k) and k > 0 and _finite(b) and b > 0) for k, b in zip(pts["kernel_ms"], pts["baseline_ms"])]]
         if len(pts) < min_points:
             continue
-        ns, stars = [int(n) for n in pts["n"]], ["*" if st == "noisy" else "" for st in pts["status"]]
+        ns, stars = [int(n) for n in pts["n"]], ["*" if st in NOT_CLEAN else "" for st in pts["status"]]
         cols = []
         for side in ("kernel_ms", "baseline_ms"):
             ts = [float(t) for t in pts[side]]
@@ -467,28 +473,41 @@ def notes_markdown(summaries: list[CellSummary]) -> str:
     notes = [n for s in summaries for n in s.notes]
     if not notes:
         return ""
-    text = "`*` = still noisy after its retries (number kept, not used for the trend).\n\n" if any(
-        "*" in s.sweep for s in summaries) else ""
+    starred = {st for s in summaries if "*" in s.sweep for st in s.points["status"] if st in NOT_CLEAN}
+    text = ""
+    if "noisy" in starred:
+        text += "`*` = still noisy after its retries (number kept, not used for the trend).\n\n"
+    if "disturbed" in starred:
+        text += "`*` = window still disturbed after its retries (number kept, not used for the trend).\n\n"
     return text + "".join(f"- {n}\n" for n in notes)
 
 
 def points_table(df: pd.DataFrame) -> str:
     """Every final point with its absolute numbers (ms, MB, TFLOP/s); for the appendix of the report."""
     final = select_final(df)
+    # runs that recorded the achieved CI of the median ratio get a column for it (older runs: none)
+    with_ci = "ci_half_width" in final and final["ci_half_width"].map(_finite).any()
     rows = []
     for _, r in final.iterrows():
         is_model = bool(r.get("is_model", False))
-        rows.append([
-            f"`{r['cell_id']}`", format_n(r["n"], model=is_model), r["status"], _key_str(r["attempts"]),
+        n_text = format_n(r["n"], model=is_model) + (" graph" if r.get("timing") == "graph" else "")
+        row = [
+            f"`{r['cell_id']}`", n_text, r["status"], _key_str(r["attempts"]),
             format_ms(r["kernel_ms"]), format_ms(r["baseline_ms"]),
             f"{format_ratio(r['lat_ratio'])} [{format_range(r['lat_ratio_p10'], r['lat_ratio_p90'])}]"
             if _finite(r["lat_ratio"]) else "–",
+        ]
+        if with_ci:
+            row.append(f"±{float(r['ci_half_width']) * 100:.1f} %" if _finite(r["ci_half_width"]) else "–")
+        rows.append(row + [
             f"{_fmt_num(r['kernel_mem_mb'])} / {_fmt_num(r['baseline_mem_mb'])}",
             f"{_fmt_num(r['kernel_tflops'])} / {_fmt_num(r['baseline_tflops'])}",
             r["reason"] if _nonempty(r.get("reason")) else "",
         ])
-    return md_table(["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]",
-                     "mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
+    header = ["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]"]
+    if with_ci:
+        header.append("95 % CI of the median")
+    return md_table(header + ["mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
 
 
 def _fmt_num(x) -> str:
@@ -536,7 +555,9 @@ def load_summary(runs) -> list[dict]:
     for cell_id in sorted(per_cell):
         attempts = per_cell[cell_id]
         row = {"cell": cell_id, "attempts": len(attempts),
-               "noisy": sum(1 for a in attempts if a.get("status") == "noisy")}
+               "noisy": sum(1 for a in attempts if a.get("status") in NOT_CLEAN),
+               # runs since disturbed windows were told apart record "disturbed_reasons" with every attempt
+               "window_label": "disturbed" if any("disturbed_reasons" in a for a in attempts) else "noisy"}
         for title, path in LOAD_FIELDS:
             fmt = "{:.1f}" if title == "free GB" else "{:.0f}"
             for when in ("before", "after"):
@@ -557,7 +578,7 @@ def load_summary(runs) -> list[dict]:
 def load_table(rows: list[dict]) -> str:
     if not rows:
         return "_no attempts recorded_\n"
-    header = ["cell", "attempts", "noisy"]
+    header = ["cell", "attempts", "disturbed" if any(r["window_label"] == "disturbed" for r in rows) else "noisy"]
     for title, _ in LOAD_FIELDS:
         header.append(f"{title} before → after")
     header += ["load 1m", "throttle reasons seen", "GPU processes seen (incl. the harness)"]

@@ -81,7 +81,8 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     for r in runs:
         m = r.manifest
         counts = r.points["status"].value_counts().to_dict() if len(r.points) else {}
-        status = ", ".join(f"{counts[s]} {s}" for s in ("clean", "noisy", "oom", "skipped", "error") if counts.get(s))
+        status = ", ".join(f"{counts[s]} {s}" for s in ("clean", "disturbed", "noisy", "oom", "skipped", "error")
+                           if counts.get(s))
         finished = m.get("finished_utc") or ("interrupted" if m.get("interrupted") else "unfinished")
         gate = m.get("gate") or {}
         rows.append([f"[`{r.path.name}`]({_rel(r.path, base)})", _v(m.get("matrix_name")),
@@ -152,9 +153,11 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
 
     # -- load, all points --------------------------------------------------------------------------------
     out.append("\n## Load during the measurements\n")
+    loads = load_summary(runs)
+    retried = "disturbed" if any(r["window_label"] == "disturbed" for r in loads) else "noisy"
     out.append("Per cell, over all its attempts: min–max of each reading in the snapshot taken before → after "
-               "the point. A noisy attempt was retried; only the final attempt counts.")
-    out.append(load_table(load_summary(runs)))
+               f"the point. A {retried} attempt was retried; only the final attempt counts.")
+    out.append(load_table(loads))
     out.append("\n## All points\n")
     out.append(points_table(df))
 

@@ -25,8 +25,12 @@ POINT_COLUMNS = [
     "kernel_ms", "kernel_ms_p10", "kernel_ms_p90", "baseline_ms", "baseline_ms_p10", "baseline_ms_p90",
     "lat_ratio", "lat_ratio_p10", "lat_ratio_p90", "kernel_mem_mb", "baseline_mem_mb", "mem_ratio",
     "kernel_tflops", "baseline_tflops", "status", "attempts", "reason",
+    # how the point was timed and how well its median ratio is known (runs before these columns: filled on load)
+    "timing", "spread", "lat_ratio_ci_low", "lat_ratio_ci_high", "ci_half_width",
 ]
-STATUSES = ("clean", "noisy", "oom", "skipped", "error")
+LEGACY_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]   # what every stored run has
+# clean | disturbed: the measurement window (attnbench.measure.noise); "noisy": runs written before that split
+STATUSES = ("clean", "disturbed", "noisy", "oom", "skipped", "error")
 
 
 class RunDirError(ValueError):
@@ -50,6 +54,7 @@ class RunStore:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._columns: list[str] | None = None     # points.csv's header, read on the first append
 
     @classmethod
     def create(cls, root: Path, matrix_name: str, manifest: dict, now: datetime | None = None) -> "RunStore":
@@ -103,11 +108,19 @@ class RunStore:
         unknown = set(row) - set(POINT_COLUMNS)
         if unknown:
             raise KeyError(f"unknown point columns: {sorted(unknown)}")
-        values = [_csv_value(row.get(col)) for col in POINT_COLUMNS]
+        # a run directory started by an older harness keeps its own header (resumed runs): its columns only;
+        # attempts.jsonl still holds everything
+        values = [_csv_value(row.get(col)) for col in self._header()]
         with open(self.path / "points.csv", "a", newline="") as fh:
             csv.writer(fh).writerow(values)
             fh.flush()
             os.fsync(fh.fileno())
+
+    def _header(self) -> list[str]:
+        if self._columns is None:
+            with open(self.path / "points.csv", newline="") as fh:
+                self._columns = next(csv.reader(fh), None) or POINT_COLUMNS
+        return self._columns
 
     def finished_point_ids(self) -> set[str]:
         with open(self.path / "points.csv", newline="") as fh:
@@ -177,9 +190,12 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(store.path / "points.csv", dtype={"point_id": str, "cell_id": str, "reason": str})
     except pd.errors.ParserError as exc:
         raise RunDirError(f"{store.path / 'points.csv'}: {exc}") from None
-    missing = [c for c in POINT_COLUMNS if c not in points.columns]
+    missing = [c for c in LEGACY_COLUMNS if c not in points.columns]
     if missing:
         raise RunDirError(f"{store.path / 'points.csv'}: missing columns {', '.join(missing)}")
+    for col in POINT_COLUMNS[len(LEGACY_COLUMNS):]:   # a run from before timing modes and CIs: eager, unknown CI
+        if col not in points.columns:
+            points[col] = "eager" if col == "timing" else float("nan")
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
     attempts = []

@@ -53,10 +53,72 @@ def test_oom_is_a_result_and_memory_is_released():
 
     free_before = torch.cuda.mem_get_info()[0]
     # math at N=256K materialises 8·256K² fp16 scores = 1 TB: must OOM on an 80 GB card
+    from attnbench.matrix import TIMING_DEFAULTS
+
     cell = Cell(id="oom", kernel="flash", baseline="math", dtype="float16", mode="fwd", batch=1, seq_lens=(262144,),
-                heads=8, head_dim=64, timing={"warmup_ms": 1, "rep_ms": 5, "min_reps": 3, "max_reps": 5, "flush_l2": True})
+                heads=8, head_dim=64, timing={**TIMING_DEFAULTS, "warmup_ms": 1, "rep_ms": 5, "min_reps": 3,
+                                              "max_reps": 5})
     result = measure_point(Point(cell, 262144), "cuda")
-    assert result["baseline"].status == "oom"
-    assert result["kernel"].status == "ok" and len(result["kernel"].samples_ms) >= 3
+    assert result.baseline.status == "oom"
+    assert result.kernel.status == "ok" and len(result.kernel.samples_ms) >= 3
     torch.cuda.synchronize()
     assert torch.cuda.mem_get_info()[0] > free_before - 2 * 2**30
+
+
+# --- timing modes, planted slowdowns, calibration (issue 15) ---------------------------------------------
+
+def _flash_pair(n=4096, mode="fwd", name="flash"):
+    from attnbench.backends import get_backend, make_attention_workload
+
+    make = lambda seed: make_attention_workload(get_backend(name), batch=1, heads=8, n=n, head_dim=64,  # noqa: E731
+                                                dtype="float16", mode=mode, causal=False, device="cuda", seed=seed)
+    return make(0), make(1)
+
+
+@pytest.mark.parametrize("timing_mode", ["eager", "graph"])
+@pytest.mark.parametrize("n", [1024, 16384])
+def test_planted_slowdown_lands_at_its_factor(timing_mode, n):
+    """flash against flash with --slowdown 1.15 on one side: the median paired ratio is 1.15 (short and long calls)."""
+    from attnbench.matrix import TIMING_DEFAULTS
+    from attnbench.measure import measure_pair
+
+    a, b = _flash_pair(n)
+    res = measure_pair(a, b, kernel_name="flash", baseline_name="flash", timing=dict(TIMING_DEFAULTS), device="cuda",
+                       mode=timing_mode, slowdown={"kernel": 1.15})
+    assert res.kernel.status == "ok" and res.timing_mode == timing_mode
+    ratio = sorted(res.ratios)[len(res.ratios) // 2]
+    assert ratio == pytest.approx(1.15, abs=0.03), (ratio, res.reps, res.ci_half_width)
+
+
+@pytest.mark.parametrize("name, mode", [("flash", "fwdbwd"), ("cudnn", "fwd"), ("elsa", "fwd"), ("elsa", "fwdbwd"),
+                                        ("cron_root", "fwd"), ("pasa", "fwd"), ("cqsa", "fwd")])
+def test_graph_mode_captures_every_backend(name, mode):
+    from attnbench.backends import get_backend, make_attention_workload
+    from attnbench.matrix import TIMING_DEFAULTS
+    from attnbench.measure import measure_pair
+
+    causal = name == "cron_root"
+    wl = make_attention_workload(get_backend(name), batch=1, heads=8, n=4096, head_dim=64, dtype="float16",
+                                 mode=mode, causal=causal, device="cuda")
+    graph = measure_pair(wl, None, kernel_name=name, baseline_name=None, timing=dict(TIMING_DEFAULTS),
+                         device="cuda", mode="graph")
+    eager = measure_pair(wl, None, kernel_name=name, baseline_name=None, timing=dict(TIMING_DEFAULTS),
+                         device="cuda", mode="eager")
+    assert graph.kernel.status == "ok", graph.kernel.message
+    g, e = graph.kernel.summary()["ms_median"], eager.kernel.summary()["ms_median"]
+    assert 0 < g <= e * 1.05      # a replay never pays more than the eager loop's host gaps
+
+
+def test_graph_mode_calibrates_against_do_bench_cudagraph(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "calibration.json"
+    proc = subprocess.run([sys.executable, "scripts/calibrate.py", "--out", str(out)], cwd=repo, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(abs(r["rel_diff"]) <= 0.05 for r in rows if r["judged"])
