@@ -1,7 +1,7 @@
 """Per-GPU tuning data (tuning.json): the hybrid's crossover length and optional tile configs.
 
-Written from a GPU run of scripts/gpu/cron_root_tune.py (it emits a merged tuning.json under its --out);
-read once per process and device.
+Written by a GPU run of ``scripts/tune.py --kernel cron_root`` (it updates the entry of the GPU it ran on: the
+crossovers of its "cross" section, and tile configs that beat the current ones); read once per process and device.
 """
 from __future__ import annotations
 

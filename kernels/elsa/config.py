@@ -1,19 +1,23 @@
 """ELSA launch configurations: a small table per (dtype class, head dim), plus the partition/chunk plan.
 
-No per-call autotuning: a new sequence length must not re-run a tuning sweep. The table values were
-chosen from the H100 sweep in scripts/gpu/elsa_tune.py (see NOTES.md and results/dev/elsa/).
+No per-call autotuning: a new sequence length must not re-run a tuning sweep. The tables below are the
+defaults (chosen from H100 sweeps, see NOTES.md); ``scripts/tune.py --kernel elsa`` writes the configs it
+chooses to ``tuning.json`` beside this file, whose entries replace the defaults they name (``tuned_tables``).
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from kernels._tuning import parse_dim_key, read_configs
+
 # (dtype class, D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
 # dtype class: "16" for float16/bfloat16, "32" for float32.
-FWD_TABLE = {
+BUILTIN_FWD_TABLE = {
     ("16", 32): (128, 64, 4, 3),      # not swept; D=64's tiles
     ("16", 64): (128, 64, 4, 3),      # H100 N=4K 0.120 ms, 16K 1.34 ms; 8 warps was slower (0.173 / 1.38)
     ("16", 128): (64, 64, 4, 3),      # 4K 0.195 ms vs 0.273 for (128, 64, 8, 3); 16K 2.50 vs 2.46
@@ -27,7 +31,7 @@ SHORT_BLOCK_M = 64
 
 # (dtype class, D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
-BWD_TABLE = {
+BUILTIN_BWD_TABLE = {
     ("16", 32): ((64, 64, 4, 3), (32, 128, 4, 3)),        # not swept; D=64's tiles
     # dkdv (32, 128, 4, 3) spills 2 registers on sm_90 with triton 3.6 (255 regs; 16 with 3.9) and is still the
     # fastest: N=8K bwd 0.99 ms vs 1.13 for the best tile without spills (32, 64, 4, 3) and 1.38 for the same
@@ -38,6 +42,24 @@ BWD_TABLE = {
     ("32", 64): ((128, 32, 8, 2), (32, 64, 4, 2)),        # tf32x3 N=4K bwd 2.89 ms; BN=64 dkdv at 8 warps spills
     ("32", 128): ((32, 32, 4, 2), (32, 32, 4, 2)),        # not swept: smallest tiles (fp32 D=128 spills first)
 }
+
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+
+
+def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
+    """(FWD_TABLE, BWD_TABLE): the built-in tables above with the entries of a tuning file in place of the ones they name
+    ("fwd": {"16,64": [bm, bn, warps, stages]}, "bwd": {"16,64": {"dq": [...], "dkdv": [...]}})."""
+    stored = read_configs(path)
+    fwd, bwd = dict(BUILTIN_FWD_TABLE), dict(BUILTIN_BWD_TABLE)
+    for key, cfg in stored.get("fwd", {}).items():
+        fwd[parse_dim_key(key)] = tuple(cfg)
+    for key, cfg in stored.get("bwd", {}).items():
+        old_dq, old_dkdv = bwd.get(parse_dim_key(key), (None, None))
+        bwd[parse_dim_key(key)] = (tuple(cfg.get("dq", old_dq)), tuple(cfg.get("dkdv", old_dkdv)))
+    return fwd, bwd
+
+
+FWD_TABLE, BWD_TABLE = tuned_tables()
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import triton
 
+from kernels._tuning import read_configs
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 LOG2E = 1.4426950408889634   # host-side copy (the kernels use a tl.constexpr)
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
@@ -19,18 +21,37 @@ STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or
 VARIANTS = {"ref": False, "fused": True}
 # "ref" is the default: on the H100 (results/dev/pasa/h100/variants.csv, 2026-11-23) it beat "fused" at every
 # tile but one (fused is 1-11 % more accurate in emulation; it stays available as variant="fused").
-DEFAULT_VARIANT = "ref"
+BUILTIN_VARIANT = "ref"
 
 # Hopper tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, from the H100 sweep
-# (`scripts/gpu/pasa_tune.py --phases variants`, 5 tiles x both loops, N 8K/16K, causal and not, vs SDPA flash):
+# (5 tiles x both loops, N 8K/16K, causal and not, vs SDPA flash; the sweep is `scripts/tune.py --kernel pasa`):
 # (64, 64, 4, 3) was best for both head dims with the ref loop, geomean lat_ratio 0.96 (D=64, worst 1.00) and
 # 0.84 (D=128, worst 0.93), where the earlier (128, 64, 4|8, 3) tiles gave 1.05-1.09 and 0.98-1.06.
 # BLOCK_N is also PASA's shifting-window length n, so β is solved for it (unchanged at 64).
 # fa16 keeps PASA's tiling, as its definition asks ("the same tiling without the shift").
-DEFAULT_CONFIGS = {
+BUILTIN_CONFIGS = {
     "pasa": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
     "fa16": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},
 }
+# `scripts/tune.py --kernel pasa` writes the tiles and loop it chooses to tuning.json beside this file; its entries
+# ("pasa"/"fa16": {"64": [bm, bn, warps, stages]}, "variant": {"default": "ref"}) replace the built-in ones above.
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+
+
+def tuned_defaults(path=TUNING_FILE) -> tuple[dict, str]:
+    """(DEFAULT_CONFIGS, DEFAULT_VARIANT): the built-in tiles and loop with a tuning file's entries in their place."""
+    stored = read_configs(path)
+    configs = {kernel: dict(tiles) for kernel, tiles in BUILTIN_CONFIGS.items()}
+    for kernel in configs:
+        for d, cfg in stored.get(kernel, {}).items():
+            configs[kernel][int(d)] = tuple(cfg)
+    variant = stored.get("variant", {}).get("default", BUILTIN_VARIANT)
+    if variant not in VARIANTS:
+        raise ValueError(f"{path}: variant.default = {variant!r}: allowed {', '.join(VARIANTS)}")
+    return configs, variant
+
+
+DEFAULT_CONFIGS, DEFAULT_VARIANT = tuned_defaults()
 
 BACKWARD_ERROR = ("{name}: backward is not supported — PASA is a forward-only (inference) algorithm; "
                   "the paper defines no backward pass")

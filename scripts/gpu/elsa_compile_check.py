@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compile ELSA's Triton kernels for sm_90 without a GPU and report registers, spills and shared memory per
-tile config: a pre-filter for the configs `scripts/gpu/elsa_tune.py` times on the H100 (a config that spills
+tile config: a pre-filter for the configs `scripts/tune.py --kernel elsa` times on the H100 (a config that spills
 hundreds of registers is not worth device time).
 
     python3 scripts/gpu/elsa_compile_check.py [--dtype float32] [--dim 128] [--json out.json]

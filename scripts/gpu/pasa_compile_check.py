@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compile PASA's Triton kernels for sm_90 without a GPU and report registers, spills, shared memory and
-wgmma use per (variant, D, causal, tile config): a cheap filter before `scripts/gpu/pasa_tune.py` spends
+wgmma use per (variant, D, causal, tile config): a cheap filter before `scripts/tune.py --kernel pasa` spends
 device time (a config that spills, or whose P·V is not a wgmma, is not worth timing).
 
     PYTHONPATH=. python3 scripts/gpu/pasa_compile_check.py [--variants ref,fused] \
@@ -9,7 +9,7 @@ device time (a config that spills, or whose P·V is not a wgmma, is not worth ti
 Method as in cron_root/elsa_compile_check.py (through sm90_compile.py): ASTSource + triton.compile for an
 explicit target, resource usage from the cuobjdump shipped with Triton; arguments specialised like a launch
 on contiguous tensors (pointers divisible by 16, N a plain i32, c an fp32). STATE = fp16 (the paper's
-allocation); `--state fp32` compiles the hybrid mode. The candidates default to pasa_tune.CANDIDATES.
+allocation); `--state fp32` compiles the hybrid mode. The candidates default to CANDIDATES below.
 """
 from __future__ import annotations
 
