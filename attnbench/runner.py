@@ -8,6 +8,7 @@ an `on_event` callback. How to time, pair, sample and judge lives in attnbench.m
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -21,7 +22,6 @@ from attnbench import gpu as gpumod
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import Matrix, Point
 from attnbench.measure import ClockMonitor, NoisePolicy, PairResult, SideResult, measure_pair
-from attnbench.measure.stats import median_ci, robust_cv, summary
 from attnbench.store import RunStore, utc_now
 
 
@@ -147,9 +147,7 @@ def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None
             alone = measure_pair(wl, None, kernel_name=getattr(cell, slot), baseline_name=None,
                                  slowdown={"kernel": factors[slot]}, **kw)
             sides[slot] = alone.kernel
-            alone.kernel, alone.baseline = sides["kernel"], sides["baseline"]
-            alone.ratios = []
-            return alone
+            return dataclasses.replace(alone, kernel=sides["kernel"], baseline=sides["baseline"])
         return PairResult(sides["kernel"], sides["baseline"], [], timing_mode=point.timing_mode)
     finally:
         for wl in workloads.values():
@@ -165,22 +163,13 @@ def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None
 
 def _attempt_record(point: Point, attempt: int, status: str, reasons, message, result: PairResult | None,
                     before, after, monitor_summary):
-    ratio = None
-    if result and result.ratios:
-        s = summary(result.ratios)
-        ci = median_ci(result.ratios)
-        ratio = {"median": s["median"], "p10": s["p10"], "p90": s["p90"], "spread": robust_cv(result.ratios),
-                 "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
-                 "samples": [round(r, 6) for r in result.ratios]}
     k = result.kernel.summary() if result else None
     b = result.baseline.summary() if result and result.baseline else None
     mem_ratio = None
     if k and b and k["mem_mb"] is not None and b["mem_mb"]:
         mem_ratio = k["mem_mb"] / b["mem_mb"]
-    sampling = None
-    if result is not None and result.stop is not None:
-        sampling = {"reps": result.reps, "stop": result.stop, "ci_half_width": result.ci_half_width,
-                    "target_ci_half_width": point.cell.timing["ci_half_width"], "loop_s": result.loop_s}
+    ratio = result.ratio_summary() if result else None
+    sampling = result.sampling_summary(point.cell.timing["ci_half_width"]) if result else None
     return {"point_id": point.id, "cell_id": point.cell.id, "n": point.n, "timing_mode": point.timing_mode,
             "attempt": attempt, "utc": utc_now(), "status": status, "disturbed_reasons": list(reasons),
             "message": message, "kernel": k, "baseline": b, "ratio": ratio, "sampling": sampling,

@@ -179,21 +179,34 @@ def test_cpu_delay_is_a_busy_wait_of_the_asked_length():
     assert 0.020 <= time.perf_counter() - t0 < 0.5
 
 
-def busy(ms):
-    def run():
-        end = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < end:
-            pass
-    return Workload(run=run)
+class FakeDelay:
+    """The planted delay on the fake device: it lengthens the duration the timed call drew."""
+    timer = None
+
+    def __init__(self, device):
+        self.calibrated = False
+
+    def calibrate(self):
+        self.calibrated = True
+
+    def __call__(self, ms):
+        FakeDelay.timer.last_ms += ms
 
 
 @pytest.mark.parametrize("factor", [1.15, 1.5])
-def test_planted_slowdown_scales_the_kernel_time_by_the_factor(factor):
-    """Real CPU clock: two 2 ms busy waits; the kernel side gets a delay of (factor − 1) × its median time."""
-    # at least 60 pairs: a shared, loaded CPU preempts some busy waits, and the median must not hang on a few
-    timing = {**TIMING, "rep_ms": 100, "min_reps": 60, "max_ms": 3000, "ci_half_width": 0.01}
-    res = measure_pair(busy(2.0), busy(2.0), kernel_name="k", baseline_name="b", timing=timing, device="cpu",
-                       slowdown={"kernel": factor})
-    assert res.kernel.delay_ms == pytest.approx(2.0 * (factor - 1), rel=0.2)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_planted_slowdown_scales_the_kernel_time_by_the_factor(monkeypatch, factor, mode):
+    """The kernel side gets a delay of (factor − 1) × its own median time after each call, in both timing modes
+    (in graph mode the delay is part of the captured call)."""
+    from attnbench.measure import pair as pair_mod
+
+    monkeypatch.setattr(pair_mod, "Delay", FakeDelay)
+    timer, clock = FakeTimer(mode), FakeClock()
+    FakeDelay.timer = timer
+    k, b = fake_workload(timer, clock, 2.0, 0.05, 1), fake_workload(timer, clock, 2.0, 0.05, 2)
+    res = measure_pair(k, b, kernel_name="k", baseline_name="b", timing=TIMING, device="cpu", mode=mode,
+                       timer=timer, clock=clock, slowdown={"kernel": factor})
+    assert res.kernel.delay_ms == pytest.approx(2.0 * (factor - 1), rel=0.1)
     assert res.baseline.delay_ms is None
-    assert np.median(res.ratios) == pytest.approx(factor, rel=0.05)
+    assert np.median(res.ratios) == pytest.approx(factor, rel=0.02)
+    assert timer.armed == 3       # both sides once, the slowed kernel side again with its delay

@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import NormalDist
 
@@ -325,25 +324,23 @@ def test_timing_mode_both_measures_and_labels_each_point_twice(tmp_path, monkeyp
     assert "(plots/CPU/a_graph.png)" in text
 
 
-def busy_workload(ms):
-    from attnbench.workload import Workload
-
-    def run():
-        end = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < end:
-            pass
-    return Workload(run=run)
-
-
 def test_planted_slowdown_is_caught_by_the_gate_at_every_length(tmp_path, monkeypatch):
-    """Busy-wait 'kernels' of 1.5 ms on both sides; --slowdown flash=1.15 must make every point SLOWER and a plain
-    rerun SAME (real CPU clock, the runner, the store and the gate end to end)."""
+    """--slowdown flash=1.15 through the runner, the store and the gate: every point SLOWER, a plain rerun SAME.
+    The device is the fake one of test_measure (workloads draw 1.5 ms ± 10 % durations, the planted delay adds to
+    them), so the verdicts are exact."""
     from attnbench.gate import compare_runs
+    from attnbench.measure import pair as pair_mod
+    from test_measure import FakeClock, FakeDelay, FakeTimer, fake_workload
 
-    monkeypatch.setattr(runner_mod, "_make_workload", lambda point, slot, device: busy_workload(1.5))
+    timer, clock = FakeTimer(), FakeClock()
+    FakeDelay.timer = timer
+    monkeypatch.setattr(pair_mod, "Delay", FakeDelay)
+    monkeypatch.setattr(pair_mod, "make_timer", lambda device, mode="eager": timer)
+    seeds = iter(range(1000))
+    monkeypatch.setattr(runner_mod, "_make_workload",
+                        lambda point, slot, device: fake_workload(timer, clock, 1.5, 0.1, next(seeds)))
     m = matrix(tmp_path)
-    m.cells = [dataclasses.replace(c, timing={**c.timing, "rep_ms": 100, "max_ms": 1500, "min_reps": 60,
-                                              "max_reps": 10_000, "ci_half_width": 0.01}) for c in m.cells]
+    m.cells = [dataclasses.replace(c, timing={**c.timing, "max_reps": 10_000, "max_ms": 60_000}) for c in m.cells]
 
     def run(**opts):
         o = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, gate=Gate(max_cpu_pct=1e9), **opts)
@@ -351,13 +348,12 @@ def test_planted_slowdown_is_caught_by_the_gate_at_every_length(tmp_path, monkey
 
     base, slowed, again = run(), run(slowdown={"flash": 1.15}), run()
     assert load_run(slowed).manifest["injected_slowdown"] == {"flash": 1.15}
-    verdicts = {r.point_id: r.verdict for r in compare_runs(base, slowed)}
-    assert verdicts == {"a@16": "SLOWER", "a@32": "SLOWER", "b@24": "SLOWER"}
-    for r in compare_runs(base, slowed):
-        assert r.change == pytest.approx(1.15, abs=0.04)
+    rows = compare_runs(base, slowed)
+    assert {r.point_id: r.verdict for r in rows} == {"a@16": "SLOWER", "a@32": "SLOWER", "b@24": "SLOWER"}
+    assert all(r.change == pytest.approx(1.15, abs=0.02) for r in rows)
     assert {r.verdict for r in compare_runs(base, again)} == {"SAME"}
-    delays = [a["kernel"]["delay_ms"] for a in load_run(slowed).attempts]
-    assert all(d == pytest.approx(0.15 * 1.5, rel=0.25) for d in delays)
+    assert all(a["kernel"]["delay_ms"] == pytest.approx(0.15 * 1.5, rel=0.15) for a in load_run(slowed).attempts)
+    assert all(a["sampling"]["stop"] == "ci" for a in load_run(slowed).attempts)
 
 
 @pytest.mark.parametrize("item, expected", [

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from attnbench.measure.stats import median_ci_half_width, summary
+from attnbench.measure.stats import median_ci, median_ci_half_width, robust_cv, summary
 from attnbench.measure.timer import Delay, Flusher, TimerError, make_timer
 from attnbench.workload import Workload
 
@@ -75,6 +75,24 @@ class PairResult:
     stop: str | None = None          # ci | max_reps | budget (None: nothing was timed)
     ci_half_width: float | None = None   # achieved: of the median paired ratio (one side alone: of its median time)
     loop_s: float | None = None      # wall time of the timed loop
+
+    def ratio_summary(self) -> dict | None:
+        """The paired ratios as stored with an attempt: median, p10, p90, spread (robust CV), the 95 % CI of the
+        median, and the samples; None without ratios."""
+        if not self.ratios:
+            return None
+        s = summary(self.ratios)
+        ci = median_ci(self.ratios)
+        return {"median": s["median"], "p10": s["p10"], "p90": s["p90"], "spread": robust_cv(self.ratios),
+                "ci_low": ci[0] if ci else None, "ci_high": ci[1] if ci else None,
+                "samples": [round(r, 6) for r in self.ratios]}
+
+    def sampling_summary(self, target_ci_half_width: float) -> dict | None:
+        """How the stopping rule ended (None when nothing was timed)."""
+        if self.stop is None:
+            return None
+        return {"reps": self.reps, "stop": self.stop, "ci_half_width": self.ci_half_width,
+                "target_ci_half_width": target_ci_half_width, "loop_s": self.loop_s}
 
 
 def peak_memory_mb(workload: Workload, device: str) -> float | None:
