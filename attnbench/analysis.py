@@ -37,9 +37,10 @@ TREND_FLAT_STEP = math.log(1.01)
 MEM_WIN_BELOW = 0.90
 MEM_LOSS_ABOVE = 1.10
 
-MEASURED = ("clean", "noisy")
+MEASURED = ("clean", "disturbed", "noisy")      # "noisy": runs written before disturbed windows were told apart
+NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
 # When several runs hold the same point, the best status wins, then the later run.
-_STATUS_RANK = {"clean": 0, "oom": 1, "noisy": 2, "error": 3, "skipped": 4}
+_STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
 
 CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim"]
 
@@ -67,6 +68,8 @@ def _cell_keys(df: pd.DataFrame) -> pd.Series:
     key = parts[0]
     for p in parts[1:]:
         key = key + "|" + p
+    if "timing" in df:   # graph-mode points are a row of their own; eager keys stay as they always were
+        key = key + df["timing"].map(lambda t: "|graph" if t == "graph" else "")
     return key
 
 
@@ -167,10 +170,11 @@ class CellSummary:
     mem: str                        # "0.02–0.09"
     trend: str
     notes: list[str] = field(default_factory=list)
+    timing: str = "eager"           # eager | graph (CUDA-graph replays: device time)
 
     @property
     def setup(self) -> str:
-        """"fp32 fwd · B1 H8 D64" (+ " causal")."""
+        """"fp32 fwd · B1 H8 D64" (+ " causal", + " · graph" for graph-mode timing)."""
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         parts = [f"{short} {self.mode}"]
         if not self.is_model:
@@ -178,7 +182,8 @@ class CellSummary:
         elif self.batch is not None:
             parts.append(f"batch {key_str(self.batch)}")
         text = " · ".join(parts)
-        return text + " causal" if self.causal else text
+        text = text + " causal" if self.causal else text
+        return text + " · graph" if self.timing == "graph" else text
 
 
 def _int_or_none(v):
@@ -237,7 +242,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
             notes.append(f"`{row['cell_id']}` @{n_txt}: {status}{tries}" + (f": {reason}" if reason else ""))
         if has_ratio:
             flush()
-            star = "*" if status == "noisy" else ""
+            star = "*" if status in NOT_CLEAN else ""
             value = f"{n_txt} {format_ratio(row['lat_ratio'])}{star}"
             rng = format_range(row["lat_ratio_p10"], row["lat_ratio_p90"])
             tokens.append(("v", value))
@@ -259,7 +264,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
     if trend != "no data":
         trend += star
         # a trend read off the clean points must not hide noisy points that say the opposite
-        noisy = measured[measured["status"] == "noisy"]["lat_ratio"]
+        noisy = measured[measured["status"].isin(NOT_CLEAN)]["lat_ratio"]
         if len(clean) and ((trend.startswith("wins all") and (noisy >= 1).any())
                            or (trend.startswith("loses all") and (noisy < 1).any())):
             trend += " (clean points; noisy ones disagree)"
@@ -273,7 +278,8 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         dtype=str(first["dtype"]), mode=str(first["mode"]), causal=bool(first["causal"]) if _notna(first["causal"]) else False,
         batch=_int_or_none(first["batch"]), heads=_int_or_none(first["heads"]), head_dim=_int_or_none(first["head_dim"]),
         is_model=is_model, points=pts.reset_index(drop=True), sweep=_join(tokens), sweep_with_spread=_join(tokens_spread),
-        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes)
+        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes,
+        timing="graph" if str(first.get("timing")) == "graph" else "eager")
 
 
 def _notna(v) -> bool:

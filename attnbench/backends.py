@@ -223,11 +223,8 @@ def attention_flops(batch: int, heads: int, n: int, head_dim: int, mode: str, ca
 
 def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int, head_dim: int, dtype: str,
                             mode: str, causal: bool, device: str, options: dict | None = None,
-                            seed: int = 0, repeat: int = 1) -> Workload:
-    """Allocate q, k, v (and dO) once, on fresh random data, and return the timed call for `mode`.
-
-    `repeat` > 1 calls the backend that many times per timed call: a deliberate, recorded slowdown used
-    only to prove that the perf gate catches a regression (`run-matrix --slowdown`)."""
+                            seed: int = 0) -> Workload:
+    """Allocate q, k, v (and dO) once, on fresh random data, and return the timed call for `mode`."""
     torch_dtype = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, heads, n, head_dim)
@@ -240,11 +237,6 @@ def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int,
     kwargs = dict(backend.options)
     kwargs.update(options or {})
     fn = backend.fn
-    if repeat > 1:
-        def fn(*args, _fn=backend.fn, **kw):
-            for _ in range(repeat - 1):
-                _fn(*args, **kw)
-            return _fn(*args, **kw)
     tensors = [q, k, v]
 
     if mode == "fwd":

@@ -19,8 +19,12 @@ from attnbench.backends import DTYPES, MODES, BackendError, get_backend
 
 MODEL_MODES = ("fwd", "train")
 
-TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "min_reps": 10, "max_reps": 400, "flush_l2": True}
-RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 3.0, "max_cv": 0.03, "min_clock_frac": 0.90}
+# timing: the stopping rule samples until the 95 % CI of the median paired ratio is within ±ci_half_width,
+# or max_reps pairs, or max_ms of wall time (attnbench.measure.pair); rep_ms is the first batch's budget.
+TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "max_ms": 2000.0, "min_reps": 10, "max_reps": 10000,
+                   "ci_half_width": 0.015, "flush_l2": True, "mode": "eager"}
+TIMING_MODE_CHOICES = ("eager", "graph", "both")   # both: one point per mode (the graph one's id ends in ":graph")
+RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 3.0, "min_clock_frac": 0.90}
 GATE_DEFAULTS = {"max_util_pct": 8.0, "min_free_gb": 12.0}
 
 ATTENTION_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "heads", "head_dim", "seq_lens", "causal",
@@ -65,15 +69,24 @@ class Cell:
     def is_model(self) -> bool:
         return self.model is not None
 
+    @property
+    def timing_modes(self) -> tuple[str, ...]:
+        """The timing modes this cell's points are measured in ("eager", "graph", or both)."""
+        mode = self.timing.get("mode", "eager")
+        return ("eager", "graph") if mode == "both" else (mode,)
+
 
 @dataclass(frozen=True)
 class Point:
     cell: Cell
     n: int
+    timing_mode: str = "eager"         # eager | graph (attnbench.measure.timer)
 
     @property
     def id(self) -> str:
-        return f"{self.cell.id}@{self.n}"
+        """"<cell>@<N>"; a graph-mode point "<cell>@<N>:graph", so the gate never pairs it with an eager one."""
+        base = f"{self.cell.id}@{self.n}"
+        return base if self.timing_mode == "eager" else f"{base}:{self.timing_mode}"
 
 
 @dataclass
@@ -87,7 +100,7 @@ class Matrix:
     checks: list = field(default_factory=list)   # spot-check rules, evaluated by attnbench.spotcheck
 
     def points(self) -> list[Point]:
-        return [Point(cell, n) for cell in self.cells for n in cell.seq_lens]
+        return [Point(cell, n, mode) for cell in self.cells for n in cell.seq_lens for mode in cell.timing_modes]
 
     def select(self, glob: str | None) -> "Matrix":
         """Keep only the cells whose id matches `glob` (run-matrix --only); None keeps all."""
@@ -280,16 +293,23 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
     timing.update(_mapping(path, cid, "timing", merged.get("timing") or {}, TIMING_DEFAULTS.keys()))
     _number(path, cid, "timing.warmup_ms", timing["warmup_ms"], minimum=0)
     _number(path, cid, "timing.rep_ms", timing["rep_ms"], minimum=1)
+    _number(path, cid, "timing.max_ms", timing["max_ms"], minimum=1)
     _number(path, cid, "timing.min_reps", timing["min_reps"], minimum=1, integer=True)
     _number(path, cid, "timing.max_reps", timing["max_reps"], minimum=timing["min_reps"], integer=True,
             why=f"≥ timing.min_reps ({timing['min_reps']})")
+    half = timing["ci_half_width"]
+    if isinstance(half, bool) or not isinstance(half, (int, float)) or not 0 < half < 1:
+        raise MatrixError(f"{where}: field 'timing.ci_half_width' = {half!r}: need a number in (0, 1) "
+                          "(the relative half-width of the median ratio's 95 % CI, e.g. 0.015)")
     _boolean(path, cid, "timing.flush_l2", timing["flush_l2"])
+    _timing_mode(where, timing["mode"], is_model, mode, device)
     retry = dict(RETRY_DEFAULTS)
     retry.update(_mapping(path, cid, "retry", merged.get("retry") or {}, RETRY_DEFAULTS.keys()))
     _number(path, cid, "retry.max_attempts", retry["max_attempts"], minimum=1, integer=True)
     _number(path, cid, "retry.backoff_s", retry["backoff_s"], minimum=0)
-    _number(path, cid, "retry.max_cv", retry["max_cv"], minimum=0)
-    _number(path, cid, "retry.min_clock_frac", retry["min_clock_frac"], minimum=0, maximum=1)
+    frac = retry["min_clock_frac"]
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise MatrixError(f"{where}: field 'retry.min_clock_frac' = {frac!r}: need a number in (0, 1]")
     batch = _number(path, cid, "batch", merged.get("batch", 8 if is_model else 1), minimum=1, integer=True)
     allow_skip = _boolean(path, cid, "allow_skip", merged.get("allow_skip", False))
     common = dict(id=cid, dtype=dtype, mode=mode, batch=batch, timing=timing, retry=retry, allow_skip=allow_skip,
@@ -356,6 +376,21 @@ def _check_inputs_fit(where: str, cell: Cell, memory_bytes: int, device: str) ->
                               f"{cell.batch}×{cell.heads}×{n}×{cell.head_dim} {cell.dtype}) take {need:,} bytes "
                               f"({need / 2**30:.1f} GiB) > {memory_bytes:,} bytes ({memory_bytes / 2**30:.1f} GiB) "
                               f"of {memory}")
+
+
+def _timing_mode(where: str, value, is_model: bool, mode: str, device: str) -> None:
+    if value not in TIMING_MODE_CHOICES:
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: allowed {', '.join(TIMING_MODE_CHOICES)}")
+    if value == "eager":
+        return
+    if device == "cpu":
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: CUDA graphs need a GPU (on --device cpu use eager)")
+    if is_model:
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: model cells time eagerly (a fwd model cell "
+                          "already replays its own CUDA graph)")
+    if mode == "bwd":
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: mode bwd has an untimed forward before each "
+                          "call, which a graph replay cannot skip; time fwdbwd in graph mode")
 
 
 def _backend(path, cid, slot, name):

@@ -29,7 +29,7 @@ H100_BASELINE = REPO / "results" / "baselines" / "h100"
 
 TINY = """name: tiny
 defaults: {batch: 1, heads: 1, head_dim: 32, timing: {warmup_ms: 0, rep_ms: 1, min_reps: 3, max_reps: 3, flush_l2: false},
-           retry: {max_attempts: 1, backoff_s: 0, max_cv: 100}}
+           retry: {max_attempts: 1, backoff_s: 0}}
 cells:
   - {id: a, kernel: flash, baseline: math, dtype: float32, mode: fwd, seq_lens: [16, 32, 48]}
 """
@@ -193,9 +193,11 @@ BAD_OPTIONS = {
     "max-util-negative": (["--max-util", "-1"], ["--max-util -1"]),
     "max-util-nan": (["--max-util", "nan"], ["--max-util nan"]),
     "wait-negative": (["--wait", "-5"], ["--wait -5"]),
-    "slowdown-unused-backend": (["--slowdown", "cudnn=2"], ["--slowdown cudnn=2", "flash, math"]),
-    "slowdown-malformed": (["--slowdown", "flash"], ["--slowdown 'flash'", "BACKEND=K"]),
-    "slowdown-zero": (["--slowdown", "flash=0"], ["--slowdown 'flash=0'"]),
+    "slowdown-unused-backend": (["--slowdown", "cudnn=2"], ["--slowdown 'cudnn=2'", "flash, math"]),
+    "slowdown-malformed": (["--slowdown", "flash"], ["--slowdown 'flash'", "BACKEND=FACTOR"]),
+    "slowdown-zero": (["--slowdown", "flash=0"], ["--slowdown 'flash=0'", "> 1"]),
+    "slowdown-one": (["--slowdown", "flash=1"], ["--slowdown 'flash=1'", "> 1"]),
+    "slowdown-nan": (["--slowdown", "flash=nan"], ["--slowdown 'flash=nan'", "finite"]),
     "only-matches-nothing": (["--only", "zzz*"], ["--only 'zzz*'", "no cell"]),
     "unknown-option": (["--fast"], ["No such option: --fast"]),
     "results-root-is-a-file": (["--results-root", "{file}"], ["{file}", "not a folder"]),

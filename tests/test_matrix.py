@@ -139,3 +139,48 @@ def test_cli_dry_run_prints_plan_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "flash_vs_math_fp32_fwd@64" in proc.stdout and "3 points" in proc.stdout
     assert "last time 0.0 min for 0 of them (from 0 stored cpu runs; 3 never measured)" in proc.stdout
+
+
+# --- timing modes and the stopping rule's target ------------------------------------------------------------
+
+def test_timing_mode_both_gives_an_eager_and_a_graph_point_per_length(tmp_path):
+    m = load_matrix(write(tmp_path, matrix_text(GOOD_CELL + "    timing: {mode: both, ci_half_width: 0.01}\n")))
+    assert [(p.id, p.timing_mode) for p in m.points()] == [
+        ("a@128", "eager"), ("a@128:graph", "graph"), ("a@256", "eager"), ("a@256:graph", "graph")]
+    assert m.cells[0].timing["ci_half_width"] == 0.01 and m.cells[0].timing["max_ms"] == 2000.0
+    m = load_matrix(write(tmp_path, matrix_text(GOOD_CELL + "    timing: {mode: graph}\n")))
+    assert [p.id for p in m.points()] == ["a@128:graph", "a@256:graph"]
+    assert [p.id for p in load_matrix(write(tmp_path, matrix_text())).points()] == ["a@128", "a@256"]   # eager default
+
+
+@pytest.mark.parametrize("extra, device, expected", [
+    ("    timing: {mode: fast}\n", "cuda", ["cell 'a'", "timing.mode", "'fast'", "eager, graph, both"]),
+    ("    timing: {mode: graph}\n", "cpu", ["cell 'a'", "timing.mode", "need a GPU"]),
+    ("    timing: {mode: both}\n    mode: bwd\n", "cuda", ["cell 'a'", "timing.mode", "mode bwd", "fwdbwd"]),
+    ("    timing: {ci_half_width: 0}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "(0, 1)"]),
+    ("    timing: {ci_half_width: 1.5}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "1.5"]),
+    ("    timing: {ci_half_width: yes}\n", "cuda", ["cell 'a'", "timing.ci_half_width"]),
+    ("    timing: {max_ms: 0}\n", "cuda", ["cell 'a'", "timing.max_ms", "≥ 1"]),
+    ("    retry: {min_clock_frac: 1.2}\n", "cuda", ["cell 'a'", "retry.min_clock_frac", "(0, 1]"]),
+    ("    retry: {max_cv: 0.03}\n", "cuda", ["cell 'a'", "retry.max_cv", "unknown key"]),
+])
+def test_timing_validation(tmp_path, extra, device, expected):
+    cell = GOOD_CELL.replace("    mode: fwd\n", "") if "mode: bwd" in extra else GOOD_CELL
+    with pytest.raises(MatrixError) as exc:
+        load_matrix(write(tmp_path, matrix_text(cell + extra)), device=device)
+    for part in expected:
+        assert part in str(exc.value), str(exc.value)
+
+
+def test_model_cells_time_eagerly(tmp_path):
+    body = matrix_text("""
+  - id: vit
+    model: vit_tiny_patch16_224
+    img_sizes: [224]
+    kernel: native
+    dtype: float16
+    mode: fwd
+    timing: {mode: graph}
+""")
+    with pytest.raises(MatrixError, match="model cells time eagerly"):
+        load_matrix(write(tmp_path, body))

@@ -18,10 +18,13 @@ dQ and dK/dV kernels are separate and deterministic (no atomics), accumulating a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels._tuning import dim_key, read_configs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -336,6 +339,11 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, DKACC, DVACC, ITEMS, 
 # --- launch configuration --------------------------------------------------------------------------
 
 _OVERRIDE: dict[str, tuple] = {}
+# `scripts/tune.py --kernel cqsa` writes the tiles it chooses to tuning.json beside this file:
+# {"fwd": {"16,128": [bm, bn, warps, stages]}, "bwd": {...}} (dtype class "16" or "32", head dim); an entry there
+# replaces the built-in GPU choice below for that dtype class and head dim.
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+_TUNED = read_configs(TUNING_FILE)
 
 
 def set_config(kind: str, cfg: tuple | None):
@@ -354,6 +362,10 @@ def config(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -
         return tuple(int(x) for x in env.split(","))
     if device.type != "cuda":
         return (32, 32, 4, 1)                    # the interpreter: small tiles exercise the tile logic
+    if _TUNED:
+        tuned = _TUNED.get(kind, {}).get(dim_key("32" if dtype == torch.float32 else "16", head_dim))
+        if tuned:
+            return tuple(tuned)
     # Checked for sm_90 with ptxas (no register spills for the half-precision configs below);
     # float32 with tf32x3 dots is register-bound whatever the tile and is not the speed target.
     if kind == "fwd":
