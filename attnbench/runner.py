@@ -101,7 +101,8 @@ def _skip_reason(point: Point, device: str) -> str | None:
     for slot in ("kernel", "baseline"):
         backend = get_backend(getattr(cell, slot))
         reason = backend.unsupported_reason(dtype=cell.dtype, mode=cell.mode, causal=cell.causal,
-                                            head_dim=cell.head_dim, device=device)
+                                            head_dim=cell.head_dim, device=device, gqa=cell.grouped,
+                                            cross=point.q_len != point.kv_len)
         if reason:
             reasons.append(reason)
     return "; ".join(reasons) or None
@@ -113,11 +114,13 @@ def _make_workload(point: Point, slot: str, device: str, slowdown: dict | None =
     if cell.is_model:
         from attnbench.models import make_model_workload
 
-        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device)
+        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device,
+                                   compile=cell.compile)
     backend = get_backend(name)
-    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.n, head_dim=cell.head_dim,
+    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.q_len, head_dim=cell.head_dim,
                                    dtype=cell.dtype, mode=cell.mode, causal=cell.causal, device=device,
-                                   options=getattr(cell, f"{slot}_options"), repeat=(slowdown or {}).get(name, 1))
+                                   options=getattr(cell, f"{slot}_options"), repeat=(slowdown or {}).get(name, 1),
+                                   kv_heads=cell.heads_kv, kv_len=point.kv_len)
 
 
 def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None = None) -> dict:
@@ -246,6 +249,8 @@ def _point_row(point: Point, record: dict, attempts: int) -> dict:
     return {"point_id": point.id, "cell_id": cell.id, "kernel": cell.kernel if not cell.is_model else f"{cell.model}:{cell.kernel}",
             "baseline": cell.baseline, "dtype": cell.dtype, "mode": cell.mode, "causal": cell.causal,
             "batch": cell.batch, "heads": cell.heads, "head_dim": cell.head_dim, "n": point.n,
+            "kv_heads": cell.heads_kv, "q_len": None if cell.is_model else point.q_len,
+            "kv_len": None if cell.is_model else point.kv_len,
             "kernel_ms": k.get("ms_median"), "kernel_ms_p10": k.get("ms_p10"), "kernel_ms_p90": k.get("ms_p90"),
             "baseline_ms": b.get("ms_median"), "baseline_ms_p10": b.get("ms_p10"), "baseline_ms_p90": b.get("ms_p90"),
             "lat_ratio": r.get("median"), "lat_ratio_p10": r.get("p10"), "lat_ratio_p90": r.get("p90"),

@@ -35,7 +35,11 @@ POINT_COLUMNS = [
     "kernel_ms", "kernel_ms_p10", "kernel_ms_p90", "baseline_ms", "baseline_ms_p10", "baseline_ms_p90",
     "lat_ratio", "lat_ratio_p10", "lat_ratio_p90", "kernel_mem_mb", "baseline_mem_mb", "mem_ratio",
     "kernel_tflops", "baseline_tflops", "status", "attempts", "reason",
+    # the attention problem's K/V heads and lengths (= heads, n, n unless the cell says otherwise); runs from
+    # before these columns lack them and read back with them empty
+    "kv_heads", "q_len", "kv_len",
 ]
+REQUIRED_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("kv_heads")]   # what every stored run has
 STATUSES = ("clean", "noisy", "oom", "skipped", "error")
 HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
 LOCK_FILE = ".lock"                      # the writer's pid while a run is measured or resumed
@@ -65,6 +69,7 @@ class RunStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._columns: list[str] | None = None   # points.csv's own header, read on the first append
 
     @classmethod
     def create(cls, root: Path, matrix_name: str, manifest: dict, now: datetime | None = None) -> "RunStore":
@@ -177,10 +182,18 @@ class RunStore:
         unknown = set(row) - set(POINT_COLUMNS)
         if unknown:
             raise KeyError(f"unknown point columns: {sorted(unknown)}")
-        values = [_csv_value(row.get(col)) for col in POINT_COLUMNS]
+        # a run started by an older harness keeps its own header when resumed: its columns only (attempts.jsonl
+        # still holds everything)
+        values = [_csv_value(row.get(col)) for col in self._header()]
         buf = io.StringIO()
         csv.writer(buf).writerow(values)
         _append_line(self.path / "points.csv", buf.getvalue())   # one write: a crash tears at most this row
+
+    def _header(self) -> list[str]:
+        if self._columns is None:
+            rows, _, _ = _read_points(self.path / "points.csv")
+            self._columns = rows[0] if rows else POINT_COLUMNS
+        return self._columns
 
     def finished_point_ids(self) -> set[str]:
         """The points with a complete row in points.csv (a torn last row does not count)."""
@@ -273,7 +286,7 @@ def _read_points(path: Path) -> tuple[list[list[str]], str, str]:
     complete, torn = _split_tail(path)
     rows = list(csv.reader(io.StringIO(complete, newline="")))
     if rows:
-        missing = [c for c in POINT_COLUMNS if c not in rows[0]]
+        missing = [c for c in REQUIRED_COLUMNS if c not in rows[0]]
         if missing:
             raise RunDirError(f"{path}: missing columns {', '.join(missing)}")
         for lineno, row in enumerate(rows[1:], 2):
@@ -358,6 +371,9 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
     else:   # an empty points.csv (a crash right after creating it): no points yet
         points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
+    for col in POINT_COLUMNS:
+        if col not in points.columns:     # a run from before the column: unknown, read as the default
+            points[col] = float("nan")
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
     attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")
