@@ -288,3 +288,23 @@ def test_inputs_fit_check_counts_grouped_k_v_and_both_lengths(tmp_path):
     assert "seq_lens' has 1024" in msg and "q 1×8×1024×64, k 1×1×1024×64, v 1×1×1024×64 float16" in msg
     assert f"{10 * 1024 * 64 * 2:,} bytes" in msg
     load_matrix(write(tmp_path, matrix_text(cell.replace(", 1024", ""))), memory_bytes=700_000)
+
+
+def test_full_matrix_holds_the_issue_17_cells():
+    """Llama-3-8B attention for every kernel vs flash and cuDNN, ViT-H/14 for ELSA vs flash and efficient, and each
+    kernel at D = 80 and 96 beside 64 and 128 on one shape: selectable by prefix (`--only`)."""
+    full = REPO / "matrices" / "full.yaml"
+    kernels = {"elsa", "cqsa", "pasa", "cron_root"}
+    llama = load_matrix(full).select("llama3_*").cells
+    gqa = [c for c in llama if c.grouped]
+    assert {(c.kernel, c.baseline) for c in gqa if c.mode == "fwd"} == {(k, b) for k in kernels for b in ("flash", "cudnn")}
+    assert all((c.heads, c.head_dim, c.causal, c.dtype) == (32, 128, True, "float16") for c in llama)
+    assert {c.heads_kv for c in gqa} == {8}
+    assert {c.kernel for c in llama if not c.grouped} == kernels            # the MHA counterparts
+    vith = load_matrix(full).select("vith14_*").cells
+    assert {(c.baseline, c.mode) for c in vith} == {(b, m) for b in ("flash", "efficient") for m in ("fwd", "fwdbwd")}
+    assert all((c.kernel, c.heads, c.head_dim, c.seq_lens) == ("elsa", 16, 80, (257, 1025)) for c in vith)
+    dims = {}
+    for c in load_matrix(full).select("headdim_*").cells:
+        dims.setdefault(c.kernel, set()).add(c.head_dim)
+    assert dims == {k: {64, 80, 96, 128} for k in kernels}
