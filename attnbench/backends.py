@@ -80,7 +80,7 @@ class Backend:
 
 
 def _list_dims(dims) -> str:
-    """"16, 24, …, 256 (multiples of 8)" for a long arithmetic run, else the values."""
+    """"multiples of 8 from 16 to 256" for a long arithmetic run of head dims, else the values."""
     dims = tuple(dims)
     step = dims[1] - dims[0] if len(dims) > 4 else 0
     if step and all(b - a == step for a, b in zip(dims, dims[1:])):
@@ -253,7 +253,8 @@ def registry_rows() -> list[dict]:
         rows.append({
             "name": name, "status": "ok", "origin": b.origin, "dtypes": ",".join(b.dtypes),
             "modes": ",".join(b.modes), "causal": ",".join(str(c).lower() for c in b.causal),
-            "head_dims": "any" if b.head_dims is None else ",".join(map(str, b.head_dims)),
+            "head_dims": "any" if b.head_dims is None else _list_dims(b.head_dims),
+            "shapes": ", ".join(["self-attention"] + (["grouped K/V"] if b.gqa else []) + (["Nq != Nk"] if b.cross else [])),
             "devices": ",".join(b.devices), "options": ", ".join(f"{k}={v!r}" for k, v in b.options.items()),
             "description": b.description,
         })

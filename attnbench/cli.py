@@ -176,15 +176,15 @@ def list_backends(long: bool = typer.Option(False, "--long", help="add each back
     from attnbench.backends import registry_rows
 
     t = Table(title="backends" + ("" if long else " (--long: with descriptions)"))
-    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options"]
+    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "shapes", "devices", "options"]
     for col in columns + (["description"] if long else []):
         t.add_column(col, overflow="fold")
     for r in registry_rows():
         if r["status"] != "ok":
             t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * (len(t.columns) - 2))
         else:
-            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["devices"],
-                      r["options"], *([r["description"]] if long else []))
+            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["shapes"],
+                      r["devices"], r["options"], *([r["description"]] if long else []))
     console.print(t)
 
 

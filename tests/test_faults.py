@@ -586,7 +586,7 @@ def test_tables_are_not_folded_when_piped(capsys, tmp_path, complete_run):
     assert short.code == 0 and len(short.out.splitlines()) <= 25, short.out
     assert "description" not in short.out.splitlines()[2] and "SDPA math" not in short.out
     for row in short.out.splitlines()[4:-1]:
-        assert row.count("│") == 9, row          # one line per backend: nothing folded onto a second line
+        assert row.count("│") == 10, row         # one line per backend: nothing folded onto a second line
     long = cli(capsys, "list", "--long")
     assert "description" in long.out and "SDPA math: the unfused reference path, materialises N×N scores" in long.out
     listed = cli(capsys, "runs", complete_run.parent)

@@ -170,10 +170,11 @@ def test_compiled_model_with_real_elsa_in_one_graph(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [VIT, SWIN])
+@pytest.mark.parametrize("name", [VIT])     # Swin-T's compiled cells in matrices/models.yaml cover it on the GPU
 def test_gpu_compiled_fwd_graph_and_train(name):
     """On the GPU (inductor): the compiled forward is captured as a CUDA graph on both sides, and the compiled
-    training step runs; ELSA's result agrees with the native model's (fp16 forward: 2e-2 of the logits' scale)."""
+    training step runs; ELSA's result agrees with the native model's (fp16 forward: 2e-2 of the logits' scale;
+    fp32 loss: 1e-4). Four inductor compilations: about two minutes."""
     outs = {}
     for attention in ("native", "elsa"):
         wl = make_model_workload(name, 224, 2, "float16", "fwd", attention, "cuda", compile=True)
