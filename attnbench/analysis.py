@@ -68,9 +68,15 @@ def _cell_keys(df: pd.DataFrame) -> pd.Series:
     key = parts[0]
     for p in parts[1:]:
         key = key + "|" + p
+    if "kv_heads" in df:   # grouped-query cells are cells of their own; every other key stays as it always was
+        key = key + [f"|hkv{key_str(kv)}" if _grouped(h, kv) else "" for h, kv in zip(df["heads"], df["kv_heads"])]
     if "timing" in df:   # graph-mode points are a row of their own; eager keys stay as they always were
         key = key + df["timing"].map(lambda t: "|graph" if t == "graph" else "")
     return key
+
+
+def _grouped(heads, kv_heads) -> bool:
+    return _finite(heads) and _finite(kv_heads) and int(kv_heads) != int(heads)
 
 
 def key_str(v) -> str:
@@ -171,19 +177,42 @@ class CellSummary:
     trend: str
     notes: list[str] = field(default_factory=list)
     timing: str = "eager"           # eager | graph (CUDA-graph replays: device time)
+    kv_heads: int | None = None     # set when fewer than heads (grouped-query attention)
+    lengths: str = ""               # "Nq 512", "Nk N/4", …: query / key lengths that do not follow N itself
 
     @property
     def setup(self) -> str:
-        """"fp32 fwd · B1 H8 D64" (+ " causal", + " · graph" for graph-mode timing)."""
+        """"fp32 fwd · B1 H8 D64" (+ " causal"); grouped K/V as "H32 Hkv8", other lengths as " · Nq 512", graph-mode
+        timing as " · graph"."""
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         parts = [f"{short} {self.mode}"]
         if not self.is_model:
-            parts.append(f"B{key_str(self.batch)} H{key_str(self.heads)} D{key_str(self.head_dim)}")
+            hkv = f" Hkv{self.kv_heads}" if self.kv_heads is not None else ""
+            parts.append(f"B{key_str(self.batch)} H{key_str(self.heads)}{hkv} D{key_str(self.head_dim)}")
         elif self.batch is not None:
             parts.append(f"batch {key_str(self.batch)}")
+        if self.lengths:
+            parts.append(self.lengths)
         text = " · ".join(parts)
         text = text + " causal" if self.causal else text
         return text + " · graph" if self.timing == "graph" else text
+
+
+def _length_label(name: str, ns, lengths) -> str | None:
+    """How a cell's query (or key) lengths relate to its swept N: None when they are N, else "Nq 512" (fixed),
+    "Nq N/4" or "Nq 2N" (a ratio), "Nq varies"."""
+    pairs = [(int(n), int(x)) for n, x in zip(ns, lengths) if _finite(n) and _finite(x)]
+    if not pairs or all(n == x for n, x in pairs):
+        return None
+    if len({x for _, x in pairs}) == 1:
+        return f"{name} {format_n(pairs[0][1])}"
+    if all(x * pairs[0][0] == n * pairs[0][1] for n, x in pairs):
+        n0, x0 = pairs[0]
+        if n0 % x0 == 0:
+            return f"{name} N/{n0 // x0}"
+        if x0 % n0 == 0:
+            return f"{name} {x0 // n0}N"
+    return f"{name} varies"
 
 
 def _int_or_none(v):
@@ -279,7 +308,11 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         batch=_int_or_none(first["batch"]), heads=_int_or_none(first["heads"]), head_dim=_int_or_none(first["head_dim"]),
         is_model=is_model, points=pts.reset_index(drop=True), sweep=_join(tokens), sweep_with_spread=_join(tokens_spread),
         spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes,
-        timing="graph" if str(first.get("timing")) == "graph" else "eager")
+        timing="graph" if str(first.get("timing")) == "graph" else "eager",
+        kv_heads=int(first["kv_heads"]) if "kv_heads" in pts and _grouped(first["heads"], first["kv_heads"]) else None,
+        lengths=" ".join(label for label in (_length_label("Nq", pts["n"], pts["q_len"]) if "q_len" in pts else None,
+                                             _length_label("Nk", pts["n"], pts["kv_len"]) if "kv_len" in pts else None)
+                         if label))
 
 
 def _notna(v) -> bool:

@@ -176,15 +176,15 @@ def list_backends(long: bool = typer.Option(False, "--long", help="add each back
     from attnbench.backends import registry_rows
 
     t = Table(title="backends" + ("" if long else " (--long: with descriptions)"))
-    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options"]
+    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "shapes", "devices", "options"]
     for col in columns + (["description"] if long else []):
         t.add_column(col, overflow="fold")
     for r in registry_rows():
         if r["status"] != "ok":
             t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * (len(t.columns) - 2))
         else:
-            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["devices"],
-                      r["options"], *([r["description"]] if long else []))
+            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["shapes"],
+                      r["devices"], r["options"], *([r["description"]] if long else []))
     console.print(t)
 
 
@@ -208,7 +208,12 @@ def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int
         t.add_column(col)
     for p in points:
         c = p.cell
-        shape = f"model {c.model} img {p.n} batch {c.batch}" if c.is_model else f"({c.batch},{c.heads},{p.n},{c.head_dim})"
+        if c.is_model:
+            shape = f"model {c.model} img {p.n} batch {c.batch}" + (" compiled" if c.compile else "")
+        else:
+            shape = f"({c.batch},{c.heads},{p.q_len},{c.head_dim})"
+            if c.grouped or p.q_len != p.kv_len:      # q's shape, then k's and v's
+                shape += f" k,v ({c.batch},{c.heads_kv},{p.kv_len},{c.head_dim})"
         note = _skip_reason(p, device) or ""
         if not note and c.baseline_max_n is not None and p.n > c.baseline_max_n:
             note = f"baseline skipped above N={c.baseline_max_n}"

@@ -103,7 +103,8 @@ def _skip_reason(point: Point, device: str) -> str | None:
     for slot in ("kernel", "baseline"):
         backend = get_backend(getattr(cell, slot))
         reason = backend.unsupported_reason(dtype=cell.dtype, mode=cell.mode, causal=cell.causal,
-                                            head_dim=cell.head_dim, device=device)
+                                            head_dim=cell.head_dim, device=device, gqa=cell.grouped,
+                                            cross=point.q_len != point.kv_len)
         if reason:
             reasons.append(reason)
     return "; ".join(reasons) or None
@@ -115,11 +116,12 @@ def _make_workload(point: Point, slot: str, device: str):
     if cell.is_model:
         from attnbench.models import make_model_workload
 
-        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device)
+        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device,
+                                   compile=cell.compile)
     backend = get_backend(name)
-    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.n, head_dim=cell.head_dim,
+    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.q_len, head_dim=cell.head_dim,
                                    dtype=cell.dtype, mode=cell.mode, causal=cell.causal, device=device,
-                                   options=getattr(cell, f"{slot}_options"))
+                                   options=getattr(cell, f"{slot}_options"), kv_heads=cell.heads_kv, kv_len=point.kv_len)
 
 
 def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None = None) -> PairResult:
@@ -193,6 +195,8 @@ def _point_row(point: Point, record: dict, attempts: int) -> dict:
     return {"point_id": point.id, "cell_id": cell.id, "kernel": cell.kernel if not cell.is_model else f"{cell.model}:{cell.kernel}",
             "baseline": cell.baseline, "dtype": cell.dtype, "mode": cell.mode, "causal": cell.causal,
             "batch": cell.batch, "heads": cell.heads, "head_dim": cell.head_dim, "n": point.n,
+            "kv_heads": cell.heads_kv, "q_len": None if cell.is_model else point.q_len,
+            "kv_len": None if cell.is_model else point.kv_len,
             "kernel_ms": k.get("ms_median"), "kernel_ms_p10": k.get("ms_p10"), "kernel_ms_p90": k.get("ms_p90"),
             "baseline_ms": b.get("ms_median"), "baseline_ms_p10": b.get("ms_p10"), "baseline_ms_p90": b.get("ms_p90"),
             "lat_ratio": r.get("median"), "lat_ratio_p10": r.get("p10"), "lat_ratio_p90": r.get("p90"),
@@ -294,7 +298,11 @@ class Runner:
 
     def _resume(self, store: RunStore) -> Path:
         manifest = store.read_manifest()
-        if not self.matrix.can_resume(manifest):
+        # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
+        # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
+        # so nothing can mix with what it holds
+        complete = bool(manifest.get("finished_utc")) and self.matrix.covered_by(store.finished_point_ids())
+        if not self.matrix.can_resume(manifest) and not complete:
             raise RunDirError(f"{store.path}: the cells of {self.matrix.path} this run measures changed since it "
                               f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
                               f"{self.matrix.sha256[:12]}); start a new run")
@@ -305,7 +313,7 @@ class Runner:
             self.on_event("repair", run_dir=store.path, message=line)
         done = store.finished_point_ids()
         points = self.matrix.points()
-        if manifest.get("finished_utc") and all(p.id in done for p in points):
+        if manifest.get("finished_utc") and self.matrix.covered_by(done):
             # a complete run: nothing to measure, and nothing in the directory is rewritten
             self.on_event("complete", run_dir=store.path, total=len(points))
             return store.path

@@ -35,10 +35,14 @@ POINT_COLUMNS = [
     "kernel_ms", "kernel_ms_p10", "kernel_ms_p90", "baseline_ms", "baseline_ms_p10", "baseline_ms_p90",
     "lat_ratio", "lat_ratio_p10", "lat_ratio_p90", "kernel_mem_mb", "baseline_mem_mb", "mem_ratio",
     "kernel_tflops", "baseline_tflops", "status", "attempts", "reason",
-    # how the point was timed and how well its median ratio is known (runs before these columns: filled on load)
+    # how the point was timed and how well its median ratio is known
     "timing", "spread", "lat_ratio_ci_low", "lat_ratio_ci_high", "ci_half_width",
+    # the attention problem's K/V heads and lengths (= heads, n, n unless the cell says otherwise)
+    "kv_heads", "q_len", "kv_len",
 ]
-LEGACY_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]   # what every stored run has
+# What every stored run has. Runs from before the later columns read back with them filled (timing "eager", the
+# rest empty) and keep their own header when resumed.
+REQUIRED_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]
 # clean | disturbed: the measurement window (attnbench.measure.noise); "noisy": runs written before that split
 STATUSES = ("clean", "disturbed", "noisy", "oom", "skipped", "error")
 HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
@@ -182,8 +186,8 @@ class RunStore:
         unknown = set(row) - set(POINT_COLUMNS)
         if unknown:
             raise KeyError(f"unknown point columns: {sorted(unknown)}")
-        # a run directory started by an older harness keeps its own header (resumed runs): its columns only;
-        # attempts.jsonl still holds everything
+        # a run started by an older harness keeps its own header when resumed: its columns only (attempts.jsonl
+        # still holds everything)
         values = [_csv_value(row.get(col)) for col in self._header()]
         buf = io.StringIO()
         csv.writer(buf).writerow(values)
@@ -287,7 +291,7 @@ def _read_points(path: Path) -> tuple[list[list[str]], str, str]:
     complete, torn = _split_tail(path)
     rows = list(csv.reader(io.StringIO(complete, newline="")))
     if rows:
-        missing = [c for c in LEGACY_COLUMNS if c not in rows[0]]   # newer columns: filled on load
+        missing = [c for c in REQUIRED_COLUMNS if c not in rows[0]]
         if missing:
             raise RunDirError(f"{path}: missing columns {', '.join(missing)}")
         for lineno, row in enumerate(rows[1:], 2):
@@ -372,7 +376,7 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
     else:   # an empty points.csv (a crash right after creating it): no points yet
         points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
-    for col in POINT_COLUMNS[len(LEGACY_COLUMNS):]:   # a run from before timing modes and CIs: eager, unknown CI
+    for col in POINT_COLUMNS[len(REQUIRED_COLUMNS):]:   # a run from before the column: eager, the rest unknown
         if col not in points.columns:
             points[col] = "eager" if col == "timing" else float("nan")
     if points["causal"].dtype == object:

@@ -127,3 +127,60 @@ def test_timer_calibrates_against_do_bench(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert all(abs(r["rel_diff"]) <= 0.05 for r in rows if r["judged"])
+
+
+# -- what each forced SDPA backend claims for grouped K/V, Nq != Nk and head dims (attnbench.backends) -----------
+
+SDPA = ("math", "efficient", "flash", "cudnn")
+# (Hq, Hkv, Nq, Nk, causal, D): grouped K/V (GQA, MQA), Nq != Nk (non-causal, bottom-right causal), both
+CLAIM_CASES = [(8, 2, 512, 512, True, 128), (8, 1, 512, 512, False, 64), (8, 8, 256, 1024, False, 64),
+               (8, 8, 256, 1024, True, 64), (8, 2, 256, 1024, True, 128)]
+
+
+@pytest.mark.parametrize("name", SDPA)
+@pytest.mark.parametrize("case", CLAIM_CASES, ids=lambda c: "H{}-Hkv{}-Nq{}-Nk{}-causal{}-D{}".format(*c))
+def test_sdpa_gqa_and_cross_claims_hold_on_this_torch(name, case):
+    """A claimed capability runs forced (no fallback) and matches float64, fwd and grads (fp16: 1e-2 on outputs,
+    5e-2 on grads, both relative to the reference's largest value); a capability not claimed is refused by torch
+    (else the claim could be made). The message says which flag in attnbench/backends.py to change."""
+    from attnbench.backends import get_backend
+    from kernels.reference import reference_attention
+
+    hq, hkv, nq, nk, causal, d = case
+    backend = get_backend(name)
+    needs = (["gqa"] if hkv != hq else []) + (["cross"] if nq != nk else [])
+    claimed = all(getattr(backend, w) for w in needs) and (backend.head_dims is None or d in backend.head_dims)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, hq, nq, d, device="cuda", dtype=torch.float16, generator=g).requires_grad_()
+    k, v = (torch.randn(1, hkv, nk, d, device="cuda", dtype=torch.float16, generator=g).requires_grad_() for _ in range(2))
+    try:
+        out = backend.fn(q, k, v, causal=causal)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        assert not claimed, f"{name} claims {'+'.join(needs)} (Backend(...) in attnbench/backends.py) but torch refused: {exc}"
+        return
+    assert claimed, f"{name} ran {'+'.join(needs)}: the claim can be made in attnbench/backends.py"
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*exact, causal=causal)
+    refs = torch.autograd.grad(ref, exact, torch.ones_like(ref))
+    assert (out.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    for got, want in zip(grads, refs):
+        assert got.shape == want.shape
+        assert (got.double() - want).abs().max().item() <= 5e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("name, d", [("flash", 40), ("flash", 80), ("flash", 136), ("flash", 256),
+                                     ("cudnn", 40), ("cudnn", 80), ("cudnn", 128), ("efficient", 80)])
+def test_sdpa_head_dim_claims_hold_on_this_torch(name, d):
+    """The head dims a forced backend claims (every multiple of 8 up to 256 for flash, up to 128 for cuDNN) run,
+    forward and backward."""
+    from attnbench.backends import get_backend
+
+    backend = get_backend(name)
+    assert backend.head_dims is None or d in backend.head_dims
+    q, k, v = (torch.randn(1, 8, 1024, d, device="cuda", dtype=torch.float16).requires_grad_() for _ in range(3))
+    out = backend.fn(q, k, v, causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()

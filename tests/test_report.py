@@ -170,10 +170,10 @@ def _legacy(run_dir):
     """Rewrite a run directory the way the harness wrote it before: points.csv without the newer columns."""
     import pandas as pd
 
-    from attnbench.store import LEGACY_COLUMNS
+    from attnbench.store import REQUIRED_COLUMNS
 
     pts = pd.read_csv(run_dir / "points.csv", dtype=str)
-    pts[LEGACY_COLUMNS].to_csv(run_dir / "points.csv", index=False)
+    pts[REQUIRED_COLUMNS].to_csv(run_dir / "points.csv", index=False)
     return run_dir
 
 
@@ -192,14 +192,14 @@ def test_legacy_runs_load_and_report_without_the_new_columns(tmp_path):
 
 
 def test_a_resumed_legacy_run_keeps_its_header(tmp_path):
-    from attnbench.store import LEGACY_COLUMNS, RunStore, load_run
+    from attnbench.store import REQUIRED_COLUMNS, RunStore, load_run
 
     run = _legacy(make_run(tmp_path, [dict(cell_id="a", n=1024, ratio=0.5)], name="x"))
     row = load_run(run).points.iloc[0].to_dict()
     row.update(point_id="a@2048", n=2048, timing="eager", ci_half_width=0.01)
     RunStore(run).append_point({k: (None if v != v else v) for k, v in row.items()})
     header, *lines = (run / "points.csv").read_text().splitlines()
-    assert header.split(",") == LEGACY_COLUMNS and all(len(l.split(",")) == len(LEGACY_COLUMNS) for l in lines)
+    assert header.split(",") == REQUIRED_COLUMNS and all(len(l.split(",")) == len(REQUIRED_COLUMNS) for l in lines)
     assert list(load_run(run).points.point_id) == ["a@1024", "a@2048"]
 
 

@@ -194,11 +194,24 @@ def test_resume_refuses_a_changed_matrix_and_a_non_run_dir(tmp_path, monkeypatch
     m, run_dir = interrupted_run(tmp_path, monkeypatch)
     changed = copy.deepcopy(m)
     changed.sha256 = "0" * 64
-    changed.cells[0] = dataclasses.replace(changed.cells[0], timing={**changed.cells[0].timing, "min_reps": 99})
+    changed.cells[0] = dataclasses.replace(changed.cells[0], timing={**changed.cells[0].timing, "flush_l2": True})
     with pytest.raises(RunDirError, match="changed since it started"):
         make_runner(changed, tmp_path).run(resume=run_dir)
     with pytest.raises(RunDirError, match="not a run directory"):
         make_runner(m, tmp_path).run(resume=tmp_path)
+
+
+def test_resume_accepts_a_change_of_the_sampling_policy(tmp_path, monkeypatch):
+    """How precisely points are sampled and how disturbed windows are retried is not what a run measures."""
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
+    tuned = copy.deepcopy(m)
+    tuned.sha256 = "2" * 64
+    tuned.cells = [dataclasses.replace(c, timing={**c.timing, "min_reps": 99, "ci_half_width": 0.005},
+                                       retry={**c.retry, "max_attempts": 1}) for c in tuned.cells]
+    fake2, calls2 = fake_results(["clean"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake2)
+    assert make_runner(tuned, tmp_path).run(resume=run_dir) == run_dir
+    assert calls2 == ["a@32", "b@24"]
 
 
 def test_resume_accepts_an_edit_outside_the_measured_cells(tmp_path, monkeypatch):
