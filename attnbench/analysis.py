@@ -8,9 +8,10 @@ The words follow the seed README's sweep rows:
 - ``lat_ratio`` = kernel time / baseline time, the median of the *paired* samples (lower is better);
   ``mem_ratio`` = kernel peak / baseline peak, both above the inputs.
 - Points that did not give a ratio are shown in parentheses where they sit in the sweep
-  (``(math OOM @16K, 32K)``, ``(skipped @1K)``, ``(error @8K)``); a point that stayed noisy after its
-  retries keeps its number with a ``*``. The reasons go to the notes under the table.
-- The trend is computed from the clean points only (noisy ones are used only when a cell has no clean
+  (``(math OOM @16K, 32K)``, ``(skipped @1K)``, ``(error @8K)``); a point whose window stayed disturbed
+  after its retries (``noisy`` in runs from before disturbed windows were told apart from spread) keeps its
+  number with a ``*``. The reasons go to the notes under the table.
+- The trend is computed from the clean points only (the others are used only when a cell has no clean
   point, and the trend then carries a ``*``). See :func:`lat_trend` for the exact words and rules.
 
 Everything here is deterministic: same points in → same strings out (that is what makes the RESULTS
@@ -26,6 +27,7 @@ import pandas as pd
 
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_range, format_ratio
+from attnbench.measure.noise import MEASURED_STATUSES
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -37,7 +39,7 @@ TREND_FLAT_STEP = math.log(1.01)
 MEM_WIN_BELOW = 0.90
 MEM_LOSS_ABOVE = 1.10
 
-MEASURED = ("clean", "disturbed", "noisy")      # "noisy": runs written before disturbed windows were told apart
+MEASURED = MEASURED_STATUSES                    # statuses that carry a ratio (attnbench.measure.noise)
 NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
 # When several runs hold the same point, the best status wins, then the later run.
 _STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
@@ -48,7 +50,7 @@ CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch",
 # -- the final point of each measured point -------------------------------------------------------
 
 def select_final(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per point when several runs measured it: best status first (clean > oom > noisy > error >
+    """One row per point when several runs measured it: best status first (clean > oom > disturbed/noisy > error >
     skipped), then the later run. The result is sorted by cell, then N."""
     if df.empty:
         return df
@@ -220,7 +222,7 @@ def _int_or_none(v):
 
 
 def _short_label(row) -> str:
-    """The parenthetical label of a point without a ratio: "math OOM", "skipped", "error", "noisy"."""
+    """The parenthetical label of a point without a ratio: "math OOM", "math skipped", or its status ("error")."""
     status = row["status"]
     reason = row["reason"] if _nonempty(row.get("reason")) else ""
     if status == "oom":  # the runner writes "math OOM (setup: OutOfMemoryError: …)"

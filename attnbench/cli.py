@@ -347,7 +347,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         if not matrix.select(only).cells:
             fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
-        slow = _parse_slowdown(slowdown, matrix)
+        slow = _parse_slowdown(slowdown, matrix.select(only))
         if dry_run:
             from attnbench.planning import point_seconds
 

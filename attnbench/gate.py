@@ -26,11 +26,11 @@ So a shift inside the noise is never called a regression: SLOWER needs the entir
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.measure.noise import MEASURED_STATUSES, window_disturbed
 from attnbench.measure.stats import bootstrap_change
@@ -54,13 +54,6 @@ class GateRow:
     baseline_ratio: float | None = None  # each run's median lat_ratio
     current_ratio: float | None = None
     detail: str = ""
-
-
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
 
 
 def _side_status(attempt: dict | None, side: str) -> str | None:

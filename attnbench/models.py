@@ -213,10 +213,9 @@ def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, 
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            out = forward()
+            forward()            # the peak is a high-water mark: it counts the output while it is alive
             torch.cuda.synchronize()
             info["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            del out
             run = _capture_graph(forward, state, info)
         else:
             info["cuda_graph"] = False

@@ -17,6 +17,7 @@ from attnbench.analysis import MEASURED, NOT_CLEAN, CellSummary, key_str, select
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
 from attnbench.runs import gpu_short_name, load_runs, sorted_runs
+from attnbench.store import STATUSES
 
 CPU_BANNER = ("> **CPU run: performance numbers on CPU mean nothing.** These tables come from `--device cpu` "
               "(Triton interpreter, SDPA on the CPU); they exercise the pipeline, not the kernels. "
@@ -84,8 +85,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     for r in runs:
         m = r.manifest
         counts = r.points["status"].value_counts().to_dict() if len(r.points) else {}
-        status = ", ".join(f"{counts[s]} {s}" for s in ("clean", "disturbed", "noisy", "oom", "skipped", "error")
-                           if counts.get(s))
+        status = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts.get(s))
         finished = m.get("finished_utc") or ("interrupted" if m.get("interrupted") else "unfinished")
         gate = m.get("gate") or {}
         rows.append([f"[`{r.path.name}`]({_rel(r.path, base)})", _v(m.get("matrix_name")),

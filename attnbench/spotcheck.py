@@ -8,8 +8,8 @@ Each check is data, in one of two kinds.
     - id: P2
       description: fp32 fwd vs efficient, 4K and 32K
       cells: [spot_elsa_fp32_fwd_vs_efficient]   # one or more cell ids of this file
-      allow_noisy: true                          # optional (default true): a point still noisy after its retries counts;
-                                                 #   false makes it a FAIL
+      allow_noisy: true                          # optional (default true): a point whose window stayed disturbed after
+                                                 #   its retries (noisy, in older runs) counts; false makes it a FAIL
       rules:
         - {lat_max: 1.35, at: 32768}             # lat_ratio < 1.35 at N = 32768
         - {lat_decreasing: [4096, 32768]}        # lat(4096) > lat(32768)
@@ -58,6 +58,7 @@ import yaml
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, get_backend
 from attnbench.matrix import Matrix, MatrixError, load_matrix, read_yaml
+from attnbench.measure.noise import MEASURED_STATUSES
 from attnbench.store import Run
 
 VERDICTS = ("PASS", "FAIL", "NOT_LANDED", "ERROR")
@@ -331,7 +332,7 @@ def _point(pts, cell: str, n: int, metric: str, allow_noisy: bool):
     row = sel.iloc[-1]
     status = row["status"]
     reason = row["reason"] if isinstance(row.get("reason"), str) and row["reason"].strip() else ""
-    if status not in ("clean", "disturbed", "noisy"):
+    if status not in MEASURED_STATUSES:
         return None, f"{cell}@{_fmt_at(n)}: {status}" + (f" ({reason})" if reason else ""), "fail"
     if status != "clean" and not allow_noisy:
         return None, f"{cell}@{_fmt_at(n)}: still {status}" + (f" ({reason})" if reason else ""), "fail"
