@@ -8,9 +8,10 @@ The words follow the seed README's sweep rows:
 - ``lat_ratio`` = kernel time / baseline time, the median of the *paired* samples (lower is better);
   ``mem_ratio`` = kernel peak / baseline peak, both above the inputs.
 - Points that did not give a ratio are shown in parentheses where they sit in the sweep
-  (``(math OOM @16K, 32K)``, ``(skipped @1K)``, ``(error @8K)``); a point that stayed noisy after its
-  retries keeps its number with a ``*``. The reasons go to the notes under the table.
-- The trend is computed from the clean points only (noisy ones are used only when a cell has no clean
+  (``(math OOM @16K, 32K)``, ``(skipped @1K)``, ``(error @8K)``); a point whose window stayed disturbed
+  after its retries (``noisy`` in runs from before disturbed windows were told apart from spread) keeps its
+  number with a ``*``. The reasons go to the notes under the table.
+- The trend is computed from the clean points only (the others are used only when a cell has no clean
   point, and the trend then carries a ``*``). See :func:`lat_trend` for the exact words and rules.
 
 Everything here is deterministic: same points in → same strings out (that is what makes the RESULTS
@@ -26,6 +27,7 @@ import pandas as pd
 
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_range, format_ratio
+from attnbench.measure.noise import MEASURED_STATUSES
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -37,9 +39,10 @@ TREND_FLAT_STEP = math.log(1.01)
 MEM_WIN_BELOW = 0.90
 MEM_LOSS_ABOVE = 1.10
 
-MEASURED = ("clean", "noisy")
+MEASURED = MEASURED_STATUSES                    # statuses that carry a ratio (attnbench.measure.noise)
+NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
 # When several runs hold the same point, the best status wins, then the later run.
-_STATUS_RANK = {"clean": 0, "oom": 1, "noisy": 2, "error": 3, "skipped": 4}
+_STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
 
 CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim"]
 
@@ -47,7 +50,7 @@ CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch",
 # -- the final point of each measured point -------------------------------------------------------
 
 def select_final(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per point when several runs measured it: best status first (clean > oom > noisy > error >
+    """One row per point when several runs measured it: best status first (clean > oom > disturbed/noisy > error >
     skipped), then the later run. The result is sorted by cell, then N."""
     if df.empty:
         return df
@@ -67,7 +70,15 @@ def _cell_keys(df: pd.DataFrame) -> pd.Series:
     key = parts[0]
     for p in parts[1:]:
         key = key + "|" + p
+    if "kv_heads" in df:   # grouped-query cells are cells of their own; every other key stays as it always was
+        key = key + [f"|hkv{key_str(kv)}" if _grouped(h, kv) else "" for h, kv in zip(df["heads"], df["kv_heads"])]
+    if "timing" in df:   # graph-mode points are a row of their own; eager keys stay as they always were
+        key = key + df["timing"].map(lambda t: "|graph" if t == "graph" else "")
     return key
+
+
+def _grouped(heads, kv_heads) -> bool:
+    return _finite(heads) and _finite(kv_heads) and int(kv_heads) != int(heads)
 
 
 def key_str(v) -> str:
@@ -167,18 +178,43 @@ class CellSummary:
     mem: str                        # "0.02–0.09"
     trend: str
     notes: list[str] = field(default_factory=list)
+    timing: str = "eager"           # eager | graph (CUDA-graph replays: device time)
+    kv_heads: int | None = None     # set when fewer than heads (grouped-query attention)
+    lengths: str = ""               # "Nq 512", "Nk N/4", …: query / key lengths that do not follow N itself
 
     @property
     def setup(self) -> str:
-        """"fp32 fwd · B1 H8 D64" (+ " causal")."""
+        """"fp32 fwd · B1 H8 D64" (+ " causal"); grouped K/V as "H32 Hkv8", other lengths as " · Nq 512", graph-mode
+        timing as " · graph"."""
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         parts = [f"{short} {self.mode}"]
         if not self.is_model:
-            parts.append(f"B{key_str(self.batch)} H{key_str(self.heads)} D{key_str(self.head_dim)}")
+            hkv = f" Hkv{self.kv_heads}" if self.kv_heads is not None else ""
+            parts.append(f"B{key_str(self.batch)} H{key_str(self.heads)}{hkv} D{key_str(self.head_dim)}")
         elif self.batch is not None:
             parts.append(f"batch {key_str(self.batch)}")
+        if self.lengths:
+            parts.append(self.lengths)
         text = " · ".join(parts)
-        return text + " causal" if self.causal else text
+        text = text + " causal" if self.causal else text
+        return text + " · graph" if self.timing == "graph" else text
+
+
+def _length_label(name: str, ns, lengths) -> str | None:
+    """How a cell's query (or key) lengths relate to its swept N: None when they are N, else "Nq 512" (fixed),
+    "Nq N/4" or "Nq 2N" (a ratio), "Nq varies"."""
+    pairs = [(int(n), int(x)) for n, x in zip(ns, lengths) if _finite(n) and _finite(x)]
+    if not pairs or all(n == x for n, x in pairs):
+        return None
+    if len({x for _, x in pairs}) == 1:
+        return f"{name} {format_n(pairs[0][1])}"
+    if all(x * pairs[0][0] == n * pairs[0][1] for n, x in pairs):
+        n0, x0 = pairs[0]
+        if n0 % x0 == 0:
+            return f"{name} N/{n0 // x0}"
+        if x0 % n0 == 0:
+            return f"{name} {x0 // n0}N"
+    return f"{name} varies"
 
 
 def _int_or_none(v):
@@ -186,7 +222,7 @@ def _int_or_none(v):
 
 
 def _short_label(row) -> str:
-    """The parenthetical label of a point without a ratio: "math OOM", "skipped", "error", "noisy"."""
+    """The parenthetical label of a point without a ratio: "math OOM", "math skipped", or its status ("error")."""
     status = row["status"]
     reason = row["reason"] if _nonempty(row.get("reason")) else ""
     if status == "oom":  # the runner writes "math OOM (setup: OutOfMemoryError: …)"
@@ -237,7 +273,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
             notes.append(f"`{row['cell_id']}` @{n_txt}: {status}{tries}" + (f": {reason}" if reason else ""))
         if has_ratio:
             flush()
-            star = "*" if status == "noisy" else ""
+            star = "*" if status in NOT_CLEAN else ""
             value = f"{n_txt} {format_ratio(row['lat_ratio'])}{star}"
             rng = format_range(row["lat_ratio_p10"], row["lat_ratio_p90"])
             tokens.append(("v", value))
@@ -259,7 +295,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
     if trend != "no data":
         trend += star
         # a trend read off the clean points must not hide noisy points that say the opposite
-        noisy = measured[measured["status"] == "noisy"]["lat_ratio"]
+        noisy = measured[measured["status"].isin(NOT_CLEAN)]["lat_ratio"]
         if len(clean) and ((trend.startswith("wins all") and (noisy >= 1).any())
                            or (trend.startswith("loses all") and (noisy < 1).any())):
             trend += " (clean points; noisy ones disagree)"
@@ -273,7 +309,12 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         dtype=str(first["dtype"]), mode=str(first["mode"]), causal=bool(first["causal"]) if _notna(first["causal"]) else False,
         batch=_int_or_none(first["batch"]), heads=_int_or_none(first["heads"]), head_dim=_int_or_none(first["head_dim"]),
         is_model=is_model, points=pts.reset_index(drop=True), sweep=_join(tokens), sweep_with_spread=_join(tokens_spread),
-        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes)
+        spread=" · ".join(spreads) if spreads else "–", mem=mem, trend=trend, notes=notes,
+        timing="graph" if str(first.get("timing")) == "graph" else "eager",
+        kv_heads=int(first["kv_heads"]) if "kv_heads" in pts and _grouped(first["heads"], first["kv_heads"]) else None,
+        lengths=" ".join(label for label in (_length_label("Nq", pts["n"], pts["q_len"]) if "q_len" in pts else None,
+                                             _length_label("Nk", pts["n"], pts["kv_len"]) if "kv_len" in pts else None)
+                         if label))
 
 
 def _notna(v) -> bool:

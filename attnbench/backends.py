@@ -54,9 +54,13 @@ class Backend:
     cpu_dtypes: tuple[str, ...] | None = None   # dtypes on the CPU, when they differ from the GPU's
     reference: Callable | None = None           # float64 reference of the same function (sparse kernels)
     option_choices: dict = field(default_factory=dict)   # option name -> the values it may take, when a closed set
+    gqa: bool = False                 # k, v with fewer heads than q (grouped-query / multi-query attention)
+    cross: bool = False               # query length != key length (causal: aligned bottom-right)
 
-    def unsupported_reason(self, *, dtype: str, mode: str, causal: bool, head_dim: int, device: str) -> str | None:
-        """Why this backend cannot run the point, or None if it can."""
+    def unsupported_reason(self, *, dtype: str, mode: str, causal: bool, head_dim: int, device: str,
+                           gqa: bool = False, cross: bool = False) -> str | None:
+        """Why this backend cannot run the point, or None if it can. gqa: fewer K/V heads than query heads;
+        cross: a query length different from the key length."""
         if device not in self.devices:
             return f"{self.name}: device {device} unsupported (supports {', '.join(self.devices)})"
         dtypes = self.cpu_dtypes if device == "cpu" and self.cpu_dtypes is not None else self.dtypes
@@ -67,23 +71,61 @@ class Backend:
         if causal not in self.causal:
             return f"{self.name}: causal={causal} unsupported"
         if self.head_dims is not None and head_dim not in self.head_dims:
-            return f"{self.name}: head_dim {head_dim} unsupported (supports {', '.join(map(str, self.head_dims))})"
+            return f"{self.name}: head_dim {head_dim} unsupported (supports {_list_dims(self.head_dims)})"
+        if gqa and not self.gqa:
+            return f"{self.name}: grouped-query K/V (fewer key/value heads than query heads) unsupported"
+        if cross and not self.cross:
+            return f"{self.name}: query length != key length unsupported"
         return None
+
+
+def _list_dims(dims) -> str:
+    """"multiples of 8 from 16 to 256" for a long arithmetic run of head dims, else the values."""
+    dims = tuple(dims)
+    step = dims[1] - dims[0] if len(dims) > 4 else 0
+    if step and all(b - a == step for a, b in zip(dims, dims[1:])):
+        return f"multiples of {step} from {dims[0]} to {dims[-1]}"
+    return ", ".join(map(str, dims))
 
 
 # --- PyTorch baselines --------------------------------------------------------------------------
 
 def _sdpa_forced(sdpa_backend_name: str) -> Callable:
+    """SDPA with one backend forced, on the problem our kernels get: grouped K/V through enable_gqa (read in
+    place, never expanded here), and causal with Nq != Nk aligned bottom-right through
+    torch.nn.attention.bias.causal_lower_right. How torch runs that mask: flash and efficient natively (their own
+    bottom-right causal kernels), math and cudnn on the mask it materialises ([Nq, Nk] booleans)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     forced = [getattr(SDPBackend, sdpa_backend_name)]   # resolved once, not on the timed path
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def attn(q, k, v, causal=False, scale=None):
+        extra = {}
+        if q.shape[1] != k.shape[1]:
+            extra["enable_gqa"] = True      # only when needed: MHA calls stay valid on a torch without the argument
+        nq, nk = q.shape[-2], k.shape[-2]
+        if causal and nq != nk:
+            extra["attn_mask"] = _lower_right(nq, nk)
+            causal = False
         with sdpa_kernel(forced):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return sdpa(q, k, v, is_causal=causal, scale=scale, **extra)
 
     attn.__name__ = f"sdpa_{sdpa_backend_name.lower()}"
     return attn
+
+
+_lower_right_masks: dict = {}
+
+
+def _lower_right(nq: int, nk: int):
+    """The CausalBias for bottom-right causal attention (built once per shape, off the timed path)."""
+    key = (nq, nk)
+    if key not in _lower_right_masks:
+        from torch.nn.attention.bias import causal_lower_right
+
+        _lower_right_masks[key] = causal_lower_right(nq, nk)
+    return _lower_right_masks[key]
 
 
 _flex_compiled = None
@@ -118,19 +160,25 @@ def _causal_block_mask(n: int, device: str, create_block_mask):
 
 _HALF = ("float16", "bfloat16")
 _ALL = ("float32", "float16", "bfloat16")
+_MULTIPLES_OF_8 = tuple(range(8, 257, 8))
+# SDPA's grouped-query argument (enable_gqa) exists from torch 2.5; every forced backend takes it there
+# (tests/test_harness_gpu.py checks each claim below against the installed torch on the GPU).
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 PYTORCH_BACKENDS = {
     b.name: b
     for b in [
-        Backend("math", _sdpa_forced("MATH"), _ALL, devices=("cuda", "cpu"),
+        Backend("math", _sdpa_forced("MATH"), _ALL, devices=("cuda", "cpu"), gqa=_SDPA_GQA, cross=True,
                 description="SDPA math: the unfused reference path, materialises N×N scores"),
-        Backend("efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _ALL, head_dims=None,
+        Backend("efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _ALL, head_dims=None, gqa=_SDPA_GQA, cross=True,
                 description="SDPA memory-efficient (xFormers-style) kernel"),
         Backend("flash", _sdpa_forced("FLASH_ATTENTION"), _HALF, devices=("cuda", "cpu"), cpu_dtypes=_ALL,
-                head_dims=(32, 64, 96, 128, 256),
+                head_dims=_MULTIPLES_OF_8, gqa=_SDPA_GQA, cross=True,
                 description="SDPA FlashAttention-2 (on the CPU: PyTorch's flash-style CPU kernel)"),
-        Backend("cudnn", _sdpa_forced("CUDNN_ATTENTION"), _HALF, head_dims=(32, 64, 96, 128),
-                description="SDPA cuDNN attention, usually the strongest baseline on Hopper"),
+        Backend("cudnn", _sdpa_forced("CUDNN_ATTENTION"), _HALF, head_dims=_MULTIPLES_OF_8[:16], gqa=_SDPA_GQA,
+                cross=True,
+                description="SDPA cuDNN attention, usually the strongest baseline on Hopper (bottom-right causal "
+                            "with Nq != Nk: on a materialised mask)"),
         Backend("flex", _flex, _ALL, head_dims=(32, 64, 128),
                 description="FlexAttention, torch.compile'd (optional extra; compilation excluded from timing)"),
     ]
@@ -205,7 +253,8 @@ def registry_rows() -> list[dict]:
         rows.append({
             "name": name, "status": "ok", "origin": b.origin, "dtypes": ",".join(b.dtypes),
             "modes": ",".join(b.modes), "causal": ",".join(str(c).lower() for c in b.causal),
-            "head_dims": "any" if b.head_dims is None else ",".join(map(str, b.head_dims)),
+            "head_dims": "any" if b.head_dims is None else _list_dims(b.head_dims),
+            "shapes": ", ".join(["self-attention"] + (["grouped K/V"] if b.gqa else []) + (["Nq != Nk"] if b.cross else [])),
             "devices": ",".join(b.devices), "options": ", ".join(f"{k}={v!r}" for k, v in b.options.items()),
             "description": b.description,
         })
@@ -214,37 +263,56 @@ def registry_rows() -> list[dict]:
 
 # --- attention workloads ---------------------------------------------------------------------------
 
-def attention_flops(batch: int, heads: int, n: int, head_dim: int, mode: str, causal: bool) -> float:
-    """Dense-attention FLOPs (2 matmuls of 2·N²·D each forward; backward = 2.5× forward); halved when causal."""
-    fwd = 4.0 * batch * heads * n * n * head_dim
+def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """How many (query, key) pairs attention scores: Nq·Nk, or for causal (aligned bottom-right: query i sees
+    keys j <= i + Nk - Nq) the exact count; Nq = Nk gives N(N+1)/2."""
+    if not causal:
+        return q_len * kv_len
+    offset = kv_len - q_len
+    first = max(0, -offset)          # with Nq > Nk the rows before this one see no key at all
+    # row i sees i + offset + 1 keys: an arithmetic series up to Nk on the last row
+    return (q_len - first) * (first + offset + 1 + kv_len) // 2
+
+
+def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, mode: str, causal: bool) -> float:
+    """Attention FLOPs: 2 matmuls of 2·D per visible (query, key) pair forward (QKᵀ and PV), per query head
+    (grouped K/V changes the memory traffic, not the arithmetic); backward = 2.5× forward."""
+    fwd = 4.0 * batch * heads * visible_pairs(q_len, kv_len, causal) * head_dim
     factor = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
-    return fwd * factor * (0.5 if causal else 1.0)
+    return fwd * factor
+
+
+def attention_inputs(*, batch: int, heads: int, q_len: int, head_dim: int, dtype: str, device: str,
+                     kv_heads: int | None = None, kv_len: int | None = None, seed: int = 0,
+                     requires_grad: bool = False) -> tuple:
+    """q [B, H, Nq, D] and k, v [B, Hkv, Nk, D] on fresh random data (Hkv, Nk default to H, Nq), and the
+    generator that made them (for dO)."""
+    torch_dtype = DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q_shape = (batch, heads, q_len, head_dim)
+    kv_shape = (batch, heads if kv_heads is None else kv_heads, q_len if kv_len is None else kv_len, head_dim)
+
+    def rand(shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch_dtype).requires_grad_(requires_grad)
+
+    return rand(q_shape), rand(kv_shape), rand(kv_shape), gen
 
 
 def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int, head_dim: int, dtype: str,
                             mode: str, causal: bool, device: str, options: dict | None = None,
-                            seed: int = 0, repeat: int = 1) -> Workload:
+                            seed: int = 0, kv_heads: int | None = None, kv_len: int | None = None) -> Workload:
     """Allocate q, k, v (and dO) once, on fresh random data, and return the timed call for `mode`.
 
-    `repeat` > 1 calls the backend that many times per timed call: a deliberate, recorded slowdown used
-    only to prove that the perf gate catches a regression (`run-matrix --slowdown`)."""
-    torch_dtype = DTYPES[dtype]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (batch, heads, n, head_dim)
+    n is the query length; k and v have `kv_heads` heads and `kv_len` keys (default: heads and n)."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    kv_len = n if kv_len is None else kv_len
     needs_grad = mode != "fwd"
-
-    def rand():
-        return torch.randn(shape, generator=gen, device=device, dtype=torch_dtype).requires_grad_(needs_grad)
-
-    q, k, v = rand(), rand(), rand()
+    q, k, v, gen = attention_inputs(batch=batch, heads=heads, q_len=n, head_dim=head_dim, dtype=dtype,
+                                    device=device, kv_heads=kv_heads, kv_len=kv_len, seed=seed,
+                                    requires_grad=needs_grad)
     kwargs = dict(backend.options)
     kwargs.update(options or {})
     fn = backend.fn
-    if repeat > 1:
-        def fn(*args, _fn=backend.fn, **kw):
-            for _ in range(repeat - 1):
-                _fn(*args, **kw)
-            return _fn(*args, **kw)
     tensors = [q, k, v]
 
     if mode == "fwd":
@@ -253,7 +321,7 @@ def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int,
                 return fn(q, k, v, causal=causal, scale=None, **kwargs)
         prepare = None
     else:
-        d_out = torch.randn(shape, generator=gen, device=device, dtype=torch_dtype)
+        d_out = torch.randn(q.shape, generator=gen, device=device, dtype=q.dtype)
         tensors.append(d_out)
         if mode == "bwd":
             state = {}
@@ -276,17 +344,18 @@ def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int,
 
     input_bytes = sum(t.numel() * t.element_size() for t in tensors)
     return Workload(run=run, prepare=prepare, release=release, input_bytes=input_bytes,
-                    flops=attention_flops(batch, heads, n, head_dim, mode, causal))
+                    flops=attention_flops(batch, heads, n, kv_len, head_dim, mode, causal))
 
 
 def check_accuracy(backend: Backend, *, batch: int, heads: int, n: int, head_dim: int, dtype: str, causal: bool,
-                   device: str, options: dict | None = None, seed: int = 0) -> dict:
-    """Forward max_abs / rel-RMS error of `backend` against a float64 reference on fresh random inputs."""
+                   device: str, options: dict | None = None, seed: int = 0, kv_heads: int | None = None,
+                   kv_len: int | None = None) -> dict:
+    """Forward max_abs / rel-RMS error of `backend` against a float64 reference on fresh random inputs
+    (n queries; k, v with kv_heads heads and kv_len keys, default heads and n)."""
     from kernels.reference import reference_attention
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (batch, heads, n, head_dim)
-    q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=DTYPES[dtype]) for _ in range(3))
+    q, k, v, _ = attention_inputs(batch=batch, heads=heads, q_len=n, head_dim=head_dim, dtype=dtype, device=device,
+                                  kv_heads=kv_heads, kv_len=kv_len, seed=seed)
     kwargs = dict(backend.options)
     kwargs.update(options or {})
     with torch.no_grad():

@@ -176,15 +176,15 @@ def list_backends(long: bool = typer.Option(False, "--long", help="add each back
     from attnbench.backends import registry_rows
 
     t = Table(title="backends" + ("" if long else " (--long: with descriptions)"))
-    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "devices", "options"]
+    columns = ["name", "status", "dtypes", "modes", "causal", "head dims", "shapes", "devices", "options"]
     for col in columns + (["description"] if long else []):
         t.add_column(col, overflow="fold")
     for r in registry_rows():
         if r["status"] != "ok":
             t.add_row(r["name"], f"[yellow]{r['status']}[/]", *[""] * (len(t.columns) - 2))
         else:
-            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["devices"],
-                      r["options"], *([r["description"]] if long else []))
+            t.add_row(r["name"], "ok", r["dtypes"], r["modes"], r["causal"], r["head_dims"], r["shapes"],
+                      r["devices"], r["options"], *([r["description"]] if long else []))
     console.print(t)
 
 
@@ -208,7 +208,12 @@ def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int
         t.add_column(col)
     for p in points:
         c = p.cell
-        shape = f"model {c.model} img {p.n} batch {c.batch}" if c.is_model else f"({c.batch},{c.heads},{p.n},{c.head_dim})"
+        if c.is_model:
+            shape = f"model {c.model} img {p.n} batch {c.batch}" + (" compiled" if c.compile else "")
+        else:
+            shape = f"({c.batch},{c.heads},{p.q_len},{c.head_dim})"
+            if c.grouped or p.q_len != p.kv_len:      # q's shape, then k's and v's
+                shape += f" k,v ({c.batch},{c.heads_kv},{p.kv_len},{c.head_dim})"
         note = _skip_reason(p, device) or ""
         if not note and c.baseline_max_n is not None and p.n > c.baseline_max_n:
             note = f"baseline skipped above N={c.baseline_max_n}"
@@ -264,12 +269,14 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
             state["task"] = progress.add_task("starting", total=d["total"], completed=d["total"] - d["todo"])
         elif kind == "point_start":
             progress.update(state["task"], description=d["point"].id)
-        elif kind == "attempt" and d["status"] == "noisy":
-            progress.console.print(f"[yellow]{d['point'].id}: attempt {d['attempt']} noisy[/] ({'; '.join(d['reasons'])})",
-                                   highlight=False)
+        elif kind == "attempt" and d["status"] == "disturbed":
+            progress.console.print(f"[yellow]{d['point'].id}: attempt {d['attempt']} disturbed[/] "
+                                   f"({'; '.join(d['reasons'])})", highlight=False)
         elif kind == "point_done":
             r = d["row"]
             ratio = "-" if r["lat_ratio"] is None else f"{r['lat_ratio']:.3f}"
+            if r["ci_half_width"] is not None:
+                ratio += f" ±{r['ci_half_width']:.1%}"
             progress.console.print(f"{r['point_id']}: {r['status']} lat_ratio {ratio}"
                                    + (f" ({r['reason']})" if r["reason"] else ""), highlight=False)
             progress.advance(state["task"])
@@ -299,7 +306,7 @@ def _summary_table(run_dir: Path) -> Table:
 
     run = load_run(run_dir)
     t = Table(title=f"summary: {run_dir}")
-    for col in ("point", "kernel ms", "baseline ms", "lat_ratio [p10–p90]", "mem_ratio", "status", "note"):
+    for col in ("point", "kernel ms", "baseline ms", "lat_ratio [p10–p90] ±CI", "mem_ratio", "status", "note"):
         t.add_column(col, overflow="fold")
 
     def f(v, fmt="{:.3f}"):
@@ -307,6 +314,8 @@ def _summary_table(run_dir: Path) -> Table:
 
     for _, r in run.points.iterrows():
         ratio = "-" if r.lat_ratio != r.lat_ratio else f"{r.lat_ratio:.3f} [{r.lat_ratio_p10:.3f}–{r.lat_ratio_p90:.3f}]"
+        if ratio != "-" and r.ci_half_width == r.ci_half_width:
+            ratio += f" ±{r.ci_half_width:.1%}"
         t.add_row(r.point_id, f(r.kernel_ms), f(r.baseline_ms), ratio, f(r.mem_ratio), r.status,
                   "" if r.reason != r.reason else str(r.reason))
     return t
@@ -324,30 +333,21 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                max_attempts: Optional[int] = typer.Option(None, help="override every cell's retry.max_attempts"),
                results_root: Path = typer.Option(Path("results/runs"), help="where run directories are created"),
                only: Optional[str] = typer.Option(None, "--only", help="run only the cells whose id matches this glob"),
-               slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=K: call BACKEND K times per timed call "
-                                                  "(a deliberate, recorded regression to prove the perf gate)")):
+               slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=F: make every call of BACKEND F times "
+                                                  "as long (F > 1, e.g. 1.15) with a calibrated delay after it: a "
+                                                  "deliberate, recorded regression to prove the perf gate")):
     """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
     from attnbench.matrix import load_matrix
 
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     _check_number("--max-attempts", max_attempts, 1, integer=True)
-    slow = {}
-    for item in slowdown:
-        name, _, k = item.partition("=")
-        if not k.isdigit() or int(k) < 1:
-            fail(f"--slowdown {item!r}: expected BACKEND=K with an integer K ≥ 1", 2)
-        slow[name] = int(k)
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     try:
         matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         if not matrix.select(only).cells:
             fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
-        used = {name for c in matrix.cells for name in (c.kernel, c.baseline)}
-        for name in slow:
-            if name not in used:
-                fail(f"--slowdown {name}={slow[name]}: {name} is not a backend of the cells run "
-                     f"(they use {', '.join(sorted(used))})", 2)
+        slow = _parse_slowdown(slowdown, matrix.select(only))
         if dry_run:
             from attnbench.planning import point_seconds
 
@@ -363,6 +363,28 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
         fail(str(exc), 2)
+
+
+def _parse_slowdown(items: list[str], matrix) -> dict:
+    """--slowdown BACKEND=F items → {backend: F}: a backend the (selected) matrix measures, F finite and > 1."""
+    import math
+
+    used = sorted({c.kernel for c in matrix.cells} | {c.baseline for c in matrix.cells})
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = float("nan")
+        if not sep or not name:
+            fail(f"--slowdown {item!r}: expected BACKEND=FACTOR, e.g. elsa=1.15", 2)
+        if name not in used:
+            fail(f"--slowdown {item!r}: {name!r} is not measured by {matrix.path} (its backends: {', '.join(used)})", 2)
+        if not math.isfinite(factor) or factor <= 1:
+            fail(f"--slowdown {item!r}: the factor must be a finite number > 1 (1.15 = 15 % slower)", 2)
+        out[name] = factor
+    return out
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -454,17 +476,34 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
 
 
 @app.command("gate")
-def gate_cmd(baseline: Path = typer.Option(..., "--baseline", help="baseline run dir (or a folder of runs: the newest)"),
-             current: Path = typer.Option(..., "--current", help="current run dir"),
+def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline run dir (or a folder of runs: the newest)"),
+             current: Optional[Path] = typer.Option(None, "--current", help="current run dir"),
              tolerance: float = typer.Option(0.07, "--tolerance", help="relative change that counts as SLOWER/FASTER"),
              out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)"),
              allow_other_gpu: bool = typer.Option(False, "--allow-other-gpu",
-                                                  help="compare runs made on different GPU models (or devices)")):
-    """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER."""
+                                                  help="compare runs made on different GPU models (or devices)"),
+             bless: Optional[Path] = typer.Option(None, "--bless", help="no comparison: install this finished run as "
+                                                  "the baseline of its GPU (<baselines-root>/<gpu>/), replacing the last"),
+             baselines_root: Path = typer.Option(Path("results/baselines"), "--baselines-root",
+                                                 help="where --bless installs baselines")):
+    """Per point SAME / FASTER / SLOWER / NOISY from the paired-ratio samples of both runs; exit 1 on any SLOWER.
+    With --bless RUN: make RUN the baseline of its GPU instead."""
     from attnbench import gate as gatemod
     from attnbench.runs import resolve_run_dir
     from attnbench.store import load_run
 
+    if bless is not None:
+        if baseline is not None or current is not None:
+            fail("--bless RUN installs a baseline; it takes no --baseline/--current", 2)
+        try:
+            target = gatemod.bless_run(bless, baselines_root)
+        except _user_errors() as exc:
+            fail(str(exc), 2)
+        commit = load_run(target).manifest.get("git_commit") or "unknown commit"
+        console.print(f"baseline for {target.parent.name}: {target} (measured {commit})", highlight=False)
+        return
+    if baseline is None or current is None:
+        fail("gate needs --baseline RUN and --current RUN (or --bless RUN)", 2)
     _check_number("--tolerance", tolerance, 0, 1, low_open=True, high_open=True)
     try:
         b, c = resolve_run_dir(baseline), resolve_run_dir(current)

@@ -6,29 +6,36 @@ From the final attempt of the point in each run we take its ratio samples and bo
 
     change = median(current samples) / median(baseline samples)
 
-(both sides resampled independently, ``n_boot`` times) into a 95 % interval [lo, hi]. With the
-tolerance band [1 − t, 1 + t] (t = 0.07 by default):
+(both sides resampled independently, ``n_boot`` times, ``attnbench.measure.stats.bootstrap_change``) into a
+95 % interval [lo, hi]. Every measured point is judged by that interval, whatever its spread: a launch-bound
+point with a wide spread was sampled until its median was known (the runner's stopping rule), and the
+interval carries what is left of the uncertainty. With the tolerance band [1 − t, 1 + t] (t = 0.07 by default):
 
 - SLOWER  the whole interval is above 1 + t            (exit 1)
 - FASTER  the whole interval is below 1 − t
 - SAME    the whole interval lies inside the band
-- NOISY   the interval crosses a band edge: we cannot tell; or either side is not a clean point
+- NOISY   the interval crosses a band edge (we cannot tell), or either run's window was disturbed
+          (``attnbench.measure.noise``: a failed clean-GPU check, a foreign process, a clock sag…)
 - BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
 
 So a shift inside the noise is never called a regression: SLOWER needs the entire interval past the band.
+
+``bless_run`` installs a run as the baseline of its GPU (``results/baselines/<gpu>/``), replacing the previous one.
 """
 from __future__ import annotations
 
-import math
-import zlib
+import json
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-
+from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_ratio, md_table
-from attnbench.runs import final_attempts, resolve_run_dir
-from attnbench.store import Run, load_run
+from attnbench.measure.noise import MEASURED_STATUSES, window_disturbed
+from attnbench.measure.stats import bootstrap_change
+from attnbench.runs import final_attempts, gpu_short_name, resolve_run_dir
+from attnbench.store import Run, RunDirError, load_run
 
 VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "FASTER", "SAME")
 FAILING = ("SLOWER", "BROKEN")
@@ -49,27 +56,6 @@ class GateRow:
     detail: str = ""
 
 
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
-
-
-def bootstrap_change(baseline_samples, current_samples, n_boot: int = 2000, seed: int = 0,
-                     key: str = "") -> tuple[float, float, float]:
-    """(median ratio change, 2.5 %, 97.5 % bootstrap quantiles). Deterministic per (seed, key)."""
-    b = np.asarray([x for x in baseline_samples if _finite(x) and x > 0], dtype=float)
-    c = np.asarray([x for x in current_samples if _finite(x) and x > 0], dtype=float)
-    # one generator per point, seeded by its id, so a verdict does not depend on which other points exist
-    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
-    bb = np.median(b[rng.integers(0, len(b), size=(n_boot, len(b)))], axis=1)
-    cc = np.median(c[rng.integers(0, len(c), size=(n_boot, len(c)))], axis=1)
-    stat = cc / bb
-    lo, hi = np.quantile(stat, [0.025, 0.975])
-    return float(np.median(c) / np.median(b)), float(lo), float(hi)
-
-
 def _side_status(attempt: dict | None, side: str) -> str | None:
     s = (attempt or {}).get(side) or {}
     return s.get("status") if isinstance(s, dict) else None
@@ -84,6 +70,17 @@ def _samples(attempt: dict | None):
 def _reason(row) -> str:
     r = row.get("reason")
     return f" ({r})" if isinstance(r, str) and r.strip() else ""
+
+
+def _disturbed(row, attempt: dict | None) -> bool:
+    """The point's final window was disturbed (reasons from its attempt record, or from the row's reason)."""
+    reasons = None
+    if attempt is not None:
+        reasons = attempt.get("disturbed_reasons", attempt.get("noisy_reasons"))
+    if reasons is None:
+        r = row.get("reason")
+        reasons = r.split("; ") if isinstance(r, str) else []
+    return window_disturbed(row["status"], reasons)
 
 
 def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int = 2000, seed: int = 0) -> list[GateRow]:
@@ -119,20 +116,20 @@ def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int
         bs, cs = _samples(batt.get(pid)), _samples(catt.get(pid))
         if len(bs) >= MIN_SAMPLES and len(cs) >= MIN_SAMPLES:
             row.change, row.ci_low, row.ci_high = bootstrap_change(bs, cs, n_boot, seed, pid)
-        measured = ("clean", "noisy")
         kernel_failed = cstat in ("error", "oom") and _side_status(catt.get(pid), "kernel") in ("error", "oom")
-        if bstat in measured and kernel_failed:
+        if bstat in MEASURED_STATUSES and kernel_failed:
             row.verdict = "BROKEN"
             row.detail = f"kernel {cstat} in the current run{_reason(c)}; baseline run measured it ({bstat})"
-        elif bstat not in measured or cstat not in measured:
+        elif bstat not in MEASURED_STATUSES or cstat not in MEASURED_STATUSES:
             if bstat == cstat:
                 row.verdict, row.detail = "MISSING", f"no ratio: {cstat} in both runs{_reason(c)}"
-            elif cstat not in measured:
+            elif cstat not in MEASURED_STATUSES:
                 row.verdict, row.detail = "NOISY", f"current run: {cstat}{_reason(c)}"
             else:
                 row.verdict, row.detail = "NOISY", f"baseline run: {bstat}{_reason(b)}"
-        elif bstat != "clean" or cstat != "clean":
-            which = [f"{name} run noisy{_reason(r)}" for name, r in (("baseline", b), ("current", c)) if r["status"] != "clean"]
+        elif _disturbed(b, batt.get(pid)) or _disturbed(c, catt.get(pid)):
+            which = [f"{name} run: window disturbed{_reason(r)}" for name, r, a in
+                     (("baseline", b, batt.get(pid)), ("current", c, catt.get(pid))) if _disturbed(r, a)]
             row.verdict, row.detail = "NOISY", "; ".join(which)
         elif row.change is None:
             row.verdict = "NOISY"
@@ -172,7 +169,7 @@ def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False)
 
     def measured(run: Run) -> set[str]:
         pts = run.points
-        ok = pts["status"].isin(("clean", "noisy")) & pts["lat_ratio"].map(_finite)
+        ok = pts["status"].isin(MEASURED_STATUSES) & pts["lat_ratio"].map(_finite)
         return set(pts.loc[ok, "point_id"])
 
     b_points, c_points = measured(baseline), measured(current)
@@ -209,7 +206,8 @@ def gate_markdown(rows: list[GateRow], *, baseline: str | None = None, current: 
         lines.append(f"baseline run: `{baseline or '?'}`  \ncurrent run: `{current or '?'}`\n")
     lines.append(f"Compared: the paired lat_ratio (kernel / baseline) of each point; change = median(current) / "
                  f"median(baseline) with a 95 % bootstrap interval ({n_boot} resamples); tolerance ±{tolerance:.0%}. "
-                 "SLOWER only when the whole interval is above the band.\n")
+                 "Every measured point is judged by its interval: SLOWER only when the whole interval is above the "
+                 "band; NOISY when it crosses a band edge or either run's window was disturbed.\n")
     verdict = "FAIL" if failed else "PASS"
     summary = " · ".join(f"{v} {counts[v]}" for v in VERDICTS if counts[v])
     lines.append(f"**Gate: {verdict}** ({summary or 'no points'})\n")
@@ -222,3 +220,42 @@ def gate_markdown(rows: list[GateRow], *, baseline: str | None = None, current: 
     lines.append(md_table(["cell", "N", "verdict", "baseline lat_ratio", "current lat_ratio",
                            "change [95 % CI]", "detail"], body))
     return "\n".join(lines)
+
+
+# -- baselines -----------------------------------------------------------------------------------------
+
+BASELINE_RECORD = "baseline.json"
+
+
+def bless_run(run_dir, baselines_root="results/baselines") -> Path:
+    """Install a finished run as the baseline of its GPU: copied to ``<baselines_root>/<gpu>/<run name>``, with
+    ``baseline.json`` naming the run and the commit it measured; the previous baseline run there is removed.
+    Returns the installed copy. RunDirError (one line) for a run that is unfinished or had a planted slowdown."""
+    run = load_run(Path(run_dir))
+    m = run.manifest
+    if not m.get("finished_utc") or m.get("interrupted"):
+        raise RunDirError(f"{run.path}: the run is not finished; finish it with --resume before blessing it")
+    if m.get("injected_slowdown"):
+        raise RunDirError(f"{run.path}: the run has a planted slowdown ({m['injected_slowdown']}); "
+                          "a baseline must measure the code as it is")
+    if not len(run.points):
+        raise RunDirError(f"{run.path}: the run has no points")
+    folder = Path(baselines_root) / gpu_short_name(m).lower()
+    target = folder / run.path.name
+    if target.resolve() == run.path.resolve():
+        raise RunDirError(f"{run.path}: already the baseline in {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    incoming = folder / f".incoming-{run.path.name}"
+    if incoming.exists():
+        shutil.rmtree(incoming)
+    shutil.copytree(run.path, incoming)          # copied first: a failure leaves the old baseline in place
+    for old in folder.iterdir():
+        if old != incoming and old.is_dir() and (old / "manifest.json").is_file():
+            shutil.rmtree(old)
+    incoming.rename(target)
+    statuses = run.points["status"].value_counts().to_dict()
+    record = {"run": run.path.name, "git_commit": m.get("git_commit"), "matrix": m.get("matrix_name"),
+              "gpu": (m.get("gpu") or {}).get("name") or m.get("device"), "started_utc": m.get("started_utc"),
+              "finished_utc": m.get("finished_utc"), "points": {str(k): int(v) for k, v in sorted(statuses.items())}}
+    (folder / BASELINE_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return target

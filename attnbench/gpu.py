@@ -25,11 +25,8 @@ CLOCK_EVENT_REASONS = {
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
-BENIGN_REASONS = {"gpu_idle"}
-# Reasons that describe the card's steady state under a heavy kernel rather than interference: on our
-# H100 every long tensor-core kernel runs into the 700 W software power cap (measured 2026-11-22). They
-# are recorded with every attempt, but make a point noisy only if the SM clock actually sagged.
-STEADY_STATE_REASONS = {"sw_power_cap"}
+# Which reasons disturb a measurement (and which are the card's steady state) is the noise policy's call:
+# attnbench.measure.noise.
 
 
 class NoGpuError(RuntimeError):

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -19,14 +19,18 @@ from attnbench.backends import DTYPES, MODES, BackendError, get_backend
 
 MODEL_MODES = ("fwd", "train")
 
-TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "min_reps": 10, "max_reps": 400, "flush_l2": True}
-RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 3.0, "max_cv": 0.03, "min_clock_frac": 0.90}
+# timing: the stopping rule samples until the 95 % CI of the median paired ratio is within ±ci_half_width,
+# or max_reps pairs, or max_ms of wall time (attnbench.measure.pair); rep_ms is the first batch's budget.
+TIMING_DEFAULTS = {"warmup_ms": 25.0, "rep_ms": 200.0, "max_ms": 2000.0, "min_reps": 10, "max_reps": 10000,
+                   "ci_half_width": 0.015, "flush_l2": True, "mode": "eager"}
+TIMING_MODE_CHOICES = ("eager", "graph", "both")   # both: one point per mode (the graph one's id ends in ":graph")
+RETRY_DEFAULTS = {"max_attempts": 4, "backoff_s": 3.0, "min_clock_frac": 0.90}
 GATE_DEFAULTS = {"max_util_pct": 8.0, "min_free_gb": 12.0}
 
-ATTENTION_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "heads", "head_dim", "seq_lens", "causal",
-                  "kernel_options", "baseline_options", "timing", "retry", "baseline_max_n", "allow_skip",
-                  "description"}
-MODEL_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "model", "img_sizes", "timing", "retry",
+ATTENTION_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "heads", "kv_heads", "head_dim", "seq_lens",
+                  "q_len", "kv_len", "causal", "kernel_options", "baseline_options", "timing", "retry",
+                  "baseline_max_n", "allow_skip", "description"}
+MODEL_KEYS = {"id", "kernel", "baseline", "dtype", "mode", "batch", "model", "img_sizes", "compile", "timing", "retry",
               "allow_skip", "description"}
 DEFAULT_KEYS = (ATTENTION_KEYS | MODEL_KEYS) - {"id", "seq_lens", "img_sizes", "model", "description"}
 TOP_KEYS = {"name", "description", "gate", "defaults", "cells"}
@@ -34,6 +38,15 @@ TOP_KEYS = {"name", "description", "gate", "defaults", "cells"}
 MAX_FILE_BYTES = 1 << 20        # a matrix is a few KB; a bigger file is a mistake (or an attack)
 MAX_YAML_NODES = 100_000        # YAML nodes after expanding aliases: the full matrix has ~1,500
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")   # the matrix name is part of the run directory's name
+# q_len / kv_len: a fixed length (an int) or a rule over the swept length N: "N", "N/4", "N*2"
+LENGTH_RULE_RE = re.compile(r"N\s*(?:([*/])\s*([0-9]+))?")
+# The plan fingerprint (Matrix.plan_sha256) covers what defines the measured problem: each cell's backends and
+# their options, dtype, mode, batch, heads, shapes and lengths, and what one of its times means (these timing keys).
+# The rest of `timing` (budgets, the stopping rule), `retry` and `description` are how precisely a point is sampled
+# and how a disturbed window is retried: they may change between the part of a run already measured and its resume
+# without changing what a number means, so they are left out. So is every field at its default, so a field added to
+# Cell later never changes the fingerprint of a cell that does not use it.
+PROBLEM_TIMING_KEYS = ("flush_l2", "mode")
 
 
 class MatrixError(ValueError):
@@ -60,20 +73,84 @@ class Cell:
     baseline_max_n: int | None = None  # baseline skipped above this length (e.g. math in reasonable time)
     allow_skip: bool = False           # unsupported points become `skipped` instead of a validation error
     description: str = ""
+    kv_heads: int | None = None        # key/value heads (grouped-query attention when < heads); None: = heads
+    q_len: int | str | None = None     # query length: None = N, an int (fixed), or a rule "N/k" / "N*k"
+    kv_len: int | str | None = None    # key/value length, likewise
+    compile: bool = False              # model cells: the whole model under torch.compile on both sides
 
     @property
     def is_model(self) -> bool:
         return self.model is not None
 
+    @property
+    def timing_modes(self) -> tuple[str, ...]:
+        """The timing modes this cell's points are measured in ("eager", "graph", or both)."""
+        mode = self.timing.get("mode", "eager")
+        return ("eager", "graph") if mode == "both" else (mode,)
+
+    @property
+    def heads_kv(self) -> int | None:
+        """The key/value heads this cell's points use (= heads unless kv_heads says fewer)."""
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query (or multi-query) attention: fewer key/value heads than query heads."""
+        return self.kv_heads is not None and self.kv_heads != self.heads
+
+    @property
+    def cross(self) -> bool:
+        """Some point has a query length different from its key length."""
+        return any(resolve_length(self.q_len, n) != resolve_length(self.kv_len, n) for n in self.seq_lens)
+
+
+def resolve_length(rule: int | str | None, n: int) -> int:
+    """The length a q_len / kv_len rule gives at the swept length n: None or "N" → n, an int → itself,
+    "N/k" → n / k (validated to divide), "N*k" → n · k."""
+    if rule is None:
+        return n
+    if isinstance(rule, int):
+        return rule
+    op, k = LENGTH_RULE_RE.fullmatch(rule).groups()
+    if op is None:
+        return n
+    return n // int(k) if op == "/" else n * int(k)
+
 
 @dataclass(frozen=True)
 class Point:
     cell: Cell
-    n: int
+    n: int                             # the swept length (an image size for model cells)
+    timing_mode: str = "eager"         # eager | graph (attnbench.measure.timer)
+
+    @property
+    def q_len(self) -> int:
+        return resolve_length(self.cell.q_len, self.n)
+
+    @property
+    def kv_len(self) -> int:
+        return resolve_length(self.cell.kv_len, self.n)
 
     @property
     def id(self) -> str:
-        return f"{self.cell.id}@{self.n}"
+        """"<cell>@<N>", plus ":q<Nq>", ":kv<Nk>" and ":hkv<Hkv>" for what differs from self-attention with one
+        K/V head per query head (those points' ids are what they always were), then ":graph" for a graph-mode
+        point. The shape and the timing mode in the id keep the gate from pairing two different problems, or an
+        eager with a graph-mode number, measured under one cell id."""
+        base = f"{self.cell.id}@{self.n}{self.shape_suffix}"
+        return base if self.timing_mode == "eager" else f"{base}:{self.timing_mode}"
+    @property
+    def shape_suffix(self) -> str:
+        if self.cell.is_model:
+            return ""
+        parts = []
+        if self.q_len != self.n:
+            parts.append(f"q{self.q_len}")
+        if self.kv_len != self.n:
+            parts.append(f"kv{self.kv_len}")
+        if self.cell.grouped:
+            parts.append(f"hkv{self.cell.kv_heads}")
+        return "".join(f":{p}" for p in parts)
 
 
 @dataclass
@@ -87,7 +164,7 @@ class Matrix:
     checks: list = field(default_factory=list)   # spot-check rules, evaluated by attnbench.spotcheck
 
     def points(self) -> list[Point]:
-        return [Point(cell, n) for cell in self.cells for n in cell.seq_lens]
+        return [Point(cell, n, mode) for cell in self.cells for n in cell.seq_lens for mode in cell.timing_modes]
 
     def select(self, glob: str | None) -> "Matrix":
         """Keep only the cells whose id matches `glob` (run-matrix --only); None keeps all."""
@@ -99,15 +176,41 @@ class Matrix:
 
     def can_resume(self, manifest: dict) -> bool:
         """A stored run may be finished with this plan: the same file, or (runs that recorded it) the same
-        measured cells after an edit elsewhere in the file."""
+        measured problem after an edit elsewhere in the file or of the sampling policy."""
         return (manifest.get("matrix_sha256") == self.sha256
                 or manifest.get("plan_sha256") == self.plan_sha256())
 
+    def covered_by(self, point_ids) -> bool:
+        """Every point of this plan is among `point_ids` (a run that stored them has nothing left to measure)."""
+        point_ids = set(point_ids)
+        return all(p.id in point_ids for p in self.points())
+
     def plan_sha256(self) -> str:
-        """Fingerprint of what would be measured: the cells (after defaults and --only), not the file's bytes.
-        A run can then be resumed after an edit elsewhere in the file (another cell, a comment)."""
-        cells = [asdict(c) for c in self.cells]
-        return hashlib.sha256(json.dumps(cells, sort_keys=True, default=str).encode()).hexdigest()
+        """Fingerprint of the measured problem: the cells (after defaults and --only) without their sampling
+        policy, not the file's bytes (PROBLEM_TIMING_KEYS). A run can then be resumed after an edit elsewhere in
+        the file (another cell, a comment) or of how its points are sampled and retried. Runs recorded before
+        this form fingerprinted the timing and retry policy too: theirs no longer match (a complete one still
+        resumes, with nothing to do; Runner)."""
+        return hashlib.sha256(json.dumps([_problem(c) for c in self.cells], sort_keys=True,
+                                         default=str).encode()).hexdigest()
+
+
+def _problem(cell: Cell) -> dict:
+    """The fields of a cell that define its measured problem, each left out at its default (plan_sha256)."""
+    out = {}
+    for f in fields(Cell):
+        value = getattr(cell, f.name)
+        if f.name in ("retry", "description"):
+            continue
+        if f.name == "timing":
+            value = {k: value[k] for k in PROBLEM_TIMING_KEYS if value.get(k, TIMING_DEFAULTS[k]) != TIMING_DEFAULTS[k]}
+            if value:
+                out[f.name] = value
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if default is MISSING or value != default:
+            out[f.name] = value
+    return out
 
 
 def read_yaml(path) -> tuple[object, str]:
@@ -258,8 +361,8 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
     allowed = MODEL_KEYS if is_model else ATTENTION_KEYS
     for key in raw:
         if key not in allowed:
-            kind = "model" if is_model else "attention"
-            raise MatrixError(f"{path}: cell '{cid}': unknown key '{key}' for an {kind} cell (allowed: {', '.join(sorted(allowed))})")
+            kind = "a model" if is_model else "an attention"
+            raise MatrixError(f"{path}: cell '{cid}': unknown key '{key}' for {kind} cell (allowed: {', '.join(sorted(allowed))})")
     merged = {k: v for k, v in defaults.items() if k in allowed}
     merged.update(raw)
     where = f"{path}: cell '{cid}'"
@@ -280,16 +383,23 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
     timing.update(_mapping(path, cid, "timing", merged.get("timing") or {}, TIMING_DEFAULTS.keys()))
     _number(path, cid, "timing.warmup_ms", timing["warmup_ms"], minimum=0)
     _number(path, cid, "timing.rep_ms", timing["rep_ms"], minimum=1)
+    _number(path, cid, "timing.max_ms", timing["max_ms"], minimum=1)
     _number(path, cid, "timing.min_reps", timing["min_reps"], minimum=1, integer=True)
     _number(path, cid, "timing.max_reps", timing["max_reps"], minimum=timing["min_reps"], integer=True,
             why=f"≥ timing.min_reps ({timing['min_reps']})")
+    half = timing["ci_half_width"]
+    if isinstance(half, bool) or not isinstance(half, (int, float)) or not 0 < half < 1:
+        raise MatrixError(f"{where}: field 'timing.ci_half_width' = {half!r}: need a number in (0, 1) "
+                          "(the relative half-width of the median ratio's 95 % CI, e.g. 0.015)")
     _boolean(path, cid, "timing.flush_l2", timing["flush_l2"])
+    _timing_mode(where, timing["mode"], is_model, mode, device)
     retry = dict(RETRY_DEFAULTS)
     retry.update(_mapping(path, cid, "retry", merged.get("retry") or {}, RETRY_DEFAULTS.keys()))
     _number(path, cid, "retry.max_attempts", retry["max_attempts"], minimum=1, integer=True)
     _number(path, cid, "retry.backoff_s", retry["backoff_s"], minimum=0)
-    _number(path, cid, "retry.max_cv", retry["max_cv"], minimum=0)
-    _number(path, cid, "retry.min_clock_frac", retry["min_clock_frac"], minimum=0, maximum=1)
+    frac = retry["min_clock_frac"]
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise MatrixError(f"{where}: field 'retry.min_clock_frac' = {frac!r}: need a number in (0, 1]")
     batch = _number(path, cid, "batch", merged.get("batch", 8 if is_model else 1), minimum=1, integer=True)
     allow_skip = _boolean(path, cid, "allow_skip", merged.get("allow_skip", False))
     common = dict(id=cid, dtype=dtype, mode=mode, batch=batch, timing=timing, retry=retry, allow_skip=allow_skip,
@@ -305,11 +415,18 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
             raise MatrixError(f"{where}: field 'baseline' = {baseline!r}: model cells compare against 'native'")
         if kernel != "native":
             _backend(path, cid, "kernel", kernel)
-        return Cell(kernel=kernel, baseline=baseline, model=model, seq_lens=sizes, **common)
+        compiled = _boolean(path, cid, "compile", merged.get("compile", False))
+        return Cell(kernel=kernel, baseline=baseline, model=model, seq_lens=sizes, compile=compiled, **common)
 
     heads = _number(path, cid, "heads", need("heads"), minimum=1, integer=True)
     head_dim = _number(path, cid, "head_dim", need("head_dim"), minimum=1, integer=True)
+    kv_heads = _kv_heads(where, merged.get("kv_heads"), heads)
     seq_lens = _lengths(path, cid, "seq_lens", need("seq_lens"))
+    q_len = _length_rule(where, "q_len", merged.get("q_len"), seq_lens)
+    kv_len = _length_rule(where, "kv_len", merged.get("kv_len"), seq_lens)
+    if isinstance(q_len, int) and isinstance(kv_len, int):
+        raise MatrixError(f"{where}: fields 'q_len' = {q_len} and 'kv_len' = {kv_len} are both fixed: every seq_lens "
+                          "entry would measure the same problem; let one follow N (e.g. kv_len: N)")
     causal = _boolean(path, cid, "causal", merged.get("causal", False))
     baseline_max_n = merged.get("baseline_max_n")
     if baseline_max_n is not None:
@@ -318,7 +435,7 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
                 seq_lens=seq_lens, causal=causal, baseline_max_n=baseline_max_n,
                 kernel_options=_mapping(path, cid, "kernel_options", merged.get("kernel_options") or {}),
                 baseline_options=_mapping(path, cid, "baseline_options", merged.get("baseline_options") or {}),
-                **common)
+                kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, **common)
     for slot in ("kernel", "baseline"):
         backend = _backend(path, cid, slot, getattr(cell, slot))
         options = getattr(cell, f"{slot}_options")
@@ -330,7 +447,7 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
             if choices is not None and value not in choices:
                 raise MatrixError(f"{where}: field '{slot}_options.{key}' = {value!r}: {backend.name} allows "
                                   f"{', '.join(map(str, choices))}")
-        capable = dict(dtype=dtype, mode=mode, causal=causal, head_dim=head_dim)
+        capable = dict(dtype=dtype, mode=mode, causal=causal, head_dim=head_dim, gqa=cell.grouped, cross=cell.cross)
         reason = backend.unsupported_reason(**capable, device=device)
         if reason and device == "cpu":
             # what only the CPU lacks (a GPU-only baseline, bf16 in the interpreter) makes `skipped` points there,
@@ -345,17 +462,70 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
 
 def _check_inputs_fit(where: str, cell: Cell, memory_bytes: int, device: str) -> None:
     """Refuse a length whose inputs alone (q, k, v, and dO with a backward) exceed the device's memory."""
-    tensors = 3 if cell.mode == "fwd" else 4
     itemsize = DTYPES[cell.dtype].itemsize
     for n in cell.seq_lens:
-        need = tensors * cell.batch * cell.heads * n * cell.head_dim * itemsize
+        point = Point(cell, n)
+        q_shape = (cell.batch, cell.heads, point.q_len, cell.head_dim)
+        kv_shape = (cell.batch, cell.heads_kv, point.kv_len, cell.head_dim)
+        shapes = [("q", q_shape), ("k", kv_shape), ("v", kv_shape)] + ([("dO", q_shape)] if cell.mode != "fwd" else [])
+        need = sum(math.prod(shape) for _, shape in shapes) * itemsize
         if need > memory_bytes:
-            names = "q, k, v" + (", dO" if tensors == 4 else "")
+            if q_shape == kv_shape:
+                what = f"{', '.join(name for name, _ in shapes)}: {len(shapes)} × {'×'.join(map(str, q_shape))}"
+            else:
+                what = ", ".join(f"{name} {'×'.join(map(str, shape))}" for name, shape in shapes)
             memory = "GPU memory" if device == "cuda" else "RAM"
-            raise MatrixError(f"{where}: field 'seq_lens' has {n}: its inputs alone ({names}: {tensors} × "
-                              f"{cell.batch}×{cell.heads}×{n}×{cell.head_dim} {cell.dtype}) take {need:,} bytes "
-                              f"({need / 2**30:.1f} GiB) > {memory_bytes:,} bytes ({memory_bytes / 2**30:.1f} GiB) "
-                              f"of {memory}")
+            raise MatrixError(f"{where}: field 'seq_lens' has {n}: its inputs alone ({what} {cell.dtype}) take "
+                              f"{need:,} bytes ({need / 2**30:.1f} GiB) > {memory_bytes:,} bytes "
+                              f"({memory_bytes / 2**30:.1f} GiB) of {memory}")
+
+
+def _kv_heads(where: str, value, heads: int) -> int | None:
+    """kv_heads: a divisor of heads (1: multi-query); None when it is heads itself (the default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or heads % value:
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise MatrixError(f"{where}: field 'kv_heads' = {value!r}: need a divisor of heads ({heads}): {divisors}")
+    return None if value == heads else value
+
+
+def _length_rule(where: str, fieldname: str, value, seq_lens: tuple[int, ...]) -> int | str | None:
+    """q_len / kv_len: a positive int (fixed), or "N", "N/k", "N*k" over the swept length N (canonical text);
+    None for N itself (the default). "N/k" must divide every swept length."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise MatrixError(f"{where}: field '{fieldname}' = {value!r}: need a positive length, or N, N/k, N*k")
+        return value
+    match = LENGTH_RULE_RE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
+        raise MatrixError(f"{where}: field '{fieldname}' = {value!r}: need a positive length (fixed), or N, N/k, N*k "
+                          "with an integer k ≥ 1 (a length that follows the swept seq_lens)")
+    op, k = match.groups()
+    if op is None or int(k) == 1:
+        return None
+    if op == "/":
+        for n in seq_lens:
+            if n % int(k):
+                raise MatrixError(f"{where}: field '{fieldname}' = {value!r}: seq_lens has {n}, not a multiple of {k}")
+    return f"N{op}{int(k)}"
+
+
+def _timing_mode(where: str, value, is_model: bool, mode: str, device: str) -> None:
+    if value not in TIMING_MODE_CHOICES:
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: allowed {', '.join(TIMING_MODE_CHOICES)}")
+    if value == "eager":
+        return
+    if device == "cpu":
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: CUDA graphs need a GPU (on --device cpu use eager)")
+    if is_model:
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: model cells time eagerly (a fwd model cell "
+                          "already replays its own CUDA graph)")
+    if mode == "bwd":
+        raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: mode bwd has an untimed forward before each "
+                          "call, which a graph replay cannot skip; time fwdbwd in graph mode")
 
 
 def _backend(path, cid, slot, name):

@@ -9,6 +9,11 @@ A model cell names a timm model, image sizes, a batch, a dtype and a mode:
 Weights are random (``pretrained=False``, seeded: the kernel and the native side get the same model).
 "native" is the model's own SDPA path (timm's ``fused_attn`` switched on, also for Swin where timm keeps
 it off by default as "experimental"); a kernel name patches the attention with kernels.timm_patch.
+``compile=True`` (a cell's ``compile: true``) puts the whole model under ``torch.compile(fullgraph=True,
+dynamic=False)`` on both sides, after the patch: inductor on CUDA, ``aot_eager`` on the CPU (tracing checked,
+no code generated). A graph break is an error of that side, never a silent split. Compilation happens on the
+first call, outside every timed sample: the harness's first call (its wall time is the point's ``first_call_ms``),
+except for ``fwd`` on CUDA, where the build's eager calls before the CUDA-graph capture compile it.
 ``input_bytes`` = parameters + buffers + input images, so the peak above them is the activation and
 workspace memory. Replaying a CUDA graph allocates nothing (its memory lives in the graph's pool), so
 for fwd on CUDA the peak of one eager forward above the resident bytes is measured at build time and
@@ -25,6 +30,10 @@ from attnbench.workload import Workload
 MODEL_CELL_MODES = ("fwd", "train")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _GRAPH_WARMUP = 3
+COMPILE_BACKENDS = {"cuda": "inductor", "cpu": "aot_eager"}
+# One compiled graph per model, size, dtype and side: dynamo's recompile limit (default 8 per code object) would
+# otherwise be reached within one matrix, past which fullgraph raises instead of measuring.
+_RECOMPILE_LIMIT = 256
 
 
 def validate_model_name(name: str) -> None:
@@ -129,9 +138,20 @@ def _capture_graph(fn, state: dict, info: dict):
     return replay
 
 
+def _compiled(model, device: str):
+    """The whole model under torch.compile: one graph (fullgraph), static shapes (one compile per size, as a
+    deployed model at a fixed resolution)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):       # the name changed in torch 2.6; set whichever exists
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
+    return torch.compile(model, backend=COMPILE_BACKENDS[device], fullgraph=True, dynamic=False)
+
+
 def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, mode: str, attention: str,
-                        device: str, seed: int = 0) -> Workload:
-    """A timm model at `img_size` with `attention` ("native" or a kernel name), ready to time."""
+                        device: str, seed: int = 0, compile: bool = False) -> Workload:
+    """A timm model at `img_size` with `attention` ("native" or a kernel name), ready to time; `compile`: the
+    whole model (after the kernel is patched in) under torch.compile."""
     if mode not in MODEL_CELL_MODES:
         raise ValueError(f"model mode {mode!r} unsupported (allowed: {', '.join(MODEL_CELL_MODES)})")
     if dtype not in _DTYPES:
@@ -166,9 +186,12 @@ def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, 
 
         patch_timm_attention(model, attention, train=(mode == "train"))
         info["patched_modules"] = len(patched_modules(model))
+    info["compile"] = f"torch.compile(fullgraph=True, dynamic=False, backend={COMPILE_BACKENDS[device]!r})" \
+        if compile else None
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     x = torch.randn((batch, 3, img_size, img_size), generator=gen, device=device, dtype=torch_dtype)
-    state = {"model": model, "x": x}
+    # "call" is what a step runs: the module itself, or its compiled form (same parameters)
+    state = {"model": model, "call": _compiled(model, device) if compile else model, "x": x}
     resident = [*model.parameters(), *model.buffers(), x]
     input_bytes = sum(t.numel() * t.element_size() for t in resident)
     del resident
@@ -179,7 +202,7 @@ def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, 
 
         def forward():
             with torch.no_grad():
-                return state["model"](state["x"])
+                return state["call"](state["x"])
 
         run = None
         if device == "cuda":
@@ -190,10 +213,9 @@ def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, 
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            out = forward()
+            forward()            # the peak is a high-water mark: it counts the output while it is alive
             torch.cuda.synchronize()
             info["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            del out
             run = _capture_graph(forward, state, info)
         else:
             info["cuda_graph"] = False
@@ -208,7 +230,7 @@ def make_model_workload(model_name: str, img_size: int, batch: int, dtype: str, 
             state["model"].zero_grad(set_to_none=True)
 
         def run():
-            logits = state["model"](state["x"])
+            logits = state["call"](state["x"])
             loss = logits.float().mean()
             loss.backward()
             return loss.detach()

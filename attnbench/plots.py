@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from attnbench.analysis import CellSummary  # noqa: E402
+from attnbench.analysis import MEASURED, CellSummary  # noqa: E402
 from attnbench.formatting import format_n  # noqa: E402
 
 _PNG_METADATA = {"Software": None}
@@ -34,7 +34,7 @@ def plot_file_names(summaries: list[CellSummary]) -> list[str]:
     """Deterministic, unique file names: "<cell_id>.png" (a suffix only if two cells share an id)."""
     names, seen = [], {}
     for s in summaries:
-        base = safe_name(s.cell_id)
+        base = safe_name(s.cell_id + ("_graph" if s.timing == "graph" else ""))
         count = seen.get(base, 0)
         seen[base] = count + 1
         names.append(f"{base}.png" if count == 0 else f"{base}-{count + 1}.png")
@@ -79,8 +79,8 @@ def plot_cell(summary: CellSummary, path) -> Path:
     FigureCanvasAgg(fig)
     ax_lat, ax_ms, ax_mem = fig.subplots(1, 3)
 
-    # lat_ratio: clean points filled, noisy hollow; points without a ratio marked on the 1.0 line
-    for status, face in (("clean", None), ("noisy", "none")):
+    # lat_ratio: clean points filled, disturbed (legacy: noisy) hollow; points without a ratio marked on the 1.0 line
+    for status, face in (("clean", None), ("disturbed", "none"), ("noisy", "none")):
         sel = pts[(pts["status"] == status) & pts["lat_ratio"].map(_finite)]
         if len(sel):
             p10 = [v if _finite(v) else m for v, m in zip(sel["lat_ratio_p10"], sel["lat_ratio"])]
@@ -137,7 +137,7 @@ def plot_overview(summaries: list[CellSummary], title: str, path) -> Path:
     ax = fig.subplots()
     all_ns = set()
     for i, s in enumerate(summaries):
-        sel = s.points[s.points["status"].isin(("clean", "noisy")) & s.points["lat_ratio"].map(_finite)]
+        sel = s.points[s.points["status"].isin(MEASURED) & s.points["lat_ratio"].map(_finite)]
         if not len(sel):
             continue
         xs = [int(n) for n in sel["n"]]

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnbench.analysis import MEASURED, CellSummary, key_str, select_final, summarize_cells
+from attnbench.analysis import MEASURED, NOT_CLEAN, CellSummary, key_str, select_final, summarize_cells
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
 from attnbench.runs import gpu_short_name, load_runs, sorted_runs
+from attnbench.store import STATUSES
 
 CPU_BANNER = ("> **CPU run: performance numbers on CPU mean nothing.** These tables come from `--device cpu` "
               "(Triton interpreter, SDPA on the CPU); they exercise the pipeline, not the kernels. "
@@ -84,7 +85,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     for r in runs:
         m = r.manifest
         counts = r.points["status"].value_counts().to_dict() if len(r.points) else {}
-        status = ", ".join(f"{counts[s]} {s}" for s in ("clean", "noisy", "oom", "skipped", "error") if counts.get(s))
+        status = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts.get(s))
         finished = m.get("finished_utc") or ("interrupted" if m.get("interrupted") else "unfinished")
         gate = m.get("gate") or {}
         rows.append([f"[`{r.path.name}`]({_rel(r.path, base)})", _v(m.get("matrix_name")),
@@ -155,9 +156,11 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
 
     # -- load, all points --------------------------------------------------------------------------------
     out.append("\n## Load during the measurements\n")
+    loads = load_summary(runs)
+    retried = "disturbed" if any(r["window_label"] == "disturbed" for r in loads) else "noisy"
     out.append("Per cell, over all its attempts: min–max of each reading in the snapshot taken before → after "
-               "the point. A noisy attempt was retried; only the final attempt counts.")
-    out.append(load_table(load_summary(runs)))
+               f"the point. A {retried} attempt was retried; only the final attempt counts.")
+    out.append(load_table(loads))
     out.append("\n## All points\n")
     out.append(points_table(df))
 
@@ -213,7 +216,7 @@ def scaling_table(summaries: list[CellSummary], min_points: int = 3) -> str | No
         pts = pts[[(_finite(k) and k > 0 and _finite(b) and b > 0) for k, b in zip(pts["kernel_ms"], pts["baseline_ms"])]]
         if len(pts) < min_points:
             continue
-        ns, stars = [int(n) for n in pts["n"]], ["*" if st == "noisy" else "" for st in pts["status"]]
+        ns, stars = [int(n) for n in pts["n"]], ["*" if st in NOT_CLEAN else "" for st in pts["status"]]
         cols = []
         for side in ("kernel_ms", "baseline_ms"):
             ts = [float(t) for t in pts[side]]
@@ -248,28 +251,41 @@ def notes_markdown(summaries: list[CellSummary]) -> str:
     notes = [n for s in summaries for n in s.notes]
     if not notes:
         return ""
-    text = "`*` = still noisy after its retries (number kept, not used for the trend).\n\n" if any(
-        "*" in s.sweep for s in summaries) else ""
+    starred = {st for s in summaries if "*" in s.sweep for st in s.points["status"] if st in NOT_CLEAN}
+    text = ""
+    if "noisy" in starred:
+        text += "`*` = still noisy after its retries (number kept, not used for the trend).\n\n"
+    if "disturbed" in starred:
+        text += "`*` = window still disturbed after its retries (number kept, not used for the trend).\n\n"
     return text + "".join(f"- {n}\n" for n in notes)
 
 
 def points_table(df: pd.DataFrame) -> str:
     """Every final point with its absolute numbers (ms, MB, TFLOP/s); for the appendix of the report."""
     final = select_final(df)
+    # runs that recorded the achieved CI of the median ratio get a column for it (older runs: none)
+    with_ci = "ci_half_width" in final and final["ci_half_width"].map(_finite).any()
     rows = []
     for _, r in final.iterrows():
         is_model = bool(r.get("is_model", False))
-        rows.append([
-            f"`{r['cell_id']}`", format_n(r["n"], model=is_model), r["status"], key_str(r["attempts"]),
+        n_text = format_n(r["n"], model=is_model) + (" graph" if r.get("timing") == "graph" else "")
+        row = [
+            f"`{r['cell_id']}`", n_text, r["status"], key_str(r["attempts"]),
             format_ms(r["kernel_ms"]), format_ms(r["baseline_ms"]),
             f"{format_ratio(r['lat_ratio'])} [{format_range(r['lat_ratio_p10'], r['lat_ratio_p90'])}]"
             if _finite(r["lat_ratio"]) else "–",
+        ]
+        if with_ci:
+            row.append(f"±{float(r['ci_half_width']) * 100:.1f} %" if _finite(r["ci_half_width"]) else "–")
+        rows.append(row + [
             f"{_fmt_num(r['kernel_mem_mb'])} / {_fmt_num(r['baseline_mem_mb'])}",
             f"{_fmt_num(r['kernel_tflops'])} / {_fmt_num(r['baseline_tflops'])}",
             r["reason"] if _nonempty(r.get("reason")) else "",
         ])
-    return md_table(["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]",
-                     "mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
+    header = ["cell", "N", "status", "attempts", "kernel ms", "baseline ms", "lat_ratio [p10–p90]"]
+    if with_ci:
+        header.append("95 % CI of the median")
+    return md_table(header + ["mem MB (kernel / baseline)", "TFLOP/s (kernel / baseline)", "reason"], rows)
 
 
 def _fmt_num(x) -> str:
@@ -319,7 +335,9 @@ def load_summary(runs) -> list[dict]:
     for cell_id in sorted(per_cell):
         attempts = per_cell[cell_id]
         row = {"cell": cell_id, "attempts": len(attempts),
-               "noisy": sum(1 for a in attempts if a.get("status") == "noisy")}
+               "noisy": sum(1 for a in attempts if a.get("status") in NOT_CLEAN),
+               # runs since disturbed windows were told apart record "disturbed_reasons" with every attempt
+               "window_label": "disturbed" if any("disturbed_reasons" in a for a in attempts) else "noisy"}
         for title, path in LOAD_FIELDS:
             fmt = "{:.1f}" if title == "free GB" else "{:.0f}"
             for when in ("before", "after"):
@@ -340,7 +358,7 @@ def load_summary(runs) -> list[dict]:
 def load_table(rows: list[dict]) -> str:
     if not rows:
         return "_no attempts recorded_\n"
-    header = ["cell", "attempts", "noisy"]
+    header = ["cell", "attempts", "disturbed" if any(r["window_label"] == "disturbed" for r in rows) else "noisy"]
     for title, _ in LOAD_FIELDS:
         header.append(f"{title} before → after")
     header += ["load 1m", "throttle reasons seen", "GPU processes seen (incl. the harness)"]

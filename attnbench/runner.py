@@ -1,12 +1,14 @@
 """The point loop: clean-GPU check, snapshots, interleaved measurement, verdict, retries, resume.
 
-For every point: snapshot(before) → measure kernel ⇄ baseline → snapshot(after) → verdict. A noisy
-verdict is retried after a back-off, up to the cell's max_attempts; every attempt is appended to
-attempts.jsonl as it is made, and the point's final row to points.csv. Ctrl-C leaves the run directory
-consistent and resumable. Nothing here prints: progress goes to an `on_event` callback.
+For every point: snapshot(before) → measure kernel ⇄ baseline (attnbench.measure.pair) → snapshot(after)
+→ verdict (attnbench.measure.noise). A disturbed window is retried after the policy's back-off, up to the
+cell's max_attempts; every attempt is appended to attempts.jsonl as it is made, and the point's final row to
+points.csv. Ctrl-C leaves the run directory consistent and resumable. Nothing here prints: progress goes to
+an `on_event` callback. How to time, pair, sample and judge lives in attnbench.measure; this is the loop.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -19,7 +21,7 @@ from pathlib import Path
 from attnbench import gpu as gpumod
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import Matrix, Point
-from attnbench.measure import ClockMonitor, SideResult, is_oom, measure_pair, robust_cv, stats
+from attnbench.measure import ClockMonitor, NoisePolicy, PairResult, SideResult, measure_pair
 from attnbench.store import RunDirError, RunStore, utc_now
 
 
@@ -42,7 +44,7 @@ class RunOptions:
     snapshot_s: float = 1.0                   # NVML sampling window of each snapshot
     settle_s: float = 1.0                     # idle time before a snapshot, so NVML util no longer sees our own work
     argv: list[str] = field(default_factory=list)
-    slowdown: dict = field(default_factory=dict)   # backend name → repeat count (gate proof only; in the manifest)
+    slowdown: dict = field(default_factory=dict)   # backend name → time factor > 1 (gate proof only; in the manifest)
 
 
 def _git_commit() -> str | None:
@@ -101,61 +103,62 @@ def _skip_reason(point: Point, device: str) -> str | None:
     for slot in ("kernel", "baseline"):
         backend = get_backend(getattr(cell, slot))
         reason = backend.unsupported_reason(dtype=cell.dtype, mode=cell.mode, causal=cell.causal,
-                                            head_dim=cell.head_dim, device=device)
+                                            head_dim=cell.head_dim, device=device, gqa=cell.grouped,
+                                            cross=point.q_len != point.kv_len)
         if reason:
             reasons.append(reason)
     return "; ".join(reasons) or None
 
 
-def _make_workload(point: Point, slot: str, device: str, slowdown: dict | None = None):
+def _make_workload(point: Point, slot: str, device: str):
     cell = point.cell
     name = getattr(cell, slot)
     if cell.is_model:
         from attnbench.models import make_model_workload
 
-        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device)
+        return make_model_workload(cell.model, point.n, cell.batch, cell.dtype, cell.mode, name, device,
+                                   compile=cell.compile)
     backend = get_backend(name)
-    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.n, head_dim=cell.head_dim,
+    return make_attention_workload(backend, batch=cell.batch, heads=cell.heads, n=point.q_len, head_dim=cell.head_dim,
                                    dtype=cell.dtype, mode=cell.mode, causal=cell.causal, device=device,
-                                   options=getattr(cell, f"{slot}_options"), repeat=(slowdown or {}).get(name, 1))
+                                   options=getattr(cell, f"{slot}_options"), kv_heads=cell.heads_kv, kv_len=point.kv_len)
 
 
-def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None = None) -> dict:
-    """One attempt at one point: both workloads built, timed interleaved, released. Never raises for kernel errors."""
+def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None = None) -> PairResult:
+    """One attempt at one point: both workloads built, timed interleaved in the point's timing mode, released.
+    `slowdown` maps backend names to a planted time factor (> 1). Never raises for kernel errors."""
     import torch
 
     cell = point.cell
-    kernel_side, baseline_side, ratios = SideResult(cell.kernel), SideResult(cell.baseline), []
-    workloads = {}
     timing = dict(cell.timing)
     if cell.is_model:
         timing["flush_l2"] = False   # a whole model streams far more than L2 holds; flushing adds nothing
+    slowdown = slowdown or {}
+    factors = {slot: slowdown.get(getattr(cell, slot), 1.0) for slot in ("kernel", "baseline")}
+    sides = {"kernel": SideResult(cell.kernel), "baseline": SideResult(cell.baseline)}
+    workloads = {}
     try:
         for slot in ("kernel", "baseline"):
             if slot == "baseline" and cell.baseline_max_n is not None and point.n > cell.baseline_max_n:
+                sides[slot].status = "skipped"
+                sides[slot].message = f"{cell.baseline} skipped above N={cell.baseline_max_n}"
                 continue
             try:
-                workloads[slot] = _make_workload(point, slot, device, slowdown)
+                workloads[slot] = _make_workload(point, slot, device)
             except Exception as exc:
-                side = kernel_side if slot == "kernel" else baseline_side
-                side.status = "oom" if is_oom(exc) else "error"
-                side.message = f"setup: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        if "baseline" not in workloads and baseline_side.status == "ok":
-            baseline_side.status = "skipped"
-            baseline_side.message = f"{cell.baseline} skipped above N={cell.baseline_max_n}"
+                sides[slot].fail(exc, "setup: ")
+        kw = dict(timing=timing, device=device, mode=point.timing_mode, monitor=monitor)
         if set(workloads) == {"kernel", "baseline"}:
-            kernel_side, baseline_side, ratios = measure_pair(
-                workloads["kernel"], workloads["baseline"], kernel_name=cell.kernel, baseline_name=cell.baseline,
-                timing=timing, device=device, monitor=monitor)
-        elif workloads:
-            # one side could not be set up: still time the other alone, so the table shows what it costs
+            return measure_pair(workloads["kernel"], workloads["baseline"], kernel_name=cell.kernel,
+                                baseline_name=cell.baseline, slowdown=factors, **kw)
+        if workloads:
+            # one side could not be set up (or is skipped): still time the other alone, so the table shows its cost
             slot, wl = next(iter(workloads.items()))
-            alone, _, _ = measure_pair(wl, _NOOP, kernel_name=getattr(cell, slot), baseline_name="none",
-                                       timing=timing, device=device, monitor=monitor)
-            if slot == "kernel":
-                kernel_side = alone
-            else:
-                baseline_side = alone
+            alone = measure_pair(wl, None, kernel_name=getattr(cell, slot), baseline_name=None,
+                                 slowdown={"kernel": factors[slot]}, **kw)
+            sides[slot] = alone.kernel
+            return dataclasses.replace(alone, kernel=sides["kernel"], baseline=sides["baseline"])
+        return PairResult(sides["kernel"], sides["baseline"], [], timing_mode=point.timing_mode)
     finally:
         for wl in workloads.values():
             if wl.release:
@@ -166,92 +169,42 @@ def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    return {"kernel": kernel_side, "baseline": baseline_side, "ratios": ratios}
 
 
-class _Noop:
-    prepare = None
-    flops = None
-    release = None
-
-    @staticmethod
-    def run():
-        return None
-
-
-_NOOP = _Noop()
-
-
-def verdict(point: Point, result: dict, before: dict, after: dict, monitor_summary: dict | None,
-            clean_check: gpumod.CleanGpuCheck, own_pid: int, device: str) -> tuple[str, list[str], str | None]:
-    """(status, noisy reasons, message) for one attempt."""
-    k, b = result["kernel"], result["baseline"]
-    for side in (k, b):
-        if side.status == "oom":
-            return "oom", [], f"{side.backend} OOM" + (f" ({side.message})" if side.message else "")
-    for side in (k, b):
-        if side.status == "error":
-            return "error", [], f"{side.backend}: {side.message}"
-    reasons = []
-    if device == "cuda" and before.get("gpu"):
-        status = gpumod.GpuStatus(**before["gpu"])
-        reasons += [f"not clean before: {r}" for r in clean_check.failures(status, {own_pid})]
-        for snap, label in ((before, "before"), (after, "after")):
-            foreign = [p for p in (snap.get("gpu") or {}).get("processes", []) if p["pid"] != own_pid]
-            if foreign and label == "after":
-                reasons.append("foreign process after: " + ", ".join(f"{p['pid']} ({p['name']})" for p in foreign))
-        if monitor_summary:
-            lo, hi = monitor_summary["sm_clock_min_mhz"], monitor_summary["sm_clock_max_mhz"]
-            frac = point.cell.retry["min_clock_frac"]
-            sagged = lo is not None and bool(hi) and lo < frac * hi
-            bad = [r for r in monitor_summary["reasons"] if r not in gpumod.BENIGN_REASONS
-                   and (sagged or r not in gpumod.STEADY_STATE_REASONS)]
-            if bad:
-                reasons.append("clock-event reasons during run: " + ", ".join(bad))
-            foreign = [p for p in monitor_summary["pids"] if p != own_pid]
-            if foreign:
-                reasons.append("foreign process during run: " + ", ".join(map(str, foreign)))
-            if sagged:
-                reasons.append(f"SM clock sagged to {lo:.0f} MHz (< {frac:.0%} of {hi:.0f})")
-    elif device == "cpu":
-        reasons += [f"not clean before: {r}" for r in gpumod.cpu_load_failures(clean_check, before)]
-    spread = robust_cv(result["ratios"])
-    max_cv = point.cell.retry["max_cv"]
-    if spread is not None and spread > max_cv:
-        reasons.append(f"ratio spread CV {spread:.1%} > {max_cv:.0%}")
-    if b.status == "skipped":
-        return "skipped", [], b.message
-    return ("noisy" if reasons else "clean"), reasons, None
-
-
-def _attempt_record(point: Point, attempt: int, status: str, reasons, message, result, before, after, monitor_summary):
-    ratio = None
-    if result and result["ratios"]:
-        s = stats(result["ratios"])
-        ratio = {"median": s["median"], "p10": s["p10"], "p90": s["p90"], "samples": [round(r, 6) for r in result["ratios"]]}
-    k = result["kernel"].summary() if result else None
-    b = result["baseline"].summary() if result else None
+def _attempt_record(point: Point, attempt: int, status: str, reasons, message, result: PairResult | None,
+                    before, after, monitor_summary):
+    k = result.kernel.summary() if result else None
+    b = result.baseline.summary() if result and result.baseline else None
     mem_ratio = None
     if k and b and k["mem_mb"] is not None and b["mem_mb"]:
         mem_ratio = k["mem_mb"] / b["mem_mb"]
-    return {"point_id": point.id, "cell_id": point.cell.id, "n": point.n, "attempt": attempt, "utc": utc_now(),
-            "status": status, "noisy_reasons": list(reasons), "message": message, "kernel": k, "baseline": b,
-            "ratio": ratio, "mem_ratio": mem_ratio, "monitor": monitor_summary, "before": before, "after": after}
+    ratio = result.ratio_summary() if result else None
+    sampling = result.sampling_summary(point.cell.timing["ci_half_width"]) if result else None
+    return {"point_id": point.id, "cell_id": point.cell.id, "n": point.n, "timing_mode": point.timing_mode,
+            "attempt": attempt, "utc": utc_now(), "status": status, "disturbed_reasons": list(reasons),
+            "message": message, "kernel": k, "baseline": b, "ratio": ratio, "sampling": sampling,
+            "mem_ratio": mem_ratio, "monitor": monitor_summary, "before": before, "after": after}
 
 
 def _point_row(point: Point, record: dict, attempts: int) -> dict:
     cell = point.cell
     k, b, r = record["kernel"] or {}, record["baseline"] or {}, record["ratio"] or {}
-    reason = record["message"] or ("; ".join(record["noisy_reasons"]) if record["noisy_reasons"] else None)
+    reasons = record["disturbed_reasons"]
+    reason = record["message"] or ("; ".join(reasons) if reasons else None)
+    half = (record["sampling"] or {}).get("ci_half_width") if r else None
     return {"point_id": point.id, "cell_id": cell.id, "kernel": cell.kernel if not cell.is_model else f"{cell.model}:{cell.kernel}",
             "baseline": cell.baseline, "dtype": cell.dtype, "mode": cell.mode, "causal": cell.causal,
             "batch": cell.batch, "heads": cell.heads, "head_dim": cell.head_dim, "n": point.n,
+            "kv_heads": cell.heads_kv, "q_len": None if cell.is_model else point.q_len,
+            "kv_len": None if cell.is_model else point.kv_len,
             "kernel_ms": k.get("ms_median"), "kernel_ms_p10": k.get("ms_p10"), "kernel_ms_p90": k.get("ms_p90"),
             "baseline_ms": b.get("ms_median"), "baseline_ms_p10": b.get("ms_p10"), "baseline_ms_p90": b.get("ms_p90"),
             "lat_ratio": r.get("median"), "lat_ratio_p10": r.get("p10"), "lat_ratio_p90": r.get("p90"),
             "kernel_mem_mb": k.get("mem_mb"), "baseline_mem_mb": b.get("mem_mb"), "mem_ratio": record["mem_ratio"],
             "kernel_tflops": k.get("tflops"), "baseline_tflops": b.get("tflops"),
-            "status": record["status"], "attempts": attempts, "reason": reason}
+            "status": record["status"], "attempts": attempts, "reason": reason,
+            "timing": point.timing_mode, "spread": r.get("spread"), "lat_ratio_ci_low": r.get("ci_low"),
+            "lat_ratio_ci_high": r.get("ci_high"), "ci_half_width": half}
 
 
 class Runner:
@@ -345,7 +298,11 @@ class Runner:
 
     def _resume(self, store: RunStore) -> Path:
         manifest = store.read_manifest()
-        if not self.matrix.can_resume(manifest):
+        # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
+        # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
+        # so nothing can mix with what it holds
+        complete = bool(manifest.get("finished_utc")) and self.matrix.covered_by(store.finished_point_ids())
+        if not self.matrix.can_resume(manifest) and not complete:
             raise RunDirError(f"{store.path}: the cells of {self.matrix.path} this run measures changed since it "
                               f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
                               f"{self.matrix.sha256[:12]}); start a new run")
@@ -356,7 +313,7 @@ class Runner:
             self.on_event("repair", run_dir=store.path, message=line)
         done = store.finished_point_ids()
         points = self.matrix.points()
-        if manifest.get("finished_utc") and all(p.id in done for p in points):
+        if manifest.get("finished_utc") and self.matrix.covered_by(done):
             # a complete run: nothing to measure, and nothing in the directory is rewritten
             self.on_event("complete", run_dir=store.path, total=len(points))
             return store.path
@@ -380,8 +337,7 @@ class Runner:
         return store.path
 
     def run_point(self, point: Point, store: RunStore) -> dict:
-        cell = point.cell
-        max_attempts = self.opt.max_attempts or cell.retry["max_attempts"]
+        policy = NoisePolicy.for_cell(point.cell, self.opt.max_attempts)
         skip = _skip_reason(point, self.opt.device)
         if skip:
             snap = self._snapshot(reuse_s=3.0)   # nothing runs for a skipped point: the last snapshot still holds
@@ -390,46 +346,25 @@ class Runner:
             row = _point_row(point, record, 1)
             store.append_point(row)
             return row
-        record = previous = None
-        for attempt in range(1, max_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             before = self._snapshot(reuse_s=3.0 if attempt == 1 else 0.0)
             monitor = ClockMonitor(self.reader, self.gpu_index) if self.reader is not None and self.gpu_index is not None else None
-            result = measure_point(point, self.opt.device, monitor, **({"slowdown": self.opt.slowdown} if self.opt.slowdown else {}))
+            result = measure_point(point, self.opt.device, monitor, self.opt.slowdown)
             after = self._snapshot()
             monitor_summary = monitor.summary() if monitor else None
-            status, reasons, message = verdict(point, result, before, after, monitor_summary, self.opt.clean_check,
-                                               self.own_pid, self.opt.device)
+            status, reasons, message = policy.verdict(result, before, after, monitor_summary, self.opt.clean_check,
+                                                      self.own_pid, self.opt.device)
             record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary)
             store.append_attempt(record)
             self.on_event("attempt", point=point, attempt=attempt, status=status, reasons=reasons)
-            if status != "noisy" or attempt == max_attempts or _persistent_spread(record, previous, cell):
+            if not policy.retry(status, attempt):
                 break
-            previous = record
-            # back off only when the window looked disturbed (load, clocks, not clean): a spread on a clean GPU
-            # is the point's own launch jitter, and waiting would not change it
-            if not _spread_only(record):
-                self.sleep(cell.retry["backoff_s"] * attempt)
-        row = _point_row(point, record, record["attempt"])
+            self.sleep(policy.backoff(attempt))
+        row = _point_row(point, record, attempt)
         store.append_point(row)
         return row
-
-
-def _spread_only(record: dict) -> bool:
-    """Noisy through the paired ratios' spread alone: no load, clock or clean-GPU reason."""
-    reasons = record["noisy_reasons"]
-    return bool(reasons) and all(x.startswith("ratio spread") for x in reasons)
-
-
-def _persistent_spread(record: dict, previous: dict | None, cell) -> bool:
-    """Stop retrying when two attempts in a row were noisy *only* through the ratio spread and agree on
-    the median: the spread is then a property of the point (launch-bound kernels of ~0.1 ms), not of a
-    noisy window, and more attempts would only cost time. The point stays `noisy`."""
-    if previous is None:
-        return False
-    if not (_spread_only(record) and _spread_only(previous)) or not record["ratio"] or not previous["ratio"]:
-        return False
-    a, b = record["ratio"]["median"], previous["ratio"]["median"]
-    return b > 0 and abs(a / b - 1) <= cell.retry["max_cv"]
 
 
 class NoCleanGpu(RuntimeError):

@@ -137,8 +137,8 @@ def run_progress(run: Run) -> dict:
             matrix = load_matrix(where, device=m.get("device") or "cuda").select(only)
         if matrix is None:            # a spot-check file none of whose cells can run
             problem = "none of its cells can run now"
-        elif matrix.can_resume(m):
-            planned = len(matrix.points())
+        elif matrix.can_resume(m) or (m.get("finished_utc") and matrix.covered_by(run.points["point_id"])):
+            planned = len(matrix.points())      # resumable, or complete under today's plan (a resume is a no-op)
         else:
             problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
                        else "the matrix file changed since")

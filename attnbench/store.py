@@ -35,8 +35,16 @@ POINT_COLUMNS = [
     "kernel_ms", "kernel_ms_p10", "kernel_ms_p90", "baseline_ms", "baseline_ms_p10", "baseline_ms_p90",
     "lat_ratio", "lat_ratio_p10", "lat_ratio_p90", "kernel_mem_mb", "baseline_mem_mb", "mem_ratio",
     "kernel_tflops", "baseline_tflops", "status", "attempts", "reason",
+    # how the point was timed and how well its median ratio is known
+    "timing", "spread", "lat_ratio_ci_low", "lat_ratio_ci_high", "ci_half_width",
+    # the attention problem's K/V heads and lengths (= heads, n, n unless the cell says otherwise)
+    "kv_heads", "q_len", "kv_len",
 ]
-STATUSES = ("clean", "noisy", "oom", "skipped", "error")
+# What every stored run has. Runs from before the later columns read back with them filled (timing "eager", the
+# rest empty) and keep their own header when resumed.
+REQUIRED_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]
+# clean | disturbed: the measurement window (attnbench.measure.noise); "noisy": runs written before that split
+STATUSES = ("clean", "disturbed", "noisy", "oom", "skipped", "error")
 HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
 LOCK_FILE = ".lock"                      # the writer's pid while a run is measured or resumed
 TORN_FILE = "torn_records.jsonl"         # torn last lines set aside by a resume, with where they came from
@@ -65,6 +73,7 @@ class RunStore:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._columns: list[str] | None = None     # points.csv's header, read on the first append
 
     @classmethod
     def create(cls, root: Path, matrix_name: str, manifest: dict, now: datetime | None = None) -> "RunStore":
@@ -177,10 +186,19 @@ class RunStore:
         unknown = set(row) - set(POINT_COLUMNS)
         if unknown:
             raise KeyError(f"unknown point columns: {sorted(unknown)}")
-        values = [_csv_value(row.get(col)) for col in POINT_COLUMNS]
+        # a run started by an older harness keeps its own header when resumed: its columns only (attempts.jsonl
+        # still holds everything)
+        values = [_csv_value(row.get(col)) for col in self._header()]
         buf = io.StringIO()
         csv.writer(buf).writerow(values)
         _append_line(self.path / "points.csv", buf.getvalue())   # one write: a crash tears at most this row
+
+    def _header(self) -> list[str]:
+        """points.csv's own header (read once; a resume repairs an emptied or torn file before appending)."""
+        if self._columns is None:
+            rows, _, _ = _read_points(self.path / "points.csv")
+            self._columns = rows[0] if rows else list(POINT_COLUMNS)
+        return self._columns
 
     def finished_point_ids(self) -> set[str]:
         """The points with a complete row in points.csv (a torn last row does not count)."""
@@ -273,7 +291,7 @@ def _read_points(path: Path) -> tuple[list[list[str]], str, str]:
     complete, torn = _split_tail(path)
     rows = list(csv.reader(io.StringIO(complete, newline="")))
     if rows:
-        missing = [c for c in POINT_COLUMNS if c not in rows[0]]
+        missing = [c for c in REQUIRED_COLUMNS if c not in rows[0]]
         if missing:
             raise RunDirError(f"{path}: missing columns {', '.join(missing)}")
         for lineno, row in enumerate(rows[1:], 2):
@@ -358,6 +376,9 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
     else:   # an empty points.csv (a crash right after creating it): no points yet
         points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
+    for col in POINT_COLUMNS[len(REQUIRED_COLUMNS):]:   # a run from before the column: eager, the rest unknown
+        if col not in points.columns:
+            points[col] = "eager" if col == "timing" else float("nan")
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
     attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")

@@ -12,6 +12,7 @@ import pytest
 
 from attnbench.analysis import lat_trend, select_final, summarize_cells
 from attnbench.formatting import format_n, format_ratio
+from attnbench.measure.stats import median_ci, median_ci_half_width, robust_cv
 from attnbench.report import sweep_table
 from attnbench.runs import load_runs
 from attnbench.store import RunStore
@@ -42,7 +43,9 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
     """Write a run directory. Each point is a dict with at least cell_id, n and one of:
     ratio (a measured lat_ratio; status clean unless given), or status oom/skipped/error with reason.
     Optional: kernel, baseline, dtype, mode, causal, heads, head_dim (None for model cells), mem_ratio,
-    samples (explicit ratio samples), attempts (list of statuses of earlier attempts, e.g. ["noisy"]), failed_side.
+    samples (explicit ratio samples), n_samples, spread (per point), attempts (list of statuses of earlier
+    attempts, e.g. ["noisy"]), failed_side, timing ("graph" writes the run's newer columns too).
+    A "noisy" point records its reason as the legacy runs did (noisy_reasons); a "disturbed" one as runs do now.
     """
     when = when or datetime(2026, 11, 22, 1, 0, 0, tzinfo=timezone.utc)
     manifest = {"matrix_path": f"matrices/{name}.yaml", "matrix_name": name, "matrix_sha256": "0" * 64,
@@ -70,7 +73,8 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
                                   "ratio": None, "mem_ratio": None, "before": snapshot(util=30.0),
                                   "after": snapshot(clock=1500, throttle=("sw_power_cap",))})
         if ratio is not None:
-            samples = p.get("samples") or [ratio * (1 + rng.gauss(0, spread)) for _ in range(n_samples)]
+            samples = p.get("samples") or [ratio * (1 + rng.gauss(0, p.get("spread", spread)))
+                                           for _ in range(p.get("n_samples", n_samples))]
             srt = sorted(samples)
             med = srt[len(srt) // 2] if p.get("samples") else ratio
             p10, p90 = srt[int(0.1 * (len(srt) - 1))], srt[int(0.9 * (len(srt) - 1))]
@@ -85,12 +89,17 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
                 kside, bside = _side(kernel, None, "skipped"), _side(baseline, None, "skipped")
             ratio_rec = None
         attempt_no = len(prior) + 1
-        store.append_attempt({"point_id": f"{cell}@{n}", "cell_id": cell, "n": n, "attempt": attempt_no,
-                              "utc": started, "status": status, "noisy_reasons": [], "message": p.get("reason"),
+        reasons = [p["reason"]] if status in ("noisy", "disturbed") and p.get("reason") else []
+        pid = f"{cell}@{n}" + (":graph" if p.get("timing") == "graph" else "")
+        store.append_attempt({"point_id": pid, "cell_id": cell, "n": n, "attempt": attempt_no,
+                              "utc": started, "status": status,
+                              ("disturbed_reasons" if status == "disturbed" else "noisy_reasons"): reasons,
+                              "message": None if reasons else p.get("reason"),
                               "kernel": kside, "baseline": bside, "ratio": ratio_rec, "mem_ratio": mem_ratio,
                               "before": snapshot(util=p.get("util", 1.0)), "after": snapshot(util=2.0, temp=40)})
+        ci = median_ci(ratio_rec["samples"]) if ratio_rec else None
         store.append_point({
-            "point_id": f"{cell}@{n}", "cell_id": cell, "kernel": kernel, "baseline": baseline,
+            "point_id": pid, "cell_id": cell, "kernel": kernel, "baseline": baseline,
             "dtype": p.get("dtype", "float32"), "mode": p.get("mode", "fwd"), "causal": p.get("causal", False),
             "batch": p.get("batch", 1), "heads": p.get("heads", 8), "head_dim": p.get("head_dim", 64), "n": n,
             "kernel_ms": kside["ms_median"], "kernel_ms_p10": kside["ms_p10"], "kernel_ms_p90": kside["ms_p90"],
@@ -98,7 +107,10 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
             "lat_ratio": med, "lat_ratio_p10": p10, "lat_ratio_p90": p90,
             "kernel_mem_mb": kside["mem_mb"], "baseline_mem_mb": bside["mem_mb"], "mem_ratio": mem_ratio,
             "kernel_tflops": kside["tflops"], "baseline_tflops": bside["tflops"], "status": status,
-            "attempts": attempt_no, "reason": p.get("reason"),
+            "attempts": attempt_no, "reason": p.get("reason"), "timing": p.get("timing", "eager"),
+            "spread": robust_cv(ratio_rec["samples"]) if ratio_rec else None,
+            "lat_ratio_ci_low": ci[0] if ci else None, "lat_ratio_ci_high": ci[1] if ci else None,
+            "ci_half_width": median_ci_half_width(ratio_rec["samples"]) if ci else None,
         })
     return store.path
 

@@ -3,9 +3,7 @@ import pytest
 
 from attnbench import gpu as gpumod
 from attnbench.gpu import CleanGpuCheck, choose_gpu, decode_reasons, sample_gpus, wait_for_clean_gpu
-from attnbench.matrix import Cell, Point
-from attnbench.measure import SideResult
-from attnbench.runner import verdict
+from attnbench.measure import NoisePolicy, PairResult, SideResult, window_disturbed
 from fakes import OWN_PID, FakeReader, gpu_state
 
 
@@ -103,18 +101,14 @@ def test_throttle_reasons_decode():
     assert decode_reasons(0x10000) == ["unknown_0x10000"]
 
 
-# --- noise verdicts for one attempt ------------------------------------------------------------
+# --- noise verdicts for one attempt (attnbench.measure.noise) ----------------------------------------------
 
-def _point(max_cv=0.03):
-    cell = Cell(id="c", kernel="efficient", baseline="math", dtype="float16", mode="fwd", batch=1,
-                seq_lens=(1024,), heads=8, head_dim=64,
-                retry={"max_attempts": 4, "backoff_s": 0, "max_cv": max_cv, "min_clock_frac": 0.9})
-    return Point(cell, 1024)
+POLICY = NoisePolicy(max_attempts=4, backoff_s=0, min_clock_frac=0.9)
 
 
 def _result(ratios=(0.5, 0.5, 0.51, 0.5)):
-    return {"kernel": SideResult("efficient", samples_ms=[1.0] * 4), "baseline": SideResult("math", samples_ms=[2.0] * 4),
-            "ratios": list(ratios)}
+    return PairResult(SideResult("efficient", samples_ms=[1.0] * 4), SideResult("math", samples_ms=[2.0] * 4),
+                      list(ratios))
 
 
 def _snap(reader):
@@ -128,7 +122,8 @@ def _monitor(reasons=(), pids=(), lo=1980):
 
 def test_verdict_clean():
     r = FakeReader([[gpu_state(pids=(OWN_PID,))]])
-    status, reasons, _ = verdict(_point(), _result(), _snap(r), _snap(r), _monitor(["gpu_idle"], [OWN_PID]), CleanGpuCheck(), OWN_PID, "cuda")
+    status, reasons, _ = POLICY.verdict(_result(), _snap(r), _snap(r), _monitor(["gpu_idle"], [OWN_PID]), CleanGpuCheck(),
+                                        OWN_PID, "cuda")
     assert (status, reasons) == ("clean", [])
 
 
@@ -139,22 +134,45 @@ def test_verdict_clean():
     (gpu_state(), gpu_state(), _monitor(reasons=["sw_thermal_slowdown"]), "clock-event reasons during run: sw_thermal_slowdown"),
     (gpu_state(), gpu_state(), _monitor(lo=1500), "SM clock sagged to 1500 MHz"),
 ])
-def test_verdict_noisy_reasons(before_state, after_state, monitor, expected):
+def test_verdict_disturbed_reasons(before_state, after_state, monitor, expected):
     before = _snap(FakeReader([[before_state]]))
     after = _snap(FakeReader([[after_state]]))
-    status, reasons, _ = verdict(_point(), _result(), before, after, monitor, CleanGpuCheck(), OWN_PID, "cuda")
-    assert status == "noisy" and any(expected in r for r in reasons), reasons
+    status, reasons, _ = POLICY.verdict(_result(), before, after, monitor, CleanGpuCheck(), OWN_PID, "cuda")
+    assert status == "disturbed" and any(expected in r for r in reasons), reasons
 
 
-def test_verdict_noisy_on_ratio_spread_and_oom_and_error():
+def test_min_clock_is_the_policys():
+    s = _snap(FakeReader([[gpu_state()]]))
+    assert POLICY.verdict(_result(), s, s, _monitor(lo=1800), CleanGpuCheck(), OWN_PID, "cuda")[0] == "clean"   # 91 % ≥ 90 %
+    strict = NoisePolicy(min_clock_frac=0.95)
+    status, reasons, _ = strict.verdict(_result(), s, s, _monitor(lo=1800), CleanGpuCheck(), OWN_PID, "cuda")
+    assert status == "disturbed" and "< 95% of 1980" in reasons[0]
+
+
+def test_spread_alone_is_clean_and_oom_and_error_are_results():
     r = FakeReader([[gpu_state()]])
     s = _snap(r)
-    status, reasons, _ = verdict(_point(), _result([0.3, 0.5, 0.7, 0.9, 0.4]), s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
-    assert status == "noisy" and "ratio spread CV" in reasons[0]
+    status, reasons, _ = POLICY.verdict(_result([0.3, 0.5, 0.7, 0.9, 0.4]), s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
+    assert (status, reasons) == ("clean", [])
     res = _result()
-    res["baseline"].status, res["baseline"].message = "oom", "CUDA out of memory"
-    assert verdict(_point(), res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")[:1] == ("oom",)
+    res.baseline.status, res.baseline.message = "oom", "CUDA out of memory"
+    assert POLICY.verdict(res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")[:1] == ("oom",)
     res = _result()
-    res["kernel"].status, res["kernel"].message = "error", "RuntimeError: boom"
-    status, _, message = verdict(_point(), res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
+    res.kernel.status, res.kernel.message = "error", "RuntimeError: boom"
+    status, _, message = POLICY.verdict(res, s, s, _monitor(), CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "error" and "boom" in message
+
+
+def test_retry_only_a_disturbed_window_and_back_off_by_attempt():
+    p = NoisePolicy(max_attempts=3, backoff_s=2.0)
+    assert [p.retry("disturbed", a) for a in (1, 2, 3)] == [True, True, False]
+    assert not any(p.retry(s, 1) for s in ("clean", "oom", "error", "skipped"))
+    assert [p.backoff(a) for a in (1, 2)] == [2.0, 4.0]
+
+
+def test_legacy_noisy_points_are_disturbed_unless_the_spread_was_the_only_reason():
+    assert not window_disturbed("clean", [])
+    assert window_disturbed("disturbed", ["foreign process after: 1 (x)"])
+    assert not window_disturbed("noisy", ["ratio spread CV 12.0% > 3%"])
+    assert window_disturbed("noisy", ["ratio spread CV 12.0% > 3%", "SM clock sagged to 1500 MHz (< 90% of 1980)"])
+    assert window_disturbed("noisy", [])          # no reason recorded: cannot call it clean

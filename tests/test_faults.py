@@ -29,7 +29,7 @@ H100_BASELINE = REPO / "results" / "baselines" / "h100"
 
 TINY = """name: tiny
 defaults: {batch: 1, heads: 1, head_dim: 32, timing: {warmup_ms: 0, rep_ms: 1, min_reps: 3, max_reps: 3, flush_l2: false},
-           retry: {max_attempts: 1, backoff_s: 0, max_cv: 100}}
+           retry: {max_attempts: 1, backoff_s: 0}}
 cells:
   - {id: a, kernel: flash, baseline: math, dtype: float32, mode: fwd, seq_lens: [16, 32, 48]}
 """
@@ -139,6 +139,12 @@ BAD_MATRICES = {
     "inputs-exceed-memory": (matrix_with().replace("seq_lens: [16]", "seq_lens: [16, 1099511627776]"),
                              ["cell 'a'", "seq_lens", "1099511627776", "bytes", "of RAM"]),
     "unknown-backend": (matrix_with().replace("kernel: flash", "kernel: flashy"), ["unknown backend 'flashy'"]),
+    "kv-heads-not-a-divisor": (matrix_with(", heads: 4, kv_heads: 3"),
+                               ["cell 'a'", "field 'kv_heads' = 3", "divisor of heads (4): 1, 2, 4"]),
+    "q-len-not-a-rule": (matrix_with(", q_len: 'N/x'"), ["cell 'a'", "field 'q_len' = 'N/x'", "N, N/k, N*k"]),
+    "q-len-does-not-divide": (matrix_with(", q_len: N/3"), ["field 'q_len' = 'N/3'", "seq_lens has 16, not a multiple of 3"]),
+    "lengths-both-fixed": (matrix_with(", q_len: 8, kv_len: 32"), ["'q_len' = 8", "'kv_len' = 32", "both fixed"]),
+    "compile-on-an-attention-cell": (matrix_with(", compile: true"), ["unknown key 'compile' for an attention cell"]),
     "top-level-list": ("- a\n- b\n", ["top level must be a mapping"]),
     "empty-file": ("", ["top level must be a mapping"]),
 }
@@ -193,9 +199,11 @@ BAD_OPTIONS = {
     "max-util-negative": (["--max-util", "-1"], ["--max-util -1"]),
     "max-util-nan": (["--max-util", "nan"], ["--max-util nan"]),
     "wait-negative": (["--wait", "-5"], ["--wait -5"]),
-    "slowdown-unused-backend": (["--slowdown", "cudnn=2"], ["--slowdown cudnn=2", "flash, math"]),
-    "slowdown-malformed": (["--slowdown", "flash"], ["--slowdown 'flash'", "BACKEND=K"]),
-    "slowdown-zero": (["--slowdown", "flash=0"], ["--slowdown 'flash=0'"]),
+    "slowdown-unused-backend": (["--slowdown", "cudnn=2"], ["--slowdown 'cudnn=2'", "flash, math"]),
+    "slowdown-malformed": (["--slowdown", "flash"], ["--slowdown 'flash'", "BACKEND=FACTOR"]),
+    "slowdown-zero": (["--slowdown", "flash=0"], ["--slowdown 'flash=0'", "> 1"]),
+    "slowdown-one": (["--slowdown", "flash=1"], ["--slowdown 'flash=1'", "> 1"]),
+    "slowdown-nan": (["--slowdown", "flash=nan"], ["--slowdown 'flash=nan'", "finite"]),
     "only-matches-nothing": (["--only", "zzz*"], ["--only 'zzz*'", "no cell"]),
     "unknown-option": (["--fast"], ["No such option: --fast"]),
     "results-root-is-a-file": (["--results-root", "{file}"], ["{file}", "not a folder"]),
@@ -580,7 +588,7 @@ def test_tables_are_not_folded_when_piped(capsys, tmp_path, complete_run):
     assert short.code == 0 and len(short.out.splitlines()) <= 25, short.out
     assert "description" not in short.out.splitlines()[2] and "SDPA math" not in short.out
     for row in short.out.splitlines()[4:-1]:
-        assert row.count("│") == 9, row          # one line per backend: nothing folded onto a second line
+        assert row.count("│") == 10, row         # one line per backend: nothing folded onto a second line
     long = cli(capsys, "list", "--long")
     assert "description" in long.out and "SDPA math: the unfused reference path, materialises N×N scores" in long.out
     listed = cli(capsys, "runs", complete_run.parent)

@@ -1,6 +1,7 @@
 """Gate verdicts on synthetic pairs of runs: a shift inside the noise is never SLOWER."""
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 import pytest
@@ -114,3 +115,147 @@ def test_baseline_folder_resolves_to_its_run(tmp_path):
     b, c = _pair(tmp_path, BASE, seed=0)
     rows = compare_runs(b.parent, c)   # a folder of runs: the newest one (here the current run itself)
     assert set(verdicts(rows).values()) == {"SAME"}
+
+
+# --- every measured point is judged, whatever its spread ------------------------------------------------
+
+# a launch-bound point: ratio samples with a 20 % spread, sampled (the stopping rule) until the median is known
+SPREAD = dict(cell_id="nightly_elsa_fp16_fwdbwd_vs_flash", baseline="flash", dtype="float16", mode="fwdbwd",
+              n=4096, spread=0.20, n_samples=1500)
+
+
+def _spread_runs(tmp_path, current_ratio, *, current_status="clean", current_reason=None, base_status="clean",
+                 base_reason=None, seed=5):
+    b = make_run(tmp_path, [dict(SPREAD, ratio=1.30, status=base_status, reason=base_reason)], name="nightly", seed=0)
+    c = make_run(tmp_path, [dict(SPREAD, ratio=current_ratio, status=current_status, reason=current_reason)],
+                 name="nightly", seed=seed, when=LATER, started="2026-11-23T01:00:00Z")
+    return b, c
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spread_heavy_undisturbed_point_with_a_planted_15_percent_slowdown_is_slower(tmp_path, seed):
+    b, c = _spread_runs(tmp_path, 1.30 * 1.15, seed=seed + 5)
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "SLOWER", (row.change, row.ci_low, row.ci_high)
+    assert 1.07 < row.ci_low and row.change == pytest.approx(1.15, abs=0.03)
+    assert gate_exit_code([row]) == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_same_spread_heavy_point_against_itself_is_same(tmp_path, seed):
+    b, c = _spread_runs(tmp_path, 1.30, seed=seed + 5)
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "SAME", (row.change, row.ci_low, row.ci_high)
+    assert row.ci_high - row.ci_low < 0.07    # the interval is narrow despite the spread: many paired samples
+
+
+def test_a_disturbed_window_is_noisy_whatever_the_change(tmp_path):
+    b, c = _spread_runs(tmp_path, 1.30 * 1.5, current_status="disturbed",
+                        current_reason="foreign process during run: 4242")
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "NOISY" and "current run: window disturbed" in row.detail and "4242" in row.detail
+    assert row.ci_low > 1.07          # the interval alone would have said SLOWER: the window decides
+    b, c = _spread_runs(tmp_path / "x", 1.30, base_status="disturbed", base_reason="SM clock sagged to 1500 MHz")
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "NOISY" and "baseline run: window disturbed" in row.detail
+
+
+def test_legacy_noisy_points_load_and_spread_only_ones_are_judged(tmp_path):
+    """Runs written before the split marked a spread-heavy point `noisy`; its window was clean, so it is judged."""
+    b, c = _spread_runs(tmp_path, 1.30 * 1.15, base_status="noisy", base_reason="ratio spread CV 19.4% > 3%")
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "SLOWER"
+    b, c = _spread_runs(tmp_path / "x", 1.30, base_status="noisy",
+                        base_reason="SM clock sagged to 1650 MHz (< 90% of 1980)")
+    (row,) = compare_runs(b, c)
+    assert row.verdict == "NOISY" and "window disturbed" in row.detail
+
+
+def test_graph_points_pair_only_with_graph_points(tmp_path):
+    pts = [dict(cell_id="c", n=4096, ratio=0.8), dict(cell_id="c", n=4096, ratio=0.6, timing="graph")]
+    b = make_run(tmp_path, pts, name="nightly")
+    c = make_run(tmp_path, [dict(pts[0]), dict(pts[1], ratio=0.6 * 1.2)], name="nightly", seed=3, when=LATER,
+                 started="2026-11-23T01:00:00Z")
+    rows = {r.point_id: r.verdict for r in compare_runs(b, c)}
+    assert rows == {"c@4096": "SAME", "c@4096:graph": "SLOWER"}
+
+
+# --- bless -----------------------------------------------------------------------------------------------
+
+def test_bless_installs_the_run_for_its_gpu_and_replaces_the_previous_one(tmp_path):
+    from attnbench.gate import bless_run
+
+    first = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    second = make_run(tmp_path / "runs", _pts(BASE), name="nightly", seed=2, when=LATER, started="2026-11-23T01:00:00Z")
+    root = tmp_path / "baselines"
+    installed = bless_run(first, root)
+    assert installed == root / "h100" / first.name and (installed / "points.csv").is_file()
+    installed = bless_run(second, root)
+    assert sorted(p.name for p in (root / "h100").iterdir()) == [second.name, "baseline.json"]
+    record = json.loads((root / "h100" / "baseline.json").read_text())
+    assert record["run"] == second.name and record["git_commit"] == "abc123def4567890"
+    assert record["points"] == {"clean": 3}
+    # the gate reads the folder: the blessed run is the baseline
+    rows = compare_runs(root / "h100", second)
+    assert {r.verdict for r in rows} == {"SAME"} and all(r.change == 1 for r in rows)
+
+
+def test_bless_refuses_unfinished_and_slowed_runs(tmp_path):
+    from attnbench.gate import bless_run
+    from attnbench.store import RunDirError, RunStore
+
+    run = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    RunStore(run).update_manifest(finished_utc=None, interrupted=True)
+    with pytest.raises(RunDirError, match="not finished"):
+        bless_run(run, tmp_path / "baselines")
+    RunStore(run).update_manifest(finished_utc="2026-11-22T02:00:00Z", interrupted=False,
+                                  injected_slowdown={"elsa": 1.15})
+    with pytest.raises(RunDirError, match="planted slowdown"):
+        bless_run(run, tmp_path / "baselines")
+    assert not (tmp_path / "baselines").exists()
+
+
+def test_cli_bless_and_gate(tmp_path):
+    from test_runner import cli
+
+    b, c = _pair(tmp_path / "runs", BASE, seed=3)
+    proc = cli("gate", "--bless", str(b), "--baselines-root", str(tmp_path / "baselines"))
+    assert proc.returncode == 0, proc.stderr
+    assert "baseline for h100" in proc.stdout and "abc123def4567890" in proc.stdout
+    proc = cli("gate", "--baseline", str(tmp_path / "baselines" / "h100"), "--current", str(c))
+    assert proc.returncode == 0 and "Gate: PASS" in proc.stdout
+    proc = cli("gate", "--current", str(c))
+    assert proc.returncode == 2 and "--baseline RUN and --current RUN" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cli("gate", "--bless", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "not a run directory" in proc.stderr
+
+
+def test_nightly_script_blesses_gates_and_refuses_to_bless_a_slowed_run(tmp_path):
+    """scripts/nightly.sh end to end on the CPU with the smoke matrix: --bless arms the gate, the next run is gated."""
+    import os
+    import subprocess
+    import sys
+
+    from test_runner import REPO
+
+    env = dict(os.environ, NIGHTLY_MATRIX="matrices/smoke_cpu.yaml", BASELINES_ROOT=str(tmp_path / "baselines"),
+               PYTHON=sys.executable, RETRIES="0")
+    env.pop("TRITON_INTERPRET", None)
+
+    def nightly(*args):
+        return subprocess.run(["bash", str(REPO / "scripts" / "nightly.sh"), "--device", "cpu", "--results-root",
+                               str(tmp_path / "runs"), *args], capture_output=True, text=True, env=env, timeout=600)
+
+    first = nightly("--bless")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "gate skipped" in first.stderr
+    record = json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())
+    blessed = tmp_path / "baselines" / "cpu" / record["run"]
+    assert (blessed / "points.csv").is_file() and (tmp_path / "runs" / record["run"] / "REPORT.md").is_file()
+    second = nightly()
+    assert second.returncode in (0, 1), second.stderr[-2000:]    # CPU timings may well differ: only the plumbing
+    (run2,) = [p for p in (tmp_path / "runs").iterdir() if p.name != record["run"]]
+    assert "# Perf gate" in (run2 / "gate.md").read_text() and f"baseline run: `{blessed}`" in second.stdout
+    slowed = nightly("--bless", "--slowdown", "flash=1.15", "--only", "flash_vs_math_fp32_fwd")
+    assert slowed.returncode == 2 and "planted slowdown" in slowed.stderr
+    assert json.loads((tmp_path / "baselines" / "cpu" / "baseline.json").read_text())["run"] == record["run"]

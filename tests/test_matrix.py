@@ -73,8 +73,8 @@ def test_backend_capabilities_are_checked_for_the_target_device(tmp_path):
     assert m.cells[0].allow_skip
     # head_dim the backend cannot do
     cell = GOOD_CELL.replace("kernel: efficient", "kernel: cudnn")
-    with pytest.raises(MatrixError, match=r"head_dim 80 unsupported"):
-        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 80}\n")))
+    with pytest.raises(MatrixError, match=r"head_dim 136 unsupported \(supports multiples of 8 from 8 to 128\)"):
+        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 136}\n")))
     # efficient has no CPU implementation: with --device cpu its points load and are skipped with the reason
     # (any GPU matrix runs on the CPU), while what the backend cannot do on any device stays an error there too
     from attnbench.runner import _skip_reason
@@ -84,8 +84,8 @@ def test_backend_capabilities_are_checked_for_the_target_device(tmp_path):
     assert _skip_reason(m.points()[0], "cpu") == "efficient: device cpu unsupported (supports cuda)"
     assert _skip_reason(m.points()[0], "cuda") is None
     cell = GOOD_CELL.replace("kernel: efficient", "kernel: cudnn")
-    with pytest.raises(MatrixError, match=r"head_dim 80 unsupported"):
-        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 80}\n")), device="cpu")
+    with pytest.raises(MatrixError, match=r"head_dim 136 unsupported"):
+        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 136}\n")), device="cpu")
 
 
 def test_reserved_kernel_not_landed_is_a_clear_error(tmp_path, monkeypatch):
@@ -139,3 +139,259 @@ def test_cli_dry_run_prints_plan_without_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "flash_vs_math_fp32_fwd@64" in proc.stdout and "3 points" in proc.stdout
     assert "last time 0.0 min for 0 of them (from 0 stored cpu runs; 3 never measured)" in proc.stdout
+
+
+# --- timing modes and the stopping rule's target ------------------------------------------------------------
+
+def test_timing_mode_both_gives_an_eager_and_a_graph_point_per_length(tmp_path):
+    m = load_matrix(write(tmp_path, matrix_text(GOOD_CELL + "    timing: {mode: both, ci_half_width: 0.01}\n")))
+    assert [(p.id, p.timing_mode) for p in m.points()] == [
+        ("a@128", "eager"), ("a@128:graph", "graph"), ("a@256", "eager"), ("a@256:graph", "graph")]
+    assert m.cells[0].timing["ci_half_width"] == 0.01 and m.cells[0].timing["max_ms"] == 2000.0
+    m = load_matrix(write(tmp_path, matrix_text(GOOD_CELL + "    timing: {mode: graph}\n")))
+    assert [p.id for p in m.points()] == ["a@128:graph", "a@256:graph"]
+    assert [p.id for p in load_matrix(write(tmp_path, matrix_text())).points()] == ["a@128", "a@256"]   # eager default
+
+
+@pytest.mark.parametrize("extra, device, expected", [
+    ("    timing: {mode: fast}\n", "cuda", ["cell 'a'", "timing.mode", "'fast'", "eager, graph, both"]),
+    ("    timing: {mode: graph}\n", "cpu", ["cell 'a'", "timing.mode", "need a GPU"]),
+    ("    timing: {mode: both}\n    mode: bwd\n", "cuda", ["cell 'a'", "timing.mode", "mode bwd", "fwdbwd"]),
+    ("    timing: {ci_half_width: 0}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "(0, 1)"]),
+    ("    timing: {ci_half_width: 1.5}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "1.5"]),
+    ("    timing: {ci_half_width: yes}\n", "cuda", ["cell 'a'", "timing.ci_half_width"]),
+    ("    timing: {max_ms: 0}\n", "cuda", ["cell 'a'", "timing.max_ms", "≥ 1"]),
+    ("    retry: {min_clock_frac: 1.2}\n", "cuda", ["cell 'a'", "retry.min_clock_frac", "(0, 1]"]),
+    ("    retry: {max_cv: 0.03}\n", "cuda", ["cell 'a'", "retry.max_cv", "unknown key"]),
+])
+def test_timing_validation(tmp_path, extra, device, expected):
+    cell = GOOD_CELL.replace("    mode: fwd\n", "") if "mode: bwd" in extra else GOOD_CELL
+    with pytest.raises(MatrixError) as exc:
+        load_matrix(write(tmp_path, matrix_text(cell + extra)), device=device)
+    for part in expected:
+        assert part in str(exc.value), str(exc.value)
+
+
+def test_model_cells_time_eagerly(tmp_path):
+    body = matrix_text("""
+  - id: vit
+    model: vit_tiny_patch16_224
+    img_sizes: [224]
+    kernel: native
+    dtype: float16
+    mode: fwd
+    timing: {mode: graph}
+""")
+    with pytest.raises(MatrixError, match="model cells time eagerly"):
+        load_matrix(write(tmp_path, body))
+
+
+# -- the attention problem's shape: grouped K/V heads, query and key lengths (issue 17) ------------------
+
+SHAPED = """
+  - {id: gqa, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 8, kv_heads: 2, seq_lens: [128, 256]}
+  - {id: mqa, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 8, kv_heads: 1, seq_lens: [128]}
+  - {id: chunk, kernel: math, baseline: flash, dtype: float16, mode: fwd, causal: true, q_len: 64, seq_lens: [64, 256]}
+  - {id: quarter, kernel: math, baseline: flash, dtype: float16, mode: fwd, q_len: N/4, seq_lens: [128, 256]}
+  - {id: twice, kernel: math, baseline: flash, dtype: float16, mode: fwd, kv_len: 'N * 2', seq_lens: [128]}
+  - {id: text, kernel: math, baseline: flash, dtype: float16, mode: fwd, kv_len: 77, seq_lens: [128]}
+  - {id: spelled, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 2, kv_heads: 2, q_len: N, kv_len: N/1, seq_lens: [128]}
+"""
+
+
+def test_shape_fields_resolve_per_point_and_name_it_in_the_id(tmp_path):
+    m = load_matrix(write(tmp_path, matrix_text(SHAPED)), device="cpu")
+    got = {p.id: (p.q_len, p.kv_len, p.cell.heads, p.cell.heads_kv) for p in m.points()}
+    assert got == {
+        "gqa@128:hkv2": (128, 128, 8, 2), "gqa@256:hkv2": (256, 256, 8, 2), "mqa@128:hkv1": (128, 128, 8, 1),
+        "chunk@64": (64, 64, 2, 2), "chunk@256:q64": (64, 256, 2, 2),      # a fixed 64-token chunk vs 256 keys
+        "quarter@128:q32": (32, 128, 2, 2), "quarter@256:q64": (64, 256, 2, 2),
+        "twice@128:kv256": (128, 256, 2, 2), "text@128:kv77": (128, 77, 2, 2),
+        "spelled@128": (128, 128, 2, 2),
+    }
+    cells = {c.id: c for c in m.cells}
+    assert cells["gqa"].grouped and not cells["gqa"].cross
+    assert cells["chunk"].cross and not cells["chunk"].grouped and cells["chunk"].q_len == 64
+    assert cells["quarter"].q_len == "N/4" and cells["twice"].kv_len == "N*2"   # canonical text
+    # the defaults spelled out are the defaults: nothing new in the id or the plan
+    assert (cells["spelled"].kv_heads, cells["spelled"].q_len, cells["spelled"].kv_len) == (None, None, None)
+
+
+def test_plan_fingerprint_includes_shape_fields_only_when_they_differ_from_the_defaults(tmp_path):
+    plain = "  - {id: a, kernel: math, baseline: flash, dtype: float16, mode: fwd, seq_lens: [128]}\n"
+
+    def plan(cell):
+        return load_matrix(write(tmp_path, matrix_text(cell)), device="cpu").plan_sha256()
+
+    assert plan(plain) == plan(plain.replace("}", ", kv_heads: 2, q_len: N, kv_len: 'N*1'}"))
+    assert plan(plain) != plan(plain.replace("}", ", kv_heads: 1}"))
+    assert plan(plain) != plan(plain.replace("}", ", q_len: N/2}"))
+    assert plan(plain) != plan(plain.replace("}", ", kv_len: 77}"))
+
+
+def test_plan_fingerprint_covers_the_problem_not_the_sampling_policy(tmp_path):
+    """An interrupted run resumes after its points' sampling or retry policy changed (budgets, the CI target,
+    retries, the description), never after a change of what is measured or of what a time means."""
+    base = GOOD_CELL + "    timing: {warmup_ms: 25, rep_ms: 200, ci_half_width: 0.015}\n    retry: {max_attempts: 4}\n"
+
+    def plan(cell):
+        return load_matrix(write(tmp_path, matrix_text(cell)), device="cuda").plan_sha256()
+
+    same = [base.replace("ci_half_width: 0.015", "ci_half_width: 0.005, max_ms: 9000, max_reps: 50"),
+            base.replace("warmup_ms: 25, rep_ms: 200", "warmup_ms: 1, rep_ms: 10, min_reps: 3"),
+            base.replace("max_attempts: 4", "max_attempts: 2, backoff_s: 0, min_clock_frac: 0.8"),
+            base + "    description: another word\n",
+            base.replace("timing: {", "timing: {mode: eager, flush_l2: true, ")]      # the defaults spelled out
+    assert {plan(c) for c in same} == {plan(base)}
+    different = [base.replace("timing: {", "timing: {flush_l2: false, "), base.replace("timing: {", "timing: {mode: both, "),
+                 base.replace("seq_lens: [128, 256]", "seq_lens: [128, 512]"), base.replace("dtype: float16", "dtype: float32"),
+                 base + "    causal: true\n", base + "    head_dim: 128\n", base + "    kernel_options: {}\n    batch: 2\n",
+                 base.replace("baseline: math", "baseline: flash")]
+    plans = [plan(c) for c in different]
+    assert plan(base) not in plans and len(set(plans)) == len(plans)
+
+
+def _committed_runs():
+    return sorted(p.parent for p in [*(REPO / "results" / "runs").glob("*/manifest.json"),
+                                     *(REPO / "results" / "baselines").glob("*/*/manifest.json")])
+
+
+@pytest.mark.parametrize("run_dir", _committed_runs(), ids=lambda p: p.name)
+def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(tmp_path, run_dir):
+    """Every committed run (results/runs and the H100 baseline), with the cells its command line selects today, has
+    nothing left to measure: `attnbench runs` calls it complete, and `--resume` of a copy accepts it, measures
+    nothing and rewrites nothing. Their fingerprints (where they recorded one) also covered the sampling policy
+    that has changed since, so completeness is what keeps them resumable; the fingerprint's own rule is
+    test_plan_fingerprint_covers_the_problem_not_the_sampling_policy."""
+    import shutil
+
+    from attnbench.runner import Runner, RunOptions
+    from attnbench.runs import run_progress
+    from attnbench.spotcheck import load_spot_check
+    from attnbench.store import load_run
+
+    copy = tmp_path / run_dir.name
+    shutil.copytree(run_dir, copy)
+    manifest = load_run(copy).manifest
+    argv, device = manifest["argv"], manifest.get("device") or "cuda"
+    if argv[0] == "spot-check":
+        m = load_spot_check(REPO / manifest["matrix_path"], device=device).matrix
+    else:
+        only = argv[argv.index("--only") + 1] if "--only" in argv else None
+        m = load_matrix(REPO / manifest["matrix_path"], device=device).select(only)
+    info = run_progress(load_run(copy))
+    assert (info["state"], info["resume"]) == ("complete", None), info
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    events = []
+    runner = Runner(m, RunOptions(device=device, results_root=tmp_path / "runs"), reader=None,
+                    on_event=lambda kind, **data: events.append(kind))
+    assert runner.run(resume=copy) == copy
+    assert events == ["complete"]
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
+@pytest.mark.parametrize("cells, expected", [
+    (GOOD_CELL + "    kv_heads: 3\n", ["cell 'a'", "field 'kv_heads' = 3", "divisor of heads (2): 1, 2"]),
+    (GOOD_CELL + "    kv_heads: 0\n", ["field 'kv_heads' = 0"]),
+    (GOOD_CELL + "    kv_heads: true\n", ["field 'kv_heads' = True"]),
+    (GOOD_CELL + "    kv_heads: 4\n", ["field 'kv_heads' = 4", "divisor of heads (2)"]),
+    (GOOD_CELL + "    q_len: N/3\n", ["cell 'a'", "field 'q_len' = 'N/3'", "seq_lens has 128, not a multiple of 3"]),
+    (GOOD_CELL + "    q_len: M/2\n", ["field 'q_len' = 'M/2'", "N, N/k, N*k"]),
+    (GOOD_CELL + "    q_len: N/0\n", ["field 'q_len' = 'N/0'", "k ≥ 1"]),
+    (GOOD_CELL + "    kv_len: 0\n", ["field 'kv_len' = 0", "positive length"]),
+    (GOOD_CELL + "    kv_len: 2.5\n", ["field 'kv_len' = 2.5"]),
+    (GOOD_CELL + "    q_len: 64\n    kv_len: 512\n", ["'q_len' = 64", "'kv_len' = 512", "both fixed"]),
+    (GOOD_CELL + "    compile: true\n", ["unknown key 'compile' for an attention cell"]),
+])
+def test_shape_field_errors_name_file_cell_field_value(tmp_path, cells, expected):
+    path = write(tmp_path, matrix_text(cells))
+    with pytest.raises(MatrixError) as exc:
+        load_matrix(path)
+    msg = str(exc.value)
+    assert str(path) in msg and "\n" not in msg
+    for part in expected:
+        assert part in msg, (part, msg)
+
+
+MODEL_CELL = """
+  - {id: v, model: vit_tiny_patch16_224, img_sizes: [224], kernel: elsa, dtype: float16, mode: train%s}
+"""
+
+
+def test_model_cells_take_compile_and_refuse_attention_shape_fields(tmp_path):
+    m = load_matrix(write(tmp_path, "cells:\n" + MODEL_CELL % ", compile: true"), device="cpu")
+    assert m.cells[0].compile is True and m.points()[0].id == "v@224"
+    plain = load_matrix(write(tmp_path, "cells:\n" + MODEL_CELL % ""), device="cpu")
+    assert plain.cells[0].compile is False
+    assert m.plan_sha256() != plain.plan_sha256()
+    for extra, culprit in ((", compile: 'yes'", "field 'compile' = 'yes': allowed true, false"),
+                           (", kv_heads: 1", "unknown key 'kv_heads' for a model cell")):
+        with pytest.raises(MatrixError, match=culprit):
+            load_matrix(write(tmp_path, "cells:\n" + MODEL_CELL % extra), device="cpu")
+
+
+@pytest.fixture
+def plain_kernel(monkeypatch):
+    """A kernel package whose BACKENDS entry declares neither gqa nor cross: both default to unsupported."""
+    import sys
+    import types
+
+    from kernels.reference import reference_attention
+
+    module = types.ModuleType("kernels_plain_for_tests")
+    module.BACKENDS = {"plain": dict(fn=lambda q, k, v, causal=False, scale=None: reference_attention(
+        q, k, v, causal=causal, scale=scale).to(q.dtype), dtypes=("float32", "float16"), devices=("cuda", "cpu"))}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(backends.KERNEL_PACKAGES, "plain", module.__name__)
+    return "plain"
+
+
+def test_grouped_and_cross_cells_need_a_backend_that_declares_them(tmp_path, plain_kernel):
+    from attnbench.runner import _skip_reason
+
+    b = backends.get_backend(plain_kernel)
+    assert (b.gqa, b.cross) == (False, False)
+    assert all(backends.get_backend(n).gqa and backends.get_backend(n).cross for n in ("math", "flash", "efficient", "cudnn"))
+    gqa = f"  - {{id: g, kernel: {plain_kernel}, baseline: math, dtype: float32, mode: fwd, kv_heads: 1, seq_lens: [64]}}\n"
+    with pytest.raises(MatrixError, match=r"cell 'g': kernel plain: grouped-query K/V \(fewer key/value heads than "
+                                          r"query heads\) unsupported \(set allow_skip"):
+        load_matrix(write(tmp_path, matrix_text(gqa)), device="cpu")
+    cross = f"  - {{id: c, kernel: {plain_kernel}, baseline: math, dtype: float32, mode: fwd, q_len: 64, seq_lens: [64, 128]}}\n"
+    with pytest.raises(MatrixError, match=r"cell 'c': kernel plain: query length != key length unsupported"):
+        load_matrix(write(tmp_path, matrix_text(cross)), device="cpu")
+    # allowed to skip: the point whose lengths differ is skipped with the reason, the square one runs
+    m = load_matrix(write(tmp_path, matrix_text(cross.replace("}", ", allow_skip: true}"))), device="cpu")
+    reasons = {p.id: _skip_reason(p, "cpu") for p in m.points()}
+    assert reasons == {"c@64": None, "c@128:q64": "plain: query length != key length unsupported"}
+
+
+def test_inputs_fit_check_counts_grouped_k_v_and_both_lengths(tmp_path):
+    # q 1×8×N×64 fp16 plus k, v 1×1×N×64: 10 × N × 64 × 2 bytes; 512 fits in 700 KB, 1024 does not
+    cell = "  - {id: a, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 8, kv_heads: 1, seq_lens: [512, 1024]}\n"
+    path = write(tmp_path, matrix_text(cell))
+    with pytest.raises(MatrixError) as exc:
+        load_matrix(path, memory_bytes=700_000)
+    msg = str(exc.value)
+    assert "seq_lens' has 1024" in msg and "q 1×8×1024×64, k 1×1×1024×64, v 1×1×1024×64 float16" in msg
+    assert f"{10 * 1024 * 64 * 2:,} bytes" in msg
+    load_matrix(write(tmp_path, matrix_text(cell.replace(", 1024", ""))), memory_bytes=700_000)
+
+
+def test_full_matrix_holds_the_issue_17_cells():
+    """Llama-3-8B attention for every kernel vs flash and cuDNN, ViT-H/14 for ELSA vs flash and efficient, and each
+    kernel at D = 80 and 96 beside 64 and 128 on one shape: selectable by prefix (`--only`)."""
+    full = REPO / "matrices" / "full.yaml"
+    kernels = {"elsa", "cqsa", "pasa", "cron_root"}
+    llama = load_matrix(full).select("llama3_*").cells
+    gqa = [c for c in llama if c.grouped]
+    assert {(c.kernel, c.baseline) for c in gqa if c.mode == "fwd"} == {(k, b) for k in kernels for b in ("flash", "cudnn")}
+    assert all((c.heads, c.head_dim, c.causal, c.dtype) == (32, 128, True, "float16") for c in llama)
+    assert {c.heads_kv for c in gqa} == {8}
+    assert {c.kernel for c in llama if not c.grouped} == kernels            # the MHA counterparts
+    vith = load_matrix(full).select("vith14_*").cells
+    assert {(c.baseline, c.mode) for c in vith} == {(b, m) for b in ("flash", "efficient") for m in ("fwd", "fwdbwd")}
+    assert all((c.kernel, c.heads, c.head_dim, c.seq_lens) == ("elsa", 16, 80, (257, 1025)) for c in vith)
+    dims = {}
+    for c in load_matrix(full).select("headdim_*").cells:
+        dims.setdefault(c.kernel, set()).add(c.head_dim)
+    assert dims == {k: {64, 80, 96, 128} for k in kernels}

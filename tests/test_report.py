@@ -162,3 +162,51 @@ def test_cli_report_from_a_run_list(tmp_path, runs):
     assert "Traceback" not in done.stderr
     done = cli("--no-plots")
     assert done.returncode == 2 and "--runs" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- runs written before timing modes and CIs -------------------------------------------------------------
+
+def _legacy(run_dir):
+    """Rewrite a run directory the way the harness wrote it before: points.csv without the newer columns."""
+    import pandas as pd
+
+    from attnbench.store import REQUIRED_COLUMNS
+
+    pts = pd.read_csv(run_dir / "points.csv", dtype=str)
+    pts[REQUIRED_COLUMNS].to_csv(run_dir / "points.csv", index=False)
+    return run_dir
+
+
+def test_legacy_runs_load_and_report_without_the_new_columns(tmp_path):
+    from attnbench.store import POINT_COLUMNS, load_run
+
+    run = make_run(tmp_path / "results" / "runs", seed_cells(), name="full")
+    new_text = build_report([run], results_root=tmp_path / "results", plots=False).read_text()
+    assert "95 % CI of the median" in new_text and "| ±" in new_text
+    loaded = load_run(_legacy(run))
+    assert list(loaded.points.columns) == POINT_COLUMNS
+    assert set(loaded.points.timing) == {"eager"} and loaded.points.ci_half_width.isna().all()
+    old_text = build_report([run], results_root=tmp_path / "results", plots=False).read_text()
+    assert "95 % CI of the median" not in old_text and "`*` = still noisy after its retries" in old_text
+    assert "| noisy |" in old_text.split("## Load during the measurements")[1]   # the legacy column title
+
+
+def test_a_resumed_legacy_run_keeps_its_header(tmp_path):
+    from attnbench.store import REQUIRED_COLUMNS, RunStore, load_run
+
+    run = _legacy(make_run(tmp_path, [dict(cell_id="a", n=1024, ratio=0.5)], name="x"))
+    row = load_run(run).points.iloc[0].to_dict()
+    row.update(point_id="a@2048", n=2048, timing="eager", ci_half_width=0.01)
+    RunStore(run).append_point({k: (None if v != v else v) for k, v in row.items()})
+    header, *lines = (run / "points.csv").read_text().splitlines()
+    assert header.split(",") == REQUIRED_COLUMNS and all(len(l.split(",")) == len(REQUIRED_COLUMNS) for l in lines)
+    assert list(load_run(run).points.point_id) == ["a@1024", "a@2048"]
+
+
+def test_disturbed_points_are_starred_with_their_own_note(tmp_path):
+    pts = [dict(cell_id="c", n=1024, ratio=0.5), dict(cell_id="c", n=4096, ratio=0.6, status="disturbed",
+                                                      reason="foreign process during run: 4242")]
+    run = make_run(tmp_path / "results" / "runs", pts, name="full")
+    text = build_report([run], results_root=tmp_path / "results", plots=False).read_text()
+    assert "1K 0.50 · 4K 0.60*" in text and "`*` = window still disturbed after its retries" in text
+    assert "still noisy" not in text and "1 clean, 1 disturbed" in text

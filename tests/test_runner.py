@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from statistics import NormalDist
 
 import pandas as pd
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from attnbench import runner as runner_mod
 from attnbench.gpu import CleanGpuCheck
 from attnbench.matrix import load_matrix
-from attnbench.measure import SideResult
+from attnbench.measure import NoisePolicy, PairResult, SideResult, median_ci_half_width
 from attnbench.runner import Runner, RunInterrupted, RunOptions
 from attnbench.store import POINT_COLUMNS, RunDirError, RunStore, load_run
 
@@ -23,10 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "matrices" / "smoke_cpu.yaml"
 
 
-def matrix(tmp_path, max_cv=0.03, attempts=4):
+def matrix(tmp_path, attempts=4):
     text = f"""
 defaults: {{batch: 1, heads: 2, head_dim: 32, timing: {{warmup_ms: 0, rep_ms: 1, min_reps: 3, max_reps: 3, flush_l2: false}},
-           retry: {{max_attempts: {attempts}, backoff_s: 0, max_cv: {max_cv}}}}}
+           retry: {{max_attempts: {attempts}, backoff_s: 0}}}}
 cells:
   - {{id: a, kernel: flash, baseline: math, dtype: float32, mode: fwd, seq_lens: [16, 32]}}
   - {{id: b, kernel: flash, baseline: math, dtype: float32, mode: fwdbwd, causal: true, seq_lens: [24]}}
@@ -36,23 +37,41 @@ cells:
     return load_matrix(p, device="cpu")
 
 
+# a wide spread (CV 20 %, normal quantiles in a shuffled order), its median known to about ±2.5 % from 400 pairs
+SPREAD_RATIOS = [0.5 * (1 + 0.2 * NormalDist().inv_cdf((i * 7919 % 400 + 0.5) / 400)) for i in range(400)]
+
+
 def fake_results(script):
-    """measure_point replacement: per call, 'noisy' gives widely spread ratios, 'clean' tight ones."""
+    """measure_point replacement: per call, 'clean' gives tight ratios, 'spread' widely spread ones (a launch-bound
+    point in a clean window), 'interrupt' raises KeyboardInterrupt."""
     calls = []
 
-    def measure_point(point, device, monitor=None):
+    def measure_point(point, device, monitor=None, slowdown=None):
         kind = script[min(len(calls), len(script) - 1)]
         calls.append(point.id)
         if kind == "interrupt":
             raise KeyboardInterrupt
-        drift = 1 + 0.2 * len(calls)      # a noisy window: the median moves between attempts
-        ratios = {"noisy": [0.2 * drift, 0.9 * drift, 0.5 * drift, 1.4 * drift],
-                  "spread": [0.2, 0.9, 0.5, 1.4]}.get(kind, [0.5, 0.5, 0.5, 0.5])
-        k = SideResult(point.cell.kernel, samples_ms=[1.0, 1.1, 1.0, 1.0], flops=1e9)
-        b = SideResult(point.cell.baseline, samples_ms=[2.0, 2.0, 2.1, 2.0], flops=1e9)
-        return {"kernel": k, "baseline": b, "ratios": ratios}
+        ratios = SPREAD_RATIOS if kind == "spread" else [0.5, 0.5, 0.5, 0.5]
+        k = SideResult(point.cell.kernel, samples_ms=[1.0] * len(ratios), flops=1e9)
+        b = SideResult(point.cell.baseline, samples_ms=[2.0] * len(ratios), flops=1e9)
+        return PairResult(k, b, list(ratios), timing_mode=point.timing_mode, reps=len(ratios),
+                          stop="ci" if kind == "clean" else "budget", ci_half_width=median_ci_half_width(ratios),
+                          loop_s=0.1)
 
     return measure_point, calls
+
+
+def disturb(monkeypatch, script):
+    """The noise policy sees the windows `script` names: a list of disturbance-reason lists, one per attempt."""
+    seen = []
+
+    def disturbances(self, *a, **kw):
+        reasons = script[min(len(seen), len(script) - 1)]
+        seen.append(reasons)
+        return list(reasons)
+
+    monkeypatch.setattr(NoisePolicy, "disturbances", disturbances)
+    return seen
 
 
 def make_runner(m, tmp_path, **kw):
@@ -65,70 +84,66 @@ def attempts_of(run_dir, point_id):
     return [a for a in load_run(run_dir).attempts if a["point_id"] == point_id]
 
 
-def test_noisy_twice_then_clean_keeps_three_attempts(tmp_path, monkeypatch):
-    fake, calls = fake_results(["noisy", "noisy", "clean"])
+FOREIGN = ["foreign process during run: 4242"]
+
+
+def test_disturbed_twice_then_clean_keeps_three_attempts_and_backs_off(tmp_path, monkeypatch):
+    fake, calls = fake_results(["clean"])
     monkeypatch.setattr(runner_mod, "measure_point", fake)
-    run_dir = make_runner(matrix(tmp_path), tmp_path).run()
+    disturb(monkeypatch, [FOREIGN, FOREIGN, []])
+    m = matrix(tmp_path)
+    m.cells = [dataclasses.replace(m.cells[0], retry={**m.cells[0].retry, "backoff_s": 5}, seq_lens=(16,))]
+    slept = []
+    r = make_runner(m, tmp_path)
+    r.sleep = slept.append
+    run_dir = r.run()
     atts = attempts_of(run_dir, "a@16")
-    assert [a["status"] for a in atts] == ["noisy", "noisy", "clean"]
+    assert [a["status"] for a in atts] == ["disturbed", "disturbed", "clean"]
     assert [a["attempt"] for a in atts] == [1, 2, 3]
-    assert all("ratio spread CV" in a["noisy_reasons"][0] for a in atts[:2])
+    assert atts[0]["disturbed_reasons"] == FOREIGN and atts[2]["disturbed_reasons"] == []
+    assert slept == [5, 10]                      # backoff_s × attempt after each disturbed window
     row = load_run(run_dir).points.set_index("point_id").loc["a@16"]
     assert row.status == "clean" and row.attempts == 3 and row.lat_ratio == pytest.approx(0.5)
 
 
-def test_always_noisy_ends_noisy_after_max_attempts(tmp_path, monkeypatch):
-    fake, calls = fake_results(["noisy"])
+def test_always_disturbed_ends_disturbed_after_max_attempts(tmp_path, monkeypatch):
+    fake, calls = fake_results(["clean"])
     monkeypatch.setattr(runner_mod, "measure_point", fake)
+    disturb(monkeypatch, [FOREIGN])
     run_dir = make_runner(matrix(tmp_path, attempts=4), tmp_path).run()
     run = load_run(run_dir)
     assert len(attempts_of(run_dir, "a@16")) == 4
-    assert set(run.points.status) == {"noisy"} and set(run.points.attempts) == {4}
-    assert all("ratio spread CV" in r for r in run.points.reason)
+    assert set(run.points.status) == {"disturbed"} and set(run.points.attempts) == {4}
+    assert all("foreign process" in r for r in run.points.reason)
 
 
-def test_persistent_spread_with_a_stable_median_stops_retrying(tmp_path, monkeypatch):
+def test_spread_in_a_clean_window_is_measured_not_retried(tmp_path, monkeypatch):
+    """A launch-bound point's spread is a property of the point: one attempt, clean, with its spread and CI."""
     fake, calls = fake_results(["spread"])
     monkeypatch.setattr(runner_mod, "measure_point", fake)
+    disturb(monkeypatch, [[]])
     run_dir = make_runner(matrix(tmp_path, attempts=4), tmp_path).run()
-    assert [a["status"] for a in attempts_of(run_dir, "a@16")] == ["noisy", "noisy"]
-    assert load_run(run_dir).points.set_index("point_id").loc["a@16"].status == "noisy"
-
-
-def test_back_off_only_after_a_disturbed_window(tmp_path, monkeypatch):
-    """A spread on a clean GPU is retried at once; a window with a load/clock reason waits backoff_s × attempt."""
-    fake, _ = fake_results(["noisy"])
-    monkeypatch.setattr(runner_mod, "measure_point", fake)
-    m = matrix(tmp_path, attempts=3)
-    m.cells = [dataclasses.replace(c, retry={**c.retry, "backoff_s": 5}) for c in m.cells[:1]]
-    slept = []
-    r = make_runner(m, tmp_path)
-    r.sleep = slept.append
-    r.run()
-    assert slept == []                           # spread only: 3 attempts per point, no waiting
-    real_verdict = runner_mod.verdict
-
-    def disturbed(*a, **kw):
-        status, reasons, msg = real_verdict(*a, **kw)
-        return "noisy", reasons + ["foreign process 4242 (python) appeared"], msg
-
-    monkeypatch.setattr(runner_mod, "verdict", disturbed)
-    r = make_runner(m, tmp_path)
-    r.sleep = slept.append
-    r.run()
-    assert slept == [5, 10] * 2                  # two points (a@16, a@32), attempts 1 and 2 back off
+    assert calls == ["a@16", "a@32", "b@24"]
+    row = load_run(run_dir).points.set_index("point_id").loc["a@16"]
+    assert row.status == "clean" and row.attempts == 1 and pd.isna(row.reason)
+    assert row.spread == pytest.approx(0.2, rel=0.05)
+    assert row.ci_half_width == pytest.approx(median_ci_half_width(SPREAD_RATIOS), rel=1e-4)
+    assert 0.02 < row.ci_half_width < 0.03
+    assert row.lat_ratio_ci_low < row.lat_ratio < row.lat_ratio_ci_high and row.timing == "eager"
+    (a,) = attempts_of(run_dir, "a@16")
+    assert a["sampling"]["stop"] == "budget" and a["sampling"]["reps"] == 400
+    assert a["sampling"]["target_ci_half_width"] == 0.015
 
 
 def test_power_cap_alone_is_steady_state_but_counts_with_a_clock_sag():
     from fakes import OWN_PID, FakeReader, gpu_state
-    from test_clean_gpu import _monitor, _point, _result, _snap
+    from test_clean_gpu import POLICY, _monitor, _result, _snap
 
     s = _snap(FakeReader([[gpu_state()]]))
-    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"]), CleanGpuCheck(), OWN_PID, "cuda")
+    status, reasons, _ = POLICY.verdict(_result(), s, s, _monitor(["sw_power_cap"]), CleanGpuCheck(), OWN_PID, "cuda")
     assert status == "clean"
-    status, reasons, _ = runner_mod.verdict(_point(), _result(), s, s, _monitor(["sw_power_cap"], lo=1500), CleanGpuCheck(),
-                                            OWN_PID, "cuda")
-    assert status == "noisy" and any("sw_power_cap" in r for r in reasons) and any("sagged" in r for r in reasons)
+    status, reasons, _ = POLICY.verdict(_result(), s, s, _monitor(["sw_power_cap"], lo=1500), CleanGpuCheck(), OWN_PID, "cuda")
+    assert status == "disturbed" and any("sw_power_cap" in r for r in reasons) and any("sagged" in r for r in reasons)
 
 
 def test_store_round_trip_and_snapshots_before_after(tmp_path, monkeypatch):
@@ -145,7 +160,7 @@ def test_store_round_trip_and_snapshots_before_after(tmp_path, monkeypatch):
     for a in run.attempts:
         for snap in (a["before"], a["after"]):
             assert snap["gpu"] is None and "cpu_pct" in snap["system"] and snap["system"]["ram_total_gb"] > 0
-        assert a["ratio"]["samples"] == [0.5] * 4
+        assert a["ratio"]["samples"] == [0.5] * 4 and a["timing_mode"] == "eager"
 
 
 def test_ctrl_c_leaves_a_resumable_run(tmp_path, monkeypatch):
@@ -179,11 +194,24 @@ def test_resume_refuses_a_changed_matrix_and_a_non_run_dir(tmp_path, monkeypatch
     m, run_dir = interrupted_run(tmp_path, monkeypatch)
     changed = copy.deepcopy(m)
     changed.sha256 = "0" * 64
-    changed.cells[0] = dataclasses.replace(changed.cells[0], timing={**changed.cells[0].timing, "min_reps": 99})
+    changed.cells[0] = dataclasses.replace(changed.cells[0], timing={**changed.cells[0].timing, "flush_l2": True})
     with pytest.raises(RunDirError, match="changed since it started"):
         make_runner(changed, tmp_path).run(resume=run_dir)
     with pytest.raises(RunDirError, match="not a run directory"):
         make_runner(m, tmp_path).run(resume=tmp_path)
+
+
+def test_resume_accepts_a_change_of_the_sampling_policy(tmp_path, monkeypatch):
+    """How precisely points are sampled and how disturbed windows are retried is not what a run measures."""
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
+    tuned = copy.deepcopy(m)
+    tuned.sha256 = "2" * 64
+    tuned.cells = [dataclasses.replace(c, timing={**c.timing, "min_reps": 99, "ci_half_width": 0.005},
+                                       retry={**c.retry, "max_attempts": 1}) for c in tuned.cells]
+    fake2, calls2 = fake_results(["clean"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake2)
+    assert make_runner(tuned, tmp_path).run(resume=run_dir) == run_dir
+    assert calls2 == ["a@32", "b@24"]
 
 
 def test_resume_accepts_an_edit_outside_the_measured_cells(tmp_path, monkeypatch):
@@ -207,7 +235,7 @@ def test_torn_last_line_of_attempts_is_tolerated(tmp_path):
 
 
 def test_real_measurement_on_cpu_gives_finite_ratios(tmp_path):
-    run_dir = make_runner(matrix(tmp_path, max_cv=10.0), tmp_path).run()
+    run_dir = make_runner(matrix(tmp_path), tmp_path).run()
     pts = load_run(run_dir).points
     assert set(pts.status) == {"clean"}
     assert all(math.isfinite(x) and x > 0 for x in pts.lat_ratio)
@@ -270,3 +298,88 @@ def test_runs_lists_progress_and_the_command_that_finishes_a_run(tmp_path, monke
     info = run_progress(load_run(run_dir))
     assert info["planned"] is None and info["state"].startswith("unfinished, not resumable") and info["resume"] is None
     assert cli("runs", str(tmp_path / "nowhere")).returncode == 2
+
+
+# --- timing modes and planted slowdowns through the runner ------------------------------------------------
+
+class _CpuGraphStandIn:
+    """Graph mode on a CPU for the plumbing: the CPU clock, with every capture counted."""
+
+    def __init__(self, captures):
+        from attnbench.measure.timer import CpuTimer
+
+        self._cpu, self.captures, self.mode, self.device = CpuTimer(), captures, "graph", "cpu"
+
+    def arm(self, body):
+        self.captures.append(body)
+        return body
+
+    def __getattr__(self, name):
+        return getattr(self._cpu, name)
+
+
+def test_timing_mode_both_measures_and_labels_each_point_twice(tmp_path, monkeypatch):
+    from attnbench.measure import pair as pair_mod
+    from attnbench.measure.timer import make_timer
+    from attnbench.report import build_report
+
+    captures = []
+    monkeypatch.setattr(pair_mod, "make_timer",
+                        lambda device, mode="eager": _CpuGraphStandIn(captures) if mode == "graph" else make_timer(device))
+    m = matrix(tmp_path)     # a matrix asks for graph mode on a GPU only: set it on the loaded cell here
+    m.cells = [dataclasses.replace(m.cells[0], timing={**m.cells[0].timing, "mode": "both"})]
+    run_dir = make_runner(m, tmp_path).run()
+    run = load_run(run_dir)
+    assert list(run.points.point_id) == ["a@16", "a@16:graph", "a@32", "a@32:graph"]
+    assert list(run.points.timing) == ["eager", "graph", "eager", "graph"]
+    assert set(run.points.status) == {"clean"} and len(captures) == 4      # two points × two sides captured
+    assert [a["timing_mode"] for a in run.attempts] == ["eager", "graph", "eager", "graph"]
+    text = build_report([run_dir], tmp_path / "R.md", plots=False).read_text()
+    assert "fp32 fwd · B1 H2 D32 · graph" in text and "| `a` | 16 graph | clean |" in text
+    assert "(plots/CPU/a_graph.png)" in text
+
+
+def test_planted_slowdown_is_caught_by_the_gate_at_every_length(tmp_path, monkeypatch):
+    """--slowdown flash=1.15 through the runner, the store and the gate: every point SLOWER, a plain rerun SAME.
+    The device is the fake one of test_measure (workloads draw 1.5 ms ± 10 % durations, the planted delay adds to
+    them), so the verdicts are exact."""
+    from attnbench.gate import compare_runs
+    from attnbench.measure import pair as pair_mod
+    from test_measure import FakeClock, FakeDelay, FakeTimer, fake_workload
+
+    timer, clock = FakeTimer(), FakeClock()
+    FakeDelay.timer = timer
+    monkeypatch.setattr(pair_mod, "Delay", FakeDelay)
+    monkeypatch.setattr(pair_mod, "make_timer", lambda device, mode="eager": timer)
+    seeds = iter(range(1000))
+    monkeypatch.setattr(runner_mod, "_make_workload",
+                        lambda point, slot, device: fake_workload(timer, clock, 1.5, 0.1, next(seeds)))
+    m = matrix(tmp_path)
+    m.cells = [dataclasses.replace(c, timing={**c.timing, "max_reps": 10_000, "max_ms": 60_000}) for c in m.cells]
+
+    def run(**opts):
+        o = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9), **opts)
+        return Runner(m, o, reader=None, sleep=lambda s: None).run()
+
+    base, slowed, again = run(), run(slowdown={"flash": 1.15}), run()
+    assert load_run(slowed).manifest["injected_slowdown"] == {"flash": 1.15}
+    rows = compare_runs(base, slowed)
+    assert {r.point_id: r.verdict for r in rows} == {"a@16": "SLOWER", "a@32": "SLOWER", "b@24": "SLOWER"}
+    assert all(r.change == pytest.approx(1.15, abs=0.02) for r in rows)
+    assert {r.verdict for r in compare_runs(base, again)} == {"SAME"}
+    assert all(a["kernel"]["delay_ms"] == pytest.approx(0.15 * 1.5, rel=0.15) for a in load_run(slowed).attempts)
+    assert all(a["sampling"]["stop"] == "ci" for a in load_run(slowed).attempts)
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("elsa=1.15", "'elsa' is not measured by"),
+    ("flash=1.0", "finite number > 1"),
+    ("flash=0.5", "finite number > 1"),
+    ("flash=inf", "finite number > 1"),
+    ("flash=fast", "finite number > 1"),
+    ("flash", "expected BACKEND=FACTOR"),
+])
+def test_cli_slowdown_is_validated_in_one_line(tmp_path, item, expected):
+    proc = cli("run-matrix", str(SMOKE), "--device", "cpu", "--results-root", str(tmp_path), "--slowdown", item)
+    assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr
+    assert len([l for l in proc.stderr.splitlines() if l.strip()]) == 1 and not list(tmp_path.iterdir())

@@ -31,11 +31,14 @@ backward needs no separate pass for it.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 from .._common import block_d, interpreted, launch, tile_config
+from .._tuning import dim_key, read_configs
 
 
 @triton.jit
@@ -438,6 +441,10 @@ _TILES_INTERPRETER = ((32, 32, 4, 1),) * 3     # small tiles exercise the tile l
 PARTS = ("fwd", "dq", "dkdv")
 _PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 _tiles_cache: dict = {}
+# scripts/tune.py --kernel cqsa writes its choices here ({"fwd" | "dq" | "dkdv": {"16,128": [BLOCK_M, BLOCK_N,
+# num_warps, num_stages]}}); an entry replaces the built-in GPU tiles above for that dtype class and tile width.
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+_TUNED = read_configs(TUNING_FILE)
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype, device_type: str) -> tuple[int, ...]:
@@ -449,7 +456,10 @@ def default_tiles(head_dim: int, dtype: torch.dtype, device_type: str) -> tuple[
         if device_type != "cuda" or interpreted():
             parts = _TILES_INTERPRETER
         else:
-            parts = _TILES_CUDA[(dtype != torch.float32, max(64, block_d(head_dim)))]
+            bd = max(64, block_d(head_dim))
+            parts = _TILES_CUDA[(dtype != torch.float32, bd)]
+            cls = "32" if dtype == torch.float32 else "16"
+            parts = tuple(tuple(_TUNED.get(part, {}).get(dim_key(cls, bd), tiles)) for part, tiles in zip(PARTS, parts))
         t = _tiles_cache[key] = sum(parts, ())
     return t
 

@@ -1138,7 +1138,7 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="
     """Exact attention forward through the task engine. Returns (out, lse, stats); out [B,Hq,Nq,D] and the
     natural-log lse [B,Hq,Nq] live on q's device. k, v may have fewer heads (grouped-query) and another length.
 
-    Pipeline options (the GPU sweep in scripts/gpu/cqsa_tune.py compares them):
+    Pipeline options (compared on the H100: NOTES.md, the streaming pipeline):
     - merge: "kernel" (default on CUDA): the forward kernel's epilogue folds each task straight into the
       fp32 accumulator (tasks run one after another on the compute stream and a task holds each row once,
       so no races); no per-task partials, no merge pass, a task costs only its gathered inputs.

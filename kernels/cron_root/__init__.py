@@ -28,14 +28,14 @@ _OPTIONS = {"relay_threshold": RELAY_THRESHOLD, "precision": "tf32x3"}
 BACKENDS = {
     "cron_root": dict(
         fn=cron_root_attention, dtypes=_ALL, cpu_dtypes=("float32", "float16"), modes=_MODES, causal=(True,),
-        head_dims=HEAD_DIMS, devices=("cuda", "cpu"), options=dict(_OPTIONS),
+        head_dims=HEAD_DIMS, gqa=True, devices=("cuda", "cpu"), options=dict(_OPTIONS),
         description="Cron Root O(N√N) causal sparse attention (local √N window + strided anchors + relay "
                     "block means, one softmax), Triton fwd+bwd, grouped K/V read in place; relay only for "
                     "N > relay_threshold",
         reference=cron_root_reference),
     "cron_root_hybrid": dict(
         fn=cron_root_hybrid, dtypes=_ALL, cpu_dtypes=("float32", "float16"), modes=_MODES, causal=(True,),
-        head_dims=HEAD_DIMS, devices=("cuda", "cpu"), options={"crossover": None, **_OPTIONS},
+        head_dims=HEAD_DIMS, gqa=True, devices=("cuda", "cpu"), options={"crossover": None, **_OPTIONS},
         description="DENSE SDPA causal for N < crossover (per GPU in tuning.json; default 1536), Cron Root sparse "
                     "from it on: two different functions, its reference follows the same switch",
         reference=cron_root_hybrid_reference),

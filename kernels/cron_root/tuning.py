@@ -1,7 +1,8 @@
 """Per-GPU tuning data (tuning.json): the hybrid's crossover length and optional tile configs, and
 get_gpu_info() (what is known about this GPU).
 
-Written from a GPU tuning run (it emits a merged tuning.json); read once per process and device.
+Written by a GPU run of ``scripts/tune.py --kernel cron_root`` (it updates the entry of the GPU it ran on: the
+crossovers of its "cross" section, and tile configs that beat the current ones); read once per process and device.
 """
 from __future__ import annotations
 

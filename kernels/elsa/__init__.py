@@ -15,6 +15,8 @@ BACKENDS = {
         modes=("fwd", "bwd", "fwdbwd"),
         causal=(False, True),
         head_dims=HEAD_DIMS,
+        gqa=True,                                 # K/V with fewer heads than q, read in place
+        cross=True,                               # Nq != Nk (causal: bottom-right aligned)
         devices=("cuda", "cpu"),
         options={"precision": "tf32x3"},
         description="ELSA two-pass parallel scan: phase-1 partition summaries (m,z,s) in HBM, "

@@ -1,24 +1,28 @@
 """ELSA launch configurations: a small table per (dtype class, head-dim tile), the partition / q-chunk plan,
 and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
-No per-call autotuning: a new sequence length must not re-run a tuning sweep. The D = 32/64/128 table values
-were chosen from the H100 sweep in scripts/gpu/elsa_tune.py (see NOTES.md and results/dev/elsa/); the
-16- and 256-wide tiles from an sm_90 compile check (registers, spills, shared memory; NOTES.md).
+No per-call autotuning: a new sequence length must not re-run a tuning sweep. The built-in tables below are
+the defaults: the D = 32/64/128 values chosen from H100 sweeps (see NOTES.md and results/dev/elsa/), the 16- and
+256-wide tiles from an sm_90 compile check (registers, spills, shared memory; NOTES.md). ``scripts/tune.py
+--kernel elsa`` writes the configs it chooses to ``tuning.json`` beside this file, whose entries replace the
+defaults they name (``tuned_tables``); a caller's ``config=`` overrides both for one call.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .._common import block_d, tile_config
+from .._tuning import TuningFileError, parse_dim_key, read_configs
 
 # (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
 # dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
 # (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
-FWD_TABLE = {
+BUILTIN_FWD_TABLE = {
     ("16", 16): (128, 64, 4, 3),      # D=64's tiles
     ("16", 32): (128, 64, 4, 3),      # not swept; D=64's tiles
     ("16", 64): (128, 64, 4, 3),      # H100 N=4K 0.120 ms, 16K 1.34 ms; 8 warps was slower (0.173 / 1.38)
@@ -36,7 +40,7 @@ SHORT_BLOCK_M = 64
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
-BWD_TABLE = {
+BUILTIN_BWD_TABLE = {
     ("16", 16): ((64, 64, 4, 3), (32, 128, 4, 3)),        # D=64's tiles
     ("16", 32): ((64, 64, 4, 3), (32, 128, 4, 3)),        # not swept; D=64's tiles
     # dkdv (32, 128, 4, 3) spills 2 registers on sm_90 with triton 3.6 (255 regs; 16 with 3.9) and is still the
@@ -53,6 +57,34 @@ BWD_TABLE = {
     ("32", 128): ((16, 32, 4, 2), (32, 32, 8, 2)),
     ("32", 256): ((16, 32, 8, 2), (16, 16, 8, 2)),
 }
+
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+
+
+def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
+    """(FWD_TABLE, BWD_TABLE): the built-in tables above with the entries of a tuning file in place of the ones they
+    name, keyed "<dtype class>,<BLOCK_D>" like the tables ("fwd": {"16,64": [bm, bn, warps, stages]},
+    "bwd": {"16,64": {"dq": [...], "dkdv": [...]}}, either of dq / dkdv may be left out)."""
+    stored = read_configs(path)
+    fwd, bwd = dict(BUILTIN_FWD_TABLE), dict(BUILTIN_BWD_TABLE)
+    for table, entries in (("fwd", stored.get("fwd", {})), ("bwd", stored.get("bwd", {}))):
+        for key in entries:
+            try:
+                known = parse_dim_key(key) in BUILTIN_FWD_TABLE
+            except ValueError:
+                known = False
+            if not known:
+                raise TuningFileError(f"{path}: {table}[{key!r}]: not a (dtype class, BLOCK_D) of the tables "
+                                      f"({', '.join(f'{c},{d}' for c, d in BUILTIN_FWD_TABLE)})")
+    for key, cfg in stored.get("fwd", {}).items():
+        fwd[parse_dim_key(key)] = tuple(cfg)
+    for key, cfg in stored.get("bwd", {}).items():
+        old_dq, old_dkdv = bwd[parse_dim_key(key)]
+        bwd[parse_dim_key(key)] = (tuple(cfg.get("dq", old_dq)), tuple(cfg.get("dkdv", old_dkdv)))
+    return fwd, bwd
+
+
+FWD_TABLE, BWD_TABLE = tuned_tables()
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at

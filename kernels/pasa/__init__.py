@@ -8,8 +8,9 @@ from kernels._common import HEAD_DIMS
 from kernels.pasa.attention import fa16_attention, pasa_attention
 from kernels.pasa.beta import default_beta, solve_beta
 
+# gqa: K/V with fewer heads than q, read in place; cross: Nq != Nk (causal: bottom-right aligned)
 _COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, True), head_dims=HEAD_DIMS,
-               devices=("cuda", "cpu"))
+               gqa=True, cross=True, devices=("cuda", "cpu"))
 
 BACKENDS = {
     "pasa": dict(fn=pasa_attention, options={"beta": None, "state_dtype": "fp16"},

@@ -6,9 +6,12 @@ They validate, resolve the options and call the torch.library ops of ``ops.py``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kernels._common import FLOAT_DTYPES, block_d, check_inputs, default_scale, tile_config
+from kernels._tuning import TuningFileError, read_configs
 from kernels.pasa import ops
 
 STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or its hybrid fp32 mode
@@ -18,7 +21,7 @@ STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or
 VARIANTS = {"ref": False, "fused": True}
 # "ref" is the default: on the H100 (results/dev/pasa/h100/variants.csv) it beat "fused" at every tile but one
 # (fused is 1-11 % more accurate in emulation; it stays available as variant="fused").
-DEFAULT_VARIANT = "ref"
+BUILTIN_VARIANT = "ref"
 
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
@@ -29,8 +32,8 @@ def _fwd_tile(block_m, block_n, num_warps, num_stages) -> dict:
 
 # Hopper tiles per head-dim tile width (block_d: the head dim padded to a power of two), {"fwd": {...}}; a call
 # overrides them with config={"fwd": {...}}. BLOCK_N is also PASA's shifting-window length n, so β is solved
-# for it. D 64 and 128: the H100 sweep (`scripts/gpu/pasa_tune.py --phases variants`, 5 tiles x both loops,
-# N 8K/16K, causal and not, vs SDPA flash): (64, 64, 4, 3) was best for both with the ref loop, geomean
+# for it. D 64 and 128: the H100 sweep (5 tiles x both loops, N 8K/16K, causal and not, vs SDPA flash; the sweep
+# is now `scripts/tune.py --kernel pasa`): (64, 64, 4, 3) was best for both with the ref loop, geomean
 # lat_ratio 0.96 (D=64) and 0.84 (D=128). D <= 32 keeps it (less of everything). D 256 (block_d 256): the fp16
 # Q tile, the P·V result and A take 3 x 64 x 256 values; 8 warps hold them without spilling and 2 stages of
 # K̃ and V tiles (64 KB each) fit the shared memory (`scripts/compile_check.py --kernel pasa`; README "Shapes,
@@ -38,7 +41,35 @@ def _fwd_tile(block_m, block_n, num_warps, num_stages) -> dict:
 # fa16 keeps PASA's tiling, as its definition asks ("the same tiling without the shift").
 _HOPPER = {16: _fwd_tile(64, 64, 4, 3), 32: _fwd_tile(64, 64, 4, 3), 64: _fwd_tile(64, 64, 4, 3),
            128: _fwd_tile(64, 64, 4, 3), 256: _fwd_tile(64, 64, 8, 2)}
-DEFAULT_CONFIGS = {"pasa": _HOPPER, "fa16": _HOPPER}
+BUILTIN_CONFIGS = {"pasa": _HOPPER, "fa16": _HOPPER}
+# `scripts/tune.py --kernel pasa` writes the tiles and loop it chooses to tuning.json beside this file; its entries
+# ("pasa"/"fa16": {"<block_d>": [BLOCK_M, BLOCK_N, num_warps, num_stages]}, "variant": {"default": "ref"}) replace
+# the built-in ones above.
+TUNING_FILE = Path(__file__).with_name("tuning.json")
+
+
+def tuned_defaults(path=TUNING_FILE) -> tuple[dict, str]:
+    """(DEFAULT_CONFIGS, DEFAULT_VARIANT): the built-in tiles and loop with a tuning file's entries in their place
+    (each merged like a caller's config=, kernels._common.tile_config, so a bad entry is a one-line error)."""
+    stored = read_configs(path)
+    configs = {name: dict(per_d) for name, per_d in BUILTIN_CONFIGS.items()}
+    for name, per_d in configs.items():
+        for key, tiles in stored.get(name, {}).items():
+            bd = int(key) if str(key).isdigit() else None
+            if bd not in per_d or not isinstance(tiles, list) or len(tiles) != len(TILE_PARAMS):
+                raise TuningFileError(f"{path}: {name}[{key!r}] = {tiles!r}: need a head-dim tile width "
+                                      f"({', '.join(map(str, per_d))}) and [{', '.join(TILE_PARAMS)}]")
+            try:
+                per_d[bd] = tile_config(name, per_d[bd], {"fwd": dict(zip(TILE_PARAMS, tiles))})
+            except ValueError as exc:
+                raise TuningFileError(f"{path}: {exc}") from None
+    variant = stored.get("variant", {}).get("default", BUILTIN_VARIANT)
+    if variant not in VARIANTS:
+        raise TuningFileError(f"{path}: variant.default = {variant!r}: allowed {', '.join(VARIANTS)}")
+    return configs, variant
+
+
+DEFAULT_CONFIGS, DEFAULT_VARIANT = tuned_defaults()
 _DEFAULT_TILES = {name: {bd: tuple(cfg["fwd"][p] for p in TILE_PARAMS) for bd, cfg in per_d.items()}
                   for name, per_d in DEFAULT_CONFIGS.items()}
 # the ops' options strings of the default call, per tile width, kept ready (ops.py, "Host cost")

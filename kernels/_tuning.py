@@ -1,0 +1,60 @@
+"""Tuned launch configs kept beside a kernel package (``<package>/tuning.json``), read once at import.
+
+``scripts/tune.py --kernel NAME`` sweeps the tile configs a kernel exposes and writes the chosen ones here;
+the kernel's own tables stay the defaults, and an entry in the file replaces the default it names. The file:
+
+    {"note": "...",
+     "measured": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "...", "triton": "...", "utc": "..."},
+     "configs": {"<table>": {"<key>": <value>, ...}, ...}}
+
+Tables and keys are each kernel's own (e.g. ELSA's ``"fwd": {"16,64": [128, 64, 4, 3]}``). Cron Root keeps its
+per-GPU ``tuning.json`` format (crossovers + configs per GPU name, ``kernels/cron_root/tuning.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class TuningFileError(ValueError):
+    """A tuning.json that cannot be read (names the file)."""
+
+
+def read_configs(path) -> dict:
+    """The "configs" mapping of a tuning file; {} when the file does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TuningFileError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
+    configs = data.get("configs", {}) if isinstance(data, dict) else None
+    if not isinstance(configs, dict):
+        raise TuningFileError(f"{path}: 'configs' must be a mapping of tables")
+    return configs
+
+
+def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
+    """Merge `updates` ({table: {key: value}}) into the file's configs (other entries kept) and write it
+    atomically; returns the merged configs."""
+    path = Path(path)
+    configs = read_configs(path)
+    for table, entries in updates.items():
+        configs.setdefault(table, {}).update(entries)
+    data = {"note": note, "measured": measured, "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return configs
+
+
+def dim_key(dtype_class: str, head_dim: int) -> str:
+    """The key of a (dtype class, head dim) entry: "16,64" (16-bit inputs, D=64) or "32,128"."""
+    return f"{dtype_class},{head_dim}"
+
+
+def parse_dim_key(key: str) -> tuple[str, int]:
+    cls, _, d = key.partition(",")
+    return cls, int(d)

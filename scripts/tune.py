@@ -1,0 +1,633 @@
+"""One tuning entry for the four kernels, timed by the harness's own timer (attnbench.measure).
+
+    PYTHONPATH=. python3 scripts/tune.py --kernel elsa [--sections fwd16,bwd16] [--budget-s 540] [--out DIR]
+    PYTHONPATH=. python3 scripts/tune.py --kernel cron_root --sections cross
+    python scripts/tune.py --kernel pasa --device cpu --write /tmp/pasa.json   # CPU: tiny sizes, meaningless times
+
+Each section sweeps the candidates of one entry of a kernel's config table (tile sizes, warps, stages; PASA's
+main loop; Cron Root's backward segmentation) at the kernel's typical sizes. Candidates reach the kernels the one
+way a caller overrides tiles, their public ``config={part: {param: value}}`` argument (kernels._common.tile_config).
+A candidate is first checked
+against the float64 reference (relative RMS error of the output, and of dQ, dK, dV for backward sections,
+within a per-dtype tolerance); then it is timed against an SDPA baseline with
+``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median
+ratio is within ±1 % or the budget ends). Its score is the geometric mean of its median ratios over the
+section's lengths (and causal settings); the current entry is candidate 0, and it is replaced only when the
+best candidate's score is lower by more than the combined CI half-widths (a change must be real, not noise).
+
+The chosen entries are written where the kernel reads them, keyed like the kernel's own tables (dtype class and
+head-dim tile width BLOCK_D, the head dim padded to a power of two):
+- elsa:      kernels/elsa/tuning.json  ("fwd": {"16,64": [bm, bn, warps, stages]}, "bwd": {"16,64": {dq, dkdv}};
+             kernels/elsa/config.py's FWD_TABLE / BWD_TABLE)
+- pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
+             kernels/pasa/attention.py's DEFAULT_CONFIGS)
+- cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
+             kernels/cqsa/kernel.py's built-in GPU tiles)
+- cron_root: kernels/cron_root/tuning.json, the entry of this GPU's name: the hybrid's crossovers
+             (crossover_fwd / crossover_fwdbwd / crossover, section "cross") and "configs" per head-dim bucket
+             (kernels/cron_root/configs.py merges them over its GPU_CONFIGS).
+With --device cpu nothing is written unless --write names a file (the kernel's own file holds GPU choices).
+--out DIR keeps every measurement (tune_<kernel>.json, rewritten after each one, so a cut-off run keeps them).
+Sections are timed one after the other; --budget-s stops before a candidate that would overrun (a device call
+lasts at most 10 min: choose --sections to fit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before anything imports triton
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
+from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
+from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
+from kernels._common import block_d  # noqa: E402
+from kernels._tuning import dim_key, write_configs  # noqa: E402
+from kernels.reference import reference_attention  # noqa: E402
+
+GPU_TIMING = dict(TIMING_DEFAULTS, ci_half_width=0.01, max_ms=1500.0)
+CPU_TIMING = dict(TIMING_DEFAULTS, warmup_ms=0.0, rep_ms=1.0, max_ms=1.0, min_reps=6, max_reps=6, flush_l2=False)
+TOLERANCE = {"float16": 1e-2, "bfloat16": 5e-2, "float32": 1e-4}   # relative RMS error against float64: a wrong tile is O(1)
+CPU_CANDIDATES = 2          # on the CPU: the current entry and one more per section (the control flow, not speed)
+
+
+@dataclass
+class Sweep:
+    """One config entry and its candidates. `values` are JSON-able (what the tuning file stores)."""
+    section: str
+    kernel: str                 # the backend timed
+    table: str                  # where the chosen value is written
+    key: str
+    dtype: str
+    mode: str                   # fwd | bwd | fwdbwd
+    head_dims: tuple            # each candidate is timed at every head dim × length × causal setting
+    heads: int
+    ns: tuple
+    values: list                # candidate 0 is the current entry
+    options: Callable[[object, int], dict]      # kernel keyword options of a candidate at a head dim
+    causal: tuple = (False,)
+    baseline: str = "flash"
+
+
+@dataclass
+class Context:
+    device: str
+    chosen: dict = field(default_factory=dict)      # (table, key) -> value chosen by an earlier section
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def sizes(self, *gpu_ns: int) -> tuple:
+        """The lengths a section times: the GPU's, or one tiny length on the CPU."""
+        return (64,) if self.cpu else gpu_ns
+
+    def dims(self, items: list) -> list:
+        """The head dims (or (dtype class, D) pairs) a section sweeps: all on the GPU, the first on the CPU."""
+        return items[:1] if self.cpu else items
+
+    def heads(self, gpu_heads: int) -> int:
+        return 1 if self.cpu else gpu_heads
+
+    def limit(self, values: list) -> list:
+        return values[:CPU_CANDIDATES] if self.cpu else values
+
+    def baseline(self, gpu_baseline: str) -> str:
+        return "math" if self.cpu else gpu_baseline
+
+
+def _first(current, candidates: list) -> list:
+    """The current entry first, then the other candidates (as lists, so they compare with stored JSON)."""
+    current = _jsonable(current)
+    rest = [_jsonable(c) for c in candidates if _jsonable(c) != current]
+    return [current] + rest
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+# --- ELSA: phase-1 tiles (16-bit, fp32) and the backward's dK/dV and dQ tiles ----------------------------------
+
+ELSA_FWD = {
+    ("16", 64): [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+    ("16", 128): [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)],
+    ("32", 64): [(64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2), (32, 64, 4, 2), (64, 64, 8, 3)],
+    ("32", 128): [(64, 32, 4, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 3)],
+}
+ELSA_BWD = {  # (dtype class, D): (dK/dV candidates, dQ candidates)
+    ("16", 64): ([(32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3)],
+                 [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]),
+    ("16", 128): ([(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 4, 2)],
+                  [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)]),
+    ("32", 64): ([(32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2)],
+                 [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2)]),
+    # every fp32 D=128 backward config spills; these spill least
+    ("32", 128): ([(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (32, 128, 8, 2)],
+                  [(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (64, 32, 4, 1)]),
+}
+ELSA_SECTIONS = {"fwd16": [("16", 64), ("16", 128)], "fwd32": [("32", 64), ("32", 128)],
+                 "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)]}
+ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
+
+
+def elsa_sweeps(ctx: Context, section: str):
+    from kernels.elsa import config
+
+    for cls, d in ctx.dims(ELSA_SECTIONS[section]):
+        dtype = "float32" if cls == "32" else "float16"
+        baseline = ctx.baseline("efficient" if cls == "32" else "flash")
+        key = dim_key(cls, block_d(d))
+        if section.startswith("fwd"):
+            ns = ctx.sizes(4096) if cls == "32" else ctx.sizes(4096, 16384)
+            yield Sweep(section, "elsa", "fwd", key, dtype, "fwd", (d,), ctx.heads(8), ns,
+                        ctx.limit(_first(config.FWD_TABLE[(cls, block_d(d))], ELSA_FWD[(cls, d)])),
+                        lambda c, _d: {"config": {"fwd": _tiles(c)}},
+                        baseline=baseline)
+            continue
+        ns = ctx.sizes(8192 if cls == "16" else 4096)
+        dq0, dkdv0 = (list(c) for c in config.BWD_TABLE[(cls, block_d(d))])
+        dkdv_cands, dq_cands = ELSA_BWD[(cls, d)]
+        # dK/dV first (with the current dQ tiles), then dQ with the dK/dV tiles just chosen
+        yield Sweep(section + ":dkdv", "elsa", "bwd", key, dtype, "bwd", (d,), ctx.heads(8), ns,
+                    ctx.limit([{"dq": dq0, "dkdv": c} for c in _first(dkdv0, dkdv_cands)]), _elsa_bwd_options,
+                    baseline=baseline)
+        dkdv = ctx.chosen.get(("bwd", key), {"dkdv": dkdv0})["dkdv"]
+        yield Sweep(section + ":dq", "elsa", "bwd", key, dtype, "bwd", (d,), ctx.heads(8), ns,
+                    ctx.limit([{"dq": c, "dkdv": dkdv} for c in _first(dq0, dq_cands)]), _elsa_bwd_options,
+                    baseline=baseline)
+
+
+def _elsa_bwd_options(value: dict, _d: int) -> dict:
+    return {"config": {"dq": _tiles(value["dq"]), "dkdv": _tiles(value["dkdv"])}}
+
+
+# --- PASA: the main loop, then the tiles per head dim (fa16 keeps PASA's tiling) -----------------------------
+
+PASA_TILES = {
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
+}
+PASA_DEFAULT = "variant,tiles"
+
+
+TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")   # ELSA's and PASA's tile tuples, in this order
+
+
+def _tiles(c) -> dict:
+    """A (BLOCK_M, BLOCK_N, num_warps, num_stages) candidate as one part of a kernel's config= override."""
+    return dict(zip(TILE_PARAMS, c))
+
+
+def _pasa_current(pasa, d: int) -> tuple:
+    fwd = pasa.DEFAULT_CONFIGS["pasa"][block_d(d)]["fwd"]
+    return tuple(fwd[p] for p in TILE_PARAMS)
+
+
+def pasa_sweeps(ctx: Context, section: str):
+    from kernels.pasa import attention as pasa
+
+    ns = ctx.sizes(8192, 16384)
+    if section == "variant":   # one loop for both head dims, each at its current tiles
+        yield Sweep("variant", "pasa", "variant", "default", "float16", "fwd", tuple(ctx.dims([64, 128])),
+                    ctx.heads(8), ns, _first(pasa.DEFAULT_VARIANT, list(pasa.VARIANTS)),
+                    lambda v, _d: {"variant": v},
+                    causal=(False, True), baseline=ctx.baseline("flash"))
+        return
+    variant = ctx.chosen.get(("variant", "default"), pasa.DEFAULT_VARIANT)
+    for d in ctx.dims([64, 128]):
+        yield Sweep("tiles", "pasa", "pasa", str(d), "float16", "fwd", (d,), ctx.heads(8), ns,
+                    ctx.limit(_first(_pasa_current(pasa, d), PASA_TILES[d])),
+                    lambda c, _d: {"config": {"fwd": _tiles(c)}, "variant": variant}, causal=(False, True),
+                    baseline=ctx.baseline("flash"))
+
+
+# --- Stream-CQSA (resident): the forward, dQ and dK/dV tiles --------------------------------------------------
+
+CQSA_TILES = {
+    ("fwd", 128): [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)],
+    ("fwd", 64): [(128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+    ("dq", 128): [(64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2)],
+    ("dq", 64): [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 8, 2)],
+    ("dkdv", 128): [(32, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3)],
+    ("dkdv", 64): [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 8, 2)],
+}
+CQSA_DEFAULT = "fwd,dq,dkdv"
+
+
+def cqsa_sweeps(ctx: Context, section: str):
+    from kernels.cqsa import kernel as cqsa_kernel
+
+    part = cqsa_kernel.PARTS.index(section)
+    for d in ctx.dims([64, 128]):
+        tiles = cqsa_kernel.default_tiles(d, torch.float16, "cuda")      # the GPU entry, also on a CPU
+        current = tiles[4 * part:4 * part + 4]
+        yield Sweep(section, "cqsa", section, dim_key("16", block_d(d)), "float16", "fwd" if section == "fwd" else "bwd",
+                    (d,), ctx.heads(8), ctx.sizes(16384), ctx.limit(_first(current, CQSA_TILES[(section, d)])),
+                    lambda c, _d, section=section: {"config": {section: _tiles(c)}}, baseline=ctx.baseline("flash"))
+
+
+# --- Cron Root: tiles per head-dim bucket (fwd and the three backward kernels), the hybrid's crossover -----------
+
+def _cr_cfg(kind, c) -> dict:
+    if kind in ("fwd", "dq"):
+        return dict(BLOCK_M=c[0], BLOCK_N=c[1], BLOCK_S=c[2], num_warps=c[3], num_stages=c[4])
+    if kind == "glob":
+        return dict(BLOCK_G=c[0], BLOCK_Q=c[1], num_warps=c[2], num_stages=c[3])
+    return dict(BLOCK_N=c[0], BLOCK_Q=c[1], num_warps=c[2], num_stages=c[3])
+
+
+CRON_ROOT_TILES = {
+    64: dict(
+        fwd=[(128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+             (64, 64, 64, 4, 3), (128, 64, 32, 4, 3), (128, 32, 32, 4, 4), (128, 64, 64, 4, 2)],
+        dq=[(64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (128, 64, 64, 8, 2), (64, 32, 32, 4, 2), (128, 32, 32, 8, 2)],
+        glob=[(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)],
+        loc=[(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)],
+    ),
+    128: dict(
+        fwd=[(128, 64, 64, 8, 2), (128, 64, 64, 8, 3), (128, 32, 32, 4, 3), (64, 64, 64, 4, 3), (64, 64, 32, 4, 2),
+             (128, 64, 32, 8, 3)],
+        dq=[(64, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 32, 32, 4, 2), (128, 64, 64, 8, 2), (64, 64, 64, 8, 2)],
+        glob=[(64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+        loc=[(64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+    ),
+}
+CRON_ROOT_SEGMENTS = [1, 2, 4, 8, 16]     # the global-slot backward's programs per SM
+CRON_ROOT_CROSS_NS = (256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 4096, 6144, 8192, 12288, 16384)
+CRON_ROOT_DEFAULT = "cross,fwd,dq,glob,loc,seg"
+
+
+def _cr_current(d: int) -> dict:
+    """Cron Root's 16-bit GPU tiles for head dim d as this GPU runs them: the built-in ones with this GPU's
+    tuning.json entry over them (configs.resolve without a CUDA device: the same merge, also on a CPU)."""
+    from kernels.cron_root import configs, tuning
+
+    cfg = {kind: dict(v) for kind, v in configs.default_gpu_configs(d, torch.float16, "tf32x3").items()}
+    for kind, v in tuning.tuned_configs(_gpu_name(), configs.bucket(d)).items():
+        cfg.setdefault(kind, {}).update(v)
+    return cfg
+
+
+def cron_root_sweeps(ctx: Context, section: str):
+    from kernels.cron_root import configs
+
+    for d, heads in ctx.dims([(64, 8), (128, 16)]):
+        bucket = configs.bucket(d)
+        current = _cr_current(d)
+        ns = ctx.sizes(65536)
+        if section == "seg":     # on the glob tiles chosen by this run's glob section, if it ran
+            now = current["glob"].get("programs_per_sm")
+            tiles = ctx.chosen.get(("configs", f"{bucket}:glob"), {})
+            values = [{"programs_per_sm": s} for s in ([now] if now else []) + [s for s in CRON_ROOT_SEGMENTS if s != now]]
+            yield Sweep("seg", "cron_root", "configs", f"{bucket}:glob", "float16", "bwd", (d,), ctx.heads(heads), ns,
+                        ctx.limit(values), lambda v, _d, tiles=tiles: {"config": {"glob": {**tiles, **v}}},
+                        causal=(True,), baseline=ctx.baseline("flash"))
+            continue
+        kind = section
+        tiles = [_cr_cfg(kind, c) for c in CRON_ROOT_TILES[bucket][kind]]
+        cur = {k: v for k, v in current[kind].items() if k.startswith("BLOCK_") or k in ("num_warps", "num_stages")}
+        mode = "fwd" if kind == "fwd" else "bwd"
+        # a fwd candidate also replaces fwd_small (the tiles for grids too small to fill the GPU), as the stored entry does
+        opts = (lambda v, _d: {"config": {"fwd": dict(v), "fwd_small": dict(v)}}) if kind == "fwd" else \
+            (lambda v, _d, kind=kind: {"config": {kind: dict(v)}})
+        yield Sweep(kind, "cron_root", "configs", f"{bucket}:{kind}", "float16", mode, (d,), ctx.heads(heads), ns,
+                    ctx.limit(_first(cur, tiles)), opts, causal=(True,), baseline=ctx.baseline("flash"))
+
+
+SECTIONS = {
+    "elsa": (elsa_sweeps, list(ELSA_SECTIONS), ELSA_DEFAULT),
+    "pasa": (pasa_sweeps, ["variant", "tiles"], PASA_DEFAULT),
+    "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv"], CQSA_DEFAULT),
+    "cron_root": (cron_root_sweeps, ["cross", "fwd", "dq", "glob", "loc", "seg"], CRON_ROOT_DEFAULT),
+}
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+def _rel_rmse(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300)).item()
+
+
+def accuracy(s: Sweep, options: dict, d: int, device: str, n: int) -> float:
+    """Relative RMS error against the float64 reference (output, and dQ/dK/dV for a backward): the worst one."""
+    backend = get_backend(s.kernel)
+    gen = torch.Generator(device=device).manual_seed(7)
+    shape = (1, 2 if device == "cuda" else 1, n, d)
+    q, k, v, d_out = (torch.randn(shape, generator=gen, device=device, dtype=DTYPES[s.dtype]) for _ in range(4))
+    kw = {**backend.options, **options}
+    ref_fn = backend.reference or reference_attention
+    ref_kw = dict(backend.options) if backend.reference else {}
+    causal = s.causal[0]
+    if s.mode == "fwd":
+        with torch.no_grad():
+            return _rel_rmse(backend.fn(q, k, v, causal=causal, scale=None, **kw),
+                             ref_fn(q, k, v, causal=causal, scale=None, **ref_kw))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = backend.fn(q, k, v, causal=causal, scale=None, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = ref_fn(q64, k64, v64, causal=causal, scale=None, **ref_kw)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_out.double())
+    return max([_rel_rmse(out, ref)] + [_rel_rmse(g, r) for g, r in zip(grads, ref_grads)])
+
+
+def time_ratio(s: Sweep, options: dict, d: int, n: int, causal: bool, device: str, timing: dict) -> dict:
+    """One (head dim, length, causal) measurement of a candidate: kernel ⇄ baseline, interleaved, by the harness's
+    timer."""
+    common = dict(batch=1, heads=s.heads, n=n, head_dim=d, dtype=s.dtype, mode=s.mode, causal=causal,
+                  device=device)
+    kernel = make_attention_workload(get_backend(s.kernel), options=options, **common)
+    baseline = make_attention_workload(get_backend(s.baseline), **common)
+    try:
+        res = measure_pair(kernel, baseline, kernel_name=s.kernel, baseline_name=s.baseline, timing=timing,
+                           device=device)
+    finally:
+        for wl in (kernel, baseline):
+            wl.release()
+    row = {"head_dim": d, "n": n, "causal": causal}
+    for side in (res.kernel, res.baseline):
+        if side.status != "ok":
+            return {**row, "error": f"{side.backend} {side.status}: {side.message}"}
+    ratios = sorted(res.ratios)
+    half = median_ci_half_width(ratios)
+    return {**row, "ratio": ratios[len(ratios) // 2], "ci_half_width": half if math.isfinite(half) else math.inf,
+            "reps": res.reps, "stop": res.stop, "kernel_ms": res.kernel.summary()["ms_median"],
+            "baseline_ms": res.baseline.summary()["ms_median"]}
+
+
+def choose(results: list[dict]) -> tuple[dict, str]:
+    """The winning candidate and why: the best score replaces the current entry (results[0]) only when it is lower
+    by more than the two scores' combined CI half-widths."""
+    ok = [r for r in results if r.get("score") is not None]
+    if not ok:
+        return results[0], "no candidate measured: the current entry stays"
+    best = min(ok, key=lambda r: r["score"])
+    current = results[0]
+    if current.get("score") is None:
+        return best, "the current entry failed: best measured candidate"
+    if best is current:
+        return current, "the current entry is the fastest"
+    gain = 1 - best["score"] / current["score"]
+    halves = (best["ci_half_width"], current["ci_half_width"])
+    noise = math.hypot(*halves) if None not in halves else math.inf
+    if gain > noise:
+        return best, f"{gain:.1%} faster than the current entry (noise ±{_pct(noise)})"
+    return current, f"best candidate only {gain:.1%} faster, within the noise (±{_pct(noise)}): the current entry stays"
+
+
+def _pct(x) -> str:
+    return "?" if x is None or not math.isfinite(x) else f"{x:.1%}"
+
+
+class Tuner:
+    def __init__(self, kernel: str, device: str, budget_s: float, out_dir: Path | None, log=print):
+        self.kernel, self.device, self.log = kernel, device, log
+        self.ctx = Context(device)
+        self.deadline = time.monotonic() + budget_s
+        self.timing = CPU_TIMING if device == "cpu" else GPU_TIMING
+        self.rows: list[dict] = []
+        self.decisions: list[dict] = []
+        self.out_dir = out_dir
+        self.slowest_s = 0.0
+
+    def _save(self):
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"tune_{self.kernel}.json"
+        path.write_text(json.dumps({"kernel": self.kernel, "device": self.device, "measured": measured_on(self.device),
+                                    "rows": self.rows, "decisions": self.decisions}, indent=1, default=str) + "\n")
+
+    def _time_left(self) -> bool:
+        return time.monotonic() + 1.5 * self.slowest_s < self.deadline
+
+    def run_sweep(self, s: Sweep) -> dict | None:
+        results = []
+        check_n = s.ns[0] if self.device == "cpu" else 1024
+        for value in s.values:
+            if not self._time_left():
+                self.log(f"{s.section} {s.key}: budget reached before {value}")
+                break
+            t0 = time.monotonic()
+            row = {"section": s.section, "table": s.table, "key": s.key, "value": value, "dtype": s.dtype,
+                   "mode": s.mode, "head_dims": list(s.head_dims), "heads": s.heads, "baseline": s.baseline}
+            try:
+                row["rel_rmse"] = max(accuracy(s, s.options(value, d), d, self.device, check_n) for d in s.head_dims)
+                if not row["rel_rmse"] <= TOLERANCE[s.dtype]:
+                    row["error"] = f"rel RMSE {row['rel_rmse']:.2e} > {TOLERANCE[s.dtype]:.0e}"
+                else:
+                    row["points"] = [time_ratio(s, s.options(value, d), d, n, causal, self.device, self.timing)
+                                     for d in s.head_dims for n in s.ns for causal in s.causal]
+                    bad = [p["error"] for p in row["points"] if "error" in p]
+                    if bad:
+                        row["error"] = bad[0]
+                    else:
+                        logs = [math.log(p["ratio"]) for p in row["points"]]
+                        row["score"] = math.exp(sum(logs) / len(logs))
+                        half = math.sqrt(sum(p["ci_half_width"] ** 2 for p in row["points"]) / len(row["points"]))
+                        row["ci_half_width"] = half if math.isfinite(half) else None   # None: too few samples
+            except Exception as exc:   # a config that does not compile (shared memory, registers) is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+            results.append(row)
+            self.rows.append(row)
+            self._save()
+            self.log(f"{s.section} {s.key} {value}: " + (f"x{row['score']:.3f} ±{_pct(row['ci_half_width'])} vs "
+                                                         f"{s.baseline}" if "score" in row else row["error"]))
+        if not results:
+            return None
+        winner, why = choose(results)
+        decision = {"section": s.section, "table": s.table, "key": s.key, "value": winner["value"],
+                    "current": s.values[0], "changed": winner["value"] != s.values[0], "score": winner.get("score"),
+                    "why": why, "complete": len(results) == len(s.values)}
+        self.decisions.append(decision)
+        self.ctx.chosen[(s.table, s.key)] = winner["value"]
+        self._save()
+        self.log(f"== {s.section} {s.key}: {winner['value']} ({why})")
+        return decision
+
+    def run(self, sections: list[str]) -> list[dict]:
+        sweeps, _, _ = SECTIONS[self.kernel]
+        for section in sections:
+            if self.kernel == "cron_root" and section == "cross":
+                self.crossover()
+                continue
+            for s in sweeps(self.ctx, section):
+                self.run_sweep(s)
+        return self.decisions
+
+    def crossover(self) -> None:
+        """Cron Root vs SDPA flash, causal, B=1 H=8 D=64 fp16: per mode the first N from which Cron Root is faster
+        at every larger measured N (the hybrid uses SDPA below it)."""
+        ns = (32, 64) if self.device == "cpu" else CRON_ROOT_CROSS_NS
+        for mode in ("fwd", "fwdbwd"):
+            s = Sweep("cross", "cron_root", "crossover", mode, "float16", mode, (64,), self.ctx.heads(8), ns, [None],
+                      lambda v, _d: {}, causal=(True,), baseline=self.ctx.baseline("flash"))
+            points = []
+            for n in ns:
+                if not self._time_left():
+                    self.log(f"cross {mode}: budget reached at N={n}")
+                    break
+                t0 = time.monotonic()
+                try:
+                    p = time_ratio(s, {}, 64, n, True, self.device, self.timing)
+                except Exception as exc:
+                    p = {"n": n, "error": f"{type(exc).__name__}: {exc}"}
+                self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+                points.append(p)
+                self.rows.append({"section": "cross", "mode": mode, **p})
+                self._save()
+                self.log(f"cross {mode} N={n}: " + (f"x{p['ratio']:.3f} vs {s.baseline}" if "ratio" in p else p["error"]))
+            cross = None
+            for p in reversed([p for p in points if "ratio" in p]):
+                if p["ratio"] <= 1.0:
+                    cross = p["n"]
+                else:
+                    break
+            complete = len(points) == len(ns)
+            decision = {"section": "cross", "table": "crossover", "key": mode, "value": cross, "complete": complete,
+                        "changed": cross is not None,
+                        "why": "first N from which Cron Root is at least as fast at every larger measured N"
+                        if cross is not None else "Cron Root never won at the longest measured lengths"}
+            self.decisions.append(decision)
+            self._save()
+            self.log(f"== cross {mode}: {cross}")
+
+
+# --- writing the choices where the kernels read them -------------------------------------------------------------
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
+
+
+def measured_on(device: str) -> dict:
+    import triton
+
+    return {"gpu": _gpu_name() if device == "cuda" else "cpu (Triton interpreter; times meaningless)",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "by": "scripts/tune.py"}
+
+
+def tuning_file(kernel: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "kernels" / kernel / "tuning.json"
+
+
+def cr_tuning_file() -> Path:
+    return tuning_file("cron_root")
+
+
+NOTES = {
+    "elsa": "ELSA launch configs chosen by scripts/tune.py --kernel elsa (harness timer, paired against SDPA); "
+            "entries replace kernels/elsa/config.py's built-in tables: fwd {dtype class,BLOCK_D: [BLOCK_M, BLOCK_N, "
+            "num_warps, num_stages]}, bwd {dtype class,BLOCK_D: {dq, dkdv}}.",
+    "pasa": "PASA launch configs chosen by scripts/tune.py --kernel pasa (harness timer, paired against SDPA flash); "
+            "entries replace kernels/pasa/attention.py's BUILTIN_CONFIGS / BUILTIN_VARIANT: {BLOCK_D: [BLOCK_M, BLOCK_N, "
+            "num_warps, num_stages]} (fa16 keeps PASA's tiles).",
+    "cqsa": "Stream-CQSA tiles chosen by scripts/tune.py --kernel cqsa (harness timer, paired against SDPA flash); "
+            "entries replace kernels/cqsa/kernel.py's built-in GPU choice: {kind: {dtype class,D: [BLOCK_M, BLOCK_N, "
+            "num_warps, num_stages]}}.",
+}
+
+
+def write_choices(kernel: str, decisions: list[dict], path: Path, device: str) -> dict:
+    """Write the decisions that changed an entry (and every measured crossover) to the kernel's tuning file at
+    `path`; an entry that stayed is already where the kernel reads it. Returns what was written."""
+    decisions = [d for d in decisions if d["changed"]]
+    if not decisions:
+        return {}
+    if kernel == "cron_root":
+        return _write_cron_root(decisions, path, device)
+    updates: dict = {}
+    for d in decisions:
+        if kernel == "pasa" and d["table"] == "pasa":       # fa16 keeps PASA's tiling ("the same tiling without the shift")
+            updates.setdefault("fa16", {})[d["key"]] = d["value"]
+        updates.setdefault(d["table"], {})[d["key"]] = d["value"]
+    if updates:
+        write_configs(path, updates, measured_on(device), NOTES[kernel])
+    return updates
+
+
+def _write_cron_root(decisions: list[dict], path: Path, device: str) -> dict:
+    src = path if path.is_file() else cr_tuning_file()
+    data = json.loads(src.read_text())
+    name = _gpu_name() if device == "cuda" else "cpu (Triton interpreter)"
+    entry = dict(data.setdefault("gpus", {}).get(name, {}))
+    cross = {d["key"]: d["value"] for d in decisions if d["table"] == "crossover" and d["value"] is not None}
+    for mode, n in cross.items():
+        entry[f"crossover_{mode}"] = n
+        entry["crossover_workload"] = "B=1 H=8 D=64 float16 vs SDPA flash causal"
+    if "fwd" in cross and "fwdbwd" in cross:
+        entry["crossover"] = max(cross["fwd"], cross["fwdbwd"])
+    configs = entry.setdefault("configs", {})
+    for d in decisions:
+        if d["table"] == "configs":
+            bucket, kind = d["key"].split(":")
+            configs.setdefault(bucket, {}).setdefault(kind, {}).update(d["value"])
+    if not configs:
+        entry.pop("configs")
+    if entry:
+        entry["measured"] = " ".join(f"{k} {v}" for k, v in measured_on(device).items() if k != "by")
+        data["gpus"][name] = entry
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return entry
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", required=True, choices=sorted(SECTIONS))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--sections", default=None, help="comma list (default: the kernel's usual set; see SECTIONS)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop before a candidate would run past this")
+    ap.add_argument("--out", type=Path, default=None, help="folder for tune_<kernel>.json (every measurement)")
+    ap.add_argument("--write", type=Path, default=None, help="tuning file to write (default: the kernel's own, GPU only)")
+    ap.add_argument("--no-write", action="store_true", help="measure and report only")
+    args = ap.parse_args(argv)
+    _, known, default = SECTIONS[args.kernel]
+    sections = (args.sections or default).split(",")
+    unknown = [s for s in sections if s not in known]
+    if unknown:
+        print(f"error: --sections {','.join(unknown)}: not a section of {args.kernel} (known: {', '.join(known)})",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device; use --device cpu (tiny sizes, meaningless times)", file=sys.stderr)
+        return 3
+    tuner = Tuner(args.kernel, args.device, args.budget_s, args.out,
+                  log=lambda msg: print(msg, flush=True))
+    decisions = tuner.run(sections)
+    print("\n== chosen ==")
+    for d in decisions:
+        print(f"{d['section']:>12} {d['table']}[{d['key']}] = {json.dumps(d['value'])}"
+              + (" (changed)" if d["changed"] else "") + ("" if d["complete"] else " (budget ended the sweep)")
+              + f"  — {d['why']}")
+    path = args.write or (tuning_file(args.kernel) if args.device == "cuda" else None)
+    if args.no_write or path is None:
+        print("nothing written" + (" (--device cpu: name a file with --write)" if path is None else ""))
+        return 0
+    written = write_choices(args.kernel, decisions, path, args.device)
+    print(f"wrote {path}: {json.dumps(written, default=str)[:2000]}" if written
+          else "nothing written: every current entry stayed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""scripts/tune.py: one tuning entry for the four kernels, on the CPU (tiny sizes, meaningless times), and the
+tuning files it writes, read back by each kernel."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tune_module():
+    spec = importlib.util.spec_from_file_location("tune_script", REPO / "scripts" / "tune.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tune = _tune_module()
+
+
+def run_tune(*args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)       # the script sets it itself for --device cpu
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "tune.py"), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=REPO)
+
+
+# one short section per kernel: every code path of the sweep (accuracy check, paired timing, decision, writing)
+@pytest.mark.parametrize("kernel, sections, expected", [
+    ("elsa", "bwd32", [("bwd32:dkdv", "bwd", "32,64"), ("bwd32:dq", "bwd", "32,64")]),
+    ("pasa", "variant", [("variant", "variant", "default")]),
+    ("cqsa", "fwd", [("fwd", "fwd", "16,64")]),
+    ("cron_root", "cross,seg", [("cross", "crossover", "fwd"), ("cross", "crossover", "fwdbwd"),
+                                ("seg", "configs", "64:glob")]),
+])
+def test_tune_runs_on_the_cpu_and_writes_only_where_asked(tmp_path, kernel, sections, expected):
+    target = tmp_path / "tuning.json"
+    before = {p: p.read_bytes() for p in (REPO / "kernels").glob("*/tuning.json")}
+    proc = run_tune("--kernel", kernel, "--device", "cpu", "--sections", sections, "--write", str(target),
+                    "--out", str(tmp_path / "log"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = json.loads((tmp_path / "log" / f"tune_{kernel}.json").read_text())
+    assert [(d["section"], d["table"], d["key"]) for d in log["decisions"]] == expected
+    timed = [r for r in log["rows"] if r.get("points") or "ratio" in r]
+    assert timed, "nothing was timed"
+    for r in log["rows"]:
+        if "points" in r:
+            assert r["rel_rmse"] <= tune.TOLERANCE[r["dtype"]] and all(p["ratio"] > 0 for p in r["points"])
+    changed = [d for d in log["decisions"] if d["changed"]]
+    assert target.is_file() == bool(changed) or kernel == "cron_root"
+    # the kernels' own tuning files are untouched by a CPU run
+    assert {p: p.read_bytes() for p in (REPO / "kernels").glob("*/tuning.json")} == before
+
+
+def test_tune_refuses_unknown_sections_and_a_missing_gpu():
+    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "fwd99")
+    assert proc.returncode == 2 and "fwd99" in proc.stderr and "known: fwd16" in proc.stderr
+    if not torch.cuda.is_available():
+        proc = run_tune("--kernel", "elsa", "--sections", "fwd16")
+        assert proc.returncode == 3 and "--device cpu" in proc.stderr
+
+
+# --- the decision rule ---------------------------------------------------------------------------------------
+
+def test_a_candidate_replaces_the_current_entry_only_beyond_the_noise():
+    current = {"value": [1], "score": 1.00, "ci_half_width": 0.01}
+    assert tune.choose([current, {"value": [2], "score": 0.90, "ci_half_width": 0.01}])[0]["value"] == [2]
+    assert tune.choose([current, {"value": [2], "score": 0.99, "ci_half_width": 0.01}])[0]["value"] == [1]
+    assert tune.choose([current, {"value": [2], "score": 0.95, "ci_half_width": None}])[0]["value"] == [1]
+    assert tune.choose([{"value": [1], "error": "x"}, {"value": [2], "score": 1.3, "ci_half_width": 0.5}])[0]["value"] == [2]
+    assert tune.choose([{"value": [1], "error": "x"}])[0]["value"] == [1]
+
+
+# --- what tune.py writes is what each kernel reads ----------------------------------------------------------------
+
+def decision(table, key, value, section="s"):
+    return {"section": section, "table": table, "key": key, "value": value, "changed": True, "complete": True}
+
+
+def test_elsa_reads_its_tuning_file(tmp_path):
+    from kernels.elsa import config
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("elsa", [decision("fwd", "16,64", [64, 32, 4, 2]),
+                                decision("bwd", "32,64", {"dq": [32, 32, 4, 2], "dkdv": [64, 32, 4, 2]})], path, "cpu")
+    fwd, bwd = config.tuned_tables(path)
+    assert fwd[("16", 64)] == (64, 32, 4, 2) and fwd[("16", 128)] == config.BUILTIN_FWD_TABLE[("16", 128)]
+    assert bwd[("32", 64)] == ((32, 32, 4, 2), (64, 32, 4, 2))
+    assert config.tuned_tables(tmp_path / "absent.json") == (config.BUILTIN_FWD_TABLE, config.BUILTIN_BWD_TABLE)
+    # the plans the kernel launches with come from the tables; a caller's config= still overrides them
+    saved = config.FWD_TABLE, config.BWD_TABLE
+    try:
+        config.FWD_TABLE, config.BWD_TABLE = fwd, bwd
+        for fn in (config.plan_forward, config.plan_backward):
+            fn.cache_clear()
+        plan = config.plan_forward(4096, 4096, 8, 64, torch.float16, config.DEFAULT_SM_COUNT)
+        assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == (64, 32, 4, 2)
+        override = config.canonical_config({"fwd": {"BLOCK_N": 64}}, torch.float16, 64)
+        plan = config.plan_forward(4096, 4096, 8, 64, torch.float16, config.DEFAULT_SM_COUNT, override)
+        assert (plan.block_m, plan.block_n) == (64, 64)
+        assert config.plan_backward(64, torch.float32) == config.BwdPlan((32, 32, 4, 2), (64, 32, 4, 2))
+    finally:
+        config.FWD_TABLE, config.BWD_TABLE = saved
+        for fn in (config.plan_forward, config.plan_backward):
+            fn.cache_clear()
+
+
+def test_a_tuning_entry_the_tables_do_not_have_is_one_line(tmp_path):
+    from kernels._tuning import TuningFileError
+    from kernels.elsa import config
+
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"configs": {"fwd": {"16,80": [64, 64, 4, 3]}}}))
+    with pytest.raises(TuningFileError, match=r"fwd\['16,80'\]: not a \(dtype class, BLOCK_D\)"):
+        config.tuned_tables(path)
+
+
+def test_pasa_reads_its_tuning_file(tmp_path):
+    from kernels.pasa import attention as pasa
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("pasa", [decision("variant", "default", "fused"), decision("pasa", "128", [128, 64, 8, 3])],
+                       path, "cpu")
+    configs, variant = pasa.tuned_defaults(path)
+    assert variant == "fused"
+    tiles = {"fwd": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)}
+    assert configs["pasa"][128] == configs["fa16"][128] == tiles   # fa16 keeps PASA's tiling
+    assert configs["pasa"][64] == pasa.BUILTIN_CONFIGS["pasa"][64]
+    assert pasa.BUILTIN_CONFIGS["pasa"][128] != tiles               # the built-in table is not changed
+    path.write_text(json.dumps({"configs": {"variant": {"default": "fast"}}}))
+    with pytest.raises(ValueError, match="variant.default = 'fast'"):
+        pasa.tuned_defaults(path)
+    path.write_text(json.dumps({"configs": {"pasa": {"80": [64, 64, 4, 3]}}}))
+    with pytest.raises(ValueError, match=r"pasa\['80'\].*head-dim tile width"):
+        pasa.tuned_defaults(path)
+
+
+def test_cqsa_reads_its_tuning_file(tmp_path, monkeypatch):
+    from kernels._tuning import read_configs
+    from kernels.cqsa import kernel as cqsa
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("cqsa", [decision("fwd", "16,128", [64, 64, 4, 3])], path, "cpu")
+    monkeypatch.setattr(cqsa, "_TUNED", read_configs(path))
+    monkeypatch.setattr(cqsa, "_tiles_cache", {})
+    monkeypatch.setattr(cqsa, "interpreted", lambda: False)    # the GPU's tiles, read on a CPU: no GPU is touched
+    assert cqsa.default_tiles(128, torch.float16, "cuda")[:4] == (64, 64, 4, 3)
+    assert cqsa.default_tiles(96, torch.float16, "cuda")[:4] == (64, 64, 4, 3)     # the same 128-wide tiles
+    assert cqsa.default_tiles(128, torch.float16, "cuda")[4:] == sum(cqsa._TILES_CUDA[(True, 128)][1:], ())
+    assert cqsa.default_tiles(64, torch.float16, "cuda")[:4] == (128, 64, 4, 2)       # not tuned: the built-in choice
+    assert cqsa.default_tiles(128, torch.float32, "cuda")[:4] == (64, 32, 4, 2)
+    assert cqsa.default_tiles(128, torch.float16, "cpu")[:4] == (32, 32, 4, 1)        # interpreter tiles
+
+
+def test_cron_root_reads_its_tuning_file(tmp_path, monkeypatch):
+    from kernels.cron_root import tuning
+
+    path = tmp_path / "tuning.json"
+    entry = tune.write_choices("cron_root", [
+        decision("crossover", "fwd", 3072), decision("crossover", "fwdbwd", 8192),
+        decision("configs", "64:glob", {"BLOCK_G": 32, "BLOCK_Q": 64, "num_warps": 4, "num_stages": 2}),
+        decision("configs", "64:glob", {"programs_per_sm": 4}),
+    ], path, "cpu")
+    assert entry["crossover"] == 8192
+    monkeypatch.setattr(tuning, "TUNING_FILE", path)
+    for fn in (tuning.table, tuning.gpu_entry):
+        fn.cache_clear()
+    try:
+        name = "cpu (Triton interpreter)"
+        assert tuning.crossover_for(name, False) == 3072 and tuning.crossover_for(name, True) == 8192
+        assert tuning.tuned_configs(name, 64) == {"glob": {"BLOCK_G": 32, "BLOCK_Q": 64, "num_warps": 4,
+                                                           "num_stages": 2, "programs_per_sm": 4}}
+        # the repository's entries are kept
+        assert tuning.crossover_for("NVIDIA H100 80GB HBM3", True) == json.loads(
+            (REPO / "kernels" / "cron_root" / "tuning.json").read_text())["gpus"]["NVIDIA H100 80GB HBM3"]["crossover_fwdbwd"]
+    finally:
+        for fn in (tuning.table, tuning.gpu_entry):
+            fn.cache_clear()
+
+
+def test_nothing_is_written_when_every_entry_stayed(tmp_path):
+    stayed = dict(decision("fwd", "16,64", [128, 64, 4, 3]), changed=False)
+    assert tune.write_choices("elsa", [stayed], tmp_path / "t.json", "cpu") == {}
+    assert not (tmp_path / "t.json").exists()
