@@ -22,6 +22,8 @@ BACKENDS = {
         modes=("fwd", "bwd", "fwdbwd"),
         causal=(False, True),
         head_dims=HEAD_DIMS,
+        gqa=True,                                # K/V with fewer heads than q, read in place
+        cross=True,                              # Nq != Nk (causal: bottom-right aligned)
         devices=("cuda", "cpu"),
         options={"c": 7, "itr": 1},
         description="Stream-CQSA: exact attention as c**itr CQS subsequence tasks merged by log-sum-exp "
