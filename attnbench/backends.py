@@ -161,7 +161,7 @@ def _causal_block_mask(n: int, device: str, create_block_mask):
 _HALF = ("float16", "bfloat16")
 _ALL = ("float32", "float16", "bfloat16")
 _MULTIPLES_OF_8 = tuple(range(8, 257, 8))
-# SDPA's grouped-query argument (enable_gqa) exists from torch 2.5; every forced backend takes it there
+# SDPA's grouped-query argument (enable_gqa) exists from torch 2.5; math, flash and cudnn take it there
 # (tests/test_harness_gpu.py checks each claim below against the installed torch on the GPU).
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -170,7 +170,8 @@ PYTORCH_BACKENDS = {
     for b in [
         Backend("math", _sdpa_forced("MATH"), _ALL, devices=("cuda", "cpu"), gqa=_SDPA_GQA, cross=True,
                 description="SDPA math: the unfused reference path, materialises N×N scores"),
-        Backend("efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _ALL, head_dims=None, gqa=_SDPA_GQA, cross=True,
+        # efficient refuses enable_gqa on torch 2.11 (H100: "No available kernel"): grouped cells skip it
+        Backend("efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _ALL, head_dims=None, gqa=False, cross=True,
                 description="SDPA memory-efficient (xFormers-style) kernel"),
         Backend("flash", _sdpa_forced("FLASH_ATTENTION"), _HALF, devices=("cuda", "cpu"), cpu_dtypes=_ALL,
                 head_dims=_MULTIPLES_OF_8, gqa=_SDPA_GQA, cross=True,
