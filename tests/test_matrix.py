@@ -351,7 +351,9 @@ def test_grouped_and_cross_cells_need_a_backend_that_declares_them(tmp_path, pla
 
     b = backends.get_backend(plain_kernel)
     assert (b.gqa, b.cross) == (False, False)
-    assert all(backends.get_backend(n).gqa and backends.get_backend(n).cross for n in ("math", "flash", "efficient", "cudnn"))
+    assert all(backends.get_backend(n).gqa and backends.get_backend(n).cross for n in ("math", "flash", "cudnn"))
+    # efficient refuses enable_gqa on torch 2.11 (the H100): grouped cells skip it rather than erroring mid-run
+    assert (backends.get_backend("efficient").gqa, backends.get_backend("efficient").cross) == (False, True)
     gqa = f"  - {{id: g, kernel: {plain_kernel}, baseline: math, dtype: float32, mode: fwd, kv_heads: 1, seq_lens: [64]}}\n"
     with pytest.raises(MatrixError, match=r"cell 'g': kernel plain: grouped-query K/V \(fewer key/value heads than "
                                           r"query heads\) unsupported \(set allow_skip"):
