@@ -81,8 +81,11 @@ def enabled() -> bool:
 
 
 def clear() -> None:
-    """Forget every stored CompiledKernel (the next call of each key goes through the JIT)."""
+    """Forget every stored CompiledKernel (the next call of each key goes through the JIT) and every cached plan
+    of Prepared launches (each SignatureCache: the next call of each signature plans again)."""
     _caches.clear()
+    for cache in _signature_caches:
+        cache.clear()
 
 
 def _eligible(jit_fn) -> bool:
@@ -269,14 +272,18 @@ def layout(*tensors) -> tuple:
     return tuple(key)
 
 
+_signature_caches: list = []
+
+
 class SignatureCache(dict):
     """Results by call signature (a kernel's plans, a public function's checks): a dict (``get`` stays the C
     lookup) that is cleared when it reaches ``limit`` entries (a sweep over many shapes plans each again rather
-    than growing without bound)."""
+    than growing without bound), and by ``clear()`` above."""
 
     def __init__(self, limit: int = 1024):
         super().__init__()
         self.limit = limit
+        _signature_caches.append(self)
 
     def put(self, key, plan):
         if len(self) >= self.limit:

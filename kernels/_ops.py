@@ -64,10 +64,15 @@ class KernelFunction(torch.autograd.Function):
                                         the backward body when plain(...) of its tensors, else the backward op
 
     and inherits ``backward``, which runs ``gradients`` directly unless create_graph=True asks for a graph of it
-    (then once_differentiable)."""
+    (then once_differentiable). A forward with a non-differentiable extra output (lse) calls
+    ``ctx.set_materialize_grads(False)``: otherwise autograd fills a zero gradient for it before every backward
+    (an allocation and, on the GPU, a fill launch), which ``gradients`` ignores; the first output's gradient
+    is then None only when no gradient reaches this node at all (all input gradients None)."""
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        if grad_outputs[0] is None:
+            return (None,) * len(ctx.needs_input_grad)
         if _grad_enabled():
             return _once_differentiable_gradients(ctx, *grad_outputs)
         return ctx._forward_cls.gradients(ctx, *grad_outputs)

@@ -178,21 +178,30 @@ _fwd_plans = SignatureCache()
 _bwd_plans = SignatureCache()
 
 
-def resident_forward(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
-    """O [B,Hq,Nq,D] (q's dtype) and the global natural-log lse [B,Hq,Nq] (fp32), everything on q's device."""
+def forward_plan(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles) -> _Forward:
+    """The cached plan of this resident forward signature (made on first use)."""
     tiles = tuple(tiles)
     key = (layout(q, k, v), causal, scale, c, itr, precision, tiles)
-    plan = _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, causal, scale, c, itr, precision, tiles))
-    return plan(q, k, v)
+    return _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, causal, scale, c, itr, precision, tiles))
+
+
+def backward_plan(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str,
+                  tiles) -> _Backward:
+    """The cached plan of this resident backward signature (made on first use)."""
+    tiles = tuple(tiles)
+    key = (layout(do, q, k, v, out, lse), causal, scale, c, itr, precision, tiles)
+    return _bwd_plans.get(key) or _bwd_plans.put(
+        key, _Backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles))
+
+
+def resident_forward(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
+    """O [B,Hq,Nq,D] (q's dtype) and the global natural-log lse [B,Hq,Nq] (fp32), everything on q's device."""
+    return forward_plan(q, k, v, causal, scale, c, itr, precision, tiles)(q, k, v)
 
 
 def resident_backward(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
     """(dq, dk, dv) in the inputs' dtype; dk, dv summed over the query heads that share a key/value head."""
-    tiles = tuple(tiles)
-    key = (layout(do, q, k, v, out, lse), causal, scale, c, itr, precision, tiles)
-    plan = _bwd_plans.get(key) or _bwd_plans.put(
-        key, _Backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles))
-    return plan(do, q, k, v, out, lse)
+    return backward_plan(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles)(do, q, k, v, out, lse)
 
 
 # --- the ops ------------------------------------------------------------------------------------------------
@@ -235,6 +244,7 @@ class _CqsaFunction(KernelFunction):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (causal, scale, c, itr, precision, tiles)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # no zero gradient for lse (kernels/_ops.py)
         return out, lse
 
     @staticmethod

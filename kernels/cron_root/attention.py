@@ -222,19 +222,27 @@ _fwd_plans = SignatureCache()
 _bwd_plans = SignatureCache()
 
 
+def forward_plan(q, k, v, scale, relay_threshold, precision, config) -> _Forward:
+    """The cached plan of this forward signature (made on first use)."""
+    key = (layout(q, k, v), scale, relay_threshold, precision, config)
+    return _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, scale, relay_threshold, precision, config))
+
+
+def backward_plan(do, q, k, v, o, lse, scale, relay_threshold, precision, config) -> _Backward:
+    """The cached plan of this backward signature (made on first use)."""
+    key = (layout(do, q, k, v, o, lse), scale, relay_threshold, precision, config)
+    return _bwd_plans.get(key) or _bwd_plans.put(
+        key, _Backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config))
+
+
 def _forward(q, k, v, scale, relay_threshold, precision, config):
     """The forward op's body (CPU through the interpreter, CUDA): (out, lse)."""
-    key = (layout(q, k, v), scale, relay_threshold, precision, config)
-    plan = _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, scale, relay_threshold, precision, config))
-    return plan(q, k, v)
+    return forward_plan(q, k, v, scale, relay_threshold, precision, config)(q, k, v)
 
 
 def _backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config):
     """The backward op's body: (dq, dk, dv), dk and dv summed over the query heads that share a key/value head."""
-    key = (layout(do, q, k, v, o, lse), scale, relay_threshold, precision, config)
-    plan = _bwd_plans.get(key) or _bwd_plans.put(
-        key, _Backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config))
-    return plan(do, q, k, v, o, lse)
+    return backward_plan(do, q, k, v, o, lse, scale, relay_threshold, precision, config)(do, q, k, v, o, lse)
 
 
 # --- the torch.library ops -----------------------------------------------------------------------------------
@@ -276,6 +284,7 @@ class _CronRootFunction(KernelFunction):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (scale, relay_threshold, precision, config)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # no zero gradient for lse (kernels/_ops.py)
         return out, lse
 
     @staticmethod
@@ -305,6 +314,13 @@ def check_options(name: str, shape, relay_threshold, precision) -> None:
         check_precision(name, precision)
 
 
+def validate(q, k, v, causal, scale, relay_threshold, precision) -> float:
+    """The checks of a call (the contract's and Cron Root's own); returns the resolved scale."""
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    check_options(NAME, shape, relay_threshold, precision)
+    return default_scale(scale, shape.head_dim)
+
+
 # the checks of a call signature that passed them -> its resolved scale (kernels._common.signature); not under
 # torch.compile, which traces the checks instead (a dict write would be a side effect dynamo replays)
 _checked = SignatureCache()
@@ -326,9 +342,7 @@ def cron_root_attention(q, k, v, causal: bool = True, scale: float | None = None
                                                                         precision)
     resolved = _checked.get(key)
     if resolved is None:
-        shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
-        check_options(NAME, shape, relay_threshold, precision)
-        resolved = default_scale(scale, shape.head_dim)
+        resolved = validate(q, k, v, causal, scale, relay_threshold, precision)
         if key is not None:
             _checked.put(key, resolved)
     return fwd_op(q, k, v, resolved, relay_threshold, precision, configs.encode(config))[0]

@@ -55,16 +55,21 @@ _checked = SignatureCache()
 _is_compiling = torch.compiler.is_compiling
 
 
+def validate(name: str, q, k, v, causal, scale) -> tuple:
+    """The contract's checks and PASA's dtypes; returns (scale, head-dim tile width)."""
+    shape = check_inputs(name, q, k, v, causal=causal, scale=scale, dtypes=FLOAT_DTYPES)
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {str(q.dtype).replace('torch.', '')} unsupported (PASA is a float16 "
+                         "algorithm: pass float16, or bfloat16, which is converted to float16)")
+    return default_scale(scale, shape.head_dim), block_d(shape.head_dim)
+
+
 def _check(name: str, q, k, v, causal, scale):
-    """The contract's checks and PASA's dtypes; returns (scale, head-dim tile width). Once per call signature."""
+    """validate(), once per call signature."""
     key = None if _is_compiling() else signature(q, k, v, name, causal, scale)
     resolved = _checked.get(key)
     if resolved is None:
-        shape = check_inputs(name, q, k, v, causal=causal, scale=scale, dtypes=FLOAT_DTYPES)
-        if q.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {str(q.dtype).replace('torch.', '')} unsupported (PASA is a float16 "
-                             "algorithm: pass float16, or bfloat16, which is converted to float16)")
-        resolved = default_scale(scale, shape.head_dim), block_d(shape.head_dim)
+        resolved = validate(name, q, k, v, causal, scale)
         if key is not None:
             _checked.put(key, resolved)
     return resolved

@@ -178,18 +178,20 @@ class _Forward(LaunchPlan):
 _plans = SignatureCache()
 
 
+def forward_plan(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> _Forward:
+    """The cached plan of this forward signature of ``name`` ("pasa", "fa16"), made on first use."""
+    key = (name, layout(q, k, v), causal, scale, options)
+    return _plans.get(key) or _plans.put(key, _Forward(name, q, k, v, causal, scale, options))
+
+
 def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The pre-pass (K̃ = fp16(λM·K) per KV window and kv head) and Algorithm 1 (kernel.py); float16 in and out."""
-    key = ("pasa", layout(q, k, v), causal, scale, options)
-    plan = _plans.get(key) or _plans.put(key, _Forward("pasa", q, k, v, causal, scale, options))
-    return plan(q, k, v)
+    return forward_plan("pasa", q, k, v, causal, scale, options)(q, k, v)
 
 
 def fa16_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The FA16-FP32 comparator (kernel.py); float16 in and out."""
-    key = ("fa16", layout(q, k, v), causal, scale, options)
-    plan = _plans.get(key) or _plans.put(key, _Forward("fa16", q, k, v, causal, scale, options))
-    return plan(q, k, v)
+    return forward_plan("fa16", q, k, v, causal, scale, options)(q, k, v)
 
 
 def _pasa_fwd(q, k, v, causal, scale, options):
@@ -254,12 +256,14 @@ def _forward_only_function(name: str, op_name: str, body) -> type:
     return ForwardOnly
 
 
+FUNCTIONS = {}      # name -> the autograd Function of its op
 for _name, _body in (("pasa", _pasa_fwd), ("fa16", _fa16_fwd)):
     _lib.define(f"{_name}_fwd{_FORWARD_SCHEMA}")
     for _key in ("CPU", "CUDA"):
         _lib.impl(f"{_name}_fwd", _body, _key)
     torch.library.register_fake(f"attnbench::{_name}_fwd", _forward_fake, lib=_lib)
-    register_autograd(_lib, f"{_name}_fwd", _forward_only_function(_name, f"{_name}_fwd", _body), _body)
+    FUNCTIONS[_name] = _forward_only_function(_name, f"{_name}_fwd", _body)
+    register_autograd(_lib, f"{_name}_fwd", FUNCTIONS[_name], _body)
 
 pasa_fwd = torch.ops.attnbench.pasa_fwd.default
 fa16_fwd = torch.ops.attnbench.fa16_fwd.default
