@@ -21,11 +21,12 @@ before, and a compiled graph holds the training forward and backward ops. The re
 way, so eager and compiled agree.
 
 Why not ``torch.library.custom_op`` / ``register_autograd``: their generic per-call work (argument re-binding,
-pytree, metadata objects, a Python Function.apply) and the second trip through the dispatcher into a Python body.
-Measured on our CPU with empty bodies (kernels' NOTES, "Host cost"), forward with grad / no grad / fwd+bwd:
-custom_op + register_autograd 38 / 16 / 119 us; a Library op with register_autograd 33 / 12 / 92; this pattern
-13 / 8 / 56 (one dispatcher trip per forward, none in the backward); an autograd.Function with no op at all
-10 / 5 / 46 — the one remaining trip is what the op costs.
+pytree, metadata objects, a Python Function.apply) and a second trip through the dispatcher into a Python body,
+forward and backward. scripts/host_cost.py times the four registrations with empty bodies (its "registration"
+figures); on our CPU, forward with grad / no grad / fwd+bwd: custom_op + register_autograd 36 / 15 / 113 us; a
+Library op with register_autograd 30 / 12 / 90; this pattern 14 / 8 / 57 (one dispatcher trip per forward, none
+in the backward); the autograd.Function with no op at all 13 / 5 / 52 — the one remaining trip is what the op
+costs. On the H100 host a trip into a Python kernel cost 14-29 us (ELSA's pieces before this pattern).
 
 Double backward: the Functions are once differentiable. ``KernelFunction.backward`` runs ``gradients`` directly
 when grad mode is off (the engine's default); under create_graph=True it runs it through
