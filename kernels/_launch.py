@@ -285,11 +285,12 @@ class SignatureCache(dict):
         self.limit = limit
         _signature_caches.append(self)
 
-    def put(self, key, plan):
+    def put(self, key, value):
+        """Store and return ``value`` (``cache.get(key) or cache.put(key, make())``)."""
         if len(self) >= self.limit:
             self.clear()
-        self[key] = plan
-        return plan
+        self[key] = value
+        return value
 
 
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)

@@ -68,7 +68,7 @@ class KernelFunction(torch.autograd.Function):
     (then once_differentiable). A forward with a non-differentiable extra output (lse) calls
     ``ctx.set_materialize_grads(False)``: otherwise autograd fills a zero gradient for it before every backward
     (an allocation and, on the GPU, a fill launch), which ``gradients`` ignores; the first output's gradient
-    is then None only when no gradient reaches this node at all (all input gradients None)."""
+    is then None only when no gradient reaches the node at all, and every input gets None."""
 
     @staticmethod
     def backward(ctx, *grad_outputs):
