@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ._launch import launch  # noqa: F401  (re-exported: every kernel launches through kernels._launch)
+# re-exported: every kernel launches through kernels._launch (per-signature plans of Prepared launches)
+from ._launch import LaunchPlan, Prepared, SignatureCache, launch, layout  # noqa: F401
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -136,6 +137,27 @@ def check_inputs(name: str, q, k, v, *, causal, scale, dtypes=FLOAT_DTYPES, self
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"{name}: scale must be a positive finite number or None, got {scale!r}")
     return Shape(b, hq, hkv, nq, nk, d)
+
+
+_Tensor = torch.Tensor
+_PLAIN_OPTIONS = (bool, int, float, str, type(None))
+
+
+def signature(q, k, v, *options):
+    """The key under which a public function caches its checks and what it resolved from them (the scale, the
+    options string): the shapes, dtypes and devices of q, k, v and each option with its exact type (True, 1 and
+    1.0 differ). None, so the checks run every time, when an input is not a plain tensor or an option not a plain
+    value (a dict, a subclass: the checks say what is wrong, or see what they must see)."""
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+        return None
+    key = [q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device]
+    for o in options:
+        t = type(o)
+        if t not in _PLAIN_OPTIONS:
+            return None
+        key.append(t)
+        key.append(o)
+    return tuple(key)
 
 
 def default_scale(scale, head_dim: int) -> float:

@@ -34,6 +34,13 @@ everything ``call_key`` would (shapes, strides, scalars, the tensors' dtypes, al
 the first call (through ``launch``) it calls the stored CompiledKernel with no key at all, passing the tensors'
 data pointers as ints (the launcher takes an int as the device pointer as it is, without asking the tensor for
 it and without the driver's pointer check). The JIT's global state (hooks, knobs) is still checked per call.
+Every kernel's op bodies work that way (the one pattern):
+
+    _plans = SignatureCache()
+    def body(q, k, v, scale, ...):
+        key = (layout(q, k, v), scale, ...)           # everything the plan's fixed arguments derive from
+        plan = _plans.get(key) or _plans.put(key, Plan(q, k, v, scale, ...))
+        return plan(q, k, v)        # LaunchPlan: its device current, then run(): allocations + Prepared launches
 
 On by default since its GPU checks passed on the H100 (ELSA's and Cron Root's GPU suites with it on, outputs
 and gradients identical off/on; tests/test_launch.py's gpu test keeps checking it). ATTNBENCH_FAST_LAUNCH=0 in
@@ -74,8 +81,11 @@ def enabled() -> bool:
 
 
 def clear() -> None:
-    """Forget every stored CompiledKernel (the next call of each key goes through the JIT)."""
+    """Forget every stored CompiledKernel (the next call of each key goes through the JIT) and every cached plan
+    of Prepared launches (each SignatureCache: the next call of each signature plans again)."""
     _caches.clear()
+    for cache in _signature_caches:
+        cache.clear()
 
 
 def _eligible(jit_fn) -> bool:
@@ -249,3 +259,53 @@ class Prepared:
                     self._tail = self.fixed + _tail(self.jit_fn, len(tensors) + len(self.fixed), self.constexprs)
                     self._ck = ck
         return ck
+
+
+def layout(*tensors) -> tuple:
+    """What a plan of Prepared launches depends on in its tensor arguments: each tensor's shape, strides, dtype,
+    device and whether its data pointer is 16-byte aligned (Triton specialises each pointer on that, so two calls
+    that differ in which tensor is misaligned must not share a compiled kernel). Part of every plan key."""
+    key = []
+    add = key.extend
+    for t in tensors:
+        add((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+    return tuple(key)
+
+
+_signature_caches: list = []
+
+
+class SignatureCache(dict):
+    """Results by call signature (a kernel's plans, a public function's checks): a dict (``get`` stays the C
+    lookup) that is cleared when it reaches ``limit`` entries (a sweep over many shapes plans each again rather
+    than growing without bound), and by ``clear()`` above."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+        _signature_caches.append(self)
+
+    def put(self, key, value):
+        """Store and return ``value`` (``cache.get(key) or cache.put(key, make())``)."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
+
+
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class LaunchPlan:
+    """Base of a kernel's per-signature plans: ``plan(*args)`` is ``plan.run(*args)`` with the plan's CUDA device
+    current (Triton and Prepared launch on the current device). The common case, that device already current,
+    costs one C call and no switch. A subclass sets ``device_index`` (None on the CPU) and defines ``run``."""
+
+    device_index = None
+
+    def __call__(self, *args):
+        index = self.device_index
+        if index is not None and _cuda_get_device() != index:
+            with torch.cuda.device(index):
+                return self.run(*args)
+        return self.run(*args)

@@ -1,9 +1,10 @@
-"""Host time per attention call at a launch-bound shape, for SDPA and our four kernels, and ELSA's call piece by
-piece: what a call costs the CPU before the GPU work matters (issue 16: at most 1.5x SDPA for elsa, cron_root
+"""Host time per attention call at a launch-bound shape, for SDPA and our four kernels, and each kernel's call piece
+by piece: what a call costs the CPU before the GPU work matters (issue 16: at most 1.5x SDPA for elsa, cron_root
 and pasa, 2x for cqsa's resident path).
 
-    PYTHONPATH=. python3 scripts/host_cost.py OUT.json                       # GPU machine
-    python scripts/host_cost.py OUT.json --device cpu --n 32 --calls 2       # CPU: the plumbing, interpreted
+    PYTHONPATH=. python3 scripts/host_cost.py OUT.json                         # GPU machine
+    python scripts/host_cost.py OUT.json --device cpu --stub-launches          # CPU: the host path, launches stubbed
+    python scripts/host_cost.py OUT.json --device cpu --n 16 --calls 1         # CPU: the plumbing, interpreted
 
 Shape: B=1, H=1, N=128, D=64, float16 (--n, --dtype change it). A measurement is `--calls` calls in a row with no
 synchronisation inside (at this shape the GPU finishes each call before the host has issued the next, so the
@@ -11,29 +12,44 @@ loop is host-bound) after `--warmup` calls and a synchronisation: host time per 
 calls. Each is repeated `--repeats` times; the median is reported (and the minimum, in the JSON).
 
 Modes: fwd (inputs require grad, grad enabled: a training step's forward), fwd_nograd (inference), fwdbwd
-(forward + torch.autograd.grad of q, k and v). Kernels: SDPA (PyTorch's own backend choice), elsa, cron_root
-(causal: its only mode), pasa (forward only), cqsa (resident: inputs on the compute device).
+(forward + torch.autograd.grad of q, k and v). Kernels: SDPA (PyTorch's own backend choice; causal where the
+kernel is), elsa, cron_root (causal: its only mode), pasa (forward only), cqsa (resident: inputs on the compute
+device).
 
-ELSA's pieces, same shape, fast launch path on (kernels/_launch.py), inputs requiring grad where it matters:
-  validate            the checks the first call of a signature runs (later calls: a cache lookup)
-  public_fn           elsa_attention's own Python with the op replaced by a no-op
-  signature           the plan key host.forward builds per call (shapes, strides, dtypes, devices, options)
-  alloc_fwd/_bwd      the torch.empty calls of a training forward / a backward at this shape
-  launch_fwd/_bwd     the prepared launches alone (buffers preallocated); *_jit: the same through Triton's JIT
-  host_fwd(_nograd)   the op body: plan lookup, allocations, launches (host.forward)
-  host_bwd            the backward op body (host.backward)
-  op_fwd(_nograd)     torch.ops.attnbench.elsa: dispatch, the autograd kernel, autograd.Function, the body
-  op_bwd              torch.ops.attnbench.elsa_bwd: dispatch + body
-  api_*               elsa_attention; api_*_fastoff: the same with the fast launch path off
-  autograd_identity   an identity autograd.Function through torch.autograd.grad: the engine's own fwd+bwd cost
-and the differences that split a call: dispatch_fwd = op_fwd - host_fwd (dispatch + autograd.Function),
-dispatch_fwd_nograd, public_fwd = api_fwd - op_fwd, backward_engine = api_fwdbwd - api_fwd - op_bwd (the autograd
-engine, the saved tensors, the Function's backward).
+--stub-launches (CPU only): every Triton launch takes kernels._launch's fast path (Prepared) to a launcher that
+does nothing, so the figures are the kernels' host path without the interpreter's compute (SDPA's stay its CPU
+compute: compare the kernels' pieces, not their ratios to SDPA, there).
+
+Pieces, per kernel (``pieces.<kernel>``), same shape, fast launch path on, inputs requiring grad where it matters:
+  validate            the checks a new call signature runs (later calls of the signature: one cache lookup)
+  public_fn           the public function's own Python with the op call replaced by a no-op
+  plan_fwd/_bwd       the op body's plan lookup: the key (kernels._launch.layout + options) and the dict get
+  body_fwd(_nograd)   the training (inference) forward body: plan lookup, allocations, Prepared launches
+  body_bwd            the backward body
+  launches_fwd/_bwd   the body's launches: body minus the body with every Prepared launch a no-op
+  allocs_fwd/_bwd     the body with no-op launches minus its plan lookup: the allocations and the glue
+  body_*_fastoff      the body with the fast launch path off (every launch through Triton's JIT)
+  function_fwd        the kernel's autograd.Function applied directly (C entry) with the body: no dispatcher
+  op_fwd(_nograd)     the entry op (torch.ops.attnbench.*): the dispatcher, the Autograd kernel, the Function, the body
+  op_bwd              the backward op called directly: the dispatcher and the body
+and the differences that split a call:
+  dispatch_fwd        op_fwd - function_fwd: the one dispatcher trip into the Autograd kernel
+  dispatch_fwd_nograd op_fwd_nograd - body_fwd_nograd: the same without grad
+  autograd_fwd        function_fwd - body_fwd: the autograd node, ctx, saved tensors
+  public_fwd          the kernel's fwd - op_fwd: the public function around the op
+  backward            fwdbwd - fwd: what the backward adds
+  backward_node       fwdbwd - fwd - body_bwd: torch.autograd.grad, the engine and the Python node around the body
+Shared pieces (``pieces.shared``): grad_builtin (torch.autograd.grad of a built-in op, q * 1: the engine's own cost,
+which SDPA pays too) and autograd_identity (an identity autograd.Function through torch.autograd.grad).
+Registration patterns (``registration``): empty-bodied ops registered four ways, fwd / fwd_nograd / fwdbwd:
+custom_op + register_autograd, a Library op + register_autograd, kernels/_ops.py's pattern (what the kernels use),
+and the autograd.Function alone (no op: the floor).
 Writes the JSON to OUT and a short table to stdout. A probe that fails is reported and the others still run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -42,6 +58,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository root: kernels/, attnbench/
 
@@ -54,13 +71,16 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                    help="cpu: Triton interpreter (checks the plumbing; the times mean nothing)")
+                    help="cpu: Triton interpreter (checks the plumbing; the times mean nothing unless --stub-launches)")
+    ap.add_argument("--stub-launches", action="store_true",
+                    help="CPU only: launches take the fast path to a launcher that does nothing (the host path alone)")
     ap.add_argument("--n", type=int, default=128, help="sequence length (default 128)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"))
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop (default 300)")
     ap.add_argument("--warmup", type=int, default=20, help="calls before each timed loop (default 20)")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per figure, median reported (default 5)")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
+    ap.add_argument("--no-pieces", action="store_true", help="only the per-call figures (no pieces, no registration)")
     return ap.parse_args(argv)
 
 
@@ -86,6 +106,41 @@ class Timer:
         return {"median_us": round(statistics.median(samples), 2), "min_us": round(min(samples), 2)}
 
 
+@contextlib.contextmanager
+def stub_launches():
+    """Every Triton launch through kernels._launch takes its fast path to a launcher that does nothing: the
+    interpreter's run returns a stand-in CompiledKernel (stored by launch() and Prepared as a real one is), the
+    kernels count as eligible, the device and stream are 0. For the CPU; undone on exit (with every plan and
+    stored kernel forgotten)."""
+    import triton.runtime.interpreter as interpreter
+    from triton import knobs
+
+    import kernels._launch as fast_launch
+
+    class NoLaunch:
+        function = None
+        packed_metadata = None
+
+        def run(self, *args):
+            pass
+
+    ck = NoLaunch()
+    saved = (interpreter.InterpretedFunction.run, fast_launch._eligible, fast_launch._get_device,
+             fast_launch._get_stream, fast_launch._knobs)
+    interpreter.InterpretedFunction.run = lambda self, *args, grid, warmup, **kwargs: ck
+    fast_launch._eligible = lambda jit_fn: True
+    fast_launch._get_device = lambda: 0
+    fast_launch._get_stream = lambda device: 0
+    fast_launch._knobs = knobs
+    fast_launch.clear()
+    try:
+        yield
+    finally:
+        (interpreter.InterpretedFunction.run, fast_launch._eligible, fast_launch._get_device,
+         fast_launch._get_stream, fast_launch._knobs) = saved
+        fast_launch.clear()
+
+
 def _kernel_entry(name):
     """(fn, causal, has_backward) of a kernel package's registered backend."""
     caps = importlib.import_module(KERNELS[name]).BACKENDS[name]
@@ -102,62 +157,145 @@ def measure_calls(torch, fn, q, k, v, do, has_backward: bool, record, prefix: st
         record(f"{prefix}.fwdbwd", lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do))
 
 
-def elsa_pieces(torch, q, k, v, do, record, res):
-    """ELSA's call split into its pieces (see the module docstring)."""
-    import kernels._launch as fast_launch
-    from kernels.elsa import attention, elsa_attention, host, ops
+# --- each kernel's call as pieces ------------------------------------------------------------------------------
 
-    scale = 1.0 / q.shape[-1] ** 0.5
-    opts = (None, False, scale, "tf32x3", "")
+def kernel_paths(torch, name, q, k, v, do):
+    """One kernel's call taken apart: callables for the pieces (module docstring) and where the public function
+    finds its op (to replace it by a no-op). Each kernel's default options at this shape."""
+    from torch.autograd import Function
+
+    d = q.shape[-1]
+    scale = 1.0 / d ** 0.5
+    p = SimpleNamespace(body_bwd=None)
+    if name == "elsa":
+        from kernels.elsa import attention, host, ops
+        opts = (None, False, scale, "tf32x3", "")
+        apply = super(Function, ops._ElsaFunction).apply
+        p.validate = lambda: attention._validate(q, k, v, False, None, "tf32x3", None)
+        p.op_site, p.op_stub = (ops, "elsa"), (lambda *a: q)
+        p.op_fwd = lambda: ops.elsa(q, k, v, *opts)
+        p.function_fwd = lambda: apply(True, q, k, v, *opts)
+        p.body_fwd = lambda: host.forward(q, k, v, *opts, True)
+        p.body_fwd_nograd = lambda: host.forward(q, k, v, *opts, False)
+        p.plan_fwd = lambda: host.forward_plan(q, k, v, *opts, True)
+        out, lse = p.body_fwd()
+        p.body_bwd = lambda: host.backward(do, q, k, v, out, lse, *opts, False)
+        p.plan_bwd = lambda: host.backward_plan(do, q, k, v, *opts, False)
+        p.op_bwd = lambda: ops.elsa_bwd(do, q, k, v, out, lse, *opts)
+    elif name == "cron_root":
+        from kernels.cron_root import attention
+        from kernels.cron_root.reference import RELAY_THRESHOLD
+        opts = (scale, RELAY_THRESHOLD, "tf32x3", "")
+        apply = super(Function, attention._CronRootFunction).apply
+        p.validate = lambda: attention.validate(q, k, v, True, None, RELAY_THRESHOLD, "tf32x3")
+        p.op_site, p.op_stub = (attention, "fwd_op"), (lambda *a: (q, q))
+        p.op_fwd = lambda: attention.fwd_op(q, k, v, *opts)
+        p.function_fwd = lambda: apply(True, q, k, v, *opts)
+        p.body_fwd = p.body_fwd_nograd = lambda: attention._forward(q, k, v, *opts)
+        p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts)
+        out, lse = p.body_fwd()
+        p.body_bwd = lambda: attention._backward(do, q, k, v, out, lse, *opts)
+        p.plan_bwd = lambda: attention.backward_plan(do, q, k, v, out, lse, *opts)
+        p.op_bwd = lambda: attention.bwd_op(do, q, k, v, out, lse, *opts)
+    elif name == "pasa":
+        from kernels._common import block_d
+        from kernels.pasa import attention, ops
+        opts = (False, scale, attention._DEFAULT_OPTIONS["pasa"][block_d(d)])
+        apply = super(Function, ops.FUNCTIONS["pasa"]).apply
+        p.validate = lambda: attention.validate("pasa", q, k, v, False, None)
+        p.op_site, p.op_stub = (ops, "pasa_fwd"), (lambda *a: q)
+        p.op_fwd = lambda: ops.pasa_fwd(q, k, v, *opts)
+        p.function_fwd = lambda: apply(True, q, k, v, *opts)
+        p.body_fwd = p.body_fwd_nograd = lambda: ops._pasa_fwd(q, k, v, *opts)
+        p.plan_fwd = lambda: ops.forward_plan("pasa", q, k, v, *opts)
+    elif name == "cqsa":
+        from kernels.cqsa import attention
+        sc, prec, tiles = attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
+        opts = (False, sc, 7, 1, prec, tiles)
+        apply = super(Function, attention._CqsaFunction).apply
+        p.validate = lambda: attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
+        p.op_site, p.op_stub = (attention, "cqsa_fwd"), (lambda *a: (q, q))
+        p.op_fwd = lambda: attention.cqsa_fwd(q, k, v, *opts)
+        p.function_fwd = lambda: apply(True, q, k, v, *opts)
+        p.body_fwd = p.body_fwd_nograd = lambda: attention.resident_forward(q, k, v, *opts)
+        p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts)
+        out, lse = p.body_fwd()
+        p.body_bwd = lambda: attention.resident_backward(do, q, k, v, out, lse, *opts)
+        p.plan_bwd = lambda: attention.backward_plan(do, q, k, v, out, lse, *opts)
+        p.op_bwd = lambda: attention.cqsa_bwd(do, q, k, v, out, lse, *opts)
+    else:
+        raise ValueError(f"no pieces for kernel {name!r}")
+    return p
+
+
+def kernel_pieces(torch, name, public, q, k, v, do, record, res):
+    """One kernel's pieces (module docstring) into res["pieces"][name]."""
+    import kernels._launch as fast_launch
+
     was_enabled = fast_launch.enabled()
     fast_launch.set_enabled(True)
-    torch.autograd.grad(elsa_attention(q, k, v), (q, k, v), do)           # plans, compiled kernels
+    p = kernel_paths(torch, name, q, k, v, do)
+    rec = lambda piece, fn: record(f"pieces.{name}.{piece}", fn)     # noqa: E731
+    backward = p.body_bwd is not None
     with torch.no_grad():
-        elsa_attention(q, k, v)
-    fwd_plan = host.forward_plan(q, k, v, *opts, True)
-    out, lse = host.forward(q, k, v, *opts, True)
-    bwd_plan = host.backward_plan(do, q, k, v, *opts, False)
-    c = fwd_plan.c
-    sbuf = torch.empty(max(1, fwd_plan.sbuf_numel), dtype=torch.float32, device=q.device)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty(bwd_plan.lse_shape, dtype=torch.float32, device=q.device)
+        rec("validate", p.validate)
+        rec("plan_fwd", p.plan_fwd)
+        rec("body_fwd", p.body_fwd)
+        rec("body_fwd_nograd", p.body_fwd_nograd)
+        rec("op_fwd_nograd", p.op_fwd)
+        if backward:
+            rec("plan_bwd", p.plan_bwd)
+            rec("body_bwd", p.body_bwd)
+            rec("op_bwd", p.op_bwd)
+        real_call = fast_launch.Prepared.__call__
+        fast_launch.Prepared.__call__ = lambda self, *tensors: None
+        try:
+            rec("body_fwd_nolaunch", p.body_fwd)
+            if backward:
+                rec("body_bwd_nolaunch", p.body_bwd)
+        finally:
+            fast_launch.Prepared.__call__ = real_call
+        fast_launch.set_enabled(False)
+        try:
+            rec("body_fwd_fastoff", p.body_fwd)
+            if backward:
+                rec("body_bwd_fastoff", p.body_bwd)
+        finally:
+            fast_launch.set_enabled(True)
+    rec("function_fwd", p.function_fwd)
+    rec("op_fwd", p.op_fwd)
+    module, attr = p.op_site
+    real_op = getattr(module, attr)
+    setattr(module, attr, p.op_stub)
+    try:
+        rec("public_fn", lambda: public(q, k, v))
+    finally:
+        setattr(module, attr, real_op)
+    fast_launch.set_enabled(was_enabled)
 
-    def launch_fwd():
-        for p1, p2, _ in fwd_plan.chunks:
-            if p2 is None:
-                p1(q, k, v, q, out, out, lse)
-            else:
-                p1(q, k, v, q, sbuf, out, lse)
-                p2(sbuf, out, lse)
+    pieces, api = res["pieces"].get(name, {}), res["kernels"].get(name, {})
 
-    def launch_fwd_jit():
-        for p1, p2, _ in fwd_plan.chunks:
-            first = (q, k, v, q, out, out, lse) if p2 is None else (q, k, v, q, sbuf, out, lse)
-            p1.jit_fn[p1.grid](*first, *p1.fixed, **p1.constexprs)
-            if p2 is not None:
-                p2.jit_fn[p2.grid](sbuf, out, lse, *p2.fixed, **p2.constexprs)
+    def diff(piece, a, *minus):
+        vals = [a, *minus]
+        if all(isinstance(x, dict) for x in vals):
+            pieces[piece] = {"median_us": round(a["median_us"] - sum(m["median_us"] for m in minus), 2)}
+    g = pieces.get
+    diff("launches_fwd", g("body_fwd"), g("body_fwd_nolaunch"))
+    diff("allocs_fwd", g("body_fwd_nolaunch"), g("plan_fwd"))
+    diff("dispatch_fwd", g("op_fwd"), g("function_fwd"))
+    diff("dispatch_fwd_nograd", g("op_fwd_nograd"), g("body_fwd_nograd"))
+    diff("autograd_fwd", g("function_fwd"), g("body_fwd"))
+    diff("public_fwd", api.get("fwd"), g("op_fwd"))
+    if backward:
+        diff("launches_bwd", g("body_bwd"), g("body_bwd_nolaunch"))
+        diff("allocs_bwd", g("body_bwd_nolaunch"), g("plan_bwd"))
+        diff("dispatch_bwd", g("op_bwd"), g("body_bwd"))
+        diff("backward", api.get("fwdbwd"), api.get("fwd"))
+        diff("backward_node", api.get("fwdbwd"), api.get("fwd"), g("body_bwd"))
 
-    def launch_bwd():
-        bwd_plan.dq(q, k, v, out, do, lse, delta, dq, q, delta)
-        bwd_plan.dkdv(q, k, v, do, lse, delta, dk, dv, q)
 
-    def launch_bwd_jit():
-        for p, tensors in ((bwd_plan.dq, (q, k, v, out, do, lse, delta, dq, q, delta)),
-                           (bwd_plan.dkdv, (q, k, v, do, lse, delta, dk, dv, q))):
-            p.jit_fn[p.grid](*tensors, *p.fixed, **p.constexprs)
-
-    def alloc_fwd():
-        torch.empty(fwd_plan.out_shape, dtype=c.dtype, device=c.device)
-        torch.empty(fwd_plan.lse_shape, dtype=torch.float32, device=c.device)
-        if not fwd_plan.plan.final:
-            torch.empty(fwd_plan.sbuf_numel, dtype=torch.float32, device=c.device)
-
-    def alloc_bwd():
-        torch.empty(bwd_plan.q_shape, dtype=c.dtype, device=c.device)
-        torch.empty(bwd_plan.kv_shape, dtype=c.dtype, device=c.device)
-        torch.empty(bwd_plan.kv_shape, dtype=c.dtype, device=c.device)
-        torch.empty(bwd_plan.lse_shape, dtype=torch.float32, device=c.device)
-
+def shared_pieces(torch, q, k, v, do, record):
+    """The autograd engine's own cost, without and with a Python node."""
     class Identity(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
@@ -167,54 +305,122 @@ def elsa_pieces(torch, q, k, v, do, record, res):
         def backward(ctx, g):
             return g, g, g
 
-    with torch.no_grad():
-        record("elsa_pieces.validate", lambda: attention._validate(q, k, v, False, None, "tf32x3", None))
-        record("elsa_pieces.signature", lambda: host._signature(q, k, v, *opts, True))
-        record("elsa_pieces.alloc_fwd", alloc_fwd)
-        record("elsa_pieces.alloc_bwd", alloc_bwd)
-        record("elsa_pieces.launch_fwd", launch_fwd)
-        record("elsa_pieces.launch_fwd_jit", launch_fwd_jit)
-        record("elsa_pieces.launch_bwd", launch_bwd)
-        record("elsa_pieces.launch_bwd_jit", launch_bwd_jit)
-        record("elsa_pieces.host_fwd", lambda: host.forward(q, k, v, *opts, True))
-        record("elsa_pieces.host_fwd_nograd", lambda: host.forward(q, k, v, *opts, False))
-        record("elsa_pieces.host_bwd", lambda: host.backward(do, q, k, v, out, lse, *opts, False))
-        record("elsa_pieces.op_fwd_nograd", lambda: ops.elsa(q, k, v, *opts))
-        record("elsa_pieces.op_bwd", lambda: ops.elsa_bwd(do, q, k, v, out, lse, *opts))
-    record("elsa_pieces.op_fwd", lambda: ops.elsa(q, k, v, *opts))
-    real_op = ops.elsa
-    ops.elsa = lambda *args: q
-    try:
-        record("elsa_pieces.public_fn", lambda: elsa_attention(q, k, v))
-    finally:
-        ops.elsa = real_op
-    record("elsa_pieces.autograd_identity", lambda: torch.autograd.grad(Identity.apply(q, k, v), (q, k, v), do))
-    fast_launch.set_enabled(False)
-    try:
-        record("elsa_pieces.api_fwd_fastoff", lambda: elsa_attention(q, k, v))
-        record("elsa_pieces.api_fwdbwd_fastoff", lambda: torch.autograd.grad(elsa_attention(q, k, v), (q, k, v), do))
-    finally:
-        fast_launch.set_enabled(was_enabled)
-    pieces, api = res["elsa_pieces"], res["kernels"].get("elsa", {})
+    record("pieces.shared.grad_builtin", lambda: torch.autograd.grad(q * 1, (q,), do))
+    record("pieces.shared.autograd_identity", lambda: torch.autograd.grad(Identity.apply(q, k, v), (q, k, v), do))
 
-    def diff(name, a, *minus):
-        vals = [a] + list(minus)
-        if all(isinstance(x, dict) for x in vals):
-            pieces[name] = {"median_us": round(a["median_us"] - sum(m["median_us"] for m in minus), 2)}
-    diff("dispatch_fwd", pieces.get("op_fwd"), pieces.get("host_fwd"))
-    diff("dispatch_fwd_nograd", pieces.get("op_fwd_nograd"), pieces.get("host_fwd_nograd"))
-    diff("public_fwd", api.get("fwd"), pieces.get("op_fwd"))
-    diff("backward_engine", api.get("fwdbwd"), api.get("fwd"), pieces.get("op_bwd"))
+
+_registered: dict = {}
+_libraries: list = []
+
+
+def registration_patterns(torch, q, k, v, do, record):
+    """Empty-bodied ops (two allocations forward, three backward) registered four ways (module docstring)."""
+    if not _registered:
+        _registered.update(_register_patterns(torch))
+    for label, fn in _registered.items():
+        def call(fn=fn):
+            return fn(q, k, v, 0.125, "tf32x3")[0]
+        measure_calls(torch, lambda q_, k_, v_, call=call: call(), q, k, v, do, True, record, f"registration.{label}")
+
+
+def _register_patterns(torch) -> dict:
+    """The four registrations of registration_patterns (once per process: an op is defined once)."""
+    from kernels import _ops
+
+    ns = "attnbench_host_cost"
+
+    def body(q, k, v, scale, precision):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def bwd_body(g, q, k, v, out, lse, scale, precision):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    fwd_schema = "(Tensor q, Tensor k, Tensor v, float scale, str precision) -> (Tensor, Tensor)"
+    bwd_schema = ("(Tensor g, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, str precision) "
+                  "-> (Tensor, Tensor, Tensor)")
+    # custom_op + register_autograd
+    custom_fwd = torch.library.custom_op(f"{ns}::custom_fwd", body, mutates_args=(), schema=fwd_schema)
+    custom_fwd.register_fake(body)
+    custom_bwd = torch.library.custom_op(f"{ns}::custom_bwd", bwd_body, mutates_args=(), schema=bwd_schema)
+    custom_bwd.register_fake(bwd_body)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3], *output)
+        ctx.options = inputs[3:]
+        ctx.mark_non_differentiable(output[1])
+
+    def custom_backward(ctx, g, _):
+        return (*custom_bwd(g, *ctx.saved_tensors, *ctx.options), None, None)
+
+    custom_fwd.register_autograd(custom_backward, setup_context=setup_context)
+    # a Library op + register_autograd; the kernels/_ops.py pattern
+    lib = torch.library.Library(ns, "FRAGMENT")
+    for prefix in ("library", "ops"):
+        lib.define(f"{prefix}_fwd{fwd_schema}")
+        lib.define(f"{prefix}_bwd{bwd_schema}")
+        for key in ("CPU", "CUDA"):
+            lib.impl(f"{prefix}_fwd", body, key)
+            lib.impl(f"{prefix}_bwd", bwd_body, key)
+        torch.library.register_fake(f"{ns}::{prefix}_fwd", body, lib=lib)
+        torch.library.register_fake(f"{ns}::{prefix}_bwd", bwd_body, lib=lib)
+    library_fwd = getattr(torch.ops, ns).library_fwd.default
+    library_bwd = getattr(torch.ops, ns).library_bwd.default
+
+    def library_backward(ctx, g, _):
+        return (*library_bwd(g, *ctx.saved_tensors, *ctx.options), None, None)
+
+    torch.library.register_autograd(f"{ns}::library_fwd", library_backward, setup_context=setup_context, lib=lib)
+    ops_fwd = getattr(torch.ops, ns).ops_fwd.default
+    ops_bwd = getattr(torch.ops, ns).ops_bwd.default
+
+    class Pattern(_ops.KernelFunction):
+        @staticmethod
+        def forward(ctx, is_plain, q, k, v, scale, precision):
+            if is_plain:
+                out, lse = body(q, k, v, scale, precision)
+            else:
+                with _ops.below_autograd():
+                    out, lse = ops_fwd(q, k, v, scale, precision)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.options = (scale, precision)
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def gradients(ctx, g, _):
+            saved = ctx.saved_tensors
+            if _ops.plain(g, *saved):
+                return (None, *bwd_body(g, *saved, *ctx.options), None, None)
+            return (None, *ops_bwd(g, *saved, *ctx.options), None, None)
+
+    _ops.register_autograd(lib, "ops_fwd", Pattern, body)
+    _ops.not_differentiable(lib, "ops_bwd")
+
+    def function_only(q, k, v, scale, precision):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return Pattern.apply(True, q, k, v, scale, precision)
+        return body(q, k, v, scale, precision)
+
+    _libraries.append(lib)      # keeps its registrations alive
+    return {"custom_op": custom_fwd, "library": library_fwd, "ops_pattern": ops_fwd, "function_only": function_only}
 
 
 def run(args) -> dict:
     if args.device == "cpu" and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"            # before triton is imported (by torch or the kernels)
     import torch
-    import torch.nn.functional as F
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("host_cost: no CUDA device (--device cpu checks the plumbing)")
+    with stub_launches() if args.stub_launches else contextlib.nullcontext():
+        return measure(torch, args)
+
+
+def measure(torch, args) -> dict:
+    """Every figure of the run (module docstring)."""
+    import torch.nn.functional as F
+
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.kernels.split(",") if n]
@@ -223,21 +429,23 @@ def run(args) -> dict:
     res = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
                     "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                     "shape": [1, 1, args.n, 64], "dtype": args.dtype, "calls": args.calls, "warmup": args.warmup,
-                    "repeats": args.repeats, "unit": "us of host time per call (median of repeats)"},
-           "kernels": {}, "elsa_pieces": {}, "ratios": {}, "errors": {}}
+                    "repeats": args.repeats, "stub_launches": args.stub_launches,
+                    "unit": "us of host time per call (median of repeats)"},
+           "kernels": {}, "pieces": {}, "registration": {}, "ratios": {}, "errors": {}}
 
     def record(path, fn):
-        """Time fn into res[group][name] for path "group.name" ("sdpa.fwd" goes to res["kernels"]["sdpa"]["fwd"])."""
-        group, name = path.split(".")
+        """Time fn into res for path "group.name" ("sdpa.fwd" goes to res["kernels"]["sdpa"]["fwd"]) or
+        "pieces.kernel.name" / "registration.pattern.mode"."""
+        parts = path.split(".")
         try:
             val = timer(fn)
         except Exception as exc:      # a probe that fails is reported, the others still run
             res["errors"][path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             return
-        if group == "elsa_pieces":
-            res[group][name] = val
+        if parts[0] in ("pieces", "registration"):
+            res[parts[0]].setdefault(parts[1], {})[parts[2]] = val
         else:
-            res["kernels"].setdefault(group, {})[name] = val
+            res["kernels"].setdefault(parts[0], {})[parts[1]] = val
 
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(1, 1, args.n, 64, generator=g).to(dev, dtype) for _ in range(4))
@@ -245,26 +453,38 @@ def run(args) -> dict:
         t.requires_grad_(True)
     measure_calls(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, do, True,
                   record, "sdpa")
+    entries = {}
     for name in names:
         try:
             fn, causal, has_backward = _kernel_entry(name)
         except Exception as exc:
             res["errors"][name] = f"import failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
+        if causal and "sdpa_causal" not in res["kernels"]:
+            measure_calls(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
+                          do, True, record, "sdpa_causal")
         call = (lambda fn, causal: lambda q, k, v: fn(q, k, v, causal=causal))(fn, causal)
+        entries[name] = (call, causal)
         measure_calls(torch, call, q, k, v, do, has_backward, record, name)
         if not has_backward:
             res["kernels"].setdefault(name, {})["fwdbwd"] = "n/a: forward only"
-    if "elsa" in names:
+    if not args.no_pieces:
+        for name, (call, _) in entries.items():
+            try:
+                kernel_pieces(torch, name, call, q, k, v, do, record, res)
+            except Exception as exc:
+                res["errors"][f"pieces.{name}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         try:
-            elsa_pieces(torch, q, k, v, do, record, res)
+            shared_pieces(torch, q, k, v, do, record)
+            registration_patterns(torch, q, k, v, do, record)
         except Exception as exc:
-            res["errors"]["elsa_pieces"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    sdpa = res["kernels"].get("sdpa", {})
-    for name in names:
+            res["errors"]["registration"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    for name, (_, causal) in entries.items():
+        sdpa = res["kernels"].get("sdpa_causal" if causal else "sdpa", {})
         got = res["kernels"].get(name, {})
         res["ratios"][name] = {mode: round(got[mode]["median_us"] / sdpa[mode]["median_us"], 2) for mode in MODES
                                if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
+        res["ratios"][name]["vs"] = "sdpa_causal" if causal else "sdpa"
         res["ratios"][name]["target"] = TARGET[name]
     return res
 
@@ -272,8 +492,9 @@ def run(args) -> dict:
 def table(res) -> str:
     m = res["meta"]
     lines = [f"host time per call, us (median of {m['repeats']} x {m['calls']} calls), B=1 H=1 N={m['shape'][2]} "
-             f"D=64 {m['dtype']}, {m['device']}, torch {m['torch']}, triton {m['triton']}",
-             f"{'kernel':<11}" + "".join(f"{h:>12}" for h in MODES) + "".join(f"{h + '/sdpa':>16}" for h in MODES)
+             f"D=64 {m['dtype']}, {m['device']}, torch {m['torch']}, triton {m['triton']}"
+             + (", launches stubbed" if m.get("stub_launches") else ""),
+             f"{'kernel':<12}" + "".join(f"{h:>12}" for h in MODES) + "".join(f"{h + '/sdpa':>16}" for h in MODES)
              + f"{'target':>8}"]
 
     def us(entry):
@@ -281,10 +502,12 @@ def table(res) -> str:
 
     for name, modes in res["kernels"].items():
         r = res["ratios"].get(name, {})
-        lines.append(f"{name:<11}" + "".join(f"{us(modes.get(h)):>12}" for h in MODES)
+        lines.append(f"{name:<12}" + "".join(f"{us(modes.get(h)):>12}" for h in MODES)
                      + "".join(f"{r.get(h, ''):>16}" for h in MODES) + f"{r.get('target', ''):>8}")
-    if res["elsa_pieces"]:
-        lines.append("elsa pieces: " + ", ".join(f"{k} {us(v)}" for k, v in res["elsa_pieces"].items()))
+    for name, pieces in res["pieces"].items():
+        lines.append(f"{name} pieces: " + ", ".join(f"{k} {us(v)}" for k, v in pieces.items()))
+    for name, modes in res["registration"].items():
+        lines.append(f"registration {name}: " + " / ".join(us(modes.get(h)) for h in MODES))
     for where, err in res["errors"].items():
         lines.append(f"error {where}: {err}")
     return "\n".join(lines)
@@ -299,6 +522,9 @@ def main(argv=None) -> int:
     unknown = [n for n in args.kernels.split(",") if n and n not in KERNELS]
     if unknown:
         print(f"host_cost: unknown kernel(s) {', '.join(unknown)} (known: {', '.join(KERNELS)})", file=sys.stderr)
+        return 2
+    if args.stub_launches and args.device != "cpu":
+        print("host_cost: --stub-launches is for --device cpu (a GPU run measures the real launches)", file=sys.stderr)
         return 2
     res = run(args)
     out.write_text(json.dumps(res, indent=1))

@@ -154,11 +154,12 @@ def test_kernel_grouped_kv_read_in_place(heads, heads_kv, n, dtype, device):
 
 def test_kernel_reads_grouped_kv_without_copies(device, monkeypatch):
     # the launches get k and v themselves (same storage); the dK/dV kernels run one program per key/value head
-    from kernels.cron_root import attention
+    # (the interpreter takes kernels._launch.launch at every Prepared launch: it sees each one)
+    import kernels._launch as fast_launch
 
     calls = []
-    real_launch = attention.launch
-    monkeypatch.setattr(attention, "launch", lambda fn, grid, args, meta: calls.append((fn.__name__, grid, args))
+    real_launch = fast_launch.launch
+    monkeypatch.setattr(fast_launch, "launch", lambda fn, grid, args, meta: calls.append((fn.__name__, grid, args))
                         or real_launch(fn, grid, args, meta))
     q = torch.randn(1, 4, 50, 32, device=device, requires_grad=True)
     k, v = (torch.randn(1, 1, 50, 32, device=device, requires_grad=True) for _ in range(2))
@@ -176,11 +177,11 @@ def test_kernel_reads_grouped_kv_without_copies(device, monkeypatch):
 def test_backward_is_at_most_three_launches_and_one_scratch(device, monkeypatch):
     # host cost: dQ (which also clears the global-slot accumulators), global-slot dK/dV, local dK/dV; no zero
     # fill. Without anchors (N <= 2: no query sees one) the global launch is skipped.
-    from kernels.cron_root import attention
+    import kernels._launch as fast_launch
 
     names = []
-    real_launch = attention.launch
-    monkeypatch.setattr(attention, "launch", lambda fn, grid, args, meta: names.append(fn.__name__)
+    real_launch = fast_launch.launch
+    monkeypatch.setattr(fast_launch, "launch", lambda fn, grid, args, meta: names.append(fn.__name__)
                         or real_launch(fn, grid, args, meta))
     for n, expect in ((40, ["_fwd", "_bwd_dq", "_bwd_global", "_bwd_local"]), (2, ["_fwd", "_bwd_dq", "_bwd_local"])):
         names.clear()
@@ -279,8 +280,19 @@ def test_ops_pass_opcheck(device):
         out, lse = fwd_op(q, k, v, 0.2, 0, "tf32x3", "")
     plain = [t.detach() for t in (torch.randn_like(out), q, k, v, out, lse)]
     torch.library.opcheck(bwd_op, (*plain, 0.2, 0, "tf32x3", ""))
-    with pytest.raises(RuntimeError, match="double backward is not supported"):
-        bwd_op(torch.randn_like(out).requires_grad_(), q, k, v, out, lse, 0.2, 0, "tf32x3", "")
+
+
+def test_double_backward_raises(device):
+    """The backward is once differentiable: create_graph=True gives the first-order gradients, and
+    differentiating them (here through the output gradient) is an error."""
+    q, k, v = _inputs((1, 1, 16, 16), torch.float32, device)
+    do = torch.randn(1, 1, 16, 16, device=device, requires_grad=True)
+    out = cron_root_attention(q, k, v, relay_threshold=0)
+    (dq,) = torch.autograd.grad(out, (q,), do, create_graph=True)
+    (dq_ref,) = torch.autograd.grad(cron_root_attention(q, k, v, relay_threshold=0), (q,), do)
+    assert torch.equal(dq.detach(), dq_ref)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()
 
 
 def _compile_like_eager(fn, *inputs):

@@ -16,27 +16,60 @@ def _load():
     return mod
 
 
+PIECES = ("validate", "public_fn", "plan_fwd", "body_fwd", "body_fwd_nograd", "body_fwd_nolaunch", "body_fwd_fastoff",
+          "function_fwd", "op_fwd", "op_fwd_nograd", "launches_fwd", "allocs_fwd", "dispatch_fwd", "dispatch_fwd_nograd",
+          "autograd_fwd", "public_fwd")
+BACKWARD_PIECES = ("plan_bwd", "body_bwd", "body_bwd_nolaunch", "body_bwd_fastoff", "op_bwd", "launches_bwd",
+                   "allocs_bwd", "dispatch_bwd", "backward", "backward_node")
+
+
 def test_host_cost_cpu_writes_every_figure(tmp_path, capsys, device):
+    """The interpreted run (real launches, tiny): the kernels' figures and their ratios to SDPA."""
     if device.type != "cpu":
         pytest.skip("the CPU plumbing test; on the GPU run the script itself")
     out = tmp_path / "host_cost.json"
     assert _load().main([str(out), "--device", "cpu", "--n", "16", "--calls", "1", "--warmup", "0",
-                         "--repeats", "1", "--kernels", "elsa"]) == 0
+                         "--repeats", "1", "--kernels", "elsa,cron_root", "--no-pieces"]) == 0
     res = json.loads(out.read_text())
     assert res["errors"] == {}
     assert res["meta"]["shape"] == [1, 1, 16, 64] and res["meta"]["dtype"] == "float16"
-    for kernel in ("sdpa", "elsa"):
+    for kernel in ("sdpa", "sdpa_causal", "elsa", "cron_root"):
         assert set(res["kernels"][kernel]) == {"fwd", "fwd_nograd", "fwdbwd"}
         assert all(v["median_us"] > 0 for v in res["kernels"][kernel].values())
-    assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "target"}
-    pieces = res["elsa_pieces"]
-    for name in ("validate", "public_fn", "signature", "alloc_fwd", "alloc_bwd", "launch_fwd", "launch_fwd_jit",
-                 "launch_bwd", "launch_bwd_jit", "host_fwd", "host_fwd_nograd", "host_bwd", "op_fwd", "op_fwd_nograd",
-                 "op_bwd", "autograd_identity", "api_fwd_fastoff", "api_fwdbwd_fastoff", "dispatch_fwd",
-                 "dispatch_fwd_nograd", "public_fwd", "backward_engine"):
-        assert name in pieces, name
+    assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "vs", "target"}
+    assert res["ratios"]["elsa"]["vs"] == "sdpa" and res["ratios"]["cron_root"]["vs"] == "sdpa_causal"
+    assert res["pieces"] == {} and res["registration"] == {}
     table = capsys.readouterr().out
-    assert "host time per call" in table and "\nelsa " in table and "elsa pieces:" in table
+    assert "host time per call" in table and "\nelsa " in table and "\ncron_root " in table
+
+
+def test_host_cost_stubbed_launches_report_every_kernels_pieces(tmp_path, capsys, device):
+    """--stub-launches: every kernel's host path with a no-op launcher, each piece and the registration patterns."""
+    if device.type != "cpu":
+        pytest.skip("the CPU plumbing test; on the GPU run the script itself")
+    import triton.runtime.interpreter as interpreter
+
+    import kernels._launch as fast_launch
+
+    out = tmp_path / "host_cost.json"
+    before = (interpreter.InterpretedFunction.run, fast_launch._eligible, fast_launch._knobs)
+    assert _load().main([str(out), "--device", "cpu", "--stub-launches", "--calls", "2", "--warmup", "1",
+                         "--repeats", "1"]) == 0
+    assert (interpreter.InterpretedFunction.run, fast_launch._eligible, fast_launch._knobs) == before   # undone
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["meta"]["stub_launches"] is True
+    for kernel in ("elsa", "cron_root", "pasa", "cqsa"):
+        pieces = res["pieces"][kernel]
+        want = PIECES + (BACKWARD_PIECES if kernel != "pasa" else ())
+        assert set(want) <= set(pieces), (kernel, set(want) - set(pieces))
+        for name in ("body_fwd", "op_fwd", "function_fwd", "public_fn", "validate"):
+            assert pieces[name]["median_us"] > 0, (kernel, name)
+    assert set(res["pieces"]["shared"]) == {"grad_builtin", "autograd_identity"}
+    assert set(res["registration"]) == {"custom_op", "library", "ops_pattern", "function_only"}
+    assert all(set(modes) == {"fwd", "fwd_nograd", "fwdbwd"} for modes in res["registration"].values())
+    assert res["kernels"]["pasa"]["fwdbwd"] == "n/a: forward only"
+    table = capsys.readouterr().out
+    assert "launches stubbed" in table and "cqsa pieces:" in table and "registration ops_pattern:" in table
 
 
 def test_host_cost_bad_arguments_are_one_line(tmp_path, capsys):
@@ -45,3 +78,5 @@ def test_host_cost_bad_arguments_are_one_line(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert mod.main([str(tmp_path / "x.json"), "--device", "cpu", "--kernels", "elsa,nope"]) == 2
     assert "unknown kernel(s) nope" in capsys.readouterr().err
+    assert mod.main([str(tmp_path / "x.json"), "--device", "cuda", "--stub-launches"]) == 2
+    assert "--stub-launches is for --device cpu" in capsys.readouterr().err

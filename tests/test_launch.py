@@ -1,7 +1,11 @@
-"""kernels._launch: the fast launch path (on by default) (CompiledKernel.run instead of the JIT's binding + cache lookup).
+"""kernels._launch: the fast launch path (on by default) (CompiledKernel.run instead of the JIT's binding + cache lookup),
+and the per-signature plans of Prepared launches every kernel's op bodies use.
 
-CPU tests drive the keying and caching with a fake JIT function and a fake CompiledKernel; the `-m gpu` test
-runs ELSA and Cron Root with the fast path off and on and asserts bit-identical outputs and gradients.
+CPU tests drive the keying and caching with a fake JIT function and a fake CompiledKernel, and run each of the four
+kernels with the interpreter's launches replaced by a recording stand-in: after the first call of a signature every
+launch takes the Prepared fast path with the arguments the JIT got (tensors as their data pointers), and a call
+whose layout differs in anything Triton specialises on (a tensor's alignment, strides) plans and compiles again.
+The `-m gpu` test runs every kernel with the fast path off and on and asserts bit-identical outputs and gradients.
 """
 import os
 import subprocess
@@ -279,6 +283,12 @@ def test_interpreter_unchanged_with_fast_path_on(device, monkeypatch):
 # ---- GPU: bit-identical results with the fast path off and on ----
 
 def _run(fn, q, k, v, do, **kw):
+    from kernels.pasa import pasa_attention
+
+    if fn is pasa_attention:              # forward only
+        out = fn(q, k, v, **kw)
+        torch.cuda.synchronize()
+        return (out,)
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = fn(q, k, v, **kw)
     out.backward(do)
@@ -304,7 +314,15 @@ def _cases():
     for n in (1000, 9000):
         for dtype in (torch.float16, torch.float32):
             yield (f"cron-{dtype}-{n}", cron_root_attention, (1, 4, n, 64), dtype,
-                   dict(_config={"glob": {"segments": 1}}), 4)
+                   dict(config={"glob": {"segments": 1}}), 4)
+    # PASA (forward only): the K̃ pre-pass and the main loop; CQSA's resident path: one launch per slot wave
+    # (3 at c = 7) forward, twice that backward
+    from kernels.cqsa import cqsa_attention
+    from kernels.pasa import pasa_attention
+    for dtype, causal in ((torch.float16, False), (torch.bfloat16, True)):
+        yield f"pasa-{dtype}-{causal}", pasa_attention, (2, 4, 300, 64), dtype, dict(causal=causal), 2
+    for dtype, causal, shape in ((torch.float16, True, (2, 4, 300, 64)), (torch.float32, False, (1, 2, 257, 128))):
+        yield f"cqsa-{dtype}-{causal}", cqsa_attention, shape, dtype, dict(causal=causal), 9
 
 
 @pytest.mark.gpu
@@ -373,3 +391,189 @@ def test_prepared_takes_the_jit_path_when_disabled_hooked_or_not_eligible(fast, 
     for _ in range(3):
         go(x, y)
     assert len(other.jit_calls) == 3 and other.ck.calls == []
+
+
+# ---- layout keys, signature caches, plans ----
+
+def _misaligned(shape, dtype=torch.float16):
+    """A tensor of `shape` whose data pointer is 2 bytes past a 16-byte boundary."""
+    base = torch.randn(int(torch.Size(shape).numel()) + 1).to(dtype)
+    t = base[1:].view(shape)
+    assert t.data_ptr() % 16 != 0
+    return t
+
+
+def test_layout_keys_each_tensors_alignment_shape_strides_dtype_device():
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    base = L.layout(q, k)
+    assert base == L.layout(q.clone(), k.clone())                       # same layout, other storage
+    qm, km = _misaligned(q.shape, torch.float32), _misaligned(k.shape, torch.float32)
+    # one alignment bit per tensor: which tensor is misaligned is part of the key (a plan's compiled kernels
+    # assume the alignment of its first call, tensor by tensor)
+    assert len({base, L.layout(qm, k), L.layout(q, km), L.layout(qm, km)}) == 4
+    assert L.layout(q.transpose(2, 3).contiguous().transpose(2, 3), k) != base         # strides
+    assert L.layout(q.half(), k) != base and L.layout(q[:, :1], k) != base           # dtype, shape
+    assert L.layout(q.to("meta"), k) != base                                          # device
+
+
+def test_signature_cache_is_bounded_and_cleared_with_the_launch_cache():
+    cache = L.SignatureCache(limit=3)
+    for i in range(7):
+        assert cache.put(i, str(i)) == str(i)
+    assert len(cache) <= 3 and cache[6] == "6"
+    L.clear()
+    assert len(cache) == 0
+
+
+def test_launch_plan_runs_on_its_device(monkeypatch):
+    """A plan on CUDA device 1 switches to it when another device is current, and only then."""
+    switches = []
+
+    class Switch:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            switches.append(self.index)
+
+        def __exit__(self, *exc):
+            return False
+
+    class Plan(L.LaunchPlan):
+        device_index = 1
+
+        def run(self, x):
+            return x + 1
+
+    current = [1]
+    monkeypatch.setattr(L, "_cuda_get_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Switch)
+    assert Plan()(1) == 2 and switches == []
+    current[0] = 0
+    assert Plan()(1) == 2 and switches == [1]
+
+
+class _Recorder:
+    """The interpreter's launches replaced: jit[grid](*args) records the call and returns this kernel's stand-in
+    CompiledKernel, whose run() records the fast-path launch."""
+
+    def __init__(self):
+        self.jit_calls, self.fast_calls, self.cks = [], [], {}
+
+    def compiled(self, jit_fn):
+        if id(jit_fn) not in self.cks:
+            rec = self
+
+            class CK:
+                function, packed_metadata, fn = "cufunction", ("packed",), jit_fn
+
+                def run(self, *args):
+                    rec.fast_calls.append((jit_fn, args))
+            self.cks[id(jit_fn)] = CK()
+        return self.cks[id(jit_fn)]
+
+    def reset(self):
+        self.jit_calls.clear()
+        self.fast_calls.clear()
+
+
+@pytest.fixture
+def recorded(monkeypatch, device):
+    """Every kernel launch recorded instead of interpreted, the fast path on and every kernel eligible."""
+    if device.type != "cpu":
+        pytest.skip("interpreter stand-in")
+    import triton.runtime.interpreter as interpreter
+
+    rec = _Recorder()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        rec.jit_calls.append((self, grid, args, kwargs))
+        return rec.compiled(self)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    monkeypatch.setattr(L, "_enabled", True)
+    monkeypatch.setattr(L, "_eligible", lambda fn: True)
+    monkeypatch.setattr(L, "_get_device", lambda: 0)
+    monkeypatch.setattr(L, "_get_stream", lambda dev: 1000 + dev)
+    monkeypatch.setattr(L, "_knobs", _fake_knobs())
+    L.clear()                       # no plan or compiled kernel from other tests
+    yield rec
+    L.clear()                       # no plan holding a stand-in for other tests
+
+
+def _kernel_call(name):
+    """(call(q, k, v, do), Hkv allowed < Hq, Nq != Nk allowed) of a kernel's public function, fwd+bwd where it
+    has a backward."""
+    from kernels.cqsa import cqsa_attention
+    from kernels.cron_root import cron_root_attention
+    from kernels.elsa import elsa_attention
+    from kernels.pasa import pasa_attention
+
+    def train(fn, **kw):
+        def call(q, k, v, do):
+            q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+            torch.autograd.grad(fn(q, k, v, **kw), (q, k, v), do)
+        return call
+
+    def infer(q, k, v, do):
+        pasa_attention(q, k, v, causal=True)
+    return {"elsa": train(elsa_attention, causal=True), "cron_root": train(cron_root_attention),
+            "pasa": infer, "cqsa": train(cqsa_attention, causal=True)}[name]
+
+
+@pytest.mark.parametrize("name", ["elsa", "cron_root", "pasa", "cqsa"])
+def test_every_kernel_launches_through_prepared_plans(recorded, name):
+    call = _kernel_call(name)
+    q = torch.randn(1, 4, 40, 32).half()
+    k, v = torch.randn(1, 2, 40, 32).half(), torch.randn(1, 2, 40, 32).half()
+    do = torch.randn(1, 4, 40, 32).half()
+    call(q, k, v, do)                              # first call of each signature: the JIT compiles
+    first = list(recorded.jit_calls)
+    assert first and not recorded.fast_calls
+    recorded.reset()
+    call(q, k, v, do)                              # then: every launch straight to the compiled kernel
+    assert not recorded.jit_calls and len(recorded.fast_calls) == len(first)
+    for (jit_fn, grid, args, kwargs), (ck_fn, run_args) in zip(first, recorded.fast_calls):
+        where = f"{name}: {jit_fn.__name__}"
+        assert ck_fn is jit_fn, where
+        assert run_args[:9] == (*grid, *(1,) * (3 - len(grid)), 1000, "cufunction", ("packed",), None, None,
+                                None), where
+        bound = run_args[9:]
+        names = jit_fn.arg_names
+        assert len(bound) == len(names), where
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):        # a data pointer; the inputs' own where the JIT got them
+                assert type(bound[i]) is int and bound[i] != 0, (where, names[i])
+                for t in (q, k, v):
+                    if a is t:
+                        assert bound[i] == t.data_ptr(), (where, names[i])
+            else:                                  # every scalar as the JIT got it, type included
+                assert type(bound[i]) is type(a) and bound[i] == a, (where, names[i], bound[i], a)
+        for nm, b in zip(names[len(args):], bound[len(args):]):
+            if nm in kwargs:
+                assert b == kwargs[nm], (where, nm)
+
+
+@pytest.mark.parametrize("name", ["elsa", "cron_root", "pasa", "cqsa"])
+def test_a_layout_change_plans_and_compiles_again(recorded, name):
+    """Which tensor is misaligned, and the strides, are part of the plan key: a launch that reads a tensor of
+    another layout never reuses a compiled kernel of the old one (Triton specialises each pointer on 16-byte
+    alignment; strides are fixed arguments of a plan's launches). Launches that do not read it may find their
+    compiled kernel through launch()'s exact key."""
+    call = _kernel_call(name)
+    shape_q, shape_kv = (1, 2, 24, 16), (1, 1, 24, 16)
+    q, k, v, do = (torch.randn(s).half() for s in (shape_q, shape_kv, shape_kv, shape_q))
+    call(q, k, v, do)
+    qm, km = _misaligned(shape_q), _misaligned(shape_kv)
+    k_strided = torch.randn(1, 24, 1, 16).half().transpose(1, 2)            # [B, N, H, D] read in place
+    for label, args, changed in (("q misaligned", (qm, k, v), qm), ("k misaligned", (q, km, v), km),
+                                 ("k strided", (q, k_strided, v), k_strided)):
+        recorded.reset()
+        call(*args, do)
+        assert any(any(a is changed for a in c[2]) for c in recorded.jit_calls), f"{name}, {label}: not compiled"
+        for jit_fn, run_args in recorded.fast_calls:
+            assert not any(a is changed or (type(a) is int and a == changed.data_ptr()) for a in run_args[9:]), \
+                f"{name}, {label}: {jit_fn.__name__} reused another layout's compiled kernel"
+        recorded.reset()
+        call(*args, do)
+        assert not recorded.jit_calls and recorded.fast_calls, f"{name}, {label}: the plan was not kept"

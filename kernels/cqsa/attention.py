@@ -13,25 +13,28 @@ implementations, so ``cqsa_attention`` runs inside ``torch.compile(fullgraph=Tru
 Streaming mode (a memory budget, or inputs on the host while a GPU exists) is stream.py's engine and runs
 eagerly only; under torch.compile it says so.
 
-Host time per call is what short sequences pay (issue 16): the op bodies look everything up in one plan
-cached per (Nq, Nk, c, itr, causal, tiles, D, precision, device) — the slot-wave tables already on the
-device, the constexprs of each kernel — allocate three (forward) or four (backward) buffers and launch
-through kernels._common.launch; the public function caches its checks per call signature.
+Host time per call is what short sequences pay (issue 16; NOTES.md): the public function caches its checks per
+call signature; an op body is one key lookup for the plan of its signature (kernels._launch.layout of its tensors
+and the options: ``_Forward``, ``_Backward``), whose launches are kernels._launch.Prepared, one per slot wave, over
+slot-wave tables cached on the device per (Nq, Nk, c, itr, causal, tiles, D, precision, device); then three
+(forward) or four (backward) allocations and the launches. The autograd layer is kernels/_ops.py's pattern.
 """
 from __future__ import annotations
 
 import torch
 
-from .._common import LOG2E, default_scale, dot_precision, launch, on_device, unit_last
+from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, layout, signature,
+                       unit_last)
+from .._ops import KernelFunction, below_autograd, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
 from .schedule import resident_schedule
 from .stream import stream_attention
 
-# --- the plan: everything a resident call needs that depends only on the problem's shape ----------------
+# --- the slot-wave tables of one problem shape, shared by every signature of that shape ----------------
 
 
-class _Plan:
+class _Tables:
     """Slot-wave tables on one device: ranges and [(items, count)] per wave, for the forward (query rows),
     dQ (query rows) and dK/dV (key rows), and each kernel's constexprs. The backward's tables are built on its
     first use."""
@@ -42,8 +45,7 @@ class _Plan:
         self.fwd = self.dq = self.dkdv = None
 
 
-_plans: dict = {}
-_MAX_PLANS = 256
+_tables = SignatureCache(256)
 
 
 def _device_tables(n, n_kv, c, itr, block, causal, rows, device):
@@ -52,163 +54,220 @@ def _device_tables(n, n_kv, c, itr, block, causal, rows, device):
     return ranges, [(w, int(w.shape[0])) for w in waves]
 
 
-def _plan(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backward: bool) -> _Plan:
+def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backward: bool) -> _Tables:
     key = (n, n_kv, c, itr, causal, tiles, head_dim, precision, device)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = _plans[key] = _Plan(key)
-        plan.fwd = _device_tables(n, n_kv, c, itr, tiles[0], causal, "q", device)
-        plan.fwd_consts = constexprs("fwd", head_dim, tiles, causal, precision, MODE=1)
-    if backward and plan.dq is None:
-        plan.dq = _device_tables(n, n_kv, c, itr, tiles[4], causal, "q", device)      # dQ: BLOCK_M query rows
-        plan.dkdv = _device_tables(n, n_kv, c, itr, tiles[9], causal, "k", device)    # dK/dV: BLOCK_N key rows
-        plan.dq_consts = constexprs("dq", head_dim, tiles, causal, precision, DELTA_FROM_O=True)
-        plan.dkdv_consts = constexprs("dkdv", head_dim, tiles, causal, precision)
-    return plan
+    t = _tables.get(key)
+    if t is None:
+        t = _tables.put(key, _Tables(key))
+        t.fwd = _device_tables(n, n_kv, c, itr, tiles[0], causal, "q", device)
+        t.fwd_consts = constexprs("fwd", head_dim, tiles, causal, precision, MODE=1)
+    if backward and t.dq is None:
+        t.dq = _device_tables(n, n_kv, c, itr, tiles[4], causal, "q", device)      # dQ: BLOCK_M query rows
+        t.dkdv = _device_tables(n, n_kv, c, itr, tiles[9], causal, "k", device)    # dK/dV: BLOCK_N key rows
+        t.dq_consts = constexprs("dq", head_dim, tiles, causal, precision, DELTA_FROM_O=True)
+        t.dkdv_consts = constexprs("dkdv", head_dim, tiles, causal, precision)
+    return t
 
 
-def _rows_in_place(t):
-    """t as the kernels read it (kernels._common.unit_last) and its strides: one stride() call when t already
-    qualifies (the common case), unit_last's copy when not."""
-    st = t.stride()
-    if st[3] == 1 and (t.shape[2] - 1) * st[2] + t.shape[3] <= _INT32_MAX:
-        return t, st
-    t = unit_last("cqsa", t)
-    return t, t.stride()
+def _in_place(t) -> tuple:
+    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
+    u = unit_last("cqsa", t)
+    return u is not t, u.stride()
 
 
-_INT32_MAX = 2 ** 31 - 1
-
-
-def _run_waves(kernel, args: list, items_at: int, waves, programs: int, consts: dict) -> None:
-    """Launch `kernel` once per wave: args[items_at] = the wave's items, the last two args = (first, last)."""
+def _waves(kernel, waves, programs: int, fixed: tuple, consts: dict) -> list:
+    """One Prepared launch per wave: grid (the wave's items, programs), the fixed arguments then the wave's
+    (first, last) flags; each is called with the kernel's tensors and the wave's items and ranges last."""
     last = len(waves) - 1
-    for i, (items, count) in enumerate(waves):
-        args[items_at] = items
-        args[-2] = 1 if i == 0 else 0
-        args[-1] = 1 if i == last else 0
-        launch(kernel, (count, programs), args, consts)
+    return [(items, Prepared(kernel, (count, programs), (*fixed, int(i == 0), int(i == last)), consts))
+            for i, (items, count) in enumerate(waves)]
 
 
-# --- the resident forward and backward (op bodies) -------------------------------------------------------
+# --- the resident forward and backward: one plan of Prepared launches per call signature ----------------
+
+class _Forward(LaunchPlan):
+    """A resident forward signature (kernels._launch.layout of q, k, v and the options): out, lse and one fp32
+    state buffer (acc | m | l), then one launch per slot wave (l**itr)."""
+
+    def __init__(self, q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
+        B, H, N, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.out_shape, self.lse_shape = (B, H, N, D), (B, H, N)
+        self.empty = N == 0 or B * H == 0
+        if self.empty:
+            return
+        (cq, sq), (ck, sk), (cv, sv) = _in_place(q), _in_place(k), _in_place(v)
+        self.copy = (cq, ck, cv) if cq or ck or cv else None
+        t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
+        rows = B * H * N
+        self.state_numel = rows * (D + 2)
+        self.ranges, waves = t.fwd
+        self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
+            sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+            H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E), t.fwd_consts)
+
+    def run(self, q, k, v):
+        # new_empty: half the host time of torch.empty(shape, dtype=, device=)
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=_f32)
+        if self.empty:
+            return out, lse
+        if self.copy is not None:
+            cq, ck, cv = self.copy
+            q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
+        state = q.new_empty(self.state_numel, dtype=_f32)
+        ranges = self.ranges
+        for items, go in self.waves:
+            go(q, k, v, out, lse, state, items, ranges)
+        return out, lse
+
+
+class _Backward(LaunchPlan):
+    """A resident backward signature (layout of dO, q, k, v, O, lse and the options): dq, dk, dv and one fp32
+    workspace (dq acc | dk acc | dv acc | δ), then the dQ waves (the first computes δ = rowsum(dO ⊙ O)) and the
+    dK/dV waves."""
+
+    def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
+        B, H, N, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.q_shape, self.kv_shape = (B, H, N, D), (B, Hkv, Nk, D)
+        self.empty = N == 0 or Nk == 0 or B * H == 0
+        if self.empty:
+            return
+        ins = [_in_place(x) for x in (q, k, v, do)]
+        # out and lse are read as contiguous [B, H, N(, D)] (the forward's own outputs are)
+        self.copy = (*(cp for cp, _ in ins), not out.is_contiguous(), not lse.is_contiguous())
+        if not any(self.copy):
+            self.copy = None
+        sq, sk, sv, sd = (st for _, st in ins)
+        t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, True)
+        n_q, n_kv = B * H * N * D, B * Hkv * Nk * D
+        self.ws_numel = n_q + 2 * n_kv + B * H * N
+        off_delta = n_q + 2 * n_kv
+        strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2])
+        qk_scale = scale * LOG2E
+        self.dq_ranges, waves = t.dq
+        self.dq = _waves(cqsa_bwd_dq_kernel, waves, B * H, (
+            *strides, H, H // Hkv, N, N, off_delta, Nk - N, qk_scale, scale), t.dq_consts)
+        self.dkdv_ranges, waves = t.dkdv
+        self.dkdv = _waves(cqsa_bwd_dkdv_kernel, waves, B * Hkv, (
+            *strides, Hkv, H // Hkv, N, Nk, off_delta, n_q, n_q + n_kv, Nk - N, qk_scale, scale), t.dkdv_consts)
+
+    def run(self, do, q, k, v, out, lse):
+        dq = q.new_empty(self.q_shape)
+        dk = k.new_empty(self.kv_shape)
+        dv = v.new_empty(self.kv_shape)
+        if self.empty:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        if self.copy is not None:
+            q, k, v, do, out, lse = (x.contiguous() if cp else x for x, cp in zip((q, k, v, do, out, lse), self.copy))
+        ws = q.new_empty(self.ws_numel, dtype=_f32)
+        ranges = self.dq_ranges
+        for items, go in self.dq:
+            go(q, k, v, out, do, lse, ws, dq, items, ranges)
+        ranges = self.dkdv_ranges
+        for items, go in self.dkdv:
+            go(q, k, v, do, lse, ws, dk, dv, items, ranges)
+        return dq, dk, dv
+
+
+_f32 = torch.float32
+_fwd_plans = SignatureCache()
+_bwd_plans = SignatureCache()
+
+
+def forward_plan(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles) -> _Forward:
+    """The cached plan of this resident forward signature (made on first use)."""
+    tiles = tuple(tiles)
+    key = (layout(q, k, v), causal, scale, c, itr, precision, tiles)
+    return _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, causal, scale, c, itr, precision, tiles))
+
+
+def backward_plan(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str,
+                  tiles) -> _Backward:
+    """The cached plan of this resident backward signature (made on first use)."""
+    tiles = tuple(tiles)
+    key = (layout(do, q, k, v, out, lse), causal, scale, c, itr, precision, tiles)
+    return _bwd_plans.get(key) or _bwd_plans.put(
+        key, _Backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles))
+
 
 def resident_forward(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
     """O [B,Hq,Nq,D] (q's dtype) and the global natural-log lse [B,Hq,Nq] (fp32), everything on q's device."""
-    B, H, N, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    # new_empty: half the host time of torch.empty(shape, dtype=, device=)
-    out = q.new_empty((B, H, N, D))
-    lse = q.new_empty((B, H, N), dtype=torch.float32)
-    if N == 0 or B * H == 0:
-        return out, lse
-    (q, sq), (k, sk), (v, sv) = _rows_in_place(q), _rows_in_place(k), _rows_in_place(v)
-    plan = _plan(N, Nk, c, itr, causal, tuple(tiles), D, precision, q.device, False)
-    rows = B * H * N
-    state = q.new_empty(rows * (D + 2), dtype=torch.float32)     # acc | m | l of the waves
-    ranges, waves = plan.fwd
-    args = [q, k, v, out, lse, state, None, ranges, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E, 1, 1]
-    with on_device(q):
-        _run_waves(cqsa_fwd_kernel, args, 6, waves, B * H, plan.fwd_consts)
-    return out, lse
+    return forward_plan(q, k, v, causal, scale, c, itr, precision, tiles)(q, k, v)
 
 
 def resident_backward(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
     """(dq, dk, dv) in the inputs' dtype; dk, dv summed over the query heads that share a key/value head."""
-    B, H, N, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dq = q.new_empty((B, H, N, D))
-    dk = k.new_empty((B, Hkv, Nk, D))
-    dv = v.new_empty((B, Hkv, Nk, D))
-    if N == 0 or Nk == 0 or B * H == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    (q, sq), (k, sk), (v, sv), (do, sd) = _rows_in_place(q), _rows_in_place(k), _rows_in_place(v), _rows_in_place(do)
-    plan = _plan(N, Nk, c, itr, causal, tuple(tiles), D, precision, q.device, True)
-    n_q, n_kv = B * H * N * D, B * Hkv * Nk * D
-    ws = q.new_empty(n_q + 2 * n_kv + B * H * N, dtype=torch.float32)   # dq acc | dk acc | dv acc | δ
-    off_delta = n_q + 2 * n_kv
-    strides = [sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2]]
-    qk_scale = scale * LOG2E
-    with on_device(q):
-        ranges, waves = plan.dq
-        args = [q, k, v, out, do, lse, ws, dq, None, ranges, *strides, H, H // Hkv, N, N, off_delta, Nk - N,
-                qk_scale, scale, 1, 1]
-        _run_waves(cqsa_bwd_dq_kernel, args, 8, waves, B * H, plan.dq_consts)
-        ranges, waves = plan.dkdv
-        args = [q, k, v, do, lse, ws, dk, dv, None, ranges, *strides, Hkv, H // Hkv, N, Nk, off_delta, n_q,
-                n_q + n_kv, Nk - N, qk_scale, scale, 1, 1]
-        _run_waves(cqsa_bwd_dkdv_kernel, args, 8, waves, B * Hkv, plan.dkdv_consts)
-    return dq, dk, dv
+    return backward_plan(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles)(do, q, k, v, out, lse)
 
 
 # --- the ops ------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("attnbench::cqsa_fwd", mutates_args=())
-def cqsa_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, c: int, itr: int,
-             precision: str, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resident CQSA forward: (out [B,Hq,Nq,D], lse [B,Hq,Nq] fp32 natural log). precision: tl.dot's input
-    precision; tiles: resolve_tiles()'s 12 ints."""
-    return resident_forward(q, k, v, causal, scale, c, itr, precision, tiles)
+_lib = torch.library.Library("attnbench", "FRAGMENT")
+_lib.define("cqsa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int c, int itr, str precision, "
+            "int[] tiles) -> (Tensor, Tensor)")
+_lib.define("cqsa_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
+            "int c, int itr, str precision, int[] tiles) -> (Tensor, Tensor, Tensor)")
+for _key in ("CPU", "CUDA"):
+    _lib.impl("cqsa_fwd", resident_forward, _key)
+    _lib.impl("cqsa_bwd", resident_backward, _key)
+# Resident CQSA forward: (out [B,Hq,Nq,D], lse [B,Hq,Nq] fp32 natural log); precision: tl.dot's input precision;
+# tiles: resolve_tiles()'s 12 ints. Backward (§4.2 form with the forward's global lse): (dq, dk, dv).
+cqsa_fwd = torch.ops.attnbench.cqsa_fwd.default
+cqsa_bwd = torch.ops.attnbench.cqsa_bwd.default
 
 
-@cqsa_fwd.register_fake
+@torch.library.register_fake("attnbench::cqsa_fwd", lib=_lib)
 def _cqsa_fwd_fake(q, k, v, causal, scale, c, itr, precision, tiles):
     B, H, N, D = q.shape
     return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=torch.float32)
 
 
-@torch.library.custom_op("attnbench::cqsa_bwd", mutates_args=())
-def cqsa_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, causal: bool, scale: float, c: int, itr: int, precision: str,
-             tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Resident CQSA backward (§4.2 form with the forward's global lse): (dq, dk, dv)."""
-    return resident_backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles)
-
-
-@cqsa_bwd.register_fake
+@torch.library.register_fake("attnbench::cqsa_bwd", lib=_lib)
 def _cqsa_bwd_fake(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, c, itr, precision, tiles = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, scale, c, itr, precision, tiles)
-    ctx.mark_non_differentiable(lse)
+class _CqsaFunction(KernelFunction):
+    """cqsa_fwd's autograd formula (kernels/_ops.py): save the inputs, out and lse; the backward is cqsa_bwd."""
+
+    @staticmethod
+    def forward(ctx, is_plain, q, k, v, causal, scale, c, itr, precision, tiles):
+        if is_plain:
+            out, lse = resident_forward(q, k, v, causal, scale, c, itr, precision, tiles)
+        else:
+            with below_autograd():
+                out, lse = cqsa_fwd(q, k, v, causal, scale, c, itr, precision, tiles)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (causal, scale, c, itr, precision, tiles)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # no zero gradient for lse (kernels/_ops.py)
+        return out, lse
+
+    @staticmethod
+    def gradients(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if plain(dout, q, k, v, out, lse):
+            dq, dk, dv = resident_backward(dout, q, k, v, out, lse, *ctx.options)
+        else:
+            dq, dk, dv = cqsa_bwd(dout, q, k, v, out, lse, *ctx.options)
+        return None, dq, dk, dv, None, None, None, None, None, None
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _BWD(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-cqsa_fwd.register_autograd(_backward, setup_context=_setup_context)
-_FWD = torch.ops.attnbench.cqsa_fwd.default     # the OpOverloads: the cheapest way to call the ops
-_BWD = torch.ops.attnbench.cqsa_bwd.default
+register_autograd(_lib, "cqsa_fwd", _CqsaFunction, resident_forward)
+not_differentiable(_lib, "cqsa_bwd")
 
 
 # --- the public function ------------------------------------------------------------------------------------
 
-# A call's checks and what follows from them (the scale, tl.dot's precision, the tiles), per call signature:
-# the inputs' shapes, dtypes and devices and the options. Only plain values key it (exact types: a subclass,
-# an int scale or a non-bool causal takes the checked path every time), so a hit means the same checks passed.
-_checked: dict = {}
-_MAX_CHECKED = 1024
-_Tensor = torch.Tensor
+# A call's checks and what follows from them (the scale, tl.dot's precision, the tiles), per call signature
+# (kernels._common.signature: the inputs' shapes, dtypes and devices and the options with their exact types), for
+# the signatures that passed them; not under torch.compile, which traces the checks instead.
+_checked = SignatureCache()
 _is_compiling = torch.compiler.is_compiling
-
-
-def _call_key(q, k, v, causal, scale, c, itr, precision):
-    if (type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(causal) is not bool
-            or (scale is not None and type(scale) is not float) or type(c) is not int or type(itr) is not int
-            or type(precision) is not str):
-        return None
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal, scale, c, itr,
-            precision)
 
 
 def _resolve(q, k, v, causal, scale, c, itr, precision, config):
@@ -244,17 +303,12 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
         return (out, stats) if return_stats else out
     if mem_budget is not None or stream_opts or device is not None:
         raise ValueError("cqsa: mem_budget, device and the streaming engine's options need stream mode")
-    if config is not None or _is_compiling():      # traced by dynamo: plain checks, no cache
+    key = None if config is not None or _is_compiling() else signature(q, k, v, causal, scale, c, itr, precision)
+    settings = _checked.get(key)
+    if settings is None:
         settings = _resolve(q, k, v, causal, scale, c, itr, precision, config)
-    else:
-        key = _call_key(q, k, v, causal, scale, c, itr, precision)
-        settings = _checked.get(key) if key is not None else None
-        if settings is None:
-            settings = _resolve(q, k, v, causal, scale, c, itr, precision, None)
-            if key is not None:
-                if len(_checked) >= _MAX_CHECKED:
-                    _checked.clear()
-                _checked[key] = settings
+        if key is not None:
+            _checked.put(key, settings)
     sc, prec, tiles = settings
-    out = _FWD(q, k, v, causal, sc, c, itr, prec, tiles)[0]
+    out = cqsa_fwd(q, k, v, causal, sc, c, itr, prec, tiles)[0]
     return (out, None) if return_stats else out

@@ -12,18 +12,19 @@ Launches per call: forward = 1 Triton kernel (+ 2 small torch means for the rela
 N > relay_threshold); backward = 3 Triton kernels (dQ, global-slot dK/dV, local dK/dV; 2 when no query sees
 an anchor) and 4 allocations (dq, dk, dv, one fp32 scratch).
 
-Host time: everything derived from the shapes and options (grids, tile constexprs, slot counts, scratch
-layout) is computed once per problem and cached (``_plan``); a call reads the strides once per tensor,
-allocates and launches. The autograd formula is registered on the op's Autograd key as a lean
-autograd.Function (``_fwd_autograd``): torch.library.register_autograd's generic wrapper costs about twice
-as much host time per call (schema default filling, metadata objects; NOTES.md, "Host cost").
+Host time (NOTES.md, "Host cost"): everything derived from a call's signature (kernels._launch.layout of its
+tensors and the options: grids, tile constexprs, slot counts, scratch layout, strides) is computed once and
+cached in a plan (``_Forward``, ``_Backward``) whose launches are kernels._launch.Prepared: a call is one key
+lookup, its allocations and its launches. The autograd formula is kernels/_ops.py's pattern (one dispatcher
+trip per forward, the bodies called directly where the dispatcher would only land in them).
 """
 from __future__ import annotations
 
 import torch
 
-from .._common import (LOG2E, PRECISIONS, check_inputs, check_precision, default_scale, dot_precision,
-                       block_d, launch, on_device, unit_last)
+from .._common import (LOG2E, PRECISIONS, LaunchPlan, Prepared, SignatureCache, block_d, check_inputs,
+                       check_precision, default_scale, dot_precision, layout, signature, unit_last)
+from .._ops import KernelFunction, below_autograd, not_differentiable, plain, register_autograd
 from . import configs
 from . import kernel as tk
 from .reference import RELAY_THRESHOLD, visible_anchors, visible_relay_blocks, window
@@ -58,8 +59,9 @@ def _split(cfg: dict, grid: tuple, head_dim: int, prec: str, **constexprs) -> tu
     return grid, meta
 
 
-class _Plan:
-    """Everything one problem's launches need that does not depend on the tensors' addresses or strides."""
+class _Problem:
+    """What one problem's launches need that depends on its shapes and options only: W, the slot counts, the
+    scratch layout and each launch's grid and constexprs."""
     __slots__ = ("h", "g", "n", "w", "n_relay", "n_anchor", "n_slots", "seg_len", "dg_off", "dg_size",
                  "scratch", "lse_shape", "fwd", "dq", "glob", "loc")
 
@@ -99,25 +101,25 @@ class _Plan:
         self.glob = _split(glob, (n_chunks, _cdiv(n, self.seg_len), b * heads_kv), d, prec, GROUPED=grouped)
 
 
-_plans: dict = {}
-_MAX_PLANS = 4096
-
-
-def _plan(q, k, relay_threshold, precision, config) -> _Plan:
-    key = (q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= _MAX_PLANS:      # many distinct shapes: start over rather than grow without bound
-            _plans.clear()
-        plan = _plans[key] = _Plan(q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
-    return plan
-
-
 def _like(t: torch.Tensor) -> torch.Tensor:
     """An output shaped like t with a unit feature stride (the kernels' one layout requirement); the fake
     implementations use it too, so real and fake outputs have the same strides."""
     out = torch.empty_like(t)
     return out if out.stride(-1) == 1 else t.new_empty(t.shape)
+
+
+def _like_layout(t: torch.Tensor) -> tuple:
+    """(empty_like keeps a unit feature stride, the strides _like(t) gives): a function of t's shape and strides,
+    found once per plan on a meta tensor of that layout (no memory)."""
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    st = torch.empty_like(meta).stride()
+    return (True, st) if st[-1] == 1 else (False, meta.new_empty(t.shape).stride())
+
+
+def _in_place(t: torch.Tensor) -> tuple:
+    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
+    u = unit_last(NAME, t)
+    return u is not t, u.stride()
 
 
 def _relay(t: torch.Tensor, n_relay: int, w: int) -> torch.Tensor:
@@ -126,55 +128,121 @@ def _relay(t: torch.Tensor, n_relay: int, w: int) -> torch.Tensor:
     return t[:, :, : n_relay * w].unflatten(2, (n_relay, w)).mean(3).contiguous()
 
 
-def _forward(q, k, v, scale, relay_threshold, precision, config):
-    """The forward op on CPU (interpreter) and CUDA tensors: (out, lse)."""
-    p = _plan(q, k, relay_threshold, precision, config)
-    o = _like(q)
-    lse = q.new_empty(p.lse_shape, dtype=torch.float32)
-    q, k, v = unit_last(NAME, q), unit_last(NAME, k), unit_last(NAME, v)
-    # relay off: k and v stand in for the relay buffers, which the relay loops (0 trips) never read
-    rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
-    grid, meta = p.fwd
-    with on_device(q):
-        launch(tk._fwd, grid, (q, k, v, rk, rv, o, lse, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1],
-                               sv[2], so[0], so[1], so[2], p.h, p.g, p.n, p.w, p.n_relay, scale * LOG2E), meta)
-    return o, lse
+_empty_like = torch.empty_like
+_f32 = torch.float32
 
 
-def _backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config):
-    """The backward op: (dq, dk, dv), dk and dv summed over the query heads that share a key/value head."""
-    p = _plan(q, k, relay_threshold, precision, config)
-    dq, dk, dv = _like(q), _like(k), _like(v)
-    scratch = q.new_empty(p.scratch, dtype=torch.float32)
-    q, k, v = unit_last(NAME, q), unit_last(NAME, k), unit_last(NAME, v)
-    o, do = unit_last(NAME, o), unit_last(NAME, do)
-    # the relay means again (two small reductions, only for N > relay_threshold) rather than a forward output
-    rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
-    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
-    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
-    qk_scale = scale * LOG2E
-    with on_device(q):
-        # dQ + Delta; also clears the global-slot accumulators in scratch
+class _Forward(LaunchPlan):
+    """The forward of one signature (kernels._launch: layout of q, k, v and the options): its allocations and
+    its one Prepared launch (+ the relay means for N > relay_threshold)."""
+
+    def __init__(self, q, k, v, scale, relay_threshold, precision, config):
+        shape = check_inputs(NAME, q, k, v, causal=True, scale=scale, self_attention=True, causal_only=True)
+        check_options(NAME, shape, relay_threshold, precision)       # the op called directly: checked too
+        p = self.p = _Problem(q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        (cq, sq), (ck, sk), (cv, sv) = _in_place(q), _in_place(k), _in_place(v)
+        self.copy = (cq, ck, cv) if cq or ck or cv else None
+        self.o_like, so = _like_layout(q)
+        grid, meta = p.fwd
+        self.launch = Prepared(tk._fwd, grid, (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+                                               so[0], so[1], so[2], p.h, p.g, p.n, p.w, p.n_relay, scale * LOG2E),
+                               meta)
+
+    def run(self, q, k, v):
+        p = self.p
+        o = _empty_like(q) if self.o_like else q.new_empty(q.shape)
+        lse = q.new_empty(p.lse_shape, dtype=_f32)
+        if self.copy is not None:
+            cq, ck, cv = self.copy
+            q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
+        # relay off: k and v stand in for the relay buffers, which the relay loops (0 trips) never read
+        rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
+        self.launch(q, k, v, rk, rv, o, lse)
+        return o, lse
+
+
+class _Backward(LaunchPlan):
+    """The backward of one signature (layout of dO, q, k, v, O, lse and the options): four allocations (dq, dk,
+    dv, one fp32 scratch) and three Prepared launches (dQ, which also clears the global-slot accumulators;
+    global-slot dK/dV, skipped when no query sees a slot; local dK/dV)."""
+
+    def __init__(self, do, q, k, v, o, lse, scale, relay_threshold, precision, config):
+        shape = check_inputs(NAME, q, k, v, causal=True, scale=scale, self_attention=True, causal_only=True)
+        check_options(NAME, shape, relay_threshold, precision)
+        p = self.p = _Problem(q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
+        for label, t, want in (("grad_out", do, q.shape), ("out", o, q.shape), ("lse", lse, p.lse_shape)):
+            dtype = _f32 if label == "lse" else q.dtype
+            if tuple(t.shape) != tuple(want) or t.dtype != dtype or t.device != q.device:
+                raise ValueError(f"{NAME}: {label} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                                 f"{tuple(want)} {dtype} on {q.device}")
+        if lse.stride() != (p.n, 1):
+            raise ValueError(f"{NAME}: lse must be contiguous, got strides {lse.stride()}")
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        ins = [_in_place(t) for t in (q, k, v, o, do)]
+        self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
+        sq, sk, sv, so, sdo = (st for _, st in ins)
+        (self.q_like, sdq), (self.k_like, sdk), (self.v_like, sdv) = _like_layout(q), _like_layout(k), _like_layout(v)
+        qk_scale = scale * LOG2E
         grid, meta = p.dq
-        launch(tk._bwd_dq, grid, (
-            q, k, v, rk, rv, o, do, dq, lse, scratch,
+        self.dq = Prepared(tk._bwd_dq, grid, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
             sdo[0], sdo[1], sdo[2], sdq[0], sdq[1], sdq[2],
             p.h, p.g, p.n, p.w, p.n_relay, p.dg_off, p.dg_size, qk_scale, scale), meta)
+        self.glob = None
         if p.n_slots:
             grid, meta = p.glob
-            launch(tk._bwd_global, grid, (
-                q, k, v, rk, rv, do, lse, scratch,
+            self.glob = Prepared(tk._bwd_global, grid, (
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
                 p.h, p.g, p.n, p.w, p.n_anchor, p.n_relay, p.seg_len, p.dg_off, p.dg_size, qk_scale, scale), meta)
         grid, meta = p.loc
-        launch(tk._bwd_local, grid, (
-            q, k, v, do, lse, scratch, dk, dv,
+        self.loc = Prepared(tk._bwd_local, grid, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sdo[0], sdo[1], sdo[2],
             sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2],
             p.h, p.g, p.n, p.w, p.n_anchor, p.n_relay, p.dg_off, p.dg_size, qk_scale, scale, 1.0 / p.w), meta)
-    return dq, dk, dv
+
+    def run(self, do, q, k, v, o, lse):
+        p = self.p
+        dq = _empty_like(q) if self.q_like else q.new_empty(q.shape)
+        dk = _empty_like(k) if self.k_like else k.new_empty(k.shape)
+        dv = _empty_like(v) if self.v_like else v.new_empty(v.shape)
+        scratch = q.new_empty(p.scratch, dtype=_f32)
+        if self.copy is not None:
+            q, k, v, o, do = (t.contiguous() if c else t for t, c in zip((q, k, v, o, do), self.copy))
+        # the relay means again (two small reductions, only for N > relay_threshold) rather than a forward output
+        rk, rv = (_relay(k, p.n_relay, p.w), _relay(v, p.n_relay, p.w)) if p.n_relay else (k, v)
+        self.dq(q, k, v, rk, rv, o, do, dq, lse, scratch)
+        if self.glob is not None:
+            self.glob(q, k, v, rk, rv, do, lse, scratch)
+        self.loc(q, k, v, do, lse, scratch, dk, dv)
+        return dq, dk, dv
+
+
+_fwd_plans = SignatureCache()
+_bwd_plans = SignatureCache()
+
+
+def forward_plan(q, k, v, scale, relay_threshold, precision, config) -> _Forward:
+    """The cached plan of this forward signature (made on first use)."""
+    key = (layout(q, k, v), scale, relay_threshold, precision, config)
+    return _fwd_plans.get(key) or _fwd_plans.put(key, _Forward(q, k, v, scale, relay_threshold, precision, config))
+
+
+def backward_plan(do, q, k, v, o, lse, scale, relay_threshold, precision, config) -> _Backward:
+    """The cached plan of this backward signature (made on first use)."""
+    key = (layout(do, q, k, v, o, lse), scale, relay_threshold, precision, config)
+    return _bwd_plans.get(key) or _bwd_plans.put(
+        key, _Backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config))
+
+
+def _forward(q, k, v, scale, relay_threshold, precision, config):
+    """The forward op's body (CPU through the interpreter, CUDA): (out, lse)."""
+    return forward_plan(q, k, v, scale, relay_threshold, precision, config)(q, k, v)
+
+
+def _backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config):
+    """The backward op's body: (dq, dk, dv), dk and dv summed over the query heads that share a key/value head."""
+    return backward_plan(do, q, k, v, o, lse, scale, relay_threshold, precision, config)(do, q, k, v, o, lse)
 
 
 # --- the torch.library ops -----------------------------------------------------------------------------------
@@ -202,69 +270,35 @@ def _backward_fake(grad_out, q, k, v, out, lse, scale, relay_threshold, precisio
     return _like(q), _like(k), _like(v)
 
 
-_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
-_Tensor = torch.Tensor
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_functorch_active = torch._C._are_functorch_transforms_active
-
-
-def _plain(*tensors) -> bool:
-    """True when redispatching below autograd would land straight in the CPU/CUDA implementation: plain
-    tensors (no subclass with a Python dispatch key), no torch dispatch mode (fake tensors, tracing), no
-    functorch transform. The Autograd kernels then call the implementation themselves, which saves the
-    second pass through the dispatcher (about 3 us of host time per op call); anything else redispatches."""
-    for t in tensors:
-        if type(t) is not _Tensor:
-            return False
-    return not _dispatch_modes() and not _functorch_active()
-
-
-class _CronRootFunction(torch.autograd.Function):
-    """The autograd formula of cron_root_fwd: save the inputs, out and lse; the backward is cron_root_bwd."""
+class _CronRootFunction(KernelFunction):
+    """cron_root_fwd's autograd formula (kernels/_ops.py): save the inputs, out and lse; the backward is
+    cron_root_bwd."""
 
     @staticmethod
-    def forward(ctx, keyset, q, k, v, scale, relay_threshold, precision, config):
-        if keyset is None:
+    def forward(ctx, is_plain, q, k, v, scale, relay_threshold, precision, config):
+        if is_plain:
             out, lse = _forward(q, k, v, scale, relay_threshold, precision, config)
         else:
-            with torch._C._AutoDispatchBelowAutograd():
-                out, lse = fwd_op.redispatch(keyset, q, k, v, scale, relay_threshold, precision, config)
+            with below_autograd():
+                out, lse = fwd_op(q, k, v, scale, relay_threshold, precision, config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (scale, relay_threshold, precision, config)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)      # no zero gradient for lse (kernels/_ops.py)
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
+    def gradients(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, *ctx.options)
+        if plain(grad_out, q, k, v, out, lse):
+            dq, dk, dv = _backward(grad_out, q, k, v, out, lse, *ctx.options)
+        else:
+            dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, *ctx.options)
         return None, dq, dk, dv, None, None, None, None
 
 
-def _fwd_autograd(keyset, q, k, v, scale, relay_threshold, precision, config):
-    """cron_root_fwd's Autograd kernel (what torch.library.register_autograd installs, with less host work)."""
-    below = None if _plain(q, k, v) else keyset & _BELOW_AUTOGRAD
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _CronRootFunction.apply(below, q, k, v, scale, relay_threshold, precision, config)
-    if below is None:
-        return _forward(q, k, v, scale, relay_threshold, precision, config)
-    with torch._C._AutoDispatchBelowAutograd():
-        return fwd_op.redispatch(below, q, k, v, scale, relay_threshold, precision, config)
-
-
-def _bwd_autograd(keyset, grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config):
-    """cron_root_bwd has no derivative: a second backward through it is refused in one line."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v, out)):
-        raise RuntimeError(f"{NAME}: double backward is not supported (the backward has no autograd formula)")
-    if _plain(grad_out, q, k, v, out, lse):
-        return _backward(grad_out, q, k, v, out, lse, scale, relay_threshold, precision, config)
-    with torch._C._AutoDispatchBelowAutograd():
-        return bwd_op.redispatch(keyset & _BELOW_AUTOGRAD, grad_out, q, k, v, out, lse, scale, relay_threshold,
-                                 precision, config)
-
-
-_lib.impl("cron_root_fwd", _fwd_autograd, "Autograd", with_keyset=True)
-_lib.impl("cron_root_bwd", _bwd_autograd, "Autograd", with_keyset=True)
+register_autograd(_lib, "cron_root_fwd", _CronRootFunction, _forward)
+not_differentiable(_lib, "cron_root_bwd")
 
 
 # --- the public function ---------------------------------------------------------------------------------------
@@ -280,6 +314,19 @@ def check_options(name: str, shape, relay_threshold, precision) -> None:
         check_precision(name, precision)
 
 
+def validate(q, k, v, causal, scale, relay_threshold, precision) -> float:
+    """The checks of a call (the contract's and Cron Root's own); returns the resolved scale."""
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    check_options(NAME, shape, relay_threshold, precision)
+    return default_scale(scale, shape.head_dim)
+
+
+# the checks of a call signature that passed them -> its resolved scale (kernels._common.signature); not under
+# torch.compile, which traces the checks instead (a dict write would be a side effect dynamo replays)
+_checked = SignatureCache()
+_is_compiling = torch.compiler.is_compiling
+
+
 def cron_root_attention(q, k, v, causal: bool = True, scale: float | None = None,
                         relay_threshold: int = RELAY_THRESHOLD, precision: str = "tf32x3", config=None):
     """Cron Root sparse causal self-attention, O(N sqrt N): local window + strided anchors + relay block means.
@@ -291,7 +338,11 @@ def cron_root_attention(q, k, v, causal: bool = True, scale: float | None = None
     ``precision`` applies to float32 inputs: "tf32x3" (default, ~fp32 accurate), "ieee" (exact, slow) or
     "tf32". ``config={part: {param: value}}`` overrides tile sizes (configs.py). Differentiable in q, k, v.
     """
-    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
-    check_options(NAME, shape, relay_threshold, precision)
-    return fwd_op(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
-                  configs.encode(config))[0]
+    key = None if config is not None or _is_compiling() else signature(q, k, v, causal, scale, relay_threshold,
+                                                                        precision)
+    resolved = _checked.get(key)
+    if resolved is None:
+        resolved = validate(q, k, v, causal, scale, relay_threshold, precision)
+        if key is not None:
+            _checked.put(key, resolved)
+    return fwd_op(q, k, v, resolved, relay_threshold, precision, configs.encode(config))[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
-from .._launch import Prepared
+from .._launch import Prepared, SignatureCache, layout
 from . import trace
 from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
@@ -31,8 +31,8 @@ _GRID_Y_MAX = 65535
 # Plans are keyed by the full call signature; a cache that grows past this is cleared (each signature is then
 # planned once more).
 _MAX_PLANS = 1024
-_fwd_plans: dict = {}
-_bwd_plans: dict = {}
+_fwd_plans = SignatureCache(_MAX_PLANS)
+_bwd_plans = SignatureCache(_MAX_PLANS)
 _f32 = torch.float32
 _empty = torch.empty
 _zeros = torch.zeros
@@ -50,16 +50,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
-    """Everything a plan depends on: shapes, strides, dtypes, devices, the options, and whether every data
-    pointer is 16-byte aligned (Triton specialises on it; so do the prepared launches)."""
-    if bias is None:
-        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device, causal, scale, precision, config, flag,
-                (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, causal, scale, precision, config, flag,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr() | bias.data_ptr()) & 15 == 0,
-            bias.shape, bias.stride(), bias.dtype, bias.device)
+    """Everything a plan depends on: shapes, strides, dtypes, devices and 16-byte alignment of each data pointer
+    (kernels._launch.layout: Triton specialises on it; so do the prepared launches), and the options."""
+    return (layout(q, k, v) if bias is None else layout(q, k, v, bias)), causal, scale, precision, config, flag
 
 
 def _off_device(device_index) -> bool:

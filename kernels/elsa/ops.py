@@ -15,18 +15,18 @@ a CPU (Triton interpreter) and a CUDA implementation, the bodies in host.py, and
 tracing. The bodies are opaque to the compiler, so their cached plans and prepared launches work under
 torch.compile as they do in eager mode.
 
-Autograd is registered on ``attnbench::elsa`` at the Autograd dispatch key: with grad needed it runs an
-autograd.Function whose forward calls elsa_fwd and whose backward calls elsa_bwd; otherwise it redispatches
-to the inference body (no lse). That is what torch.library.register_autograd sets up, written out: its
-generic per-call work (argument re-binding, a dataclass per call, a torch._dynamo-disabled wrapper around the
-body) cost 25 us per forward and 30 us per forward+backward on our CPU against this registration (NOTES.md,
-"Host cost"), more than the whole budget of a short-sequence call.
+Autograd is registered on ``attnbench::elsa`` at the Autograd dispatch key by kernels/_ops.py's pattern, the one
+all four kernels share: with grad needed it runs an autograd.Function (``_ElsaFunction``) whose forward is
+elsa_fwd's body and whose backward is elsa_bwd's; otherwise the inference body (no lse). Where the dispatcher,
+asked again, would only land in those bodies (plain tensors, no dispatch mode, functorch or profiler) they are
+called directly: one dispatcher trip per forward, none in the backward; otherwise the ops are called, so
+torch.compile, fake tensors and opcheck see them (kernels/_ops.py says why and what each way costs).
 """
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .._ops import KernelFunction, not_differentiable, plain, register_autograd
 from . import host
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
@@ -66,9 +66,8 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("elsa_bwd", _elsa_bwd_impl, _key)
     _lib.impl("elsa_bwd_bias", _elsa_bwd_bias_impl, _key)
 # elsa_fwd and the backward ops are the halves of elsa's autograd formula, not differentiable themselves:
-# autograd passes through them (their outputs never require grad; elsa's backward raises on a second derivative)
-for _name in ("elsa_fwd", "elsa_bwd", "elsa_bwd_bias"):
-    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+# autograd passes through them (their outputs never require grad; elsa's backward refuses a second derivative)
+not_differentiable(_lib, "elsa_fwd", "elsa_bwd", "elsa_bwd_bias")
 
 
 @torch.library.register_fake("attnbench::elsa", lib=_lib)
@@ -92,45 +91,33 @@ def _elsa_bwd_bias_fake(grad_out, q, k, v, out, lse, attn_bias, causal, scale, p
             q.new_empty((*q.shape[:3], k.shape[2]), dtype=torch.float32))
 
 
-class _ElsaFunction(torch.autograd.Function):
+class _ElsaFunction(KernelFunction):
+    """elsa's autograd formula (kernels/_ops.py): the forward is elsa_fwd (out and lse), the backward elsa_bwd, or
+    elsa_bwd_bias when attn_bias needs a gradient."""
+
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, causal, scale, precision, config):
-        out, lse = _elsa_fwd(q, k, v, attn_bias, causal, scale, precision, config)   # Autograd: fallthrough
+    def forward(ctx, is_plain, q, k, v, attn_bias, causal, scale, precision, config):
+        if is_plain:
+            out, lse = host.forward(q, k, v, attn_bias, causal, scale, precision, config, True)
+        else:
+            out, lse = elsa_fwd(q, k, v, attn_bias, causal, scale, precision, config)   # Autograd: fallthrough
         ctx.save_for_backward(q, k, v, out, lse, attn_bias)
         ctx.options = (causal, scale, precision, config)
         return out
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
+    def gradients(ctx, grad_out):
         q, k, v, out, lse, attn_bias = ctx.saved_tensors
-        if attn_bias is None or not ctx.needs_input_grad[3]:
-            dq, dk, dv = _elsa_bwd(grad_out, q, k, v, out, lse, attn_bias, *ctx.options)
-            return dq, dk, dv, None, None, None, None, None
-        dq, dk, dv, ds = _elsa_bwd_bias(grad_out, q, k, v, out, lse, attn_bias, *ctx.options)
-        return dq, dk, dv, ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype), None, None, None, None
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
+        if plain(grad_out, q, k, v, out, lse, attn_bias):
+            grads = host.backward(grad_out, q, k, v, out, lse, attn_bias, *ctx.options, bias_grad)
+        else:
+            grads = (elsa_bwd_bias if bias_grad else elsa_bwd)(grad_out, q, k, v, out, lse, attn_bias, *ctx.options)
+        if not bias_grad:
+            dq, dk, dv = grads
+            return None, dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, ds = grads
+        return None, dq, dk, dv, ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype), None, None, None, None
 
 
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_grad_enabled = torch.is_grad_enabled
-_functorch_active = torch._C._are_functorch_transforms_active
-# the C entry points of the ops and of Function.apply, for the calls made inside the autograd kernel (below
-# torch.compile's tracing, which sees the op itself): each Python wrapper costs host time at every call.
-# Function.apply's Python preamble binds arguments for a setup_context (this Function has none) and unwraps dead
-# functorch wrappers (the dispatcher has already routed the tensors here); with functorch transforms active the
-# full Function.apply runs.
-_elsa, _elsa_fwd, _elsa_bwd, _elsa_bwd_bias = elsa._op, elsa_fwd._op, elsa_bwd._op, elsa_bwd_bias._op
-_apply = super(torch.autograd.Function, _ElsaFunction).apply
-
-
-def _elsa_autograd(q, k, v, attn_bias, causal, scale, precision, config):
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                            or (attn_bias is not None and attn_bias.requires_grad)):
-        if _functorch_active():
-            return _ElsaFunction.apply(q, k, v, attn_bias, causal, scale, precision, config)
-        return _apply(q, k, v, attn_bias, causal, scale, precision, config)
-    with _below_autograd():
-        return _elsa(q, k, v, attn_bias, causal, scale, precision, config)
-
-
-_lib.impl("elsa", _elsa_autograd, "Autograd")
+register_autograd(_lib, "elsa", _ElsaFunction, _elsa_impl, tensors=4)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from kernels._common import FLOAT_DTYPES, block_d, check_inputs, default_scale, tile_config
+from kernels._common import (FLOAT_DTYPES, SignatureCache, block_d, check_inputs, default_scale, signature,
+                             tile_config)
 from kernels._tuning import TuningFileError, read_configs
 from kernels.pasa import ops
 
@@ -79,13 +80,30 @@ _DEFAULT_OPTIONS = {"pasa": {bd: ops.pasa_options(None, "fp16", DEFAULT_VARIANT,
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check(name: str, q, k, v, causal, scale):
+# (name, call signature: kernels._common.signature) -> _check's result, for the signatures that passed; not
+# under torch.compile, which traces the checks instead (a dict write would be a side effect dynamo replays)
+_checked = SignatureCache()
+_is_compiling = torch.compiler.is_compiling
+
+
+def validate(name: str, q, k, v, causal, scale) -> tuple:
     """The contract's checks and PASA's dtypes; returns (scale, head-dim tile width)."""
     shape = check_inputs(name, q, k, v, causal=causal, scale=scale, dtypes=FLOAT_DTYPES)
     if q.dtype not in _DTYPES:
         raise ValueError(f"{name}: dtype {str(q.dtype).replace('torch.', '')} unsupported (PASA is a float16 "
                          "algorithm: pass float16, or bfloat16, which is converted to float16)")
     return default_scale(scale, shape.head_dim), block_d(shape.head_dim)
+
+
+def _check(name: str, q, k, v, causal, scale):
+    """validate(), once per call signature."""
+    key = None if _is_compiling() else signature(q, k, v, name, causal, scale)
+    resolved = _checked.get(key)
+    if resolved is None:
+        resolved = validate(name, q, k, v, causal, scale)
+        if key is not None:
+            _checked.put(key, resolved)
+    return resolved
 
 
 def _tiles(name: str, bd: int, config) -> tuple:
@@ -128,7 +146,7 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
                                  f"singular), got {beta!r}")
             beta = float(beta)
         options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config))
-    return ops.call(ops.pasa_fwd, q, k, v, causal, scale, options)
+    return ops.pasa_fwd(q, k, v, causal, scale, options)
 
 
 def fa16_attention(q, k, v, causal=False, scale=None, *, config=None):
@@ -137,4 +155,4 @@ def fa16_attention(q, k, v, causal=False, scale=None, *, config=None):
     Same inputs, dtypes and ``config`` as ``pasa_attention``; forward only."""
     scale, bd = _check("fa16", q, k, v, causal, scale)
     options = _DEFAULT_OPTIONS["fa16"][bd] if config is None else ops.fa16_options(_tiles("fa16", bd, config))
-    return ops.call(ops.fa16_fwd, q, k, v, causal, scale, options)
+    return ops.fa16_fwd(q, k, v, causal, scale, options)

@@ -9,26 +9,26 @@
 
 Each forward op takes q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D] (validated by the public functions in
 ``attention.py``), float16 or bfloat16 (converted to float16 first, as the paper prescribes), and returns the
-output, contiguous, in the input dtype. The bodies are opaque to torch.compile, so the fast launch path
-(``kernels._common.launch``) and the Triton interpreter work inside them; the fake implementations give compile
-the shapes. PASA has no backward (the paper defines none): the autograd formula calls
-``forward_only_backward``, whose body raises the one forward-only error. It raises when the backward runs, not
-when torch.compile traces it, so a compiled forward on tensors that require grad still works.
+output, contiguous, in the input dtype. The bodies are opaque to torch.compile, so the Prepared launches
+(kernels._launch) and the Triton interpreter work inside them; the fake implementations give compile the shapes.
+PASA has no backward (the paper defines none): the autograd formula raises the one forward-only error when the
+backward runs — through ``forward_only_backward``, whose body raises, wherever the dispatcher must see an op
+(so torch.compile traces it without raising, and a compiled forward on tensors that require grad still works).
 
-Host cost. The options travel as one canonical string (the public functions keep the default ones ready) because
-every op argument costs boxing on each call (~0.3 us on our CPU). The ops are defined with
-``torch.library.Library`` rather than ``custom_op``, and ``call`` skips the autograd layer (a Python kernel)
-when no input requires grad: the same op and body, so eager and compiled agree. Measured on our CPU (thread
-time, empty bodies, six arguments): custom_op with register_autograd ~11 us per call; a Library op with
-register_autograd ~7 us; the same op below the autograd layer ~3 us (custom_op there: ~5 us, its Python
-wrappers around the body).
+Host cost (README.md, "Host cost"). The options travel as one canonical string (the public functions keep the
+default ones ready): every op argument costs boxing on each call. A body is one key lookup for the plan of its
+signature (``_Forward``: kernels._launch.layout of q, k, v and the options; β, λM's entries, c, grids, strides and
+both launches as kernels._launch.Prepared), two allocations (out, K̃) and two launches. The autograd layer is
+kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from kernels._common import LOG2E, block_d, forward_only_error, launch, on_device, unit_last
+from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, layout,
+                             unit_last)
+from kernels._ops import KernelFunction, below_autograd, plain, register_autograd
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
@@ -118,55 +118,90 @@ def _to_fp16(name: str, q: Tensor, k: Tensor, v: Tensor) -> tuple:
     return tuple(out)
 
 
+_f16 = torch.float16
+
+
+def _in_place(name: str, t: Tensor) -> tuple:
+    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
+    u = unit_last(name, t)
+    return u is not t, u.stride()
+
+
+class _Forward(LaunchPlan):
+    """One forward signature (kernels._launch.layout of q, k, v and the options) of PASA or fa16: its allocations
+    and Prepared launches (PASA: the K̃ pre-pass and Algorithm 1; fa16: one launch). float16 in and out."""
+
+    def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
+        bsz, heads_q, len_q, d = q.shape
+        _, heads_kv, len_k, _ = k.shape
+        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.out_shape = (bsz, heads_q, len_q, d)
+        ins = [_in_place(name, t) for t in (q, k, v)]
+        self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
+        (sq, sk, sv), so = (st for _, st in ins), (heads_q * len_q * d, len_q * d, d)
+        self.empty = len_k == 0 or bsz * heads_q * len_q * d == 0      # no key: every row gives 0 (the contract)
+        self.shift = None
+        if self.empty:
+            return
+        if name == "pasa":
+            block_m, block_n, bd, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
+            n_blocks = -(-len_k // block_n)   # (triton.cdiv is a JIT function: ~5 us a call)
+            # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
+            self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, bd)
+            self.shift = Prepared(_shift_k_kernel, (n_blocks, bsz * heads_kv),
+                                  (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
+            self.main = Prepared(_pasa_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
+                                 (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv,
+                                  len_q, len_k, c), main_meta)
+        else:
+            block_m, meta = _fa16_plan(options, d, causal)
+            self.main = Prepared(_fa16_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
+                                 (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
+                                  heads_q, heads_kv, len_q, len_k, scale * LOG2E), meta)
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = q.new_empty(self.out_shape, dtype=_f16)
+        if self.empty:
+            return out.zero_()
+        if self.copy is not None:
+            cq, ck, cv = self.copy
+            q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
+        if self.shift is None:
+            self.main(q, k, v, out)
+        else:
+            k_shift = q.new_empty(self.k_shift_shape, dtype=_f16)
+            self.shift(k, k_shift)
+            self.main(q, k_shift, v, out)
+        return out
+
+
+_plans = SignatureCache()
+
+
+def forward_plan(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> _Forward:
+    """The cached plan of this forward signature of ``name`` ("pasa", "fa16"), made on first use."""
+    key = (name, layout(q, k, v), causal, scale, options)
+    return _plans.get(key) or _plans.put(key, _Forward(name, q, k, v, causal, scale, options))
+
+
 def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The pre-pass (K̃ = fp16(λM·K) per KV window and kv head) and Algorithm 1 (kernel.py); float16 in and out."""
-    q, k, v = unit_last("pasa", q), unit_last("pasa", k), unit_last("pasa", v)
-    sq, sk, sv = q.stride(), k.stride(), v.stride()
-    bsz, heads_q, len_q, d = q.shape
-    _, heads_kv, len_k, _ = k.shape
-    out = torch.empty((bsz, heads_q, len_q, d), device=q.device, dtype=torch.float16)
-    if len_k == 0 or out.numel() == 0:
-        return out.zero_()   # no key: every row gives 0 (the contract)
-    block_m, block_n, bd, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
-    n_blocks = -(-len_k // block_n)   # (triton.cdiv is a JIT function: ~5 us a call)
-    # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
-    k_shift = torch.empty((bsz, heads_kv, n_blocks * block_n, bd), device=q.device, dtype=torch.float16)
-    so = out.stride()
-    with on_device(q):
-        launch(_shift_k_kernel, (n_blocks, bsz * heads_kv),
-               (k, k_shift, sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
-        launch(_pasa_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
-               (q, k_shift, v, out, sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv,
-                len_q, len_k, c), main_meta)
-    return out
+    return forward_plan("pasa", q, k, v, causal, scale, options)(q, k, v)
 
 
 def fa16_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """The FA16-FP32 comparator (kernel.py); float16 in and out."""
-    q, k, v = unit_last("fa16", q), unit_last("fa16", k), unit_last("fa16", v)
-    sq, sk, sv = q.stride(), k.stride(), v.stride()
-    bsz, heads_q, len_q, d = q.shape
-    _, heads_kv, len_k, _ = k.shape
-    out = torch.empty((bsz, heads_q, len_q, d), device=q.device, dtype=torch.float16)
-    if len_k == 0 or out.numel() == 0:
-        return out.zero_()
-    block_m, meta = _fa16_plan(options, d, causal)
-    so = out.stride()
-    with on_device(q):
-        launch(_fa16_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
-               (q, k, v, out, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
-                heads_q, heads_kv, len_q, len_k, scale * LOG2E), meta)
-    return out
+    return forward_plan("fa16", q, k, v, causal, scale, options)(q, k, v)
 
 
 def _pasa_fwd(q, k, v, causal, scale, options):
-    if q.dtype == torch.float16:
+    if q.dtype == _f16:
         return pasa_forward(q, k, v, causal, scale, options)
     return pasa_forward(*_to_fp16("pasa", q, k, v), causal, scale, options).to(q.dtype)
 
 
 def _fa16_fwd(q, k, v, causal, scale, options):
-    if q.dtype == torch.float16:
+    if q.dtype == _f16:
         return fa16_forward(q, k, v, causal, scale, options)
     return fa16_forward(*_to_fp16("fa16", q, k, v), causal, scale, options).to(q.dtype)
 
@@ -187,42 +222,48 @@ def _forward_only_backward_fake(grad_out, q_shape, kv_shape, name):
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")   # the namespace is shared with the other kernels' ops
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor"
-for _name, _impl in (("pasa_fwd", _pasa_fwd), ("fa16_fwd", _fa16_fwd)):
-    _lib.define(_name + _FORWARD_SCHEMA)
-    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"attnbench::{_name}", _forward_fake, lib=_lib)
 _lib.define("pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name) "
             "-> (Tensor, Tensor, Tensor)")
 _lib.impl("pasa_forward_only_backward", _forward_only_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("attnbench::pasa_forward_only_backward", _forward_only_backward_fake, lib=_lib)
-
-pasa_fwd = torch.ops.attnbench.pasa_fwd.default
-fa16_fwd = torch.ops.attnbench.fa16_fwd.default
 forward_only_backward = torch.ops.attnbench.pasa_forward_only_backward.default
 
 
-def _register_forward_only(name: str) -> None:
-    def setup_context(ctx, inputs, output):
-        ctx.q_shape, ctx.kv_shape = list(inputs[0].shape), list(inputs[1].shape)
+def _forward_only_function(name: str, op_name: str, body) -> type:
+    """The autograd formula of a forward-only op (kernels/_ops.py's pattern): the forward runs the op's body; the
+    backward raises the one forward-only error — through the forward_only_backward op when not plain, so that
+    AOTAutograd traces it (its fake) and a compiled forward of tensors that require grad works, raising only when
+    the backward runs."""
+    op = getattr(torch.ops.attnbench, op_name).default
 
-    def backward(ctx, grad_out):
-        return forward_only_backward(grad_out, ctx.q_shape, ctx.kv_shape, name) + (None, None, None)
+    class ForwardOnly(KernelFunction):
+        @staticmethod
+        def forward(ctx, is_plain, q, k, v, causal, scale, options):
+            ctx.q_shape, ctx.kv_shape = q.shape, k.shape
+            if is_plain:
+                return body(q, k, v, causal, scale, options)
+            with below_autograd():
+                return op(q, k, v, causal, scale, options)
 
-    torch.library.register_autograd(f"attnbench::{name}_fwd", backward, setup_context=setup_context, lib=_lib)
+        @staticmethod
+        def gradients(ctx, grad_out):
+            if plain(grad_out):
+                raise forward_only_error(name, FORWARD_ONLY_WHY)
+            return (None, *forward_only_backward(grad_out, list(ctx.q_shape), list(ctx.kv_shape), name),
+                    None, None, None)
+
+    ForwardOnly.__name__ = ForwardOnly.__qualname__ = f"{name.capitalize()}Function"
+    return ForwardOnly
 
 
-_register_forward_only("pasa")
-_register_forward_only("fa16")
+FUNCTIONS = {}      # name -> the autograd Function of its op
+for _name, _body in (("pasa", _pasa_fwd), ("fa16", _fa16_fwd)):
+    _lib.define(f"{_name}_fwd{_FORWARD_SCHEMA}")
+    for _key in ("CPU", "CUDA"):
+        _lib.impl(f"{_name}_fwd", _body, _key)
+    torch.library.register_fake(f"attnbench::{_name}_fwd", _forward_fake, lib=_lib)
+    FUNCTIONS[_name] = _forward_only_function(_name, f"{_name}_fwd", _body)
+    register_autograd(_lib, f"{_name}_fwd", FUNCTIONS[_name], _body)
 
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_is_compiling = torch.compiler.is_compiling
-_grad_enabled = torch.is_grad_enabled
-
-
-def call(op, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
-    """op(q, k, v, causal, scale, options), skipping the autograd layer in eager when no input requires grad
-    (it would only redispatch; module docstring, "Host cost"). Under torch.compile the op is called as it is."""
-    if _is_compiling() or (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return op(q, k, v, causal, scale, options)
-    with _below_autograd():
-        return op(q, k, v, causal, scale, options)
+pasa_fwd = torch.ops.attnbench.pasa_fwd.default
+fa16_fwd = torch.ops.attnbench.fa16_fwd.default

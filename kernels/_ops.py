@@ -1,0 +1,122 @@
+"""The autograd layer of the four kernels' torch.library ops: one registration pattern for all of them.
+
+Each kernel defines its ops with torch.library.Library (namespace ``attnbench``):
+  - an entry op, what its public function calls: CPU and CUDA bodies, a fake, and the Autograd kernel made here
+    (``register_autograd``);
+  - the halves of its autograd formula, not differentiable themselves (``not_differentiable``: the Autograd key
+    falls through): a training forward that returns what the backward needs (the entry op itself where it
+    already does) and a backward op.
+
+The Autograd kernel, at each call of the entry op:
+  - gradients needed (grad mode on and an input that requires grad): the kernel's ``KernelFunction`` through
+    Function.apply's C entry (the Python ``Function.apply`` only re-binds arguments for a setup_context, which
+    these Functions do not have, and unwraps functorch wrappers, which only matter with a functorch transform
+    active: then the full ``Function.apply`` runs);
+  - otherwise the entry op's body.
+Wherever the dispatcher, asked again below the autograd layer, would only land in the body (``plain``: plain
+tensors, no dispatch mode, no functorch transform, no profiler), the body is called directly: the forward's
+training body, the backward's body. Otherwise the op is called, so fake tensors, torch.compile (its AOTAutograd
+tracing runs under dispatch modes), functorch, tensor subclasses and the profiler see exactly the ops they saw
+before, and a compiled graph holds the training forward and backward ops. The result is the same body either
+way, so eager and compiled agree.
+
+Why not ``torch.library.custom_op`` / ``register_autograd``: their generic per-call work (argument re-binding,
+pytree, metadata objects, a Python Function.apply) and a second trip through the dispatcher into a Python body,
+forward and backward. scripts/host_cost.py times the four registrations with empty bodies (its "registration"
+figures); on our CPU, forward with grad / no grad / fwd+bwd: custom_op + register_autograd 36 / 15 / 113 us; a
+Library op with register_autograd 30 / 12 / 90; this pattern 14 / 8 / 57 (one dispatcher trip per forward, none
+in the backward); the autograd.Function with no op at all 13 / 5 / 52 — the one remaining trip is what the op
+costs. On the H100 host a trip into a Python kernel cost 14-29 us (ELSA's pieces before this pattern).
+
+Double backward: the Functions are once differentiable. ``KernelFunction.backward`` runs ``gradients`` directly
+when grad mode is off (the engine's default); under create_graph=True it runs it through
+``torch.autograd.function.once_differentiable`` (first-order gradients, an error if they are differentiated).
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_profiling = torch._C._autograd._profiler_enabled
+below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def plain(*tensors) -> bool:
+    """True when calling an op of these tensors below the autograd layer would land straight in its CPU/CUDA
+    body: every tensor a plain torch.Tensor (no subclass, which may carry a Python dispatch key) and not a meta
+    tensor (that goes to the fake), no torch dispatch mode (fake tensors, tracing, functionalization), no
+    functorch transform, no profiler (it records each op). None entries (optional tensors) are skipped."""
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or t.is_meta):
+            return False
+    return not (_dispatch_modes() or _functorch_active() or _profiling())
+
+
+class KernelFunction(torch.autograd.Function):
+    """Base of the kernels' autograd Functions. A subclass defines
+
+        forward(ctx, plain, *op_args)   the training forward: its body when ``plain`` (the Autograd kernel passes
+                                        plain(...) of the op's tensors), else its op below the autograd layer
+        gradients(ctx, *grad_outputs)   the input gradients (None for ``plain`` and each non-tensor argument),
+                                        the backward body when plain(...) of its tensors, else the backward op
+
+    and inherits ``backward``, which runs ``gradients`` directly unless create_graph=True asks for a graph of it
+    (then once_differentiable). A forward with a non-differentiable extra output (lse) calls
+    ``ctx.set_materialize_grads(False)``: otherwise autograd fills a zero gradient for it before every backward
+    (an allocation and, on the GPU, a fill launch), which ``gradients`` ignores; the first output's gradient
+    is then None only when no gradient reaches the node at all, and every input gets None."""
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if grad_outputs[0] is None:
+            return (None,) * len(ctx.needs_input_grad)
+        if _grad_enabled():
+            return _once_differentiable_gradients(ctx, *grad_outputs)
+        return ctx._forward_cls.gradients(ctx, *grad_outputs)
+
+
+@once_differentiable
+def _once_differentiable_gradients(ctx, *grad_outputs):
+    return ctx._forward_cls.gradients(ctx, *grad_outputs)
+
+
+def autograd_kernel(function: type[KernelFunction], body, op, tensors: int):
+    """The Autograd kernel of an entry op whose first ``tensors`` arguments are its tensors (None allowed:
+    optional ones): ``function`` when gradients are needed, else ``body`` (plain) or ``op`` below autograd."""
+    apply = super(torch.autograd.Function, function).apply      # Function.apply's C entry
+    full_apply = function.apply
+
+    def kernel(*args):
+        ts = args[:tensors]
+        is_plain = plain(*ts)
+        if _grad_enabled():
+            for t in ts:
+                if t is not None and t.requires_grad:
+                    if is_plain or not _functorch_active():
+                        return apply(is_plain, *args)
+                    return full_apply(False, *args)
+        if is_plain:
+            return body(*args)
+        with below_autograd():
+            return op(*args)
+
+    return kernel
+
+
+def register_autograd(lib: torch.library.Library, name: str, function: type[KernelFunction], body,
+                      tensors: int = 3) -> None:
+    """Install ``autograd_kernel`` on the entry op ``lib.ns::name`` (its CPU/CUDA body ``body``)."""
+    op = getattr(getattr(torch.ops, lib.ns), name).default
+    lib.impl(name, autograd_kernel(function, body, op, tensors), "Autograd")
+
+
+def not_differentiable(lib: torch.library.Library, *names: str) -> None:
+    """The halves of an autograd formula (training forward, backward): the Autograd key falls through to their
+    bodies, so a compiled graph that calls them pays no Python autograd kernel; they are differentiated only
+    through their entry op's KernelFunction (whose backward refuses a second derivative)."""
+    for name in names:
+        lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
