@@ -328,8 +328,8 @@ def ensure_allocator() -> None:
 # D=256 tma (128, 64, 8, 2) 531 vs (64, 64, 4, 2) 303. float32 (tf32x3 dots, 3 MMAs per product) is not what this
 # core is for: the least-spilling tiles compiled for sm_90 on triton 3.6 (at D >= 128 every tile tried spills).
 PLAIN_TILES = {
-    ("16", 16): (128, 128, 4, 3),
-    ("16", 32): (128, 128, 4, 3),
+    ("16", 16): (128, 64, 4, 3),       # not swept: ELSA's former tiles for its narrow head dims
+    ("16", 32): (128, 64, 4, 3),
     ("16", 64): (128, 128, 4, 3),
     ("16", 128): (128, 64, 8, 3),
     ("16", 256): (128, 64, 8, 2),

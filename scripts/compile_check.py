@@ -145,6 +145,7 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 # -- each kernel package's jobs -------------------------------------------------------------------------------
 
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels import _flash_core as core
     from kernels._common import block_d
     from kernels.elsa import config
     from kernels.elsa import kernel as K
@@ -160,18 +161,28 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         if tiles:
             grid = [(bm, bn, w, st) for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))
                     if bm * bn <= 128 * 128 and not (w == 8 and bm * bn < 64 * 64)]
-            configs = {name: grid for name in fns}
+            configs = {name: [(cfg, False, False) for cfg in grid] for name in fns}
         else:
             dq, dkdv = config.BWD_TABLE[key]
-            configs = {"phase1": [config.FWD_TABLE[key]], "dq": [dq], "dkdv": [dkdv]}
+            # phase 1: the plain tiles with summaries, and (16-bit) the core's warp-specialized tiles with summaries
+            # and as the single partition (FINAL: out through a descriptor, lse through a pointer)
+            torch_dtype = TORCH_DTYPES[dtype]
+            phase1 = [(config.core_tiles(torch_dtype, d), False, False)]
+            if not fp32 and key in core.WS_TILES:
+                phase1 += [(config.core_tiles(torch_dtype, d, warp_specialize=True), True, final)
+                           for final in (False, True)]
+            configs = {"phase1": phase1, "dq": [(dq, False, False)], "dkdv": [(dkdv, False, False)]}
         for name, fn in fns.items():
-            for bm, bn, w, st in configs[name]:
-                # phase 1 with summaries (P >= 2) and the training output (lse); non-causal, no bias, one head a kv head
+            for (bm, bn, w, st), ws, final in configs[name]:
+                # phase 1 with summaries (P >= 2) and the training output (lse); non-causal, no bias, one head a kv
+                # head, whole key tiles; 16-bit phase 1 through the flash core with tensor descriptors
                 meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False,
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
-                            DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=False, STORE_LSE=True, GROUPED=False)
+                            DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
+                            KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
+                label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
-                                div16=stride, label=dict(D=d, cfg=[bm, bn, w, st])))
+                                div16=stride, label=label))
     return jobs
 
 
