@@ -84,7 +84,8 @@ def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.
     else:
         offs_r = start + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
-        ptrs = src + offs_r[:, None] * row_stride + offs_d[None, :]
+        # int64 row offsets: a head's rows may span more than 2^31 elements (CQSA's long sequences)
+        ptrs = src + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
         if MASK_ROWS:
             if BLOCK_D != HEAD_DIM:
                 return tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -107,7 +108,7 @@ def store_rows(dst, start, value, n_rows, row_stride, HEAD_DIM: tl.constexpr, BL
     else:
         offs_r = start + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
-        tl.store(dst + offs_r[:, None] * row_stride + offs_d[None, :], value,
+        tl.store(dst + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :], value,
                  mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
