@@ -10,6 +10,7 @@ Triton helpers (call them from a kernel; every tile size and switch is a constex
     acc, m, l = fold_keys(acc, m, l, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_shift, qk_scale, ...)
     out = normalize(acc, l)                                        # acc / l, 0 for a row with no visible key
     store_rows(dst, r0, out.to(dtype), n_rows, row_stride, ...)
+    rows = row_index(r0 + c, BLOCK_M)                              # a per-row vector: never on r0 itself (ws)
 
 The state (m, l, acc) is fp32 and unnormalised, in the base-2 domain: for the keys J folded so far,
 m = max_j x_j, l = sum_j 2^(x_j - m), acc = sum_j 2^(x_j - m) v_j with x_j = scale * log2(e) * q . k_j.
@@ -122,7 +123,7 @@ def row_index(base, BLOCK: tl.constexpr):
     A vector `r0 + tl.arange(..)` whose r0 is such a coordinate is offset twice: rows r0 + 128.. instead of
     r0 + 64.. (the 0.18 error of the warp-specialized causal variants in the H100 sweep). So never pass a
     descriptor row coordinate itself as `base`: pass an expression of it (r0 + 1 + shift, a pointer offset) or a
-    value no descriptor uses. scripts/compile_check.py --ws-audit finds the pattern in compiled kernels."""
+    value no descriptor uses. scripts/compile_check.py audits compiled warp-specialized kernels for the pattern."""
     return tl.arange(0, BLOCK) + base
 
 
