@@ -132,7 +132,8 @@ class _FwdPlan:
         nrows = 0 if plan.final else P * qb_max * c.BH * bm
         self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
         p1_const = dict(c.flags, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final, STORE_LSE=need_lse,
-                        KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize, num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
