@@ -10,6 +10,7 @@ Triton helpers (call them from a kernel; every tile size and switch is a constex
     acc, m, l = fold_keys(acc, m, l, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_shift, qk_scale, ...)
     out = normalize(acc, l)                                        # acc / l, 0 for a row with no visible key
     store_rows(dst, r0, out.to(dtype), n_rows, row_stride, ...)
+    rows = row_index(r0 + c, BLOCK_M)                              # a per-row vector: never on r0 itself (ws)
 
 The state (m, l, acc) is fp32 and unnormalised, in the base-2 domain: for the keys J folded so far,
 m = max_j x_j, l = sum_j 2^(x_j - m), acc = sum_j 2^(x_j - m) v_j with x_j = scale * log2(e) * q . k_j.
@@ -84,7 +85,8 @@ def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.
     else:
         offs_r = start + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
-        ptrs = src + offs_r[:, None] * row_stride + offs_d[None, :]
+        # int64 row offsets: a head's rows may span more than 2^31 elements (CQSA's long sequences)
+        ptrs = src + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
         if MASK_ROWS:
             if BLOCK_D != HEAD_DIM:
                 return tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -107,8 +109,22 @@ def store_rows(dst, start, value, n_rows, row_stride, HEAD_DIM: tl.constexpr, BL
     else:
         offs_r = start + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
-        tl.store(dst + offs_r[:, None] * row_stride + offs_d[None, :], value,
+        tl.store(dst + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :], value,
                  mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def row_index(base, BLOCK: tl.constexpr):
+    """base + [0, BLOCK): a per-row index vector (row ids, slot offsets, causal limits) for a block of rows.
+
+    Warp specialization hazard (triton 3.6 and 3.9, sm_90): the pass splits the block's rows between two consumer
+    warpgroups and, for the second, adds 64 to the row coordinate of every descriptor load/store of a row-split tile
+    (Q, O) -- by remapping that SSA value for every op it then clones -- and also starts the split tl.arange at 64.
+    A vector `r0 + tl.arange(..)` whose r0 is such a coordinate is offset twice: rows r0 + 128.. instead of
+    r0 + 64.. (the 0.18 error of the warp-specialized causal variants in the H100 sweep). So never pass a
+    descriptor row coordinate itself as `base`: pass an expression of it (r0 + 1 + shift, a pointer offset) or a
+    value no descriptor uses. scripts/compile_check.py audits compiled warp-specialized kernels for the pattern."""
+    return tl.arange(0, BLOCK) + base
 
 
 @triton.jit
@@ -157,10 +173,10 @@ def fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_
     per score, hidden under the MMAs at D=128 when the consumer warpgroups overlap.
     """
     hi = tl.minimum(hi, n_k)
-    rows = r0 + tl.arange(0, BLOCK_M)
     if CAUSAL:
         hi = tl.minimum(hi, r0 + BLOCK_M + causal_shift)          # past the block's last row's horizon: nothing
-        limit = tl.minimum(rows + 1 + causal_shift, n_k)           # per row: keys < limit are visible
+        # per row: keys < limit are visible. Built as arange + a scalar that is not r0 itself: see row_index
+        limit = tl.minimum(row_index(r0 + 1 + causal_shift, BLOCK_M), n_k)
         safe_hi = tl.minimum(hi, r0 + 1 + causal_shift)            # up to its first row's horizon: all visible
     else:
         limit = n_k
@@ -306,29 +322,55 @@ def ensure_allocator() -> None:
         _tls.allocator_set = True
 
 
-# Tiles per (dtype class, padded head dim): (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize).
-# 16-bit: starting points from the H100 anchors (shared/anchors/h100_triton_tma_ws_*.jsonl: D=64 best (128, 128, 4, 3)
-# without warp specialization, D=128 best (128, 128, 4, 2) with it); scripts/flash_core_sweep.py measures the rest.
-# float32 (tf32x3 dots, 3 MMAs per product) is not what this core is for: the least-spilling tiles compiled for sm_90
-# on triton 3.6 (none at D <= 64; at D >= 128 every tile tried spills, 0.5-3 KB; kernels/FLASH_CORE.md).
-TILES = {
-    ("16", 16): (128, 128, 4, 3, 0),
-    ("16", 32): (128, 128, 4, 3, 0),
-    ("16", 64): (128, 128, 4, 3, 0),
-    ("16", 128): (128, 128, 4, 2, 1),
-    ("16", 256): (64, 64, 4, 2, 0),
-    ("32", 16): (64, 32, 4, 2, 0),
-    ("32", 32): (64, 32, 4, 2, 0),
-    ("32", 64): (64, 32, 4, 2, 0),
-    ("32", 128): (32, 32, 8, 2, 0),
-    ("32", 256): (64, 16, 8, 2, 0),
+# Tiles per (dtype class, padded head dim): (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# PLAIN_TILES: the loop without warp specialization (descriptors on sm_90, pointers elsewhere) -- causal, ragged key
+# counts and every head dim where warp specialization does not pay. WS_TILES: the warp-specialized loop where it
+# pays. From the H100 sweep (kernels/FLASH_CORE.md, fp16 16K TFLOP/s): D=64 tma (128, 128, 4, 3) 448 vs ws 409;
+# D=128 ws (128, 128, 4, 2) 557 vs tma (128, 64, 8, 3) 500 (causal tma 491); D=80 / 96 ws 361 / 429 vs tma 269 / 330;
+# D=256 tma (128, 64, 8, 2) 531 vs (64, 64, 4, 2) 303. float32 (tf32x3 dots, 3 MMAs per product) is not what this
+# core is for: the least-spilling tiles compiled for sm_90 on triton 3.6 (at D >= 128 every tile tried spills).
+PLAIN_TILES = {
+    ("16", 16): (128, 64, 4, 3),       # not swept: ELSA's former tiles for its narrow head dims
+    ("16", 32): (128, 64, 4, 3),
+    ("16", 64): (128, 128, 4, 3),
+    ("16", 128): (128, 64, 8, 3),
+    ("16", 256): (128, 64, 8, 2),
+    ("32", 16): (64, 32, 4, 2),
+    ("32", 32): (64, 32, 4, 2),
+    ("32", 64): (64, 32, 4, 2),
+    ("32", 128): (32, 32, 8, 2),
+    ("32", 256): (64, 16, 8, 2),
 }
+WS_TILES = {
+    ("16", 128): (128, 128, 4, 2),
+}
+# Warp specialization on triton 3.6 / sm_90 is right only with two stages: every warp-specialized variant with
+# num_stages >= 3 gave NaN in the H100 sweep (all head dims, causal or not; the cause is below the TTGIR, which is
+# the same but for the ring depth), so more stages are refused (forward) and never chosen.
+WS_STAGES = 2
 
 
-def default_config(dtype: torch.dtype, head_dim: int) -> tuple[dict, bool]:
-    """The shipped tiles for this dtype and head dim, as tile_config's defaults, and whether to warp-specialize."""
-    bm, bn, w, s, ws = TILES[("32" if dtype == torch.float32 else "16", block_d(head_dim))]
-    return {"fwd": dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)}, bool(ws)
+def ws_proven(causal: bool, keys_even: bool) -> bool:
+    """Where the automatic choice may warp-specialize: the cases the H100 has shown right -- non-causal with a key
+    range of whole tiles (KEYS_EVEN), two stages. The causal / ragged single masked loop was wrong on the H100
+    before row_index (the row double offset) and is kept to an explicit warp_specialize=True until the GPU
+    tests that force it (tests/test_flash_core.py) pass there."""
+    return not causal and keys_even
+
+
+def default_config(dtype: torch.dtype, head_dim: int, warp_specialize: bool = False) -> dict:
+    """The shipped tiles for this dtype and head dim as tile_config's defaults: with warp_specialize the
+    warp-specialized loop's (where the table has none: the plain loop's at WS_STAGES), else the plain loop's."""
+    key = ("32" if dtype == torch.float32 else "16", block_d(head_dim))
+    if warp_specialize:
+        bm, bn, w, s = WS_TILES.get(key, PLAIN_TILES[key][:3] + (WS_STAGES,))
+    else:
+        bm, bn, w, s = PLAIN_TILES[key]
+    return {"fwd": dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)}
+
+
+def has_ws_tiles(dtype: torch.dtype, head_dim: int) -> bool:
+    return ("32" if dtype == torch.float32 else "16", block_d(head_dim)) in WS_TILES
 
 
 def flash_core_fwd(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32x3", config=None,
@@ -354,22 +396,33 @@ def forward(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32
     if not (descriptors is None or isinstance(descriptors, bool)):
         raise ValueError(f"{NAME}: descriptors must be a bool or None, got {descriptors!r}")
     scale = default_scale(scale, shape.head_dim)
-    defaults, ws_default = default_config(q.dtype, shape.head_dim)
-    tiles = tile_config(NAME, defaults, config)["fwd"]
     q, k, v = unit_last(NAME, q), unit_last(NAME, k), unit_last(NAME, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ran = dict(tiles=tiles, descriptors=False, warp_specialize=False, compiled=None)
-    if out.numel() == 0:
-        return out, ran
-    if shape.len_kv == 0:
-        return out.zero_(), ran                 # no key at all: every row sees none
     use_desc = use_descriptors(q, k, v, out, force=descriptors)
     ws_ok = warp_specialize_ok(q.device, use_desc)
     if warp_specialize and not ws_ok:
         raise ValueError(f"{NAME}: warp specialization asked for, but it needs descriptor loads on sm_90+ and a "
                          f"triton with tl.range(warp_specialize=...) (descriptors={use_desc}, "
                          f"triton {triton.__version__})")
-    ws = ws_ok and (ws_default if warp_specialize is None else warp_specialize)
+    if warp_specialize is None:
+        # automatic: the warp-specialized tiles where the table has them and the case is proven
+        ws_tiles = default_config(q.dtype, shape.head_dim, True)["fwd"]
+        ws = ws_ok and has_ws_tiles(q.dtype, shape.head_dim) and \
+            ws_proven(causal, shape.len_kv % ws_tiles["block_n"] == 0)
+        tiles = tile_config(NAME, default_config(q.dtype, shape.head_dim, ws), config)["fwd"]
+        # tiles overridden out of what is proven: the plain loop
+        ws = ws and tiles["num_stages"] == WS_STAGES and ws_proven(causal, shape.len_kv % tiles["block_n"] == 0)
+    else:
+        ws = warp_specialize
+        tiles = tile_config(NAME, default_config(q.dtype, shape.head_dim, ws), config)["fwd"]
+        if ws and tiles["num_stages"] != WS_STAGES:
+            raise ValueError(f"{NAME}: warp specialization needs num_stages={WS_STAGES}, got "
+                             f"{tiles['num_stages']} (more stages gave NaN on the H100: kernels/FLASH_CORE.md)")
+    ran = dict(tiles=tiles, descriptors=False, warp_specialize=False, compiled=None)
+    if out.numel() == 0:
+        return out, ran
+    if shape.len_kv == 0:
+        return out.zero_(), ran                 # no key at all: every row sees none
     if use_desc and not interpreted():
         ensure_allocator()
     bm, bn = tiles["block_m"], tiles["block_n"]

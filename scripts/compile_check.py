@@ -5,7 +5,7 @@ instructions in the PTX. It catches GPU-only compile errors the CPU interpreter 
 spill or cannot launch, before any device time is spent.
 
     python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|all [--json OUT] [--tiles]
-        [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
+        [--ws-only] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
 candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
@@ -15,6 +15,11 @@ not failed (some are known and allowed: kernels/elsa/NOTES.md).
 Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit target) with the arguments
 specialised as a launch on contiguous [B, H, N, D] tensors specialises them (pointers and strides divisible
 by 16, lengths and counts plain i32), and the cuobjdump shipped with Triton for the resource usage.
+
+Warp-specialized kernels (their TTGIR has ttg.warp_specialize) are also audited for the row double-offset hazard
+(kernels/_flash_core.py, row_index): a tt.splat of a value that a descriptor load/store of the same partition uses
+as its row coordinate. Each one is a failure (exit 1): the second consumer warpgroup would read or write rows 64
+past its own. ``--ws-only`` compiles only the warp-specialized variants (quick: the audit alone).
 """
 from __future__ import annotations
 
@@ -81,6 +86,36 @@ def signature(job: Job) -> tuple[dict, dict]:
     return sig, attrs
 
 
+# A region of a warp-specialized kernel's TTGIR: the default (producer) region or a partition (consumers)
+_WS_REGION = re.compile(r"^\s*(default|partition\d+)\s*[({]")
+# a descriptor load/store (before or after lowering to TMA copies) and its first (row) coordinate
+_DESC_ROW = re.compile(r"\b(?:ttng\.async_tma_copy_\w+|tt\.descriptor_\w+)\s+%[\w.]+\[(%[\w.]+)\s*,")
+_SPLAT = re.compile(r"=\s*tt\.splat\s+(%[\w.]+)\s*[:{]")
+
+
+def ws_row_hazards(ttgir: str) -> list[str]:
+    """The row double-offset hazard of triton's Hopper warp specialization in a compiled kernel's TTGIR: per
+    region (the producer's default region, each consumer partition), values that are both the row coordinate of a
+    descriptor load/store and the operand of a tt.splat (a row vector built as that coordinate + arange, which the
+    pass offsets twice in the second consumer). Empty for kernels without warp specialization."""
+    if "ttg.warp_specialize" not in ttgir:
+        return []
+    hazards, region, coords, splats = [], "main", set(), set()
+
+    def close():
+        hazards.extend(f"{region}: tt.splat of the descriptor row coordinate {name}" for name in sorted(coords & splats))
+
+    for line in ttgir.splitlines():
+        m = _WS_REGION.match(line)
+        if m:
+            close()
+            region, coords, splats = m.group(1), set(), set()
+        coords.update(_DESC_ROW.findall(line))
+        splats.update(_SPLAT.findall(line))
+    close()
+    return hazards
+
+
 def compile_job(job: Job, target: GPUTarget) -> dict:
     sig, attrs = signature(job)
     # a kernel takes only the constexprs it declares (one meta dict serves a package's several kernels)
@@ -91,7 +126,8 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
                         options=options.__dict__)
     ptx = cc.asm.get("ptx", "")
     # warps: as compiled; more than asked when warp specialization added a producer warpgroup
-    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX, "warps": cc.metadata.num_warps}
+    usage = {"shared": cc.metadata.shared, "fits_smem": cc.metadata.shared <= SMEM_MAX, "warps": cc.metadata.num_warps,
+             "ws_hazards": ws_row_hazards(cc.asm.get("ttgir", ""))}
     usage.update({key: sum(ptx.count(p) for p in pats) for key, pats in PTX_COUNTS.items()})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cc.asm["cubin"])
@@ -109,6 +145,7 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 # -- each kernel package's jobs -------------------------------------------------------------------------------
 
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    from kernels import _flash_core as core
     from kernels._common import block_d
     from kernels.elsa import config
     from kernels.elsa import kernel as K
@@ -124,18 +161,28 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         if tiles:
             grid = [(bm, bn, w, st) for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))
                     if bm * bn <= 128 * 128 and not (w == 8 and bm * bn < 64 * 64)]
-            configs = {name: grid for name in fns}
+            configs = {name: [(cfg, False, False) for cfg in grid] for name in fns}
         else:
             dq, dkdv = config.BWD_TABLE[key]
-            configs = {"phase1": [config.FWD_TABLE[key]], "dq": [dq], "dkdv": [dkdv]}
+            # phase 1: the plain tiles with summaries, and (16-bit) the core's warp-specialized tiles with summaries
+            # and as the single partition (FINAL: out through a descriptor, lse through a pointer)
+            torch_dtype = TORCH_DTYPES[dtype]
+            phase1 = [(config.core_tiles(torch_dtype, d), False, False)]
+            if not fp32 and key in core.WS_TILES:
+                phase1 += [(config.core_tiles(torch_dtype, d, warp_specialize=True), True, final)
+                           for final in (False, True)]
+            configs = {"phase1": phase1, "dq": [(dq, False, False)], "dkdv": [(dkdv, False, False)]}
         for name, fn in fns.items():
-            for bm, bn, w, st in configs[name]:
-                # phase 1 with summaries (P >= 2) and the training output (lse); non-causal, no bias, one head a kv head
+            for (bm, bn, w, st), ws, final in configs[name]:
+                # phase 1 with summaries (P >= 2) and the training output (lse); non-causal, no bias, one head a kv
+                # head, whole key tiles; 16-bit phase 1 through the flash core with tensor descriptors
                 meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=False,
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
-                            DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=False, STORE_LSE=True, GROUPED=False)
+                            DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
+                            KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
+                label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
-                                div16=stride, label=dict(D=d, cfg=[bm, bn, w, st])))
+                                div16=stride, label=label))
     return jobs
 
 
@@ -254,8 +301,8 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 continue                                  # the sweep is 16-bit only
             configs = {**CANDIDATES, **CLIFF_CANDIDATES}.get(d, [])
         else:
-            bm, bn, w, st, ws = core.TILES[("32" if fp32 else "16", block_d(d))]
-            configs = [("ws" if ws else "tma", bm, bn, w, st)]
+            key = ("32" if fp32 else "16", block_d(d))
+            configs = [("tma", *core.PLAIN_TILES[key])] + ([("ws", *core.WS_TILES[key])] if key in core.WS_TILES else [])
         for (variant, bm, bn, w, st), causal in itertools.product(configs, (False, True)):
             meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
                         USE_DESC=variant != "ptr", WARP_SPECIALIZE=variant == "ws",
@@ -276,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="fp16,bf16,fp32", help="element types of the inputs (PASA: always fp16)")
     p.add_argument("--dims", default="64,128", help="head dims")
     p.add_argument("--tiles", action="store_true", help="the candidate tiles of a tuning sweep, not the shipped ones")
+    p.add_argument("--ws-only", action="store_true",
+                   help="only the warp-specialized variants (their row double-offset audit, quickly)")
     p.add_argument("--target", default="cuda:90:32", help="backend:arch:warp size")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
@@ -288,7 +337,10 @@ def main(argv=None) -> int:
     target = GPUTarget(backend, int(arch), int(warp))
     rows, failures = [], 0
     for kernel in (KERNELS if a.kernel == "all" else [a.kernel]):
-        for job in KERNELS[kernel](dtypes, dims, a.tiles):
+        jobs = KERNELS[kernel](dtypes, dims, a.tiles)
+        if a.ws_only:
+            jobs = [job for job in jobs if job.constexprs.get("WARP_SPECIALIZE")]
+        for job in jobs:
             row = dict(kernel=job.kernel, function=job.name, dtype=job.dtype, **job.label)
             try:
                 row.update(compile_job(job, target))
@@ -304,6 +356,9 @@ def main(argv=None) -> int:
                       f"spill_stack={row.get('spill_stack')} shared={row['shared']} warps={row['warps']} wgmma={row['wgmma']} "
                       f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)"),
                       flush=True)
+                for hazard in row["ws_hazards"]:
+                    failures += 1
+                    print(f"  warp-specialization row double offset: {hazard}", flush=True)
     spilled = sum(1 for r in rows if r.get("spill_stack"))
     print(f"{len(rows)} compiled for {a.target}: {failures} failed, {spilled} spill", flush=True)
     if a.json:

@@ -24,7 +24,7 @@ halved for causal. The sweep writes DIR/flash_core_sweep.jsonl (one row per vari
 and DIR/flash_core_sweep.md (per point: the best of each variant beside cuDNN and flash, ratios to cuDNN's time),
 and prints the markdown summary last.
 
-Budget: 89 compiles (10 variants x 8 (dtype, D, causal) + 9 cliff variants; ~1 s of CPU each for triton 3.6's
+Budget: 73 compiles (8 variants x 8 (dtype, D, causal) + 9 cliff variants; ~1 s of CPU each for triton 3.6's
 sm_90 pipeline, measured ahead of time) on 12 workers: well under a minute; 80 timings at 16K (~0.3 s each with the
 check), 48 at 4K/64K (~0.5 s), SDPA twice per point: ~2 min. The whole run ~3 min on the H100, inside a 235 s
 budget (the GPU tests and one ncu run share the lead's 9-minute call); what the budget cuts is listed.
@@ -44,21 +44,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
-# (variant, BLOCK_M, BLOCK_N, num_warps, num_stages). Warp specialization only at 4 warps: on triton 3.6 / sm_90 an
-# 8-warp request compiles to a plain loop (no partitions), so it would only repeat a tma row. At D=128, BLOCK_N=128
-# with 3 stages (and warp specialization's extra Q/K/V buffers) exceeds 227 KB of shared memory.
+# (variant, BLOCK_M, BLOCK_N, num_warps, num_stages). Warp specialization only at 4 warps (on triton 3.6 / sm_90 an
+# 8-warp request compiles to a plain loop, so it would only repeat a tma row) and 2 stages (more gave NaN on the
+# H100; the core refuses them). The causal ws rows check the row double-offset fix (kernels/_flash_core.py,
+# row_index): before it they were wrong by 0.18. At D=128, BLOCK_N=128 with 3 stages (and warp specialization's
+# extra Q/K/V buffers) exceeds 227 KB of shared memory.
 CANDIDATES = {
-    64: [("ws", 128, 128, 4, 2), ("ws", 128, 128, 4, 3), ("ws", 128, 64, 4, 3), ("ws", 128, 64, 4, 4),
+    64: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 2),
          ("tma", 128, 128, 4, 3), ("tma", 128, 128, 8, 3), ("tma", 128, 64, 4, 3), ("tma", 128, 64, 4, 4),
          ("ptr", 128, 128, 4, 3), ("ptr", 128, 64, 4, 3)],
-    128: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 2), ("ws", 128, 64, 4, 3), ("ws", 128, 64, 4, 4),
+    128: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 2),
           ("tma", 128, 128, 8, 2), ("tma", 128, 64, 8, 3), ("tma", 128, 64, 4, 2), ("tma", 128, 128, 4, 2),
           ("ptr", 128, 128, 8, 2), ("ptr", 128, 64, 4, 2)],
 }
 CLIFF_CANDIDATES = {
-    80: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 3), ("tma", 128, 128, 8, 2)],
-    96: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 3), ("tma", 128, 128, 8, 2)],
-    256: [("ws", 64, 64, 4, 2), ("tma", 64, 64, 4, 2), ("tma", 128, 64, 8, 2)],
+    80: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 2), ("tma", 128, 128, 8, 2)],
+    96: [("ws", 128, 128, 4, 2), ("ws", 128, 64, 4, 2), ("tma", 128, 128, 8, 2)],
+    256: [("tma", 64, 64, 4, 2), ("tma", 128, 64, 8, 2), ("tma", 128, 64, 8, 3)],
 }
 SEARCH_N, LENGTHS_N, CLIFF_N = 16384, (4096, 65536), 16384
 BATCH, HEADS = 1, 8
@@ -85,13 +87,15 @@ def plan(dtypes, dims, cliff_dims, quick=False):
     return jobs
 
 
-def shipped(dtype: str, d: int):
-    """The shipped (variant, BM, BN, warps, stages) for this dtype and D, as the core's table has it."""
+def shipped(dtype: str, d: int, causal: bool = False):
+    """The shipped (variant, BM, BN, warps, stages) for this dtype and D at a length of whole tiles, as the core's
+    tables choose it."""
     import torch
 
     from kernels import _flash_core as core
-    tiles, ws = core.default_config(getattr(torch, DTYPES[dtype]), d)
-    t = tiles["fwd"]
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    ws = core.has_ws_tiles(torch_dtype, d) and core.ws_proven(causal, True)
+    t = core.default_config(torch_dtype, d, ws)["fwd"]
     return ("ws" if ws else "tma", t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])
 
 
@@ -194,7 +198,7 @@ class Sweep:
         job = (dtype, d, causal, *cand)
         variant, bm, bn, w, s = cand
         row = dict(stage=stage, dtype=dtype, D=d, N=n, causal=causal, variant=variant, cfg=[bm, bn, w, s],
-                   shipped=cand == shipped(dtype, d))
+                   shipped=cand == shipped(dtype, d, causal))
         facts = self.compiled.get(job, {})
         row.update(facts)
         if "error" in facts:
@@ -356,8 +360,9 @@ def main(argv=None) -> int:
                 rows = sweep.point("search", dtype, d, SEARCH_N, causal, cands)
                 timed = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["ms"])
                 picks = [(r["variant"], *r["cfg"]) for r in timed[:TOP_K]]
-                if shipped(dtype, d) not in picks and (dtype, d, causal, *shipped(dtype, d)) in sweep.compiled:
-                    picks.append(shipped(dtype, d))
+                ship = shipped(dtype, d, causal)
+                if ship not in picks and (dtype, d, causal, *ship) in sweep.compiled:
+                    picks.append(ship)
                 best[(dtype, d, causal)] = [tuple(p) for p in picks]
                 print(f"  search {dtype} D={d} causal={causal}: {len(timed)} timed, {sweep.elapsed():.0f} s", flush=True)
     if not a.quick:

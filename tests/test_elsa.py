@@ -188,6 +188,25 @@ def test_backward_tiles_override(device):
     _assert_exact(q, k, v, True, config=cfg)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_core_descriptor_path(device, monkeypatch, causal):
+    """16-bit phase 1 runs the flash core's loop; on the H100 through tensor descriptors, which the interpreter
+    runs when asked: one partition (phase 1 writes out and lse) and several (partition 0's partial output in the
+    output, merged in place by phase 2), a ragged key count, Nq != Nk, GQA, a padded head dim; fwd and grads."""
+    if device.type != "cpu":
+        pytest.skip("on the GPU the descriptor path is the automatic one")
+    from kernels.elsa import host
+    monkeypatch.setattr(host.core, "use_descriptors", lambda *tensors, force=None: True)
+    host.clear_plans()
+    try:
+        for config in (None, {"plan": {"partition_width": 64}, "fwd": {"BLOCK_N": 32}}):
+            with trace_launches() as events:
+                _assert_exact(*_qkv(1, 4, 2, 70, 150, 40, torch.float16, device), causal, config=config)
+            assert max(e["grid"][2] for e in events if e["phase"] == 1) == (1 if config is None else 3)
+    finally:
+        host.clear_plans()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tolerances_catch_a_one_percent_error(device, dtype):
     """The tolerances are tight enough to see a 1 % error in a constant: the same call checked against a
@@ -403,12 +422,26 @@ def test_plan_partitions_keys_and_chunks_queries():
     long = plan_forward(16384, 16384, 8, 64, torch.float16, 132)
     assert long.parts >= 2 and long.q_chunk < 16384 and long.q_chunk % long.block_m == 0
     # O(N) extra memory: one q-chunk of summaries, the larger of the budget's rows and CHUNK_MIN_WAVES waves
-    waves_rows = long.block_m * -(-elsa_config.CHUNK_MIN_WAVES * 132 // (8 * long.parts))
-    assert long.q_chunk <= max(waves_rows, 16384 // long.parts) + long.block_m
+    waves_rows = long.block_m * -(-elsa_config.CHUNK_MIN_WAVES["16"] * 132 // (8 * long.parts))
+    budget_rows = elsa_config.SUMMARY_BUDGET["16"] * 16384 * 64 * 2 / elsa_config.summary_row_bytes(
+        long.parts, 64, torch.float16)
+    assert long.q_chunk <= max(waves_rows, budget_rows) + long.block_m
     tiny = plan_forward(128, 128, 1, 64, torch.float16, 132)
     assert tiny.final                                                   # the host-cost shape: one launch
     vit = plan_forward(197, 197, 8 * 3, 64, torch.float16, 132)         # ViT-T/224's attention: one launch
     assert vit.final and not plan_forward(257, 257, 8 * 3, 64, torch.float16, 132).final
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("N", [4096, 16384, 65536])
+def test_float32_summaries_stay_within_a_quarter_of_the_output(N, D):
+    """Issue 18's memory target for float32 (peak above the inputs <= 1.3 x SDPA efficient's, which holds the output):
+    the summary buffer of a chunk (partition 0's s lives in the fp32 output itself) is at most 0.3 x the output's bytes
+    at the benchmark's shapes (B=1, H=8): the budget's 0.25 and a chunk's rounding to whole waves of programs."""
+    plan = plan_forward(N, N, 8, D, torch.float32, 132)
+    assert plan.parts >= 2
+    assert elsa_config.summary_bytes(plan, N, 8, D, torch.float32) <= 0.3 * (8 * N * D * 4)
+    assert elsa_config.summary_row_bytes(plan.parts, D, torch.float32) == (2 * plan.parts + (plan.parts - 1) * D) * 4
 
 
 def test_every_head_dim_has_tiles():

@@ -3,7 +3,8 @@
 One program = one row block (an ``item`` of a Schedule) × one (batch, head). It walks the item's
 column ranges; each range is split into a loop of full, unmasked tiles (the hot loop: no masks, so it
 pipelines like a plain FlashAttention loop) and a short masked loop for the range's ragged end and,
-when causal, the diagonal. Responsibility masking never appears here: the schedule already left out
+when causal, the diagonal -- in the forward, the shared flash core's loop (kernels/_flash_core.py, fold_keys:
+the same base-2 state the waves merge). Responsibility masking never appears here: the schedule already left out
 every masked piece, and a row block never straddles two pieces.
 
 Shapes the kernels take (the contract of kernels/_common.py):
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _flash_core as core
 from .._common import block_d, interpreted, launch, tile_config
 from .._tuning import dim_key, read_configs
 
@@ -74,49 +76,6 @@ def _log2_lse(lse):
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
 
-@triton.jit
-def _fwd_tile(acc, l_i, m_i, q, K, V, kbase, vbase, skn, svn, start, hi, offs_m, dlt, qk_scale,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    col_ok = offs_n < hi
-    rows64 = offs_n.to(tl.int64)[:, None]
-    kp = K + kbase + rows64 * skn + offs_d[None, :]
-    vp = V + vbase + rows64 * svn + offs_d[None, :]
-    # the loads are written out here, not through _load_tile: the interpreter pays per device-function call
-    if MASKED:
-        mask = col_ok[:, None]
-        if HEAD_DIM != BLOCK_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(kp, mask=mask, other=0.0)
-        v = tl.load(vp, mask=mask, other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        k = tl.load(kp)
-        v = tl.load(vp)
-    else:
-        k = tl.load(kp, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(vp, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
-        ok = col_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None] + dlt)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no key yet keeps m = -inf; use 0 as its reference so exp2 gives 0, not NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = m_new
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    return acc, l_i, m_new
-
-
 # first/last (which wave) are runtime flags, kept out of specialisation: one compiled kernel serves every
 # wave, instead of three variants compiled per configuration; so are the offsets that vary with the shape.
 @triton.jit(do_not_specialize=["first", "last", "off_m", "off_l", "causal_off"])
@@ -144,26 +103,20 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     kbase = b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, m_i, l_i = core.init_state(BLOCK_M, BLOCK_D)
     for r in range(rcnt):
         lo = tl.load(RANGES + 3 * (roff + r))
         hi = tl.load(RANGES + 3 * (roff + r) + 1)
         dlt = 0
         if CAUSAL:
             dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off    # key n visible from query m: n <= m + dlt
-            hi = tl.minimum(hi, re + dlt)          # the block's last row sees keys < re + dlt
-            mid = tl.minimum(hi, rs + dlt + 1)     # keys <= rs + dlt are visible to every row: no causal test
-        else:
-            mid = hi
-        n_full = tl.maximum(mid - lo, 0) // BLOCK_N
-        for j in range(n_full):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, kbase, vbase, skn, svn, lo + j * BLOCK_N, hi,
-                                      offs_m, dlt, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, PRECISION)
-        for start in range(lo + n_full * BLOCK_N, hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, kbase, vbase, skn, svn, start, hi,
-                                      offs_m, dlt, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
+        # the flash core's loop over the range [lo, hi): full unmasked tiles (up to the block's first row's
+        # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past it
+        # belong to other ranges) and dlt its bottom-right causal shift. Pointer loads: the kernel has no key
+        # count for a tensor descriptor's shape (kernels/FLASH_CORE.md).
+        acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, K + kbase, V + vbase, skn, svn, lo, hi, rs, hi, dlt,
+                                       qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, False, False,
+                                       PRECISION)
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
     lbase = bh.to(tl.int64) * N_OUT

@@ -16,12 +16,16 @@ from pathlib import Path
 
 import torch
 
+from .. import _flash_core as core
 from .._common import block_d, tile_config
 from .._tuning import TuningFileError, parse_dim_key, read_configs
 
 # (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
 # dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
 # (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
+# 16-bit inputs without a bias run the flash core's loop with the core's tiles (core_tiles: kernels/_flash_core.py's
+# PLAIN_TILES and WS_TILES, from the H100 sweep); this table serves float32 and the 16-bit bias path (this package's
+# own loop, which loads a bias tile per key tile).
 BUILTIN_FWD_TABLE = {
     ("16", 16): (128, 64, 4, 3),      # D=64's tiles
     ("16", 32): (128, 64, 4, 3),      # not swept; D=64's tiles
@@ -34,7 +38,8 @@ BUILTIN_FWD_TABLE = {
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
     ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
 }
-# Short sequences: a smaller query block gives more programs (NQ <= SHORT_N).
+# Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
+# consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
 
@@ -97,10 +102,13 @@ LONG_N = 4096
 MIN_P_LONG = 2
 MIN_W = 128
 MAX_P = 16
-# Q-chunking: chunk the query rows so the fp32 summary buffer stays within SUMMARY_BUDGET x the
-# output's bytes (extra memory O(N)), but never below CHUNK_MIN_WAVES waves of programs per launch.
-SUMMARY_BUDGET = 1.0
-CHUNK_MIN_WAVES = 8
+# Q-chunking, per dtype class: chunk the query rows so the fp32 summary buffer stays within SUMMARY_BUDGET x the
+# output's bytes (extra memory O(N): peak above the inputs ~ (1 + budget) x the output's), but never below
+# CHUNK_MIN_WAVES waves of phase-1 programs per launch (fewer leave SMs idle in each chunk's last wave). float32:
+# the memory target (issue 18: <= 1.3 x SDPA efficient's peak) with chunks of ~15 waves of its small tiles anyway;
+# 16-bit: speed first, 4 waves of 128-row programs per chunk.
+SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
+CHUNK_MIN_WAVES = {"32": 2, "16": 4}
 # Phase 2: rows per program and partitions reduced per slab, per BLOCK_D (slab = KBT x ROWS x BLOCK_D fp32).
 PHASE2_ROWS = {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}
 PHASE2_KBT = 2   # 4 spilled at D=64, BM=128 (255 regs); phase 2 is memory-bound anyway
@@ -130,12 +138,21 @@ def dtype_class(dtype: torch.dtype) -> str:
 # Tile-config override: config={part: {param: value}} -> one canonical string (an op argument)
 # ------------------------------------------------------------------------------------------------
 
+def core_tiles(dtype: torch.dtype, head_dim: int, bias: bool = False, warp_specialize: bool = False):
+    """Phase 1's (BLOCK_M, BLOCK_N, num_warps, num_stages) before the short-N rule and overrides: the flash core's
+    tables for 16-bit inputs without a bias (its warp-specialized tiles when asked and present), FWD_TABLE else."""
+    key = (dtype_class(dtype), block_d(head_dim))
+    if key[0] == "16" and not bias:
+        return core.WS_TILES[key] if warp_specialize and key in core.WS_TILES else core.PLAIN_TILES[key]
+    return FWD_TABLE[key]
+
+
 def default_config(dtype: torch.dtype, head_dim: int) -> dict:
-    """The tile parameters of every part for this dtype and head dim (the table's; the plan's values are 0 =
-    chosen per call). What ``config=`` may override."""
+    """The tile parameters of every part for this dtype and head dim (the plain phase-1 tiles; the plan's values
+    are 0 = chosen per call). What ``config=`` may override."""
     key = (dtype_class(dtype), block_d(head_dim))
     dq, dkdv = BWD_TABLE[key]
-    return {"fwd": dict(zip(TILE_PARAMS, FWD_TABLE[key])), "plan": dict.fromkeys(PLAN_PARAMS, 0),
+    return {"fwd": dict(zip(TILE_PARAMS, core_tiles(dtype, head_dim))), "plan": dict.fromkeys(PLAN_PARAMS, 0),
             "dq": dict(zip(TILE_PARAMS, dq)), "dkdv": dict(zip(TILE_PARAMS, dkdv))}
 
 
@@ -188,6 +205,7 @@ class FwdPlan:
     q_chunk: int        # query rows per phase-1/phase-2 launch pair (a multiple of block_m)
     p2_rows: int
     p2_kbt: int
+    warp_specialize: bool = False   # phase 1 runs the flash core's warp-specialized loop
 
     @property
     def final(self) -> bool:
@@ -200,15 +218,24 @@ def _next_pow2(x: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)   # a pure function of its arguments
-def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "") -> FwdPlan:
+def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "",
+                 causal: bool = False, bias: bool = False, ws_capable: bool = False) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
-    streaming multiprocessors; ``config`` a canonical override string (canonical_config)."""
+    streaming multiprocessors; ``config`` a canonical override string (canonical_config); ws_capable: the call's
+    tensors and device can take the flash core's warp-specialized loop (core.warp_specialize_ok with descriptors).
+    Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
+    blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N)."""
     bd = block_d(d)
+    cls = dtype_class(dtype)
     overrides = parse_config(config)
-    bm, bn, warps, stages = FWD_TABLE[(dtype_class(dtype), bd)]
+    ws_tiles = core_tiles(dtype, d, bias, True)
+    ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N
+          and core.ws_proven(causal, nk % ws_tiles[1] == 0))
+    bm, bn, warps, stages = ws_tiles if ws else core_tiles(dtype, d, bias)
     if nq <= SHORT_N and bm > SHORT_BLOCK_M:
         bm = SHORT_BLOCK_M
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
+    ws = ws and (bm, bn, warps, stages) == ws_tiles
     plan_given = overrides.get("plan", {})
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -230,15 +257,15 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)
     else:
         out_bytes = bh * nq * d * dtype.itemsize
-        row_bytes = parts * bh * (d + 2) * 4               # summary bytes per query row
-        qc_budget = int(SUMMARY_BUDGET * out_bytes) // max(1, row_bytes)
-        qc_parallel = bm * -(-CHUNK_MIN_WAVES * sms // max(1, bh * parts))
+        row_bytes = bh * summary_row_bytes(parts, d, dtype)  # summary bytes per query row
+        qc_budget = int(SUMMARY_BUDGET[cls] * out_bytes) // max(1, row_bytes)
+        qc_parallel = bm * -(-CHUNK_MIN_WAVES[cls] * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
         qc = -(-qc // bm) * bm
     qc = min(qc, all_rows)
     rows = min(PHASE2_ROWS[bd], bm)
     kbt = min(PHASE2_KBT, _next_pow2(parts))
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt)
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws)
 
 
 @dataclass(frozen=True)
@@ -254,9 +281,22 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
     return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
 
 
-def summary_bytes(plan: FwdPlan, nq: int, bh: int, d: int) -> int:
-    """Bytes of the fp32 summary buffer of one q-chunk (0 when phase 1 writes the output itself)."""
+def summary_row_bytes(parts: int, d: int, dtype: torch.dtype) -> int:
+    """Summary bytes per query row (of one head) with `parts` partitions: (m, z) of every partition and the weighted
+    sum s of every partition -- but the first for a float32 output, which holds partition 0's s itself until phase 2
+    merges in place (a 16-bit output cannot hold an unnormalised sum)."""
+    return (2 * parts + (parts - (dtype == torch.float32)) * d) * 4
+
+
+def summary_numel(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -> int:
+    """fp32 elements of the summary buffer of one q-chunk (0 when phase 1 writes the output itself): M and Z for
+    P slots of rows [P, QB, BH, BLOCK_M], then S (float32 outputs: for the partitions 1..P-1)."""
     if plan.final:
         return 0
-    rows = plan.parts * math.ceil(min(plan.q_chunk, nq) / plan.block_m) * bh * plan.block_m
-    return rows * (d + 2) * 4
+    rows = math.ceil(min(plan.q_chunk, nq) / plan.block_m) * bh * plan.block_m
+    return rows * summary_row_bytes(plan.parts, d, dtype) // 4
+
+
+def summary_bytes(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -> int:
+    """Bytes of the fp32 summary buffer of one q-chunk (0 when phase 1 writes the output itself)."""
+    return summary_numel(plan, nq, bh, d, dtype) * 4

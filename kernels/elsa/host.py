@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
+from .. import _flash_core as core
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, interpreted, unit_last
 from .._launch import Prepared, SignatureCache, layout
 from . import trace
-from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count
+from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -111,13 +112,20 @@ class _FwdPlan:
         self.need_lse = need_lse
         self.out_shape = (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
-        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config)
+        # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
+        # (decided on the tensors phase 1 reads: the copies run() makes are contiguous)
+        use_desc = c.scale_in_exp and core.use_descriptors(
+            *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)))
+        self.needs_allocator = use_desc and not interpreted()
+        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
+                                        bias is not None, core.warp_specialize_ok(c.device, use_desc))
         bm, W, P = plan.block_m, plan.width, plan.parts
         out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
         nrows = 0 if plan.final else P * qb_max * c.BH * bm
-        self.sbuf_numel = nrows * (c.D + 2)
+        self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
         p1_const = dict(c.flags, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final, STORE_LSE=need_lse,
+                        KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize,
                         num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
@@ -139,6 +147,8 @@ class _FwdPlan:
 
     def run(self, q, k, v, bias):
         c = self.c
+        if self.needs_allocator:
+            core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
         cq, ck, cv = c.copy
         if cq or ck or cv:
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))

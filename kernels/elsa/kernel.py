@@ -19,6 +19,8 @@ sequence length does not compile a new kernel; only tile sizes, D and feature fl
 import triton
 import triton.language as tl
 
+from .. import _flash_core as core
+
 LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
 
 
@@ -57,9 +59,9 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
                k_base, v_base, skn, svn, b_base, sbi, sbj,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-               HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr,
-               DOT_PREC: tl.constexpr):
-    """merge(state, summary of keys [t0, t0+BLOCK_N)) for BLOCK_M rows, in registers.
+               HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, DOT_PREC: tl.constexpr):
+    """merge(state, summary of keys [t0, t0+BLOCK_N)) for BLOCK_M rows, in registers (fp32 inputs, whose Q
+    carries the scale (FOLD_Q), and every input with a bias; 16-bit without bias runs the flash core: _core_scan).
 
     The tile's summary is taken directly relative to the merged max m_new (the FlashAttention form of
     the symmetric merge): beta * sum 2^(x - m_t) == sum 2^(x - m_new), so no [BM, D] rescale of the
@@ -71,8 +73,6 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
     k = _load_rows(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     v = _load_rows(v_base + offs_n[:, None] * svn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    # SCALE_IN_EXP (16-bit, no bias): keep the raw product and apply scale*log2(e) inside exp2 as one
-    # FMA (max(raw)*c == max(raw*c) because c > 0 and rounding is monotone). Otherwise x is scaled here.
     if HAS_BIAS:
         if not FOLD_Q:
             x = x * qk_scale
@@ -83,16 +83,10 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
         x = tl.where(offs_n[None, :] < NK, x, float("-inf"))
     if MASK_CAUSAL:
         x = tl.where(offs_n[None, :] <= rows[:, None] + off, x, float("-inf"))
-    m_t = tl.max(x, 1)
-    if SCALE_IN_EXP:
-        m_t = m_t * qk_scale
-    m_new = tl.maximum(m_i, m_t)
+    m_new = tl.maximum(m_i, tl.max(x, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 when the state is still the identity
-    if SCALE_IN_EXP:
-        p = tl.exp2(x * qk_scale - m_ref[:, None])
-    else:
-        p = tl.exp2(x - m_ref[:, None])           # masked keys: 2^-inf = 0
+    p = tl.exp2(x - m_ref[:, None])               # masked keys: 2^-inf = 0
     z_i = z_i * alpha + tl.sum(p, 1)
     s_i = s_i * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, z_i, s_i
@@ -102,8 +96,7 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
 def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
                     NQ, NK, off, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-                    SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
+                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, DOT_PREC: tl.constexpr):
     """The (m, z, s) summary of keys [lo, hi) for the BLOCK_M query rows `rows` (the identity if lo >= hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
@@ -122,14 +115,51 @@ def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, row
     for t in range(0, n_safe):
         m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
                                    k_base, v_base, skn, svn, b_base, sbi, sbj,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, False, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, False, HAS_BIAS, FOLD_Q, DOT_PREC)
     # the tail tile past NK and the tiles on the causal diagonal are masked (a fully masked
     # row of a tile contributes the identity)
     for t0 in range(lo + n_safe * BLOCK_N, hi, BLOCK_N):
         m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
                                    k_base, v_base, skn, svn, b_base, sbi, sbj,
-                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
     return m_i, z_i, s_i
+
+
+@triton.jit
+def _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """16-bit without bias: the (m, z, s) summary of keys [lo, hi) for rows r0 .. r0 + BLOCK_M - 1 through the
+    shared flash core (kernels/_flash_core.py): the same state in the same base-2 domain (its (m, l, acc)), the scale
+    applied inside exp2, tensor descriptors (TMA) and, where the plan says so, the warp-specialized loop -- which
+    must be the kernel's only loop and whose rows must not be indexed by r0 itself (core.row_index)."""
+    q_src = core.row_source(q_base, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
+    k_src = core.row_source(k_base, NK, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+    v_src = core.row_source(v_base, NK, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+    # rows >= NQ load Q = 0: their summaries are finite and are never written out
+    q = core.load_rows(q_src, r0, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC, True)
+    s_i, m_i, z_i = core.init_state(BLOCK_M, BLOCK_D)
+    s_i, m_i, z_i = core.fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
+                                   WARP_SPECIALIZE, DOT_PREC)
+    return m_i, z_i, s_i
+
+
+@triton.jit
+def _write_core_output(Out, Lse, m, z, s, bh, b, h, r0, sob, soh, son, NQ,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       USE_DESC: tl.constexpr, STORE_LSE: tl.constexpr):
+    """_write_output for the core's path: out through the same descriptor / pointer helpers as its loads, lse
+    through a pointer offset by r0 (never a vector built on r0: core.row_index)."""
+    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    o_dst = core.row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
+    core.store_rows(o_dst, r0, core.normalize(s, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D,
+                    USE_DESC)
+    if STORE_LSE:
+        lse = tl.where(z > 0, m + tl.log2(tl.where(z > 0, z, 1.0)), float("inf"))
+        offs_m = tl.arange(0, BLOCK_M)
+        tl.store(Lse + bh.to(tl.int64) * NQ + r0 + offs_m, lse, mask=offs_m < NQ - r0)
 
 
 @triton.jit
@@ -147,6 +177,33 @@ def _write_output(Out, Lse, m, z, s, bh, b, h, rows, sob, soh, son, NQ,
         tl.store(Lse + bh.to(tl.int64) * NQ + rows, lse, mask=rows < NQ)
 
 
+@triton.jit
+def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(m, z) of one program to its slot of M and Z, s to its slot of S -- or, float32 output, partition 0's s into
+    the output rows themselves (Out holds fp32 then: the same numbers, one [rows, D] slab less of summaries).
+    Pointers offset by the slots' scalar bases."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
+    tl.store(Sbuf + base + offs_m, m_i)
+    tl.store(Sbuf + NROWS.to(tl.int64) + base + offs_m, z_i)
+    if Out.dtype.element_ty == tl.float32:
+        if part == 0:
+            o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
+            mask = offs_m[:, None] < NQ - r0
+            if BLOCK_D != HEAD_DIM:
+                mask = mask & (offs_d[None, :] < HEAD_DIM)
+            tl.store(o_base + offs_m[:, None] * son + offs_d[None, :], s_i, mask=mask)
+        else:
+            base_s = (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
+            _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base_s + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                        s_i, offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
+    else:
+        _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], s_i,
+                    offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
+
+
 @triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "q0", "QB", "BH", "W"])
 def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
@@ -155,13 +212,20 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
                  SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, FINAL: tl.constexpr,
-                 STORE_LSE: tl.constexpr):
+                 STORE_LSE: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr):
     """Program (qb, bh, part): the summaries of BLOCK_M query rows over the keys [part*W, part*W + W).
 
-    Summary buffer Sbuf (fp32, one allocation): S [NROWS, HEAD_DIM], then M [NROWS], then Z [NROWS], rows in
-    the logical order [P, QB, BH, BLOCK_M] so phase 2's (qb, bh) reads one contiguous slab per partition.
+    Summary buffer Sbuf (fp32, one allocation): M [NROWS], Z [NROWS], rows in the logical order [P, QB, BH,
+    BLOCK_M] (NROWS = P * QB * BH * BLOCK_M for the largest chunk), then S [rows, HEAD_DIM] in the same order --
+    for a float32 output only the partitions 1..P-1: partition 0 writes its s into the output rows it will finally
+    hold (phase 2 reads it back and merges in place), one [rows, D] slab less per chunk. Phase 2's (qb, bh) reads
+    one contiguous slab per partition.
     FINAL (a single partition holds every key): there is nothing to merge, so the program writes out and lse
     itself and phase 2 is not launched.
+    SCALE_IN_EXP (16-bit, no bias) runs the shared flash core's loop (_core_scan): KEYS_EVEN (NK a multiple of
+    BLOCK_N: no ragged tile), USE_DESC (tensor descriptors) and WARP_SPECIALIZE are its switches (the host's plan
+    decides them); fp32 and the bias path keep this file's loop (_scan_partition).
     """
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -177,31 +241,45 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
         # keys after the block's last row's last visible key are future for every row of the block; a
         # partition that starts there does no work and stores nothing: phase 2 never reads it
         hi = tl.minimum(hi, r0 + BLOCK_M + off)
-    offs_m = tl.arange(0, BLOCK_M)
-    rows = r0 + offs_m
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
-    if FINAL:
-        m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
-                                        NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                        CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
-        _write_output(Out, Lse, m_i, z_i, s_i, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
+    if SCALE_IN_EXP:
+        if FINAL:
+            m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
+                                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
+                                       WARP_SPECIALIZE, DOT_PREC)
+            _write_core_output(Out, Lse, m_i, z_i, s_i, bh, b, h, r0, sob, soh, son, NQ, HEAD_DIM, BLOCK_D,
+                               BLOCK_M, USE_DESC, STORE_LSE)
+        elif CAUSAL:
+            if lo < hi:
+                m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off,
+                                           qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN,
+                                           USE_DESC, WARP_SPECIALIZE, DOT_PREC)
+                _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                               HEAD_DIM, BLOCK_D, BLOCK_M)
+        else:
+            # every partition holds keys (P = ceil(NK / W)): no branch around the (warp-specialized) loop
+            m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
+                                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
+                                       WARP_SPECIALIZE, DOT_PREC)
+            _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                           HEAD_DIM, BLOCK_D, BLOCK_M)
     else:
-        if lo < hi:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
+        if FINAL:
             m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
                                             r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                            CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
-            offs_d = tl.arange(0, BLOCK_D)
-            base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
-            tl.store(Sbuf + NROWS.to(tl.int64) * HEAD_DIM + base + offs_m, m_i)
-            tl.store(Sbuf + NROWS.to(tl.int64) * (HEAD_DIM + 1) + base + offs_m, z_i)
-            s_ptrs = Sbuf + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-            if BLOCK_D == HEAD_DIM:
-                tl.store(s_ptrs, s_i)
-            else:
-                tl.store(s_ptrs, s_i, mask=offs_d[None, :] < HEAD_DIM)
+                                            CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+            _write_output(Out, Lse, m_i, z_i, s_i, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D,
+                          STORE_LSE)
+        elif lo < hi:
+            m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
+                                            r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                            CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+            _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                           HEAD_DIM, BLOCK_D, BLOCK_M)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,34 +308,48 @@ def _elsa_phase2(Sbuf, Out, Lse,
     offs_k = tl.arange(0, KBT)
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    m_base = Sbuf + NROWS.to(tl.int64) * HEAD_DIM
-    z_base = Sbuf + NROWS.to(tl.int64) * (HEAD_DIM + 1)
+    z_base = Sbuf + NROWS.to(tl.int64)
+    s_base = Sbuf + 2 * NROWS.to(tl.int64)
     # Slabs of KBT partitions are reduced with tl.max / tl.sum over axis 0 (a tree inside the
     # program); slabs are merged into a running total. Pass 1: the row max M* over partitions.
     m_star = tl.full([ROWS], float("-inf"), tl.float32)
     for p0 in range(0, p_end, KBT):
         pk = p0 + offs_k
         idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
-        mk = tl.load(m_base + idx, mask=pk[:, None] < p_end, other=float("-inf"))
+        mk = tl.load(Sbuf + idx, mask=pk[:, None] < p_end, other=float("-inf"))
         m_star = tl.maximum(m_star, tl.max(mk, 0))
     m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
-    # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s.
+    # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s; a float32 output
+    # holds partition 0's s itself (read back here, then overwritten by the result).
+    S0_IN_OUT: tl.constexpr = Out.dtype.element_ty == tl.float32
     z = tl.zeros([ROWS], tl.float32)
     s = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    w0 = tl.zeros([ROWS], tl.float32)
     for p0 in range(0, p_end, KBT):
         pk = p0 + offs_k
         valid = pk[:, None] < p_end
         idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
-        mk = tl.load(m_base + idx, mask=valid, other=float("-inf"))
+        mk = tl.load(Sbuf + idx, mask=valid, other=float("-inf"))
         zk = tl.load(z_base + idx, mask=valid, other=0.0)
         w = tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
         z += tl.sum(w * zk, 0)
-        s_mask = valid[:, :, None]
+        s_mask = valid
+        if S0_IN_OUT:
+            w0 += tl.sum(tl.where(pk[:, None] == 0, w, 0.0), 0)
+            s_mask = s_mask & (pk[:, None] > 0)
+            idx = idx - QB * BH * BLOCK_M                      # slot p of S holds partition p + 1
+        s_mask = s_mask[:, :, None]
         if BLOCK_D != HEAD_DIM:
             s_mask = s_mask & (offs_d[None, None, :] < HEAD_DIM)
-        sk = tl.load(Sbuf + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_mask, other=0.0)
+        sk = tl.load(s_base + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_mask, other=0.0)
         s += tl.sum(w[:, :, None] * sk, 0)
     rows = q0 + qb * BLOCK_M + i0 + offs_r
+    if S0_IN_OUT:
+        o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
+        o_mask = (rows[:, None] < NQ) & (w0[:, None] > 0)
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        s += w0[:, None] * tl.load(o_ptrs, mask=o_mask, other=0.0)
     _write_output(Out, Lse, m_star, z, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
 
 
