@@ -96,9 +96,9 @@ def test_elsa_reads_its_tuning_file(tmp_path):
     assert bwd[("32", 64)] == ((32, 32, 4, 2), (64, 32, 4, 2))
     assert config.tuned_tables(tmp_path / "absent.json") == (config.BUILTIN_FWD_TABLE, config.BUILTIN_BWD_TABLE)
     # the plans the kernel launches with come from the tables; a caller's config= still overrides them
-    saved = config.FWD_TABLE, config.BWD_TABLE
+    saved = config.FWD_TABLE, config.BWD_TABLE, config.FWD_TUNED
     try:
-        config.FWD_TABLE, config.BWD_TABLE = fwd, bwd
+        config.FWD_TABLE, config.BWD_TABLE, config.FWD_TUNED = fwd, bwd, frozenset({("16", 64)})
         for fn in (config.plan_forward, config.plan_backward):
             fn.cache_clear()
         plan = config.plan_forward(4096, 4096, 8, 64, torch.float16, config.DEFAULT_SM_COUNT)
@@ -107,8 +107,14 @@ def test_elsa_reads_its_tuning_file(tmp_path):
         plan = config.plan_forward(4096, 4096, 8, 64, torch.float16, config.DEFAULT_SM_COUNT, override)
         assert (plan.block_m, plan.block_n) == (64, 64)
         assert config.plan_backward(64, torch.float32) == config.BwdPlan((32, 32, 4, 2), (64, 32, 4, 2))
+        # a 16-bit key the file did not set runs the flash core's plain tiles
+        from kernels import _flash_core as core
+        config.FWD_TUNED = frozenset()
+        config.plan_forward.cache_clear()
+        plan = config.plan_forward(4096, 4096, 8, 64, torch.float16, config.DEFAULT_SM_COUNT)
+        assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == core.PLAIN_TILES[("16", 64)]
     finally:
-        config.FWD_TABLE, config.BWD_TABLE = saved
+        config.FWD_TABLE, config.BWD_TABLE, config.FWD_TUNED = saved
         for fn in (config.plan_forward, config.plan_backward):
             fn.cache_clear()
 

@@ -90,6 +90,9 @@ def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
 
 
 FWD_TABLE, BWD_TABLE = tuned_tables()
+# the forward keys the tuning file set: for 16-bit inputs without a bias they replace the flash core's plain tiles
+# (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
+FWD_TUNED = frozenset(k for k in FWD_TABLE if FWD_TABLE[k] != BUILTIN_FWD_TABLE[k])
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at
@@ -139,11 +142,14 @@ def dtype_class(dtype: torch.dtype) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def core_tiles(dtype: torch.dtype, head_dim: int, bias: bool = False, warp_specialize: bool = False):
-    """Phase 1's (BLOCK_M, BLOCK_N, num_warps, num_stages) before the short-N rule and overrides: the flash core's
-    tables for 16-bit inputs without a bias (its warp-specialized tiles when asked and present), FWD_TABLE else."""
+    """Phase 1's (BLOCK_M, BLOCK_N, num_warps, num_stages) before the short-N rule and overrides: for 16-bit inputs
+    without a bias the flash core's tables (its warp-specialized tiles when asked and present; its plain tiles
+    unless the tuning file set this key), FWD_TABLE else."""
     key = (dtype_class(dtype), block_d(head_dim))
     if key[0] == "16" and not bias:
-        return core.WS_TILES[key] if warp_specialize and key in core.WS_TILES else core.PLAIN_TILES[key]
+        if warp_specialize and key in core.WS_TILES:
+            return core.WS_TILES[key]
+        return FWD_TABLE[key] if key in FWD_TUNED else core.PLAIN_TILES[key]
     return FWD_TABLE[key]
 
 
