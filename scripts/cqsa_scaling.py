@@ -27,9 +27,9 @@ ring all-reduce of the bytes each rank contributes at a bus bandwidth measured o
 (--busbw-intra / --busbw-inter, GB/s, 8 GPUs per node). The same model turns the 1B table's GPU-hours into
 wall hours on 2, 8 and 64 GPUs.
 
-GPU (each call stays within ~5 minutes; run from the repository root). A device call starts with an empty
-$OUT: keep each call's files in the tree (say results/dev/cqsa/scaling/) and pass that directory to the next
-call's --merge, so the last report holds every point:
+GPU (each command stays within ~5 minutes; run from the repository root). Where each command starts with an
+empty $OUT, keep each command's files in the tree (say results/dev/cqsa/scaling/) and pass that directory to the
+next command's --merge, so the last report holds every point:
   PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out $OUT --itr-measure 8,9,10,11 --deadline-s 240
   PYTHONPATH=. python3 scripts/cqsa_scaling.py table --out $OUT --itr-measure 7 --deadline-s 230 --merge DIR
   PYTHONPATH=. torchrun --standalone --nproc_per_node 1 scripts/cqsa_scaling.py dist --out $OUT --passes fwd \
@@ -120,7 +120,7 @@ def _store(path: Path, rows: list, new: dict, key: tuple):
 
 
 def adopt_points(out: Path, dirs):
-    """Fold the points of earlier calls (each device call starts in an empty directory) into --out; a point
+    """Fold the points of earlier runs (each may have written its own directory) into --out; a point
     already in --out wins over one with the same key from --merge."""
     out.mkdir(parents=True, exist_ok=True)
     for name, key in ((TABLE_POINTS, TABLE_KEY), (DIST_POINTS, DIST_KEY)):

@@ -1,6 +1,6 @@
 """Host time per attention call at a launch-bound shape, for SDPA and our four kernels, and each kernel's call piece
-by piece: what a call costs the CPU before the GPU work matters (issue 16: at most 1.5x SDPA for elsa, cron_root
-and pasa, 2x for cqsa's resident path).
+by piece: what a call costs the CPU before the GPU work matters (the targets: at most 1.5x SDPA for elsa,
+cron_root and pasa, 2x for cqsa's resident path).
 
     PYTHONPATH=. python3 scripts/host_cost.py OUT.json                         # GPU machine
     python scripts/host_cost.py OUT.json --device cpu --stub-launches          # CPU: the host path, launches stubbed
@@ -63,7 +63,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository root: kernels/, attnbench/
 
 KERNELS = {"elsa": "kernels.elsa", "cron_root": "kernels.cron_root", "pasa": "kernels.pasa", "cqsa": "kernels.cqsa"}
-TARGET = {"elsa": 1.5, "cron_root": 1.5, "pasa": 1.5, "cqsa": 2.0}       # x SDPA's host time, issue 16
+TARGET = {"elsa": 1.5, "cron_root": 1.5, "pasa": 1.5, "cqsa": 2.0}       # x SDPA's host time: the targets
 MODES = ("fwd", "fwd_nograd", "fwdbwd")
 
 

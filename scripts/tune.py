@@ -18,7 +18,8 @@ best candidate's score is lower by more than the combined CI half-widths (a chan
 The chosen entries are written where the kernel reads them, keyed like the kernel's own tables (dtype class and
 head-dim tile width BLOCK_D, the head dim padded to a power of two):
 - elsa:      kernels/elsa/tuning.json  ("fwd": {"16,64": [bm, bn, warps, stages]}, "bwd": {"16,64": {dq, dkdv}};
-             kernels/elsa/config.py's FWD_TABLE / BWD_TABLE)
+             kernels/elsa/config.py's FWD_TABLE / BWD_TABLE; a 16-bit "fwd" entry also replaces the flash
+             core's plain tiles for phase 1 without a bias: config.FWD_TUNED)
 - pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
              kernels/pasa/attention.py's DEFAULT_CONFIGS)
 - cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
@@ -28,8 +29,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              (kernels/cron_root/configs.py merges them over its GPU_CONFIGS).
 With --device cpu nothing is written unless --write names a file (the kernel's own file holds GPU choices).
 --out DIR keeps every measurement (tune_<kernel>.json, rewritten after each one, so a cut-off run keeps them).
-Sections are timed one after the other; --budget-s stops before a candidate that would overrun (a device call
-lasts at most 10 min: choose --sections to fit).
+Sections are timed one after the other; --budget-s stops before a candidate that would overrun (on a machine
+with a time limit per command, choose --sections to fit).
 """
 from __future__ import annotations
 

@@ -774,7 +774,7 @@ def test_gpu_get_gpu_info():
 
 @gpu
 def test_gpu_host_cost_within_1_5x_sdpa():
-    # issue 16's host-cost target at the tiny shape (B=1, H=1, N=128, D=64, fp16): host time per call (300
+    # the host-cost target at the tiny shape (B=1, H=1, N=128, D=64, fp16): host time per call (300
     # calls, no synchronisation inside), forward and fwd+bwd, at most 1.5x SDPA's (flash, causal); the best of 7
     # interleaved batches on each side, so a noisy moment of the machine hits both
     import time

@@ -435,7 +435,7 @@ def test_plan_partitions_keys_and_chunks_queries():
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("N", [4096, 16384, 65536])
 def test_float32_summaries_stay_within_a_quarter_of_the_output(N, D):
-    """Issue 18's memory target for float32 (peak above the inputs <= 1.3 x SDPA efficient's, which holds the output):
+    """The memory target for float32 (peak above the inputs <= 1.3 x SDPA efficient's, which holds the output):
     the summary buffer of a chunk (partition 0's s lives in the fp32 output itself) is at most 0.3 x the output's bytes
     at the benchmark's shapes (B=1, H=8): the budget's 0.25 and a chunk's rounding to whole waves of programs."""
     plan = plan_forward(N, N, 8, D, torch.float32, 132)

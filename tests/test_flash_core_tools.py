@@ -1,6 +1,6 @@
 """The GPU tools around the flash core, checked on the CPU: the sweep's plan and summary (scripts/flash_core_sweep.py)
-and the Nsight Compute summary's parsing, reduction and comparison (scripts/ncu_summary.py). Their GPU runs are
-the lead's (kernels/FLASH_CORE.md lists the commands)."""
+and the Nsight Compute summary's parsing, reduction and comparison (scripts/ncu_summary.py). Their GPU
+commands are in kernels/FLASH_CORE.md."""
 import json
 import subprocess
 import sys

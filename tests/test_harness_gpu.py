@@ -65,7 +65,7 @@ def test_oom_is_a_result_and_memory_is_released():
     assert torch.cuda.mem_get_info()[0] > free_before - 2 * 2**30
 
 
-# --- timing modes, planted slowdowns, calibration (issue 15) ---------------------------------------------
+# --- timing modes, planted slowdowns, calibration ------------------------------------------------------
 
 def _flash_pair(n=4096, mode="fwd", name="flash"):
     from attnbench.backends import get_backend, make_attention_workload

@@ -302,7 +302,7 @@ def _cases():
     from kernels.elsa import elsa_attention
 
     # every ELSA kernel in both dtypes, both masks and all head-dim tiles, in few compilations (each new
-    # shape/dtype compiles four kernels: the full cross product ran past the device call's step limit); ELSA
+    # shape/dtype compiles four kernels: the full cross product ran too long for the GPU suite); ELSA
     # launches through kernels._launch.Prepared: 2 forward launches (phase 1, 2) and 2 backward (dQ, dK/dV)
     for dtype, causal, shape in ((torch.float16, False, (8, 3, 257, 64)), (torch.float16, True, (2, 4, 300, 32)),
                                  (torch.float32, True, (1, 2, 1024, 128)), (torch.float32, False, (2, 4, 300, 64))):

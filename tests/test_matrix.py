@@ -186,7 +186,7 @@ def test_model_cells_time_eagerly(tmp_path):
         load_matrix(write(tmp_path, body))
 
 
-# -- the attention problem's shape: grouped K/V heads, query and key lengths (issue 17) ------------------
+# -- the attention problem's shape: grouped K/V heads, query and key lengths ---------------------------
 
 SHAPED = """
   - {id: gqa, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 8, kv_heads: 2, seq_lens: [128, 256]}
@@ -281,7 +281,7 @@ def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(
         m = load_matrix(REPO / manifest["matrix_path"], device=device).select(only)
     info = run_progress(load_run(copy))
     if load_run(copy).manifest.get("interrupted"):
-        # a run cut off by its device call's time limit (kept: what it measured is cited): it must stay resumable
+        # a run cut off by a time limit (kept: what it measured is cited): it must stay resumable
         # with today's matrix, by a command that names it
         assert info["state"] == "interrupted" and info["resume"] and f"--resume {copy}" in info["resume"], info
         assert info["measured"] < info["planned"], info

@@ -93,7 +93,7 @@ def test_gpu_fwd_graph_and_train(name):
     torch.testing.assert_close(outs["elsa"][1], outs["native"][1], atol=1e-4, rtol=0)
 
 
-# -- the whole model under torch.compile on both sides (issue 16 item 4) ---------------------------------------
+# -- the whole model under torch.compile on both sides ---------------------------------------------------------
 
 def _breaking_kernel(q, k, v, causal=False, scale=None, attn_bias=None):
     """A kernel dynamo cannot trace in one graph (it asks for a break): what fullgraph must refuse."""

@@ -637,8 +637,8 @@ def test_gpu_cuda_graph_capture_replays_like_eager(dtype):
 
 @pytest.mark.gpu
 def test_gpu_host_cost_within_one_and_a_half_sdpa():
-    # issue 16: host time per call at a tiny shape (the GPU finishes each call before the host issues the next,
-    # so the wall time of back-to-back calls without a sync is the host's), best of 7 rounds of 300 calls
+    # the host-cost target: host time per call at a tiny shape (the GPU finishes each call before the host issues
+    # the next, so the wall time of back-to-back calls without a sync is the host's), best of 7 rounds of 300 calls
     import time
 
     q, k, v = _randn_inputs(1, 1, 128, 128, 64, "cuda", seed=13)

@@ -1,4 +1,4 @@
-"""The harness on the shapes real models use (issue 17): grouped-query K/V and query length != key length.
+"""The harness on the shapes real models use: grouped-query K/V and query length != key length.
 
 FLOPs count exactly the pairs attention scores; the SDPA baselines get the kernels' problem (K/V read with
 enable_gqa, never expanded here; bottom-right causal through causal_lower_right); workloads, accuracy checks,

@@ -13,7 +13,7 @@ implementations, so ``cqsa_attention`` runs inside ``torch.compile(fullgraph=Tru
 Streaming mode (a memory budget, or inputs on the host while a GPU exists) is stream.py's engine and runs
 eagerly only; under torch.compile it says so.
 
-Host time per call is what short sequences pay (issue 16; NOTES.md): the public function caches its checks per
+Host time per call is what short sequences pay (NOTES.md, host cost): the public function caches its checks per
 call signature; an op body is one key lookup for the plan of its signature (kernels._launch.layout of its tensors
 and the options: ``_Forward``, ``_Backward``), whose launches are kernels._launch.Prepared, one per slot wave, over
 slot-wave tables cached on the device per (Nq, Nk, c, itr, causal, tiles, D, precision, device); then three

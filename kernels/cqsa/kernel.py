@@ -376,7 +376,7 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("fwd", "dq", "dkdv") and head-dim bucket (block_d:
 # 16/32/64 -> 64, 128, 256). BLOCK_M always counts queries and BLOCK_N keys: the forward and dQ run BLOCK_M
 # query rows over BLOCK_N key tiles, dK/dV runs BLOCK_N key rows over BLOCK_M query tiles.
-# Checked for sm_90 with ptxas (scripts/gpu/cqsa_compile_check.py): the 16-bit configs do not spill registers
+# Checked for sm_90 with ptxas (scripts/compile_check.py --kernel cqsa): the 16-bit configs do not spill registers
 # and fit shared memory, all but dK/dV at D > 128 on wgmma (there no wgmma tile fits the registers: dK, dV,
 # K and V of 64 keys × 256 stay resident; it takes 32 keys on mma.sync). float32 with tf32x3 dots is
 # register-bound whatever the tile (its backward spills from D = 16, its forward from D = 80) and is not the

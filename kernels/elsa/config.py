@@ -1,11 +1,16 @@
 """ELSA launch configurations: a small table per (dtype class, head-dim tile), the partition / q-chunk plan,
 and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
-No per-call autotuning: a new sequence length must not re-run a tuning sweep. The built-in tables below are
-the defaults: the D = 32/64/128 values chosen from H100 sweeps (see NOTES.md and results/dev/elsa/), the 16- and
-256-wide tiles from an sm_90 compile check (registers, spills, shared memory; NOTES.md). ``scripts/tune.py
---kernel elsa`` writes the configs it chooses to ``tuning.json`` beside this file, whose entries replace the
-defaults they name (``tuned_tables``); a caller's ``config=`` overrides both for one call.
+No per-call autotuning: a new sequence length must not re-run a tuning sweep. Phase 1 of 16-bit inputs without a
+bias runs the flash core's loop with the core's tiles (kernels/_flash_core.py's PLAIN_TILES, and WS_TILES where
+the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
+float32 and the 16-bit bias path (this package's own loop), the backward table every backward. Their 64- and
+128-wide entries come from H100 sweeps or, where a comment says so, an sm_90 compile check (NOTES.md,
+results/dev/elsa/); the 16- and 32-wide entries reuse the 64-wide ones; the 256-wide ones come from the compile
+check (registers, spills, shared memory). ``scripts/tune.py --kernel elsa`` writes the configs it chooses to
+``tuning.json`` beside this file, whose entries replace the built-in ones they name (``tuned_tables``); a forward
+key it changes also replaces the core's plain tiles for 16-bit inputs without a bias (``FWD_TUNED``; the
+warp-specialized tiles stay). A caller's ``config=`` overrides all of them for one call.
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ from .._tuning import TuningFileError, parse_dim_key, read_configs
 # dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
 # (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
 # 16-bit inputs without a bias run the flash core's loop with the core's tiles (core_tiles: kernels/_flash_core.py's
-# PLAIN_TILES and WS_TILES, from the H100 sweep); this table serves float32 and the 16-bit bias path (this package's
-# own loop, which loads a bias tile per key tile).
+# PLAIN_TILES and WS_TILES, from the H100 sweep; a key tuning.json changes replaces the plain ones: FWD_TUNED); this
+# table serves float32 and the 16-bit bias path (this package's own loop, which loads a bias tile per key tile; the
+# 16-bit timings below are that loop's, measured before the core).
 BUILTIN_FWD_TABLE = {
     ("16", 16): (128, 64, 4, 3),      # D=64's tiles
     ("16", 32): (128, 64, 4, 3),      # not swept; D=64's tiles
@@ -90,7 +96,7 @@ def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
 
 
 FWD_TABLE, BWD_TABLE = tuned_tables()
-# the forward keys the tuning file set: for 16-bit inputs without a bias they replace the flash core's plain tiles
+# the forward keys the tuning file changed: for 16-bit inputs without a bias they replace the flash core's plain tiles
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
 FWD_TUNED = frozenset(k for k in FWD_TABLE if FWD_TABLE[k] != BUILTIN_FWD_TABLE[k])
 
@@ -108,8 +114,8 @@ MAX_P = 16
 # Q-chunking, per dtype class: chunk the query rows so the fp32 summary buffer stays within SUMMARY_BUDGET x the
 # output's bytes (extra memory O(N): peak above the inputs ~ (1 + budget) x the output's), but never below
 # CHUNK_MIN_WAVES waves of phase-1 programs per launch (fewer leave SMs idle in each chunk's last wave). float32:
-# the memory target (issue 18: <= 1.3 x SDPA efficient's peak) with chunks of ~15 waves of its small tiles anyway;
-# 16-bit: speed first, 4 waves of 128-row programs per chunk.
+# the memory target (peak above the inputs <= 1.3 x SDPA efficient's) with chunks of ~15 waves of its small tiles
+# anyway; 16-bit: speed first, 4 waves of 128-row programs per chunk.
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
 # Phase 2: rows per program and partitions reduced per slab, per BLOCK_D (slab = KBT x ROWS x BLOCK_D fp32).
@@ -144,7 +150,7 @@ def dtype_class(dtype: torch.dtype) -> str:
 def core_tiles(dtype: torch.dtype, head_dim: int, bias: bool = False, warp_specialize: bool = False):
     """Phase 1's (BLOCK_M, BLOCK_N, num_warps, num_stages) before the short-N rule and overrides: for 16-bit inputs
     without a bias the flash core's tables (its warp-specialized tiles when asked and present; its plain tiles
-    unless the tuning file set this key), FWD_TABLE else."""
+    unless the tuning file changed this key), FWD_TABLE else."""
     key = (dtype_class(dtype), block_d(head_dim))
     if key[0] == "16" and not bias:
         if warp_specialize and key in core.WS_TILES:
