@@ -85,6 +85,20 @@ def decision(table, key, value, section="s"):
     return {"section": section, "table": table, "key": key, "value": value, "changed": True, "complete": True}
 
 
+def test_elsa_forward_sweep_starts_from_the_tiles_that_ship():
+    """Candidate 0 of a sweep is the entry in use: for 16-bit ELSA that is the flash core's plain tiles (what phase 1
+    runs without a tuning entry), not the bias path's table."""
+    from kernels import _flash_core as core
+    from kernels.elsa import config
+
+    ctx = tune.Context(device="cuda")
+    for sweep in tune.elsa_sweeps(ctx, "fwd16"):
+        cls, bd = sweep.key.split(",")
+        assert sweep.values[0] == list(config.core_tiles(torch.float16, int(bd)))
+        if (cls, int(bd)) not in config.FWD_TUNED:
+            assert sweep.values[0] == list(core.PLAIN_TILES[(cls, int(bd))])
+
+
 def test_elsa_reads_its_tuning_file(tmp_path):
     from kernels.elsa import config
 

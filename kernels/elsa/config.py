@@ -9,7 +9,7 @@ float32 and the 16-bit bias path (this package's own loop), the backward table e
 results/dev/elsa/); the 16- and 32-wide entries reuse the 64-wide ones; the 256-wide ones come from the compile
 check (registers, spills, shared memory). ``scripts/tune.py --kernel elsa`` writes the configs it chooses to
 ``tuning.json`` beside this file, whose entries replace the built-in ones they name (``tuned_tables``); a forward
-key it changes also replaces the core's plain tiles for 16-bit inputs without a bias (``FWD_TUNED``; the
+key it names also replaces the core's plain tiles for 16-bit inputs without a bias (``FWD_TUNED``; the
 warp-specialized tiles stay). A caller's ``config=`` overrides all of them for one call.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .._tuning import TuningFileError, parse_dim_key, read_configs
 # dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
 # (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
 # 16-bit inputs without a bias run the flash core's loop with the core's tiles (core_tiles: kernels/_flash_core.py's
-# PLAIN_TILES and WS_TILES, from the H100 sweep; a key tuning.json changes replaces the plain ones: FWD_TUNED); this
+# PLAIN_TILES and WS_TILES, from the H100 sweep; a key tuning.json names replaces the plain ones: FWD_TUNED); this
 # table serves float32 and the 16-bit bias path (this package's own loop, which loads a bias tile per key tile; the
 # 16-bit timings below are that loop's, measured before the core).
 BUILTIN_FWD_TABLE = {
@@ -96,9 +96,9 @@ def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
 
 
 FWD_TABLE, BWD_TABLE = tuned_tables()
-# the forward keys the tuning file changed: for 16-bit inputs without a bias they replace the flash core's plain tiles
+# the forward keys the tuning file names: for 16-bit inputs without a bias they replace the flash core's plain tiles
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
-FWD_TUNED = frozenset(k for k in FWD_TABLE if FWD_TABLE[k] != BUILTIN_FWD_TABLE[k])
+FWD_TUNED = frozenset(parse_dim_key(k) for k in read_configs(TUNING_FILE).get("fwd", {}))
 
 # Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
 # at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at
