@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from attnbench import gpu as gpumod
-from attnbench.matrix import Matrix, Point
+from attnbench.matrix import Matrix
 from attnbench.runner import (NoCleanGpu, Runner, RunInterrupted, RunOptions, check_resumable, cpu_ran_on,
                               gpu_ran_on, prepare_device)
 from attnbench.store import RunStore, utc_now
@@ -319,13 +319,13 @@ class Pool:
                 event_out.close()
         # with --replicate, every device that ever measured in this run owes every point (a GPU left out of this
         # session included): the run is finished only when none is missing
+        # (a worker that failed after the others had measured everything leaves a complete run: its line was shown)
         still = self._missing(store, self._known_devices(store.read_manifest()))
-        if problems or still:
-            if not problems:
-                problems = ["still missing: " + ", ".join(f"{len(v)} points on {label}" if label else f"{len(v)} points"
-                                                           for label, v in sorted(still.items(), key=str))]
+        if still:
+            missing = "still missing: " + ", ".join(f"{len(v)} points on {label}" if label else f"{len(v)} points"
+                                                    for label, v in sorted(still.items(), key=str))
             store.update_manifest(interrupted=True)
-            raise PoolIncomplete(store.path, problems)
+            raise PoolIncomplete(store.path, [*problems, missing])
         store.update_manifest(finished_utc=utc_now(), interrupted=False)
         self.on_event("finish", run_dir=store.path)
         return store.path

@@ -229,9 +229,13 @@ def test_a_killed_worker_leaves_a_resumable_run_and_resume_measures_only_the_mis
                   if d["label"] == "cpu:1")
     os.kill(victim["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 5, err[-3000:]
     assert "Traceback" not in err
     assert f"worker cpu:1 (pid {victim['pid']}) died with exit code -9" in err
+    stored = {r["point_id"] for r in _rows(run)}
+    if stored == set(LONG_IDS):   # killed between two points (it held none): cpu:0 measured the rest, the run is complete
+        assert proc.returncode == 0, err[-3000:]
+        return
+    assert proc.returncode == 5, err[-3000:]
     hint = err.strip().splitlines()[-1]
     assert shlex.split(hint) == [sys.executable, "-m", "attnbench", *args, "--resume", f"runs/{run.name}"]
     rows = data_lines(run / "points.csv")
