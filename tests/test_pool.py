@@ -360,6 +360,40 @@ def test_no_listed_gpu_passes_the_clean_gpu_check(tmp_path, capsys, monkeypatch)
     assert not list((tmp_path / "runs").glob("*"))
 
 
+def test_the_gpu_path_on_a_machine_without_cuda(tmp_path, monkeypatch):
+    """The parent's side of `--gpus` with NVML faked: GPU 1 fails the clean-GPU check and is left out, GPU 0 gets a
+    worker started with CUDA_VISIBLE_DEVICES=<its UUID>; here that worker cannot reach CUDA, so it fails with one
+    line, the run is kept (resumable) and says which devices it had."""
+    from attnbench.gpu import CleanGpuCheck
+    from attnbench.matrix import load_matrix
+    from attnbench.pool import Pool, PoolIncomplete, PoolLayout
+    from attnbench.runner import RunOptions
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    (tmp_path / "m.yaml").write_text(TINY.replace("dtype: float32", "dtype: float16"))
+    matrix = load_matrix(tmp_path / "m.yaml", device="cuda")
+    reader = FakeReader([[gpu_state(uuid="GPU-aaaa-0")], [gpu_state(util=60, uuid="GPU-bbbb-1")]])
+    events = []
+    opts = RunOptions(device="cuda", results_root=tmp_path / "runs", clean_check=CleanGpuCheck(), snapshot_s=0.01)
+    pool = Pool(matrix, opts, PoolLayout(gpus=[0, 1], gpus_spec="all"), reader=reader,
+                on_event=lambda kind, **d: events.append((kind, d)))
+    with pytest.raises(PoolIncomplete) as info:
+        pool.run()
+    kinds = [k for k, _ in events]
+    assert kinds[:3] == ["clean_gpu_probe", "left_out", "start"] and kinds[-1] == "worker_failed"
+    assert events[1][1]["gpu"]["index"] == 1 and "util 60% > 8%" in events[1][1]["gpu"]["reasons"][0]
+    assert events[2][1]["devices"] == ["cuda:0"]
+    (failure,) = info.value.problems[:-1]
+    assert failure.startswith("worker cuda:0 failed: ") and "\n" not in failure
+    assert "still missing: 3 points" in info.value.problems[-1]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"   # the worker's own value was set for its start only
+    manifest = load_run(info.value.run_dir).manifest
+    assert manifest["gpu"] == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-aaaa-0"}
+    assert [d["label"] for d in manifest["pool"]["devices"]] == ["cuda:0"]
+    assert manifest["pool"]["left_out"][0]["index"] == 1 and manifest["interrupted"]
+    assert not (info.value.run_dir / ".lock").exists()
+
+
 # -- appends from several processes ----------------------------------------------------------------------------
 
 WRITER = """
