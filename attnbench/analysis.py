@@ -330,3 +330,37 @@ def _join(tokens: list[tuple[str, str]]) -> str:
         last_paren = tokens[i][0] == "p" and i == len(tokens) - 1 and tokens[i - 1][0] == "v"
         text += (" " if last_paren else " · ") + tokens[i][1]
     return text
+
+
+# -- replicas: one point measured on several devices (run-matrix --replicate) ------------------------------
+
+def spread_pct(values) -> float:
+    """The cross-device spread of a point: (max − min) / median of the per-device values, in %."""
+    vals = sorted(float(v) for v in values)
+    return (vals[-1] - vals[0]) / float(pd.Series(vals).median()) * 100.0
+
+
+def replica_spreads(points: pd.DataFrame) -> pd.DataFrame:
+    """Per point of one run that holds a measured row from two or more devices (``ran_on``): the devices in
+    label order, each one's median lat_ratio and kernel ms and its status, and the spreads (:func:`spread_pct`)
+    of lat_ratio and of kernel ms across them. ``clean`` is True when every replica is clean. Rows without a
+    ratio (skipped, OOM, error) are left out of the spread."""
+    columns = ["point_id", "cell_id", "n", "devices", "lat_ratios", "kernel_ms", "statuses", "lat_spread_pct",
+               "kernel_ms_spread_pct", "clean"]
+    if "ran_on" not in points or points.empty:
+        return pd.DataFrame(columns=columns)
+    measured = points[points["status"].isin(MEASURED_STATUSES) & points["lat_ratio"].map(_finite)
+                      & points["ran_on"].map(lambda v: isinstance(v, str) and v != "")]
+    rows = []
+    for point_id, group in measured.groupby("point_id", sort=True):
+        group = group.drop_duplicates("ran_on", keep="last").sort_values("ran_on", kind="mergesort")
+        if len(group) < 2:
+            continue
+        ms = [float(v) for v in group["kernel_ms"]]
+        rows.append({"point_id": point_id, "cell_id": group["cell_id"].iloc[0], "n": int(group["n"].iloc[0]),
+                     "devices": list(group["ran_on"]), "lat_ratios": [float(v) for v in group["lat_ratio"]],
+                     "kernel_ms": ms, "statuses": list(group["status"]),
+                     "lat_spread_pct": spread_pct(group["lat_ratio"]),
+                     "kernel_ms_spread_pct": spread_pct(ms) if all(_finite(v) for v in ms) else float("nan"),
+                     "clean": bool((group["status"] == "clean").all())})
+    return pd.DataFrame(rows, columns=columns)

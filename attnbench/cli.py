@@ -1,7 +1,8 @@
 """The command line: a thin Typer layer that parses, calls the harness functions and renders with rich.
 
 Exit codes: 0 ok · 1 a verdict failed (gate SLOWER, spot-check FAIL, verify failed) · 2 bad input
-(matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 130 interrupted.
+(matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 5 a worker of a pool
+(--gpus / --workers) died or failed: the others' points are kept, the run is resumable · 130 interrupted.
 User mistakes get one line on stderr, never a traceback: the matrix and the run directory are validated
 where they are read (matrix.py, store.py), options here (`_check_number`, `_check_results_root`), and a
 usage error from the option parser is one line too (`main`).
@@ -235,11 +236,13 @@ def _require_gpu():
 
 def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
-         slowdown: Optional[dict] = None) -> Path:
-    """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check."""
+         slowdown: Optional[dict] = None, layout=None) -> Path:
+    """Run with a live progress bar; returns the run directory. Shared by run-matrix and spot-check. `layout`
+    (attnbench.pool.PoolLayout): several workers; their lines name the device that measured each point."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from attnbench.gpu import NoGpuError
+    from attnbench.pool import Pool, PoolIncomplete
     from attnbench.runner import NoCleanGpu, Runner, RunInterrupted, RunOptions
 
     opts = RunOptions(device=device, results_root=results_root, clean_check=clean_check, gpu=gpu, wait_s=wait,
@@ -247,11 +250,15 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
                       slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
-    state = {"task": None}
+    state = {"task": None, "measuring": {}}
 
     def stop_progress():
         if state["task"] is not None:   # stopping a bar never started would print an empty line
             progress.stop()
+
+    def show_measuring():
+        busy = " · ".join(f"{k} {v}" for k, v in sorted(state["measuring"].items()))
+        progress.update(state["task"], description=busy or "idle")
 
     def on_event(kind, **d):
         if kind == "clean_gpu_probe":
@@ -262,26 +269,53 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
         elif kind == "complete":
             err.print(f"run dir: {d['run_dir']}  ·  already complete ({d['total']} points): nothing to measure",
                       highlight=False, soft_wrap=True)
+        elif kind == "left_out":
+            g = d["gpu"]
+            err.print(f"[yellow]GPU {g['index']} ({g['name']}) left out[/]: {'; '.join(g['reasons'])}", highlight=False,
+                      soft_wrap=True)
         elif kind == "start":
-            where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
-            err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} points to measure")
+            if d.get("devices") is not None:
+                unit = "measurements (every point on every worker)" if d["replicate"] else "points"
+                where = f"{len(d['devices'])} workers: {', '.join(d['devices'])}"
+                if device == "cpu":
+                    where += " (CPU: perf numbers are not meaningful)"
+            else:
+                unit = "points"
+                where = f"GPU {d['gpu'].index} {d['gpu'].name}" if d["gpu"] is not None else "CPU (perf numbers are not meaningful)"
+            err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} {unit} to measure")
             progress.start()
             state["task"] = progress.add_task("starting", total=d["total"], completed=d["total"] - d["todo"])
         elif kind == "point_start":
-            progress.update(state["task"], description=d["point"].id)
+            if "device" in d:   # a pool: what each worker is measuring now
+                state["measuring"][d["device"]] = d["point"].id
+                show_measuring()
+            else:
+                progress.update(state["task"], description=d["point"].id)
         elif kind == "attempt" and d["status"] == "disturbed":
-            progress.console.print(f"[yellow]{d['point'].id}: attempt {d['attempt']} disturbed[/] "
+            who = f"[{d['device']}] " if "device" in d else ""
+            progress.console.print(f"[yellow]{escape(who)}{d['point'].id}: attempt {d['attempt']} disturbed[/] "
                                    f"({'; '.join(d['reasons'])})", highlight=False)
         elif kind == "point_done":
             r = d["row"]
             ratio = "-" if r["lat_ratio"] is None else f"{r['lat_ratio']:.3f}"
             if r["ci_half_width"] is not None:
                 ratio += f" ±{r['ci_half_width']:.1%}"
-            progress.console.print(f"{r['point_id']}: {r['status']} lat_ratio {ratio}"
+            who = f"[{d['device']}] " if "device" in d else ""
+            progress.console.print(f"{escape(who)}{r['point_id']}: {r['status']} lat_ratio {ratio}"
                                    + (f" ({r['reason']})" if r["reason"] else ""), highlight=False)
+            if "device" in d:
+                state["measuring"].pop(d["device"], None)
+                show_measuring()
             progress.advance(state["task"])
+        elif kind == "worker_failed":
+            state["measuring"].pop(d["device"], None)
+            show_measuring()
+            progress.console.print(f"[red]{escape(d['message'])}[/]", highlight=False, soft_wrap=True)
 
-    runner = Runner(matrix, opts, reader=reader, on_event=on_event)
+    if layout is not None:
+        runner = Pool(matrix, opts, layout, reader=reader, on_event=on_event)
+    else:
+        runner = Runner(matrix, opts, reader=reader, on_event=on_event)
     try:
         return runner.run(resume=resume)
     except NoCleanGpu as exc:
@@ -297,6 +331,15 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
         err.print(resume_command(RunStore(exc.run_dir).read_manifest(), exc.run_dir), markup=False,
                   highlight=False, soft_wrap=True)
         raise typer.Exit(130)
+    except PoolIncomplete as exc:
+        from attnbench.store import RunStore, resume_command
+
+        stop_progress()
+        err.print(f"[red]incomplete[/]: {escape('; '.join(exc.problems))}. Everything measured is kept in "
+                  f"{escape(str(exc.run_dir))}; finish it with:", highlight=False, soft_wrap=True)
+        err.print(resume_command(RunStore(exc.run_dir).read_manifest(), exc.run_dir), markup=False,
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(5)
     finally:
         stop_progress()
 
@@ -305,8 +348,10 @@ def _summary_table(run_dir: Path) -> Table:
     from attnbench.store import load_run
 
     run = load_run(run_dir)
+    pooled = "pool" in run.manifest    # several workers: each row names the device that measured it
     t = Table(title=f"summary: {run_dir}")
-    for col in ("point", "kernel ms", "baseline ms", "lat_ratio [p10–p90] ±CI", "mem_ratio", "status", "note"):
+    for col in ("point", *(("ran on",) if pooled else ()), "kernel ms", "baseline ms", "lat_ratio [p10–p90] ±CI",
+                "mem_ratio", "status", "note"):
         t.add_column(col, overflow="fold")
 
     def f(v, fmt="{:.3f}"):
@@ -316,8 +361,8 @@ def _summary_table(run_dir: Path) -> Table:
         ratio = "-" if r.lat_ratio != r.lat_ratio else f"{r.lat_ratio:.3f} [{r.lat_ratio_p10:.3f}–{r.lat_ratio_p90:.3f}]"
         if ratio != "-" and r.ci_half_width == r.ci_half_width:
             ratio += f" ±{r.ci_half_width:.1%}"
-        t.add_row(r.point_id, f(r.kernel_ms), f(r.baseline_ms), ratio, f(r.mem_ratio), r.status,
-                  "" if r.reason != r.reason else str(r.reason))
+        t.add_row(r.point_id, *((str(r.ran_on),) if pooled else ()), f(r.kernel_ms), f(r.baseline_ms), ratio,
+                  f(r.mem_ratio), r.status, "" if r.reason != r.reason else str(r.reason))
     return t
 
 
@@ -335,14 +380,32 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
                only: Optional[str] = typer.Option(None, "--only", help="run only the cells whose id matches this glob"),
                slowdown: List[str] = typer.Option([], "--slowdown", help="BACKEND=F: make every call of BACKEND F times "
                                                   "as long (F > 1, e.g. 1.15) with a calibrated delay after it: a "
-                                                  "deliberate, recorded regression to prove the perf gate")):
-    """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run."""
+                                                  "deliberate, recorded regression to prove the perf gate"),
+               gpus: Optional[str] = typer.Option(None, "--gpus", help="all, or GPU indices as gpu-status numbers them "
+                                                  "(e.g. 0,1): one worker process per listed GPU that passes the "
+                                                  "clean-GPU check (the others are left out, named); the workers take "
+                                                  "points from one queue into one run directory, each point stamped "
+                                                  "with its GPU"),
+               workers: Optional[int] = typer.Option(None, "--workers", help="--device cpu only: N worker processes, "
+                                                     "the same code path as --gpus (for tests; CPU numbers mean nothing)"),
+               replicate: bool = typer.Option(False, "--replicate", help="with --gpus / --workers: every point on every "
+                                              "worker; the report shows each point's cross-device spread")):
+    """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run.
+    With --gpus (or --workers on the CPU): one worker process per device, points from one queue, one run directory."""
     from attnbench.matrix import load_matrix
 
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     _check_number("--max-attempts", max_attempts, 1, integer=True)
+    layout = _pool_layout(device, gpu, gpus, workers, replicate)
     reader = _require_gpu() if device == "cuda" and not dry_run else None
+    if layout is not None and layout.gpus_spec is not None and reader is not None:
+        from attnbench.gpu import GpuListError, resolve_gpu_list
+
+        try:
+            layout.gpus = resolve_gpu_list(layout.gpus_spec, reader)
+        except GpuListError as exc:
+            fail(str(exc), 2)
     try:
         matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         if not matrix.select(only).cells:
@@ -358,11 +421,39 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
             _check_results_root(results_root)
         clean_check = _clean_gpu_check(matrix.gate, max_util, min_free_gb)
         run_dir = _run(matrix, device, clean_check, gpu, wait, resume, results_root, max_attempts, _command_line(),
-                       reader, slow)
+                       reader, slow, layout)
         console.print(_summary_table(run_dir))
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
         fail(str(exc), 2)
+
+
+def _pool_layout(device: str, gpu: Optional[str], gpus: Optional[str], workers: Optional[int], replicate: bool):
+    """The worker pool asked for (attnbench.pool.PoolLayout), or None for today's single process. The rule: --gpus
+    is for --device cuda (one worker per GPU), --workers for --device cpu; --gpu (one GPU) excludes --gpus;
+    --replicate needs one of them. Bad values: one line, exit 2 (the GPU indices are checked against the
+    machine once NVML is read)."""
+    from attnbench.gpu import GpuListError, parse_gpu_list
+    from attnbench.pool import PoolLayout
+
+    if gpus is not None:
+        if device != "cuda":
+            fail("--gpus selects GPUs for --device cuda; with --device cpu give --workers N", 2)
+        if gpu is not None:
+            fail("--gpu names one GPU and --gpus several: give one of them", 2)
+        try:
+            parse_gpu_list(gpus)
+        except GpuListError as exc:
+            fail(str(exc), 2)
+    if workers is not None:
+        if device != "cpu":
+            fail("--workers is for --device cpu; on GPUs give --gpus all|0,1,… (one worker per GPU)", 2)
+        _check_number("--workers", workers, 1, 64, integer=True)
+    if replicate and gpus is None and workers is None:
+        fail("--replicate runs every point on every worker: give --gpus (or --workers with --device cpu)", 2)
+    if gpus is None and workers is None:
+        return None
+    return PoolLayout(workers=workers, replicate=replicate, gpus_spec=gpus)
 
 
 def _parse_slowdown(items: list[str], matrix) -> dict:

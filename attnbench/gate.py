@@ -19,6 +19,10 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
 - BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
 
+A ``run-matrix --replicate`` run (every point on every device of a worker pool) is refused, as baseline or
+current (one line, exit 2): the gate judges one measurement per point. A pool run without --replicate is
+gated like any run (each point was measured once, on whichever device took it).
+
 So a shift inside the noise is never called a regression: SLOWER needs the entire interval past the band.
 
 ``bless_run`` installs a run as the baseline of its GPU (``results/baselines/<gpu>/``), replacing the previous one.
@@ -91,6 +95,8 @@ def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int
     """
     base: Run = _load(baseline_run)
     cur: Run = _load(current_run)
+    refuse_replicated(base)
+    refuse_replicated(cur)
     bpts = {r["point_id"]: r for r in base.points.to_dict("records")}
     cpts = {r["point_id"]: r for r in cur.points.to_dict("records")}
     batt, catt = final_attempts(base), final_attempts(cur)
@@ -162,6 +168,8 @@ def _device_model(run: Run) -> str:
 def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False) -> None:
     """Refuse (NotComparable) what would otherwise pass on nothing: runs from different GPU models (or a CPU
     run against a GPU baseline) unless `allow_other_gpu`, and runs without one measured point in common."""
+    for run in (baseline, current):
+        refuse_replicated(run)
     b_model, c_model = _device_model(baseline), _device_model(current)
     if b_model != c_model and not allow_other_gpu:
         raise NotComparable(f"baseline {baseline.path} ran on {b_model}, current {current.path} on {c_model}: "
@@ -178,6 +186,18 @@ def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False)
                             f"{baseline.manifest.get('matrix_name', '?')}) and current {current.path} "
                             f"({len(c_points)}, matrix {current.manifest.get('matrix_name', '?')}) have no measured "
                             "point in common")
+
+
+def refuse_replicated(run: Run) -> None:
+    """A --replicate run holds each point once per device; the gate judges one measurement per point against one,
+    so it refuses such a run (NotComparable) rather than pick a replica silently or pool different GPUs' samples.
+    Its cross-device spread is in the report."""
+    pool = run.manifest.get("pool") or {}
+    if pool.get("replicate"):
+        devices = len(pool.get("devices") or [])
+        raise NotComparable(f"{run.path}: a --replicate run (each point measured on {devices} devices); the gate "
+                            "compares one measurement per point: gate a run made without --replicate (the report "
+                            "shows this run's cross-device spread)")
 
 
 def _load(run_or_dir) -> Run:
@@ -240,6 +260,9 @@ def bless_run(run_dir, baselines_root="results/baselines") -> Path:
                           "a baseline must measure the code as it is")
     if not len(run.points):
         raise RunDirError(f"{run.path}: the run has no points")
+    if (m.get("pool") or {}).get("replicate"):
+        raise RunDirError(f"{run.path}: a --replicate run holds each point once per device; a baseline holds one "
+                          "measurement per point: bless a run made without --replicate")
     folder = Path(baselines_root) / gpu_short_name(m).lower()
     target = folder / run.path.name
     if target.resolve() == run.path.resolve():

@@ -8,6 +8,7 @@ someone else is using in bursts.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -299,3 +300,87 @@ def cpu_load_failures(check: CleanGpuCheck, snap: dict) -> list[str]:
     """The CPU path's check: other processes' CPU use (ours is the measurement itself)."""
     cpu = snap["system"].get("others_cpu_pct", snap["system"]["cpu_pct"])
     return [f"other processes use {cpu:.0f}% CPU > {check.max_cpu_pct:g}%"] if cpu > check.max_cpu_pct else []
+
+
+# -- several GPUs (run-matrix --gpus) ------------------------------------------------------------------------
+
+class GpuListError(ValueError):
+    """A --gpus value that names no usable set of GPUs (CLI: one line, exit 2)."""
+
+
+def parse_gpu_list(spec: str) -> list[int] | None:
+    """`--gpus` text → NVML indices in the order given, or None for `all`. Only the syntax is checked here
+    (no GPU is needed); `resolve_gpu_list` checks the indices against the machine."""
+    text = spec.strip()
+    if text == "all":
+        return None
+    items = [item.strip() for item in text.split(",")]
+    hint = "give all, or GPU indices as gpu-status numbers them, e.g. 0,1"
+    if not text or not all(items):
+        raise GpuListError(f"--gpus {spec!r}: an empty item; {hint}")
+    out: list[int] = []
+    for item in items:
+        if not re.fullmatch(r"[0-9]{1,4}", item):
+            raise GpuListError(f"--gpus {spec!r}: {item!r} is not a GPU index; {hint}")
+        if int(item) in out:
+            raise GpuListError(f"--gpus {spec!r}: GPU {int(item)} is listed twice")
+        out.append(int(item))
+    return out
+
+
+def _visible_to_cuda(reader) -> list[int]:
+    """The NVML indices CUDA_VISIBLE_DEVICES lets this process use, UUID (or UUID prefix) entries included."""
+    count = reader.device_count()
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or not any(item.strip().startswith(("GPU-", "MIG-")) for item in env.split(",")):
+        return visible_indices(count)
+    uuids = {i: reader.read(i)["uuid"] for i in range(count)}
+    out = []
+    for item in (x.strip() for x in env.split(",")):
+        match = [i for i, u in uuids.items() if item and u.startswith(item)]
+        if len(match) != 1:
+            break   # CUDA stops at the first entry it cannot resolve
+        out.append(match[0])
+    return out
+
+
+def resolve_gpu_list(spec: str, reader) -> list[int]:
+    """`--gpus all|0,1,…` → the NVML indices to start one worker on each: every GPU this process may use for
+    `all`, else the listed ones, each of which must exist and be visible. One run measures one GPU model, so
+    GPUs of different models are refused. GpuListError (one line) otherwise."""
+    wanted = parse_gpu_list(spec)
+    count = reader.device_count()
+    visible = _visible_to_cuda(reader)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if wanted is None:
+        if not visible:
+            raise GpuListError(f"--gpus {spec!r}: no GPU is visible (CUDA_VISIBLE_DEVICES={env!r})")
+        wanted = visible
+    for index in wanted:
+        if index >= count:
+            raise GpuListError(f"--gpus {spec!r}: GPU {index} does not exist (NVML sees {count}: "
+                               f"{', '.join(map(str, range(count)))})")
+        if index not in visible:
+            raise GpuListError(f"--gpus {spec!r}: GPU {index} is hidden by CUDA_VISIBLE_DEVICES={env!r}")
+    names = {index: reader.read(index)["name"] for index in wanted}
+    if len(set(names.values())) > 1:
+        models = ", ".join(f"{i}: {n}" for i, n in names.items())
+        raise GpuListError(f"--gpus {spec!r}: GPUs of different models ({models}); one run measures one GPU "
+                           "model: list GPUs of one model")
+    return list(wanted)
+
+
+def wait_for_clean_gpus(reader, check: CleanGpuCheck, indices: list[int], wait_s: float, on_probe=None,
+                        sample_s: float = 1.0, clock=time.monotonic, sleep=time.sleep) -> tuple[list[GpuStatus], dict]:
+    """The clean-GPU check of a worker pool's GPUs: probe `indices` until every one passes or `wait_s` runs out.
+    Returns (the GPUs as last sampled, {index: failures}); the caller starts workers on the passing ones."""
+    deadline = clock() + wait_s
+    while True:
+        gpus = sample_gpus(reader, indices, sample_s)
+        failures = {g.index: check.failures(g) for g in gpus}
+        remaining = deadline - clock()
+        if on_probe is not None:
+            on_probe(gpus, failures, max(remaining, 0.0))
+        if not any(failures.values()) or remaining <= 0:
+            return gpus, failures
+        sleep(min(5.0, max(remaining, 0.0)))

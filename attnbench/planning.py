@@ -19,7 +19,8 @@ def point_seconds(results_root, device: str) -> tuple[dict[str, float], int]:
     """Wall seconds each point took in the latest stored run that measured it on `device` (its attempts,
     snapshots and back-offs included): point_id → seconds, and how many runs were read. An attempt's time is
     the gap since the record before it (or since the run started); gaps over RESUME_GAP_S are resumptions
-    and count as unknown."""
+    and count as unknown. The attempts of a worker pool's devices interleave in the file: each device's records
+    are timed against that device's previous one."""
     runs = []
     for d in run_dirs(results_root):
         try:
@@ -31,10 +32,13 @@ def point_seconds(results_root, device: str) -> tuple[dict[str, float], int]:
     seconds: dict[str, float] = {}
     for run in sorted(runs, key=lambda r: str(r.manifest.get("started_utc"))):
         per_point: dict[str, float | None] = {}
-        prev = run.manifest.get("started_utc")
+        started = run.manifest.get("started_utc")
+        prev: dict[str | None, str | None] = {}   # device label → its previous record's time
         for a in run.attempts:
-            gap = _timestamp(a["utc"]) - _timestamp(prev) if prev else None
-            prev = a["utc"]
+            device = (a.get("ran_on") or {}).get("label")
+            last = prev.get(device, started)
+            gap = _timestamp(a["utc"]) - _timestamp(last) if last else None
+            prev[device] = a["utc"]
             known = gap is not None and 0 <= gap <= RESUME_GAP_S
             pid = a["point_id"]
             if pid in per_point and per_point[pid] is None:

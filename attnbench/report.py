@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnbench.analysis import MEASURED, NOT_CLEAN, CellSummary, key_str, select_final, summarize_cells
+from attnbench.analysis import (MEASURED, NOT_CLEAN, CellSummary, key_str, replica_spreads, select_final,
+                                summarize_cells)
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
 from attnbench.runs import gpu_short_name, load_runs, sorted_runs
@@ -89,7 +90,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         finished = m.get("finished_utc") or ("interrupted" if m.get("interrupted") else "unfinished")
         gate = m.get("gate") or {}
         rows.append([f"[`{r.path.name}`]({_rel(r.path, base)})", _v(m.get("matrix_name")),
-                     f"{_v(m.get('started_utc'))} → {finished}", _v(m.get("device")),
+                     f"{_v(m.get('started_utc'))} → {finished}", _device_text(m),
                      f"util ≤ {_v(gate.get('max_util_pct'))} %, free ≥ {_v(gate.get('min_free_gb'))} GB",
                      f"{len(r.points)} ({status or 'none'})"])
     out.append(md_table(["run", "matrix", "started → finished (UTC)", "device", "clean-GPU gate", "points"], rows))
@@ -100,6 +101,11 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         g = m.get("gpu") or {}
         v = m.get("versions") or {}
         gpu_text = f"{g.get('name')} ({g.get('sm_count')} SMs, index {g.get('index')})" if g else "CPU"
+        if m.get("pool"):   # several workers: every device of the pool
+            labels = [d.get("label") for d in m["pool"].get("devices") or []]
+            indices = ", ".join(str(d.get("index")) for d in m["pool"].get("devices") or [])
+            gpu_text = (f"{g.get('name')} ({g.get('sm_count')} SMs) × {len(labels)}, indices {indices}" if g
+                        else f"CPU, {len(labels)} workers")
         commit = m.get("git_commit")
         rows.append([f"`{r.path.name}`", gpu_text, _v(v.get("driver")), _v(v.get("cuda")), _v(v.get("torch")),
                      _v(v.get("triton")), _v(v.get("python")), f"`{commit[:12]}`" if commit else "–",
@@ -128,6 +134,11 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         notes = notes_markdown(models)
         if notes:
             out.append("\n" + notes)
+
+    # -- replicas (--replicate) --------------------------------------------------------------------------------
+    replicas = replica_section(runs)
+    if replicas:
+        out.append(replicas)
 
     # -- spot-check verdicts kept in the run directories -----------------------------------------------------
     verdicts = [(r, name) for r in runs for name in ("spot_check.md", "spot_check_rescored.md")
@@ -172,6 +183,52 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
 
 def _nonempty(x) -> bool:
     return isinstance(x, str) and x.strip() != ""
+
+
+def _device_text(manifest: dict) -> str:
+    """The Runs table's device: cuda or cpu, and for a worker pool how many workers and whether it replicated."""
+    pool = manifest.get("pool")
+    if not pool:
+        return _v(manifest.get("device"))
+    workers = len(pool.get("devices") or [])
+    return f"{_v(manifest.get('device'))}, {workers} workers" + (", every point on each" if pool.get("replicate") else "")
+
+
+def replica_section(runs) -> str | None:
+    """The cross-device spread of every point of the `--replicate` runs (None when there is none): per point, each
+    device's median lat_ratio and kernel time, and spread = (max − min) / median of those per-device medians."""
+    parts = []
+    for run in runs:
+        if not (run.manifest.get("pool") or {}).get("replicate"):
+            continue
+        spreads = replica_spreads(run.points)
+        if spreads.empty:
+            continue
+        clean = spreads[spreads["clean"]]
+        devices = sorted({d for ds in spreads["devices"] for d in ds})
+        summary = (f"`{run.path.name}`: {len(spreads)} points measured on {len(devices)} devices "
+                   f"({', '.join(devices)}); {len(clean)} clean on every device")
+        if len(clean):
+            worst = clean.sort_values(["lat_spread_pct", "point_id"], ascending=[False, True]).iloc[0]
+            summary += (f": lat_ratio spread max {worst['lat_spread_pct']:.2f} % (`{worst['point_id']}`), "
+                        f"median {clean['lat_spread_pct'].median():.2f} %")
+        rows = []
+        for _, r in spreads.iterrows():
+            rows.append([f"`{r['point_id']}`",
+                         " · ".join(f"{d} {v:.4f}" for d, v in zip(r["devices"], r["lat_ratios"])),
+                         f"{r['lat_spread_pct']:.2f} %",
+                         " · ".join(f"{d} {format_ms(v)}" for d, v in zip(r["devices"], r["kernel_ms"])),
+                         f"{r['kernel_ms_spread_pct']:.2f} %" if _finite(r["kernel_ms_spread_pct"]) else "–",
+                         " · ".join(r["statuses"]) if not r["clean"] else "clean"])
+        parts.append(summary + ".\n\n" + md_table(["point", "lat_ratio per device", "lat_ratio spread",
+                                                     "kernel ms per device", "kernel ms spread", "status"], rows))
+    if not parts:
+        return None
+    return ("\n## Cross-device spread (--replicate)\n\n"
+            "A `--replicate` run measures every point on every device of its worker pool. Per point: each device's "
+            "median lat_ratio and median kernel time, and their spread = (max − min) / median of the per-device "
+            "medians, in %. A point is clean when every replica is; the tables above use one replica per point "
+            "(the best status, then the one stored last).\n\n" + "\n".join(parts))
 
 
 # -- the report's tables -------------------------------------------------------------------------------

@@ -171,8 +171,18 @@ def measure_point(point: Point, device: str, monitor=None, slowdown: dict | None
             torch.cuda.empty_cache()
 
 
+def gpu_ran_on(gpu) -> dict:
+    """What a record says about the GPU that ran it: its NVML index (label cuda:<index>, as gpu-status numbers
+    it), name and UUID."""
+    return {"label": f"cuda:{gpu.index}", "index": gpu.index, "name": gpu.name, "uuid": gpu.uuid}
+
+
+def cpu_ran_on(worker: int = 0) -> dict:
+    return {"label": f"cpu:{worker}", "worker": worker}
+
+
 def _attempt_record(point: Point, attempt: int, status: str, reasons, message, result: PairResult | None,
-                    before, after, monitor_summary):
+                    before, after, monitor_summary, ran_on: dict | None = None):
     k = result.kernel.summary() if result else None
     b = result.baseline.summary() if result and result.baseline else None
     mem_ratio = None
@@ -183,7 +193,8 @@ def _attempt_record(point: Point, attempt: int, status: str, reasons, message, r
     return {"point_id": point.id, "cell_id": point.cell.id, "n": point.n, "timing_mode": point.timing_mode,
             "attempt": attempt, "utc": utc_now(), "status": status, "disturbed_reasons": list(reasons),
             "message": message, "kernel": k, "baseline": b, "ratio": ratio, "sampling": sampling,
-            "mem_ratio": mem_ratio, "monitor": monitor_summary, "before": before, "after": after}
+            "mem_ratio": mem_ratio, "monitor": monitor_summary, "before": before, "after": after,
+            "ran_on": {**ran_on, "pid": os.getpid()} if ran_on else None}
 
 
 def _point_row(point: Point, record: dict, attempts: int) -> dict:
@@ -204,17 +215,22 @@ def _point_row(point: Point, record: dict, attempts: int) -> dict:
             "kernel_tflops": k.get("tflops"), "baseline_tflops": b.get("tflops"),
             "status": record["status"], "attempts": attempts, "reason": reason,
             "timing": point.timing_mode, "spread": r.get("spread"), "lat_ratio_ci_low": r.get("ci_low"),
-            "lat_ratio_ci_high": r.get("ci_high"), "ci_half_width": half}
+            "lat_ratio_ci_high": r.get("ci_high"), "ci_half_width": half,
+            "ran_on": (record.get("ran_on") or {}).get("label"), "ran_on_uuid": (record.get("ran_on") or {}).get("uuid")}
 
 
 class Runner:
     """Runs a Matrix into a run directory. `reader` is an NVML adapter (None on the CPU path)."""
 
-    def __init__(self, matrix: Matrix, options: RunOptions, reader=None, on_event=None, sleep=time.sleep):
+    def __init__(self, matrix: Matrix, options: RunOptions, reader=None, on_event=None, sleep=time.sleep,
+                 ran_on: dict | None = None):
         self.matrix, self.opt, self.reader = matrix, options, reader
         self.on_event = on_event or (lambda kind, **data: None)
         self.sleep = sleep
         self.gpu_index: int | None = None
+        # the device every record is stamped with: set when the GPU is chosen (cpu:0 on the CPU); a pool's worker
+        # gets its own (attnbench.pool)
+        self.ran_on = ran_on if ran_on is not None else (cpu_ran_on(0) if options.device == "cpu" else None)
         self.own_pid = os.getpid()
         self._last_snapshot: tuple[float, dict] | None = None
 
@@ -243,6 +259,7 @@ class Runner:
         if choice is None:
             raise NoCleanGpu(gpumod.no_clean_gpu_line(gpus, failures))
         self.gpu_index = choice.index
+        self.ran_on = gpu_ran_on(choice)
         return choice
 
     def _bind_torch_device(self, choice) -> None:
@@ -297,18 +314,7 @@ class Runner:
         return choice
 
     def _resume(self, store: RunStore) -> Path:
-        manifest = store.read_manifest()
-        # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
-        # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
-        # so nothing can mix with what it holds
-        complete = bool(manifest.get("finished_utc")) and self.matrix.covered_by(store.finished_point_ids())
-        if not self.matrix.can_resume(manifest) and not complete:
-            raise RunDirError(f"{store.path}: the cells of {self.matrix.path} this run measures changed since it "
-                              f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
-                              f"{self.matrix.sha256[:12]}); start a new run")
-        started_on = manifest.get("device") or "cuda"
-        if started_on != self.opt.device:
-            raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
+        manifest = check_resumable(store, self.matrix, self.opt.device, replicate=False)
         for line in store.repair():
             self.on_event("repair", run_dir=store.path, message=line)
         done = store.finished_point_ids()
@@ -341,7 +347,7 @@ class Runner:
         skip = _skip_reason(point, self.opt.device)
         if skip:
             snap = self._snapshot(reuse_s=3.0)   # nothing runs for a skipped point: the last snapshot still holds
-            record = _attempt_record(point, 1, "skipped", [], skip, None, snap, snap, None)
+            record = _attempt_record(point, 1, "skipped", [], skip, None, snap, snap, None, self.ran_on)
             store.append_attempt(record)
             row = _point_row(point, record, 1)
             store.append_point(row)
@@ -356,7 +362,8 @@ class Runner:
             monitor_summary = monitor.summary() if monitor else None
             status, reasons, message = policy.verdict(result, before, after, monitor_summary, self.opt.clean_check,
                                                       self.own_pid, self.opt.device)
-            record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary)
+            record = _attempt_record(point, attempt, status, reasons, message, result, before, after, monitor_summary,
+                                     self.ran_on)
             store.append_attempt(record)
             self.on_event("attempt", point=point, attempt=attempt, status=status, reasons=reasons)
             if not policy.retry(status, attempt):
@@ -365,6 +372,30 @@ class Runner:
         row = _point_row(point, record, attempt)
         store.append_point(row)
         return row
+
+
+def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: bool) -> dict:
+    """The manifest of a run directory that may be finished with `matrix` on `device` (with or without
+    --replicate, as it was started); RunDirError (one line) otherwise."""
+    manifest = store.read_manifest()
+    # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
+    # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
+    # so nothing can mix with what it holds
+    complete = bool(manifest.get("finished_utc")) and matrix.covered_by(store.finished_point_ids())
+    if not matrix.can_resume(manifest) and not complete:
+        raise RunDirError(f"{store.path}: the cells of {matrix.path} this run measures changed since it "
+                          f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
+                          f"{matrix.sha256[:12]}); start a new run")
+    started_on = manifest.get("device") or "cuda"
+    if started_on != device:
+        raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
+    replicated = bool((manifest.get("pool") or {}).get("replicate"))
+    if replicated and not replicate:
+        raise RunDirError(f"{store.path}: started with --replicate (every point on every worker); resume it with "
+                          f"--replicate and --gpus (or --workers on the CPU)")
+    if replicate and not replicated:
+        raise RunDirError(f"{store.path}: started without --replicate; resume it without --replicate")
+    return manifest
 
 
 class NoCleanGpu(RuntimeError):

@@ -111,7 +111,8 @@ def read_run_list(path) -> list[Path]:
 def run_progress(run: Run) -> dict:
     """How far a stored run got against the plan it was started with, and how to finish it.
 
-    Returns: run, matrix, started, measured (points stored), planned (points in the plan; None when the
+    Returns: run, matrix, started, measured (points stored; for a --replicate run, (point, device) pairs),
+    planned (points in the plan, times the pool's devices for a --replicate run; None when the
     matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
     or None when it is complete or can no longer be resumed)."""
     from attnbench.matrix import MatrixError, load_matrix
@@ -127,6 +128,10 @@ def run_progress(run: Run) -> dict:
     # a relative matrix path is relative to where the run was started (recorded as cwd since it is)
     where = Path(m["cwd"]) / path if m.get("cwd") and not Path(path).is_absolute() else Path(path)
     measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
+    # a --replicate run owes every point on every device of its pool: count (point, device) pairs
+    replicas = len((m.get("pool") or {}).get("devices") or []) if (m.get("pool") or {}).get("replicate") else 1
+    if replicas > 1 and len(run.points):
+        measured = len(run.points[["point_id", "ran_on"]].drop_duplicates())
     planned, problem = None, None
     try:
         if command == "spot-check":
@@ -138,7 +143,7 @@ def run_progress(run: Run) -> dict:
         if matrix is None:            # a spot-check file none of whose cells can run
             problem = "none of its cells can run now"
         elif matrix.can_resume(m) or (m.get("finished_utc") and matrix.covered_by(run.points["point_id"])):
-            planned = len(matrix.points())      # resumable, or complete under today's plan (a resume is a no-op)
+            planned = len(matrix.points()) * replicas   # resumable, or complete under today's plan (resume: a no-op)
         else:
             problem = ("its cells changed in the matrix since" if m.get("plan_sha256")
                        else "the matrix file changed since")

@@ -14,6 +14,15 @@ say so (``Run.torn``); a resume, holding the run directory's lock, moves it to `
 (kept, never dropped) and measures its point again. Anything malformed before the last line is
 corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid,
 so a second ``--resume`` of the same directory is refused instead of interleaving rows.
+
+Several writers (a worker pool, attnbench.pool). The pool is one holder of ``.lock``: its parent takes it and
+every worker inherits the same locked file description, so the lock lasts while any of them lives, and the file
+names the parent and its workers. Each record is appended under an exclusive flock of its file, in one
+``write`` (looped only on a short write) and fsync'd, so two workers' records never interleave. A writer killed
+mid-record leaves a partial line that the next append finds, under that lock, and sets aside in
+``torn_records.jsonl`` before writing: a torn record never ends up in the middle of a file. Every row names the
+device that ran it (``ran_on``: ``cuda:<NVML index>`` or ``cpu:<worker>``, and the GPU's UUID); with
+``--replicate`` a point is finished per device (``finished_replicas``).
 """
 from __future__ import annotations
 
@@ -39,6 +48,8 @@ POINT_COLUMNS = [
     "timing", "spread", "lat_ratio_ci_low", "lat_ratio_ci_high", "ci_half_width",
     # the attention problem's K/V heads and lengths (= heads, n, n unless the cell says otherwise)
     "kv_heads", "q_len", "kv_len",
+    # the device that measured the point: cuda:<NVML index> or cpu:<worker>, and the GPU's UUID (empty on a CPU)
+    "ran_on", "ran_on_uuid",
 ]
 # What every stored run has. Runs from before the later columns read back with them filled (timing "eager", the
 # rest empty) and keep their own header when resumed.
@@ -46,7 +57,7 @@ REQUIRED_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]
 # clean | disturbed: the measurement window (attnbench.measure.noise); "noisy": runs written before that split
 STATUSES = ("clean", "disturbed", "noisy", "oom", "skipped", "error")
 HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
-LOCK_FILE = ".lock"                      # the writer's pid while a run is measured or resumed
+LOCK_FILE = ".lock"                      # the writer's pid (a pool's: its parent's, then its workers') while measured
 TORN_FILE = "torn_records.jsonl"         # torn last lines set aside by a resume, with where they came from
 SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -128,7 +139,7 @@ class RunStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise RunDirError(f"{self.path}: in use by another attnbench process (pid {holder}) that holds "
                                   f"its lock ({LOCK_FILE}); wait for it to finish or stop it") from None
@@ -142,6 +153,18 @@ class RunStore:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The locked file descriptor (a worker pool hands duplicates of it to its workers: one holder)."""
+        return self._lock_fd
+
+    def name_lock_holders(self, worker_pids) -> None:
+        """Write the pool's workers beside this process's pid into the lock file (what a refused resume names)."""
+        assert self._lock_fd is not None, "name_lock_holders() needs the run directory's lock"
+        text = f"{os.getpid()}" + (f" (workers {', '.join(map(str, worker_pids))})" if worker_pids else "")
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{text}\n".encode(), 0)
 
     def unlock(self) -> None:
         if self._lock_fd is None:
@@ -180,7 +203,7 @@ class RunStore:
     def append_attempt(self, record: dict) -> None:
         line = json.dumps(record, default=_json_default, allow_nan=False) if _all_finite(record) else \
             json.dumps(_nan_to_none(record), default=_json_default)
-        _append_line(self.path / "attempts.jsonl", line + "\n")
+        _append_line(self.path / "attempts.jsonl", line + "\n", heal=True)
 
     def append_point(self, row: dict) -> None:
         unknown = set(row) - set(POINT_COLUMNS)
@@ -191,7 +214,7 @@ class RunStore:
         values = [_csv_value(row.get(col)) for col in self._header()]
         buf = io.StringIO()
         csv.writer(buf).writerow(values)
-        _append_line(self.path / "points.csv", buf.getvalue())   # one write: a crash tears at most this row
+        _append_line(self.path / "points.csv", buf.getvalue(), heal=True)   # one write: a crash tears at most this row
 
     def _header(self) -> list[str]:
         """points.csv's own header (read once; a resume repairs an emptied or torn file before appending)."""
@@ -207,6 +230,16 @@ class RunStore:
             return set()
         column = rows[0].index("point_id")
         return {row[column] for row in rows[1:]}
+
+    def finished_replicas(self) -> set[tuple[str, str]]:
+        """(point_id, ran_on) of every complete row: what a --replicate run has measured on which device
+        (rows from before the ran_on column: device "")."""
+        rows, _, _ = _read_points(self.path / "points.csv")
+        if not rows:
+            return set()
+        column = rows[0].index("point_id")
+        device = rows[0].index("ran_on") if "ran_on" in rows[0] else None
+        return {(row[column], row[device] if device is not None else "") for row in rows[1:]}
 
     def repair(self) -> list[str]:
         """Under the lock, before resuming: move torn last lines to torn_records.jsonl and give an emptied
@@ -241,11 +274,55 @@ class RunStore:
         _append_line(self.path / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n")
 
 
-def _append_line(path: Path, line: str) -> None:
-    with open(path, "a", newline="", encoding="utf-8") as fh:
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+def _append_line(path: Path, line: str, *, heal: bool = False) -> None:
+    """Append one whole record and fsync it, under an exclusive flock of the file: the records of several
+    writers (a worker pool) never interleave. `heal`: first set aside a partial last line that a writer killed
+    mid-record left (it cannot be one being written: that writer would hold the lock), so the new record starts
+    on a line of its own and the torn one never ends up in the middle of the file."""
+    import fcntl
+
+    data = line.encode("utf-8")
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)   # read too: _heal_tail
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if heal:
+            _heal_tail(path, fd)
+        view = memoryview(data)
+        while view:   # one write for a regular file; the loop only guards against a short write
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)   # releases the flock
+
+
+def _heal_tail(path: Path, fd: int) -> None:
+    """Under the file's append lock: a partial last line is a record whose writer died mid-write. A whole JSON
+    record that only lacks its newline gets it; anything else is moved to torn_records.jsonl (kept) and cut off.
+    (points.csv without one complete line has a torn header: left to resume, which restores it.)"""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start, chunk = size, 1 << 16
+    while start > 0:   # just after the last newline (0: none), read backwards in chunks (attempts.jsonl is large)
+        lo = max(0, start - chunk)
+        cut = os.pread(fd, start - lo, lo).rfind(b"\n")
+        start = lo + cut + 1 if cut >= 0 else lo
+        if cut >= 0:
+            break
+    if start == 0 and path.name == "points.csv":
+        return   # a torn header: resume restores it
+    tail = os.pread(fd, size - start, start).decode("utf-8", "surrogateescape")
+    if path.name == "attempts.jsonl":
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole:
+            os.write(fd, b"\n")
+            return
+    record = {"file": path.name, "set_aside_utc": utc_now(), "text": tail}
+    _append_line(path.parent / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n")
+    os.ftruncate(fd, start)
 
 
 def _truncate_tail(path: Path, nbytes: int) -> None:
