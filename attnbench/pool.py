@@ -318,7 +318,7 @@ class Pool:
                 task_in.close()
                 event_out.close()
         # with --replicate, every device that ever measured in this run owes every point (a GPU left out of this
-        # session included): the run is finished only when none is missing
+        # invocation included): the run is finished only when none is missing
         # (a worker that failed after the others had measured everything leaves a complete run: its line was shown)
         still = self._missing(store, self._known_devices(store.read_manifest()))
         if still:
