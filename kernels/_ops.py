@@ -1,6 +1,7 @@
 """The autograd layer of the four kernels' torch.library ops: one registration pattern for all of them.
 
-Each kernel defines its ops with torch.library.Library (namespace ``attnbench``):
+Each kernel defines its ops with torch.library.Library (namespace ``attnbench``; ``define_op``: the schema with
+its CPU and CUDA body):
   - an entry op, what its public function calls: CPU and CUDA bodies, a fake, and the Autograd kernel made here
     (``register_autograd``);
   - the halves of its autograd formula, not differentiable themselves (``not_differentiable``: the Autograd key
@@ -107,11 +108,24 @@ def autograd_kernel(function: type[KernelFunction], body, op, tensors: int):
     return kernel
 
 
+def _op(lib: torch.library.Library, name: str):
+    return getattr(getattr(torch.ops, lib.ns), name).default
+
+
+def define_op(lib: torch.library.Library, schema: str, body):
+    """Define the op ``schema`` ("name(args) -> results") in ``lib`` with ``body`` as its CPU and CUDA kernel;
+    returns its default overload (what the kernel calls)."""
+    name = schema.split("(", 1)[0]
+    lib.define(schema)
+    for key in ("CPU", "CUDA"):
+        lib.impl(name, body, key)
+    return _op(lib, name)
+
+
 def register_autograd(lib: torch.library.Library, name: str, function: type[KernelFunction], body,
                       tensors: int = 3) -> None:
     """Install ``autograd_kernel`` on the entry op ``lib.ns::name`` (its CPU/CUDA body ``body``)."""
-    op = getattr(getattr(torch.ops, lib.ns), name).default
-    lib.impl(name, autograd_kernel(function, body, op, tensors), "Autograd")
+    lib.impl(name, autograd_kernel(function, body, _op(lib, name), tensors), "Autograd")
 
 
 def not_differentiable(lib: torch.library.Library, *names: str) -> None:

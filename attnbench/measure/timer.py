@@ -25,17 +25,22 @@ class TimerError(RuntimeError):
     """A timing mode this device cannot do, or a body that cannot be armed (one line)."""
 
 
-class CpuTimer:
-    """perf_counter around the call; ``--device cpu`` only (the numbers exercise the pipeline, nothing more)."""
+class _Eager:
+    """Times the body as it is: nothing to arm or release."""
 
     mode = "eager"
-    device = "cpu"
 
     def arm(self, body: Callable[[], object]) -> Callable[[], object]:
         return body
 
     def disarm(self) -> None:
         pass
+
+
+class CpuTimer(_Eager):
+    """perf_counter around the call; ``--device cpu`` only (the numbers exercise the pipeline, nothing more)."""
+
+    device = "cpu"
 
     def start(self):
         return time.perf_counter()
@@ -50,31 +55,23 @@ class CpuTimer:
         pass
 
 
-class EventTimer:
-    """CUDA events recorded on the current stream before and after an eager call."""
+class EventTimer(_Eager):
+    """CUDA events recorded on the current stream before and after an eager call. Both events are made before
+    the first is recorded: in eager mode the host time between the call's launches and the end record counts
+    (the GPU may idle there), so ``stop`` does nothing but record."""
 
-    mode = "eager"
     device = "cuda"
-
-    def arm(self, body: Callable[[], object]) -> Callable[[], object]:
-        return body
-
-    def disarm(self) -> None:
-        pass
 
     def start(self):
         import torch
 
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin, end
 
     def stop(self, start):
-        import torch
-
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return (start, ev)
+        start[1].record()
+        return start
 
     def elapsed_ms(self, token) -> float:
         return token[0].elapsed_time(token[1])

@@ -25,7 +25,7 @@ import torch
 
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, layout, signature,
                        unit_last)
-from .._ops import KernelFunction, below_autograd, not_differentiable, plain, register_autograd
+from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
 from .schedule import resident_schedule
@@ -207,17 +207,13 @@ def resident_backward(do, q, k, v, out, lse, causal: bool, scale: float, c: int,
 # --- the ops ------------------------------------------------------------------------------------------------
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
-_lib.define("cqsa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int c, int itr, str precision, "
-            "int[] tiles) -> (Tensor, Tensor)")
-_lib.define("cqsa_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float scale, "
-            "int c, int itr, str precision, int[] tiles) -> (Tensor, Tensor, Tensor)")
-for _key in ("CPU", "CUDA"):
-    _lib.impl("cqsa_fwd", resident_forward, _key)
-    _lib.impl("cqsa_bwd", resident_backward, _key)
 # Resident CQSA forward: (out [B,Hq,Nq,D], lse [B,Hq,Nq] fp32 natural log); precision: tl.dot's input precision;
 # tiles: resolve_tiles()'s 12 ints. Backward (§4.2 form with the forward's global lse): (dq, dk, dv).
-cqsa_fwd = torch.ops.attnbench.cqsa_fwd.default
-cqsa_bwd = torch.ops.attnbench.cqsa_bwd.default
+cqsa_fwd = define_op(_lib, "cqsa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int c, int itr, "
+                           "str precision, int[] tiles) -> (Tensor, Tensor)", resident_forward)
+cqsa_bwd = define_op(_lib, "cqsa_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+                           "float scale, int c, int itr, str precision, int[] tiles) -> (Tensor, Tensor, Tensor)",
+                     resident_backward)
 
 
 @torch.library.register_fake("attnbench::cqsa_fwd", lib=_lib)

@@ -24,7 +24,7 @@ import torch
 
 from .._common import (LOG2E, PRECISIONS, LaunchPlan, Prepared, SignatureCache, block_d, check_inputs,
                        check_precision, default_scale, dot_precision, layout, signature, unit_last)
-from .._ops import KernelFunction, below_autograd, not_differentiable, plain, register_autograd
+from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from . import configs
 from . import kernel as tk
 from .reference import RELAY_THRESHOLD, visible_anchors, visible_relay_blocks, window
@@ -248,15 +248,11 @@ def _backward(do, q, k, v, o, lse, scale, relay_threshold, precision, config):
 # --- the torch.library ops -----------------------------------------------------------------------------------
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
-_lib.define("cron_root_fwd(Tensor q, Tensor k, Tensor v, float scale, int relay_threshold, str precision, "
-            "str config) -> (Tensor, Tensor)")
-_lib.define("cron_root_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-            "int relay_threshold, str precision, str config) -> (Tensor, Tensor, Tensor)")
-for _key in ("CPU", "CUDA"):
-    _lib.impl("cron_root_fwd", _forward, _key)
-    _lib.impl("cron_root_bwd", _backward, _key)
-fwd_op = torch.ops.attnbench.cron_root_fwd.default
-bwd_op = torch.ops.attnbench.cron_root_bwd.default
+fwd_op = define_op(_lib, "cron_root_fwd(Tensor q, Tensor k, Tensor v, float scale, int relay_threshold, "
+                         "str precision, str config) -> (Tensor, Tensor)", _forward)
+bwd_op = define_op(_lib, "cron_root_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                         "float scale, int relay_threshold, str precision, str config) -> (Tensor, Tensor, Tensor)",
+                   _backward)
 
 
 @torch.library.register_fake("attnbench::cron_root_fwd", lib=_lib)

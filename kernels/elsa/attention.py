@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import HEAD_DIMS, PRECISIONS, check_inputs, check_precision, default_scale
+from .._common import HEAD_DIMS, PRECISIONS, SignatureCache, check_inputs, check_precision, default_scale
 from . import ops
 from .config import canonical_config
 
@@ -14,8 +14,7 @@ __all__ = ["elsa_attention", "HEAD_DIMS", "PRECISIONS"]
 
 # Signatures already validated -> the resolved scale (validation is a fixed cost per call that a short
 # sequence feels: it runs once per signature, the cache key holds everything it checks).
-_validated: dict = {}
-_MAX_VALIDATED = 1024
+_validated = SignatureCache()
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -75,7 +74,5 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
     if resolved is None:
         resolved = _validate(q, k, v, causal, scale, precision, attn_bias)
         if key is not None:
-            if len(_validated) >= _MAX_VALIDATED:
-                _validated.clear()
-            _validated[key] = resolved
+            _validated.put(key, resolved)
     return ops.elsa(q, k, v, attn_bias, causal, resolved, precision, "")

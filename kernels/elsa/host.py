@@ -22,22 +22,20 @@ import torch
 
 from .. import _flash_core as core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, interpreted, unit_last
-from .._launch import Prepared, SignatureCache, layout
+from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from . import trace
 from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
 _GRID_Y_MAX = 65535
-# Plans are keyed by the full call signature; a cache that grows past this is cleared (each signature is then
-# planned once more).
-_MAX_PLANS = 1024
-_fwd_plans = SignatureCache(_MAX_PLANS)
-_bwd_plans = SignatureCache(_MAX_PLANS)
+# Plans are keyed by the full call signature (a SignatureCache: cleared when full, each signature is then planned
+# once more).
+_fwd_plans = SignatureCache()
+_bwd_plans = SignatureCache()
 _f32 = torch.float32
 _empty = torch.empty
 _zeros = torch.zeros
-_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def clear_plans() -> None:
@@ -54,12 +52,6 @@ def _signature(q, k, v, bias, causal, scale, precision, config, flag):
     """Everything a plan depends on: shapes, strides, dtypes, devices and 16-byte alignment of each data pointer
     (kernels._launch.layout: Triton specialises on it; so do the prepared launches), and the options."""
     return (layout(q, k, v) if bias is None else layout(q, k, v, bias)), causal, scale, precision, config, flag
-
-
-def _off_device(device_index) -> bool:
-    """True when the call's CUDA device is not the current one (Triton launches on the current device): the
-    caller then runs under torch.cuda.device(device_index). The common case costs one C call."""
-    return device_index is not None and _cuda_get_device() != device_index
 
 
 class _Common:
@@ -104,11 +96,12 @@ class _Common:
 # Forward
 # ------------------------------------------------------------------------------------------------
 
-class _FwdPlan:
+class _FwdPlan(LaunchPlan):
     """Buffers and prepared launches of the forward of one signature."""
 
     def __init__(self, q, k, v, bias, causal, scale, precision, config, need_lse):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
+        self.device_index = c.device_index
         self.need_lse = need_lse
         self.out_shape = (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
@@ -201,31 +194,25 @@ def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, conf
     key = _signature(q, k, v, bias, causal, scale, precision, config, need_lse)
     plan = _fwd_plans.get(key)
     if plan is None:
-        plan = _FwdPlan(q, k, v, bias, causal, scale, precision, config, need_lse)
-        if len(_fwd_plans) >= _MAX_PLANS:
-            _fwd_plans.clear()
-        _fwd_plans[key] = plan
+        plan = _fwd_plans.put(key, _FwdPlan(q, k, v, bias, causal, scale, precision, config, need_lse))
     return plan
 
 
 def forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
     """(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 in log2 units, or None unless need_lse)."""
-    plan = forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)
-    if _off_device(plan.c.device_index):
-        with torch.cuda.device(plan.c.device_index):
-            return plan.run(q, k, v, bias)
-    return plan.run(q, k, v, bias)
+    return forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)(q, k, v, bias)
 
 
 # ------------------------------------------------------------------------------------------------
 # Backward
 # ------------------------------------------------------------------------------------------------
 
-class _BwdPlan:
+class _BwdPlan(LaunchPlan):
     """Buffers and prepared launches of the backward of one signature (that of the forward plus dO's layout)."""
 
     def __init__(self, do, q, k, v, bias, causal, scale, precision, config, bias_grad):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
+        self.device_index = c.device_index
         if tuple(do.shape) != (c.B, c.H, c.NQ, c.D) or do.dtype != c.dtype or do.device != c.device:
             raise ValueError(f"elsa: the output gradient is {tuple(do.shape)} {do.dtype} on {do.device}, expected "
                              f"{(c.B, c.H, c.NQ, c.D)} {c.dtype} on {c.device}")
@@ -296,10 +283,7 @@ def backward_plan(do, q, k, v, bias, causal: bool, scale: float, precision: str,
            do.dtype, do.data_ptr() & 15 == 0)
     plan = _bwd_plans.get(key)
     if plan is None:
-        plan = _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)
-        if len(_bwd_plans) >= _MAX_PLANS:
-            _bwd_plans.clear()
-        _bwd_plans[key] = plan
+        plan = _bwd_plans.put(key, _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad))
     return plan
 
 
@@ -307,8 +291,4 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision:
              bias_grad: bool):
     """(dq, dk, dv), and with bias_grad dscores, the fp32 gradient of the natural-log scores [B, Hq, Nq, Nk]
     (what attn_bias's gradient sums); dk, dv summed over each key/value head's query group."""
-    plan = backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)
-    if _off_device(plan.c.device_index):
-        with torch.cuda.device(plan.c.device_index):
-            return plan.run(do, q, k, v, out, lse, bias)
-    return plan.run(do, q, k, v, out, lse, bias)
+    return backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)(do, q, k, v, out, lse, bias)

@@ -26,22 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from .._ops import KernelFunction, not_differentiable, plain, register_autograd
+from .._ops import KernelFunction, define_op, not_differentiable, plain, register_autograd
 from . import host
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
 _ARGS = "Tensor q, Tensor k, Tensor v, Tensor? attn_bias, bool causal, float scale, str precision, str config"
-_lib.define(f"elsa({_ARGS}) -> Tensor")
-_lib.define(f"elsa_fwd({_ARGS}) -> (Tensor, Tensor)")
 _BWD_ARGS = ("Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, bool causal, "
              "float scale, str precision, str config")
-_lib.define(f"elsa_bwd({_BWD_ARGS}) -> (Tensor, Tensor, Tensor)")
-_lib.define(f"elsa_bwd_bias({_BWD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
-
-elsa = torch.ops.attnbench.elsa.default
-elsa_fwd = torch.ops.attnbench.elsa_fwd.default
-elsa_bwd = torch.ops.attnbench.elsa_bwd.default
-elsa_bwd_bias = torch.ops.attnbench.elsa_bwd_bias.default
 
 
 def _elsa_impl(q, k, v, attn_bias, causal, scale, precision, config):
@@ -60,11 +51,11 @@ def _elsa_bwd_bias_impl(grad_out, q, k, v, out, lse, attn_bias, causal, scale, p
     return host.backward(grad_out, q, k, v, out, lse, attn_bias, causal, scale, precision, config, True)
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("elsa", _elsa_impl, _key)
-    _lib.impl("elsa_fwd", _elsa_fwd_impl, _key)
-    _lib.impl("elsa_bwd", _elsa_bwd_impl, _key)
-    _lib.impl("elsa_bwd_bias", _elsa_bwd_bias_impl, _key)
+elsa = define_op(_lib, f"elsa({_ARGS}) -> Tensor", _elsa_impl)
+elsa_fwd = define_op(_lib, f"elsa_fwd({_ARGS}) -> (Tensor, Tensor)", _elsa_fwd_impl)
+elsa_bwd = define_op(_lib, f"elsa_bwd({_BWD_ARGS}) -> (Tensor, Tensor, Tensor)", _elsa_bwd_impl)
+elsa_bwd_bias = define_op(_lib, f"elsa_bwd_bias({_BWD_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+                          _elsa_bwd_bias_impl)
 # elsa_fwd and the backward ops are the halves of elsa's autograd formula, not differentiable themselves:
 # autograd passes through them (their outputs never require grad; elsa's backward refuses a second derivative)
 not_differentiable(_lib, "elsa_fwd", "elsa_bwd", "elsa_bwd_bias")

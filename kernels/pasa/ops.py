@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, layout,
                              unit_last)
-from kernels._ops import KernelFunction, below_autograd, plain, register_autograd
+from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
@@ -47,8 +47,7 @@ def fa16_options(tiles: tuple) -> str:
     return f"tiles={','.join(map(str, tiles))}"
 
 
-_parsed: dict = {}
-_MAX_ENTRIES = 1024   # per cache: a sweep over many scales or tiles clears it rather than growing it forever
+_parsed = SignatureCache()
 
 
 def _parse(options: str) -> dict:
@@ -57,9 +56,7 @@ def _parse(options: str) -> dict:
     if fields is None:
         fields = dict(item.split("=", 1) for item in options.split())
         fields["tiles"] = tuple(int(x) for x in fields["tiles"].split(","))
-        if len(_parsed) >= _MAX_ENTRIES:
-            _parsed.clear()
-        _parsed[options] = fields
+        _parsed.put(options, fields)
     return fields
 
 
@@ -68,8 +65,8 @@ def _parse(options: str) -> dict:
 # (options, head dim, causal, scale) -> everything a PASA call derives from them: the tile, β's shift entries
 # diag and off (λM's two distinct entries rounded to fp16, ①), the recovery's c = β/(1 − β), and the constexprs
 # of both launches. Built once per key (β* by the fixed point of beta.py), never per call.
-_pasa_plans: dict = {}
-_fa16_plans: dict = {}
+_pasa_plans = SignatureCache()
+_fa16_plans = SignatureCache()
 
 
 def _pasa_plan(options: str, d: int, causal: bool, scale: float) -> tuple:
@@ -85,9 +82,7 @@ def _pasa_plan(options: str, d: int, causal: bool, scale: float) -> tuple:
         main = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, CAUSAL=causal,
                     STATE_FP32=opts["state"] == "fp32", FUSED=opts["loop"] == "fused", num_warps=num_warps,
                     num_stages=num_stages)
-        if len(_pasa_plans) >= _MAX_ENTRIES:
-            _pasa_plans.clear()
-        plan = _pasa_plans[key] = (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main)
+        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main))
     return plan
 
 
@@ -96,10 +91,8 @@ def _fa16_plan(options: str, d: int, causal: bool) -> tuple:
     plan = _fa16_plans.get(key)
     if plan is None:
         block_m, block_n, num_warps, num_stages = _parse(options)["tiles"]
-        if len(_fa16_plans) >= _MAX_ENTRIES:
-            _fa16_plans.clear()
-        plan = _fa16_plans[key] = (block_m, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d(d),
-                                                 CAUSAL=causal, num_warps=num_warps, num_stages=num_stages))
+        plan = _fa16_plans.put(key, (block_m, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d(d),
+                                                   CAUSAL=causal, num_warps=num_warps, num_stages=num_stages)))
     return plan
 
 
@@ -258,9 +251,7 @@ def _forward_only_function(name: str, op_name: str, body) -> type:
 
 FUNCTIONS = {}      # name -> the autograd Function of its op
 for _name, _body in (("pasa", _pasa_fwd), ("fa16", _fa16_fwd)):
-    _lib.define(f"{_name}_fwd{_FORWARD_SCHEMA}")
-    for _key in ("CPU", "CUDA"):
-        _lib.impl(f"{_name}_fwd", _body, _key)
+    define_op(_lib, f"{_name}_fwd{_FORWARD_SCHEMA}", _body)
     torch.library.register_fake(f"attnbench::{_name}_fwd", _forward_fake, lib=_lib)
     FUNCTIONS[_name] = _forward_only_function(_name, f"{_name}_fwd", _body)
     register_autograd(_lib, f"{_name}_fwd", FUNCTIONS[_name], _body)
