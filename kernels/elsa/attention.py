@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common import HEAD_DIMS, PRECISIONS, SignatureCache, check_inputs, check_precision, default_scale
+from .._common import (HEAD_DIMS, PRECISIONS, SignatureCache, check_inputs, check_precision, default_scale,
+                       signature)
 from . import ops
 from .config import canonical_config
 
@@ -64,13 +65,10 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
     if config is not None or _is_compiling():
         scale = _validate(q, k, v, causal, scale, precision, attn_bias)
         return ops.elsa(q, k, v, attn_bias, causal, scale, precision, canonical_config(config, q.dtype, q.shape[-1]))
-    try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               causal.__class__, causal, scale.__class__, scale, precision,
-               None if attn_bias is None else (attn_bias.shape, attn_bias.dtype, attn_bias.device))
-        resolved = _validated.get(key)
-    except (AttributeError, TypeError):          # not tensors, or an unhashable option: the checks say why
-        key = resolved = None
+    key = signature(q, k, v, causal, scale, precision)
+    if key is not None and attn_bias is not None:   # the bias's checks: its shape, dtype and device
+        key = (key, attn_bias.shape, attn_bias.dtype, attn_bias.device) if type(attn_bias) is torch.Tensor else None
+    resolved = _validated.get(key)
     if resolved is None:
         resolved = _validate(q, k, v, causal, scale, precision, attn_bias)
         if key is not None:
