@@ -222,7 +222,7 @@ PASA_CANDIDATES = {
 
 
 def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
-    from kernels._common import block_d
+    from kernels._common import block_d, head_dim_tiles
     from kernels.pasa import kernel as K
     from kernels.pasa.attention import DEFAULT_CONFIGS, TILE_PARAMS, VARIANTS
     from kernels.pasa.ops import SHIFT_WARPS
@@ -234,18 +234,19 @@ def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         shipped = tuple(DEFAULT_CONFIGS["pasa"][block_d(d)]["fwd"][p] for p in TILE_PARAMS)
         configs = PASA_CANDIDATES.get(d, [shipped]) if tiles else [shipped]
         for bm, bn, w, st in configs:
-            meta = dict(BLOCK_N=bn, D=d, BLOCK_D=block_d(d))
+            bd, bd2 = head_dim_tiles(d)
+            meta = dict(BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2)
             jobs.append(Job("pasa", "shift_k", K._shift_k_kernel, "fp16", meta, SHIFT_WARPS, 1, ptrs, floats=floats,
                             div16=stride, label=dict(D=d, cfg=[bn, SHIFT_WARPS, 1])))
             for causal, state in itertools.product((False, True), ("fp16", "fp32")):
                 for variant in VARIANTS:
-                    meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal,
+                    meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2, CAUSAL=causal,
                                 STATE_FP32=state == "fp32", FUSED=VARIANTS[variant])
                     jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
                                     div16=stride, label=dict(D=d, variant=variant, causal=causal, state=state,
                                                              cfg=[bm, bn, w, st])))
             for causal in (False, True):
-                meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal)
+                meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2, CAUSAL=causal)
                 jobs.append(Job("pasa", "fa16", K._fa16_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
                                 div16=stride, label=dict(D=d, causal=causal, cfg=[bm, bn, w, st])))
     return jobs
