@@ -408,7 +408,7 @@ def _randn_inputs(hq, hkv, nq, nk, d, device, seed, dtype=torch.float16):
     return q, k, v
 
 
-# (D, Hq, Hkv, Nq, Nk): the head dim in one column tile (16 padded to 16, 64, 256) and in two
+# (D, Hq, Hkv, Nq, Nk): the head dim in one column tile (16, 64, 256) and in two
 # (kernels._common.head_dim_tiles: 40 = 32 + 16 and 72 = 64 + 16 with the second tile masked past D, 80 = 64 + 16,
 # 96 = 64 + 32, 160 = 128 + 32 exact), group ratios 1, 2 and Hq (multi-query), queries fewer and more than keys,
 # odd lengths; D >= 160 short (the interpreter is slow there)
