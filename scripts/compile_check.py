@@ -189,6 +189,7 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels._common import block_d
     from kernels.cron_root import kernel as K
+    from kernels.cron_root.attention import forward_tiles
     from kernels.cron_root.configs import default_gpu_configs
 
     if tiles:
@@ -205,6 +206,8 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 for grouped in ((False, True) if name in ("glob", "loc") else (None,)):
                     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
                     meta.update(HEAD_DIM=d, BLOCK_D=block_d(d), PREC=prec)
+                    if fn is K._fwd:
+                        meta.update(forward_tiles(d))         # the forward splits D = 80 into 64 + 16 columns
                     if grouped is not None:
                         meta["GROUPED"] = grouped
                     jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4),
