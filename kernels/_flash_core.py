@@ -23,9 +23,11 @@ fold_keys splits [lo, hi) into a hot loop of full tiles that need no mask (every
 before the block's first row's horizon) and a short masked loop (the ragged end past n_k, the causal diagonal
 band); warp-specialized, it is one loop (all triton 3.6's Hopper pass accepts: fold_keys' docstring). Causal is bottom-right aligned: query row i sees key j iff j <= i + causal_shift (causal_shift =
 Nk - Nq for the contract's alignment, 0 for self-attention). GQA: the caller passes the kv head's base.
-Head dims that are not a power of two are padded to BLOCK_D (a power of two >= 16): Triton block shapes must
-be powers of two (tensor descriptors included: triton 3.6's and 3.9's interpreters reject a [8, 40] block), and
-the padded columns read as zero,
+Head dims: Triton block shapes must be powers of two (tensor descriptors included: triton 3.6's and 3.9's
+interpreters reject a [8, 40] block), so D is covered by (BLOCK_D, BLOCK_D2) = kernels._common.head_dim_tiles(D):
+two tiles where they are narrower than one padded tile (D = 80: columns [0, 64) and [64, 80), 64 + 16 columns of
+MMA work instead of 128; fold_keys' optional second-tile arguments), else one tile of block_d(D) >= D columns
+(BLOCK_D2 = 0, resolved at compile time: that path is the one-tile loop unchanged). Columns past D read as zero,
 so they add nothing to q . k and give zero output columns that are never stored.
 
 Host decisions, one place each: `use_descriptors` (TMA descriptors or pointers), `warp_specialize_ok`,

@@ -316,6 +316,38 @@ def test_gpu_shipped_path_matches_float64(dtype, d, n, causal):
     assert err <= TOL[dtype], f"rel RMS {err:.2e} ({ran['tiles']}, ws={ran['warp_specialize']})"
 
 
+def _sdpa_math_fp32(q, k, v, causal):
+    """SDPA's math backend in float32 on the same (dtype-rounded) inputs, K/V repeated per group (Nq == Nk)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, is_causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["automatic", *PATHS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("d, tiles", [(80, (64, 16)), (96, (64, 32))])
+def test_gpu_two_head_dim_tiles_match_sdpa_math(path, dtype, d, tiles):
+    """D = 80 and 96 as two column tiles (64 + 16, 64 + 32) on the H100, N = 4096, GQA 2, against SDPA math in
+    float32: the automatic choice (warp-specialized non-causal, descriptors causal), and each path forced (the
+    warp-specialized one non-causal only: its masked loop is test_gpu_warp_specialized_masked_loop's)."""
+    q, k, v = _inputs(1, 8, 4, 4096, 4096, d, dtype, "cuda")
+    for causal in (False, True) if path != "descriptors+ws" else (False,):
+        if path == "automatic":
+            out, ran = core.forward(q, k, v, causal=causal)
+            assert ran["descriptors"] and ran["warp_specialize"] == (not causal)
+        else:
+            out, ran = core.forward(q, k, v, causal=causal, config={"fwd": dict(block_m=128, block_n=128,
+                                    num_warps=4, num_stages=2)}, **PATHS[path])
+        assert ran["head_dim_tiles"] == tiles
+        if ran["warp_specialize"]:
+            assert ran["compiled"].metadata.num_warps > 4, "warp specialization did not take with two tiles"
+        err = _rel_rms(out, _sdpa_math_fp32(q, k, v, causal))
+        assert err <= TOL[dtype], f"causal={causal}: rel RMS {err:.2e} ({ran['tiles']})"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("d, n, causal", [(64, 4096, True), (128, 4096, True), (128, 4096, False),

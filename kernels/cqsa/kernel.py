@@ -13,8 +13,10 @@ Shapes the kernels take (the contract of kernels/_common.py):
   expanded dK/dV);
 - Nq != Nk with causal aligned bottom-right: key n is visible from query m iff n <= m + delta + causal_off,
   causal_off = Nk - Nq and delta per range from the schedule (0 in global coordinates);
-- any head dim D that is a multiple of 8 up to 256: tiles are BLOCK_D = block_d(D) wide and the columns
-  past D are masked (loads give 0, stores skip them); fp32 state keeps D columns.
+- any head dim D that is a multiple of 8 up to 256: the backward's tiles are BLOCK_D = block_d(D) wide; the
+  forward's are (BLOCK_D, BLOCK_D2) = head_dim_tiles(D), two power-of-two column tiles where they are narrower
+  than one padded tile (D = 80: 64 + 16, not 128); the columns past D are masked (loads give 0, stores skip
+  them); fp32 state keeps D columns.
 q, k, v, dO: any strides with a unit feature stride; every buffer the kernels allocate themselves
 (outputs, lse, state) is contiguous, so only its row count is passed.
 

@@ -8,8 +8,9 @@ Notation (kernels/elsa/NOTES.md and shared/specs/elsa.md):
 
 Shapes: q [B, H, NQ, D]; k, v [B, HKV, NK, D] with H = HKV * GROUP (grouped-query attention: query head h
 reads key/value head h // GROUP in place). Causal is aligned bottom-right: query i sees keys j <= i + NK - NQ.
-The head dim D (HEAD_DIM) is padded to the power-of-two tile width BLOCK_D: columns past D load as 0 and are
-never stored, so every product and sum is the unpadded one.
+The head dim D (HEAD_DIM) is covered by power-of-two column tiles: in phase 1 (BLOCK_D, BLOCK_D2) =
+head_dim_tiles(D) (D = 80: 64 + 16 columns; BLOCK_D2 = 0: one tile), in phase 2 and the backward one tile of
+BLOCK_D = block_d(D). Columns past D load as 0 and are never stored, so every product and sum is the unpadded one.
 
 Tensors q, k, v, out, dO are addressed through (batch, head, row) strides with a unit feature stride,
 so timm's permuted q/k/v views need no copy. The (b, h) base offset is int64; within one head the
