@@ -467,12 +467,13 @@ def constexprs(kernel: str, head_dim: int, tiles, causal: bool, precision: str, 
     """The compile-time arguments and launch options of `kernel` ("fwd", "dq", "dkdv") for these tiles."""
     i = 4 * PARTS.index(kernel)
     bm, bn, warps, stages = tiles[i:i + 4]
-    # the forward covers the head dim with two power-of-two tiles where they are narrower than one (D = 80: 64 + 16
-    # columns of MMA work, not 128); the backward keeps the one padded tile
-    bd, bd2 = head_dim_tiles(head_dim) if kernel == "fwd" else (block_d(head_dim), None)
-    tiles_d = dict(BLOCK_D=bd) if bd2 is None else dict(BLOCK_D=bd, BLOCK_D2=bd2)
-    return dict(HEAD_DIM=head_dim, **tiles_d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-                PRECISION=precision, **extra, num_warps=warps, num_stages=stages)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                  PRECISION=precision, **extra, num_warps=warps, num_stages=stages)
+    if kernel == "fwd":
+        # the forward covers the head dim with two power-of-two tiles where they are narrower than one (D = 80:
+        # 64 + 16 columns of MMA work, not 128); the backward keeps the one padded tile
+        consts["BLOCK_D"], consts["BLOCK_D2"] = head_dim_tiles(head_dim)
+    return consts
 
 
 # --- launches (shared by the resident path, the streaming engine and the tests) -------------------------

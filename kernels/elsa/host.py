@@ -122,9 +122,8 @@ class _FwdPlan(LaunchPlan):
         # columns of MMA work, not 128); phase 2 and the backward keep the one padded tile (c.flags)
         bd, bd2 = head_dim_tiles(c.D)
         p1_const = dict(c.flags, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final,
-                        STORE_LSE=need_lse,
-                        KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        STORE_LSE=need_lse, KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc,
+                        WARP_SPECIALIZE=plan.warp_specialize, num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
