@@ -146,7 +146,7 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
-    from kernels._common import block_d
+    from kernels._common import block_d, head_dim_tiles
     from kernels.elsa import config
     from kernels.elsa import kernel as K
 
@@ -180,6 +180,8 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
                             DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
                             KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
+                if name == "phase1":
+                    meta.update(zip(("BLOCK_D", "BLOCK_D2"), head_dim_tiles(d)))     # the forward's two tiles
                 label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
@@ -293,7 +295,7 @@ def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 
 def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
-    from kernels._common import block_d
+    from kernels._common import block_d, head_dim_tiles
 
     if tiles:
         from scripts.flash_core_sweep import CANDIDATES, CLIFF_CANDIDATES
@@ -308,7 +310,8 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             key = ("32" if fp32 else "16", block_d(d))
             configs = [("tma", *core.PLAIN_TILES[key])] + ([("ws", *core.WS_TILES[key])] if key in core.WS_TILES else [])
         for (variant, bm, bn, w, st), causal in itertools.product(configs, (False, True)):
-            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
+            bd, bd2 = head_dim_tiles(d)
+            meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
                         USE_DESC=variant != "ptr", WARP_SPECIALIZE=variant == "ws",
                         DOT_PREC="tf32x3" if fp32 else "tf32")
             jobs.append(Job("flash_core", "fwd", core._flash_core_fwd, dtype, meta, w, st, {"Q", "K", "V", "Out"},
