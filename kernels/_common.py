@@ -182,20 +182,6 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def head_dim_tiles(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_D2): the head dim covered by a full power-of-two tile of columns [0, BLOCK_D) and a
-    narrower second one of columns [BLOCK_D, BLOCK_D + BLOCK_D2) (masked past D), when two tiles are narrower
-    than one: D = 80 -> (64, 16) and D = 96 -> (64, 32) do 80 and 96 columns of MMA work where one padded
-    128-wide tile does 128 (the D = 80 cliff). BLOCK_D2 = 0 means one tile, BLOCK_D = block_d(D), as before.
-    Tiles are at least 16 wide (the MMA's K step)."""
-    full = block_d(head_dim)
-    first = full // 2
-    if head_dim == full or first < 16:
-        return full, 0
-    second = block_d(head_dim - first)
-    return (first, second) if first + second < full else (full, 0)
-
-
 def unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
     """t with a unit feature stride and int32 offsets inside one (batch, head): what the kernels address
     rows by. Other strides stay as they are (a transposed [B, N, H, D] view is read in place)."""

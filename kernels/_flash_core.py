@@ -23,11 +23,9 @@ fold_keys splits [lo, hi) into a hot loop of full tiles that need no mask (every
 before the block's first row's horizon) and a short masked loop (the ragged end past n_k, the causal diagonal
 band); warp-specialized, it is one loop (all triton 3.6's Hopper pass accepts: fold_keys' docstring). Causal is bottom-right aligned: query row i sees key j iff j <= i + causal_shift (causal_shift =
 Nk - Nq for the contract's alignment, 0 for self-attention). GQA: the caller passes the kv head's base.
-Head dims: Triton block shapes must be powers of two (tensor descriptors included: triton 3.6's and 3.9's
-interpreters reject a [8, 40] block), so D is covered by (BLOCK_D, BLOCK_D2) = kernels._common.head_dim_tiles(D):
-two tiles where they are narrower than one padded tile (D = 80: columns [0, 64) and [64, 80), 64 + 16 columns of
-MMA work instead of 128; fold_keys' optional second-tile arguments), else one tile of block_d(D) >= D columns
-(BLOCK_D2 = 0, resolved at compile time: that path is the one-tile loop unchanged). Columns past D read as zero,
+Head dims that are not a power of two are padded to BLOCK_D (a power of two >= 16): Triton block shapes must
+be powers of two (tensor descriptors included: triton 3.6's and 3.9's interpreters reject a [8, 40] block), and
+the padded columns read as zero,
 so they add nothing to q . k and give zero output columns that are never stored.
 
 Host decisions, one place each: `use_descriptors` (TMA descriptors or pointers), `warp_specialize_ok`,
@@ -45,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, block_d, check_inputs, check_precision, default_scale, dot_precision, head_dim_tiles,
-                      interpreted, launch, on_device, tile_config, unit_last)
+from ._common import (LOG2E, block_d, check_inputs, check_precision, default_scale, dot_precision, interpreted,
+                      launch, on_device, tile_config, unit_last)
 
 NAME = "flash_core"
 
@@ -78,56 +76,41 @@ def row_source(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def load_cols(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, COL0: tl.constexpr,
-              WIDTH: tl.constexpr, USE_DESC: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """Rows [start, start + BLOCK) x columns [COL0, COL0 + WIDTH) of src; zero past HEAD_DIM and, when MASK_ROWS
-    (the descriptor path always), at rows >= n_rows. MASK_ROWS=False promises every row is < n_rows (hot loop).
-    A descriptor src must have been made with block [BLOCK, WIDTH] (row_source)."""
+def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+              USE_DESC: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows [start, start + BLOCK) x columns [0, BLOCK_D) of src; zero past HEAD_DIM and, when MASK_ROWS (the
+    descriptor path always), at rows >= n_rows. MASK_ROWS=False promises every row is < n_rows (hot loop)."""
     if USE_DESC:
-        return src.load([start, COL0])
+        return src.load([start, 0])
     else:
         offs_r = start + tl.arange(0, BLOCK)
-        offs_d = COL0 + tl.arange(0, WIDTH)
+        offs_d = tl.arange(0, BLOCK_D)
         # int64 row offsets: a head's rows may span more than 2^31 elements (CQSA's long sequences)
         ptrs = src + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
         if MASK_ROWS:
-            if COL0 + WIDTH > HEAD_DIM:
+            if BLOCK_D != HEAD_DIM:
                 return tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
             else:
                 return tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
         else:
-            if COL0 + WIDTH > HEAD_DIM:
+            if BLOCK_D != HEAD_DIM:
                 return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
             else:
                 return tl.load(ptrs)
 
 
 @triton.jit
-def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-              USE_DESC: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """load_cols of the first tile, columns [0, BLOCK_D)."""
-    return load_cols(src, start, n_rows, row_stride, HEAD_DIM, BLOCK, 0, BLOCK_D, USE_DESC, MASK_ROWS)
-
-
-@triton.jit
-def store_cols(dst, start, value, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-               COL0: tl.constexpr, WIDTH: tl.constexpr, USE_DESC: tl.constexpr):
-    """Write value [BLOCK, WIDTH] to rows [start, start + BLOCK) x columns [COL0, COL0 + WIDTH) of dst, only rows
-    < n_rows and columns < HEAD_DIM (a descriptor, made with block [BLOCK, WIDTH], clips both itself)."""
-    if USE_DESC:
-        dst.store([start, COL0], value)
-    else:
-        offs_r = start + tl.arange(0, BLOCK)
-        offs_d = COL0 + tl.arange(0, WIDTH)
-        tl.store(dst + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :], value,
-                 mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
 def store_rows(dst, start, value, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr):
-    """store_cols of the first tile, columns [0, BLOCK_D)."""
-    store_cols(dst, start, value, n_rows, row_stride, HEAD_DIM, BLOCK, 0, BLOCK_D, USE_DESC)
+    """Write value [BLOCK, BLOCK_D] to rows [start, start + BLOCK) of dst, only rows < n_rows and columns <
+    HEAD_DIM (a descriptor clips both itself)."""
+    if USE_DESC:
+        dst.store([start, 0], value)
+    else:
+        offs_r = start + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(dst + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :], value,
+                 mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -145,12 +128,11 @@ def row_index(base, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(raw, m_i, l_i, start, limit, qk_scale,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """The online-softmax update for one key tile's raw scores q . k [BLOCK_M, BLOCK_N]: returns (p, alpha, m, l)
-    -- the tile's weights relative to the new max, the factor that rescales the accumulator(s), the new state.
-    MASKED: keys at or past limit are left out (causal: limit is a [BLOCK_M] vector, one limit per row; else the
-    scalar n_k)."""
+def _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Merge one key tile [start, start + BLOCK_N) into the state of the block's rows. MASKED: keys at or past
+    limit are left out (causal: limit is a [BLOCK_M] vector, one limit per row; else the scalar n_k)."""
+    raw = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)          # q . k, unscaled, fp32
     if MASKED:
         cols = start + tl.arange(0, BLOCK_N)
         if CAUSAL:
@@ -166,42 +148,16 @@ def _softmax_step(raw, m_i, l_i, start, limit, qk_scale,
     p = tl.exp2(raw * qk_scale - m_ref[:, None])                  # one FMA + exp2 per score
     alpha = tl.exp2(m_i - m_ref)                                  # 0 while the state is still the identity
     l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, m_new, l_i
-
-
-@triton.jit
-def _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Merge one key tile [start, start + BLOCK_N) into the state of the block's rows (one head-dim tile)."""
-    raw = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)          # q . k, unscaled, fp32
-    p, alpha, m_i, l_i = _softmax_step(raw, m_i, l_i, start, limit, qk_scale, BLOCK_N, MASKED, CAUSAL)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _fold_tile2(acc, acc_b, m_i, l_i, q, q_b, k, k_b, v, v_b, start, limit, qk_scale,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    """_fold_tile with the head dim in two column tiles (a: [0, BLOCK_D), b: [BLOCK_D, BLOCK_D + BLOCK_D2)): the
-    scores are the sum of both tiles' products, and both accumulators take the same rescale and weights."""
-    raw = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    raw = tl.dot(q_b, tl.trans(k_b), raw, input_precision=DOT_PREC)
-    p, alpha, m_i, l_i = _softmax_step(raw, m_i, l_i, start, limit, qk_scale, BLOCK_N, MASKED, CAUSAL)
-    p = p.to(v.dtype)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
-    acc_b = acc_b * alpha[:, None]
-    acc_b = tl.dot(p, v_b, acc_b, input_precision=DOT_PREC)
-    return acc, acc_b, m_i, l_i
+    return acc, m_new, l_i
 
 
 @triton.jit
 def fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_shift, qk_scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
-              BLOCK_D2: tl.constexpr = 0, acc_b=None, q_b=None, k_src_b=None, v_src_b=None):
+              WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
     """Fold keys [lo, hi) ∩ [0, n_k) (and, causal, the ones the block's rows can see) into (acc, m, l).
 
     q: [BLOCK_M, BLOCK_D] for query rows r0 .. r0 + BLOCK_M - 1 (zero columns past HEAD_DIM).
@@ -209,18 +165,12 @@ def fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_
     KEYS_EVEN: the caller promises hi <= n_k and hi - lo a multiple of BLOCK_N (no ragged tile), so only the
     causal diagonal can need a mask. lo need not be a multiple of BLOCK_N. Returns the updated (acc, m, l).
 
-    Two head-dim tiles (BLOCK_D2 > 0; kernels._common.head_dim_tiles): acc, q, k_src, v_src cover columns
-    [0, BLOCK_D) and acc_b [BLOCK_M, BLOCK_D2], q_b, k_src_b, v_src_b (row_source()s of block width BLOCK_D2) the
-    columns [BLOCK_D, BLOCK_D + BLOCK_D2), zero past HEAD_DIM. Returns (acc, m, l, acc_b) then. BLOCK_D2 = 0 (the
-    default) compiles exactly the one-tile loop: the extra arguments are not touched.
-
     Without warp specialization: a hot loop of full, visible tiles with no mask, then a masked loop over the
     ragged end and the causal diagonal band. With it: ONE loop, masked on every tile unless nothing can need a
     mask (non-causal, KEYS_EVEN) -- triton 3.6's Hopper warp specialization partitions a kernel with exactly one
     loop and no branch inside it (a second loop makes the pass fail; an `if` in the loop makes it give up
-    silently; the `if BLOCK_D2` below is resolved at compile time), so the kernel that calls this must have no
-    other loop. The mask costs a compare and a select per score, hidden under the MMAs at D=128 when the consumer
-    warpgroups overlap.
+    silently), so the kernel that calls this must have no other loop. The mask costs a compare and a select
+    per score, hidden under the MMAs at D=128 when the consumer warpgroups overlap.
     """
     hi = tl.minimum(hi, n_k)
     if CAUSAL:
@@ -235,14 +185,8 @@ def fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_
         for start in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             k = load_rows(k_src, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, not KEYS_EVEN)
             v = load_rows(v_src, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, not KEYS_EVEN)
-            if BLOCK_D2 > 0:
-                k_b = load_cols(k_src_b, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, not KEYS_EVEN)
-                v_b = load_cols(v_src_b, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, not KEYS_EVEN)
-                acc, acc_b, m_i, l_i = _fold_tile2(acc, acc_b, m_i, l_i, q, q_b, k, k_b, v, v_b, start, limit, qk_scale,
-                                                   BLOCK_N, CAUSAL or not KEYS_EVEN, CAUSAL, DOT_PREC)
-            else:
-                acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale,
-                                           BLOCK_N, CAUSAL or not KEYS_EVEN, CAUSAL, DOT_PREC)
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale,
+                                       BLOCK_N, CAUSAL or not KEYS_EVEN, CAUSAL, DOT_PREC)
     else:
         n_full = tl.maximum(safe_hi - lo, 0) // BLOCK_N
         mid = lo + n_full * BLOCK_N
@@ -250,31 +194,14 @@ def fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, r0, n_k, causal_
         for start in tl.range(lo, mid, BLOCK_N):
             k = load_rows(k_src, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, False)
             v = load_rows(v_src, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, False)
-            if BLOCK_D2 > 0:
-                k_b = load_cols(k_src_b, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, False)
-                v_b = load_cols(v_src_b, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, False)
-                acc, acc_b, m_i, l_i = _fold_tile2(acc, acc_b, m_i, l_i, q, q_b, k, k_b, v, v_b, start, limit, qk_scale,
-                                                   BLOCK_N, False, CAUSAL, DOT_PREC)
-            else:
-                acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale, BLOCK_N, False, CAUSAL,
-                                           DOT_PREC)
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale, BLOCK_N, False, CAUSAL, DOT_PREC)
         if CAUSAL or not KEYS_EVEN:
             # the ragged end past n_k and the causal diagonal band: a few tiles, masked
             for start in tl.range(mid, hi, BLOCK_N):
                 k = load_rows(k_src, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, True)
                 v = load_rows(v_src, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC, True)
-                if BLOCK_D2 > 0:
-                    k_b = load_cols(k_src_b, start, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, True)
-                    v_b = load_cols(v_src_b, start, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, USE_DESC, True)
-                    acc, acc_b, m_i, l_i = _fold_tile2(acc, acc_b, m_i, l_i, q, q_b, k, k_b, v, v_b, start, limit,
-                                                       qk_scale, BLOCK_N, True, CAUSAL, DOT_PREC)
-                else:
-                    acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale, BLOCK_N, True, CAUSAL,
-                                               DOT_PREC)
-    if BLOCK_D2 > 0:
-        return acc, m_i, l_i, acc_b
-    else:
-        return acc, m_i, l_i
+                acc, m_i, l_i = _fold_tile(acc, m_i, l_i, q, k, v, start, limit, qk_scale, BLOCK_N, True, CAUSAL, DOT_PREC)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -292,8 +219,8 @@ def normalize(acc, l_i):
 def _flash_core_fwd(Q, K, V, Out,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                     H, GROUP, n_q, n_k, causal_shift, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
                     WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
     qb = tl.program_id(0)
     if CAUSAL:
@@ -312,23 +239,9 @@ def _flash_core_fwd(Q, K, V, Out,
     v_src = row_source(v_base, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
     q = load_rows(q_src, r0, n_q, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC, True)
     acc, m_i, l_i = init_state(BLOCK_M, BLOCK_D)
-    if BLOCK_D2 > 0:
-        # the head dim's second tile: columns [BLOCK_D, BLOCK_D + BLOCK_D2), zero past HEAD_DIM
-        q_src_b = row_source(q_base, n_q, sqn, HEAD_DIM, BLOCK_M, BLOCK_D2, USE_DESC)
-        k_src_b = row_source(k_base, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D2, USE_DESC)
-        v_src_b = row_source(v_base, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D2, USE_DESC)
-        q_b = load_cols(q_src_b, r0, n_q, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, True)
-        acc_b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
-        acc, m_i, l_i, acc_b = fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, 0, n_k, r0, n_k, causal_shift,
-                                         qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
-                                         WARP_SPECIALIZE, DOT_PREC, BLOCK_D2, acc_b, q_b, k_src_b, v_src_b)
-        o_dst_b = row_source(o_base, n_q, son, HEAD_DIM, BLOCK_M, BLOCK_D2, USE_DESC)
-        store_cols(o_dst_b, r0, normalize(acc_b, l_i).to(Out.dtype.element_ty), n_q, son, HEAD_DIM, BLOCK_M,
-                   BLOCK_D, BLOCK_D2, USE_DESC)
-    else:
-        acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, 0, n_k, r0, n_k, causal_shift, qk_scale,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC, WARP_SPECIALIZE,
-                                  DOT_PREC)
+    acc, m_i, l_i = fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, 0, n_k, r0, n_k, causal_shift, qk_scale,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC, WARP_SPECIALIZE,
+                              DOT_PREC)
     out = normalize(acc, l_i).to(Out.dtype.element_ty)
     o_dst = row_source(o_base, n_q, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     store_rows(o_dst, r0, out, n_q, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
@@ -473,8 +386,8 @@ def flash_core_fwd(q, k, v, causal: bool = False, scale=None, *, precision: str 
 
 def forward(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32x3", config=None,
             descriptors: bool | None = None, warp_specialize: bool | None = None):
-    """flash_core_fwd, returning (out, what ran): a dict with the tiles, the head-dim tiles (BLOCK_D, BLOCK_D2),
-    descriptors, warp_specialize and the CompiledKernel (None when nothing was launched). The sweep and the GPU tests read the compiled kernel's
+    """flash_core_fwd, returning (out, what ran): a dict with the tiles, descriptors, warp_specialize and the
+    CompiledKernel (None when nothing was launched). The sweep and the GPU tests read the compiled kernel's
     metadata: with warp specialization in effect it has more warps than asked (a producer warpgroup)."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     check_precision(NAME, precision)
@@ -505,8 +418,7 @@ def forward(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32
         if ws and tiles["num_stages"] != WS_STAGES:
             raise ValueError(f"{NAME}: warp specialization needs num_stages={WS_STAGES}, got "
                              f"{tiles['num_stages']} (more stages gave NaN on the H100: kernels/FLASH_CORE.md)")
-    bd, bd2 = head_dim_tiles(shape.head_dim)      # D = 80: a 64-wide and a 16-wide tile, not one padded 128
-    ran = dict(tiles=tiles, head_dim_tiles=(bd, bd2), descriptors=False, warp_specialize=False, compiled=None)
+    ran = dict(tiles=tiles, descriptors=False, warp_specialize=False, compiled=None)
     if out.numel() == 0:
         return out, ran
     if shape.len_kv == 0:
@@ -519,7 +431,7 @@ def forward(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32
         compiled = launch(_flash_core_fwd, grid, (
             q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             shape.heads_q, shape.group, shape.len_q, shape.len_kv, shape.causal_offset, scale * LOG2E), dict(
-            HEAD_DIM=shape.head_dim, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+            HEAD_DIM=shape.head_dim, BLOCK_D=block_d(shape.head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             KEYS_EVEN=shape.len_kv % bn == 0, USE_DESC=use_desc, WARP_SPECIALIZE=ws,
             DOT_PREC=dot_precision(q.dtype, precision), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
     ran.update(descriptors=use_desc, warp_specialize=ws, compiled=compiled)

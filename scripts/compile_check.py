@@ -146,7 +146,7 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
-    from kernels._common import block_d, head_dim_tiles
+    from kernels._common import block_d
     from kernels.elsa import config
     from kernels.elsa import kernel as K
 
@@ -180,8 +180,6 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
                             DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
                             KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
-                if name == "phase1":
-                    meta.update(zip(("BLOCK_D", "BLOCK_D2"), head_dim_tiles(d)))     # the forward's two tiles
                 label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
@@ -191,7 +189,6 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels._common import block_d
     from kernels.cron_root import kernel as K
-    from kernels.cron_root.attention import forward_tiles
     from kernels.cron_root.configs import default_gpu_configs
 
     if tiles:
@@ -208,8 +205,6 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 for grouped in ((False, True) if name in ("glob", "loc") else (None,)):
                     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
                     meta.update(HEAD_DIM=d, BLOCK_D=block_d(d), PREC=prec)
-                    if fn is K._fwd:
-                        meta.update(forward_tiles(d))         # the forward splits D = 80 into 64 + 16 columns
                     if grouped is not None:
                         meta["GROUPED"] = grouped
                     jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4),
@@ -227,7 +222,7 @@ PASA_CANDIDATES = {
 
 
 def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
-    from kernels._common import block_d, head_dim_tiles
+    from kernels._common import block_d
     from kernels.pasa import kernel as K
     from kernels.pasa.attention import DEFAULT_CONFIGS, TILE_PARAMS, VARIANTS
     from kernels.pasa.ops import SHIFT_WARPS
@@ -239,19 +234,18 @@ def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         shipped = tuple(DEFAULT_CONFIGS["pasa"][block_d(d)]["fwd"][p] for p in TILE_PARAMS)
         configs = PASA_CANDIDATES.get(d, [shipped]) if tiles else [shipped]
         for bm, bn, w, st in configs:
-            bd, bd2 = head_dim_tiles(d)
-            meta = dict(BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2)
+            meta = dict(BLOCK_N=bn, D=d, BLOCK_D=block_d(d))
             jobs.append(Job("pasa", "shift_k", K._shift_k_kernel, "fp16", meta, SHIFT_WARPS, 1, ptrs, floats=floats,
                             div16=stride, label=dict(D=d, cfg=[bn, SHIFT_WARPS, 1])))
             for causal, state in itertools.product((False, True), ("fp16", "fp32")):
                 for variant in VARIANTS:
-                    meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2, CAUSAL=causal,
+                    meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal,
                                 STATE_FP32=state == "fp32", FUSED=VARIANTS[variant])
                     jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
                                     div16=stride, label=dict(D=d, variant=variant, causal=causal, state=state,
                                                              cfg=[bm, bn, w, st])))
             for causal in (False, True):
-                meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=bd, BLOCK_D2=bd2, CAUSAL=causal)
+                meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal)
                 jobs.append(Job("pasa", "fa16", K._fa16_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
                                 div16=stride, label=dict(D=d, causal=causal, cfg=[bm, bn, w, st])))
     return jobs
@@ -295,7 +289,7 @@ def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 
 def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
-    from kernels._common import block_d, head_dim_tiles
+    from kernels._common import block_d
 
     if tiles:
         from scripts.flash_core_sweep import CANDIDATES, CLIFF_CANDIDATES
@@ -310,8 +304,7 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             key = ("32" if fp32 else "16", block_d(d))
             configs = [("tma", *core.PLAIN_TILES[key])] + ([("ws", *core.WS_TILES[key])] if key in core.WS_TILES else [])
         for (variant, bm, bn, w, st), causal in itertools.product(configs, (False, True)):
-            bd, bd2 = head_dim_tiles(d)
-            meta = dict(HEAD_DIM=d, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, KEYS_EVEN=True,
                         USE_DESC=variant != "ptr", WARP_SPECIALIZE=variant == "ws",
                         DOT_PREC="tf32x3" if fp32 else "tf32")
             jobs.append(Job("flash_core", "fwd", core._flash_core_fwd, dtype, meta, w, st, {"Q", "K", "V", "Out"},

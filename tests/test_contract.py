@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnbench.backends import KERNEL_PACKAGES, get_backend
-from kernels._common import ForwardOnlyError, HEAD_DIMS, block_d, check_inputs, head_dim_tiles, tile_config
+from kernels._common import ForwardOnlyError, HEAD_DIMS, block_d, check_inputs, tile_config
 from kernels.reference import reference_attention
 
 HAS_CUDA = torch.cuda.is_available()
@@ -190,17 +190,6 @@ def test_head_dims_are_the_multiples_of_8_from_16_to_256_padded_to_powers_of_two
     assert len(HEAD_DIMS) == 31
     assert [block_d(d) for d in (16, 24, 32, 40, 64, 72, 80, 96, 128, 136, 256)] == \
         [16, 32, 32, 64, 64, 128, 128, 128, 128, 256, 256]
-
-
-def test_head_dim_tiles_split_only_where_two_tiles_are_narrower_than_one():
-    assert {d: head_dim_tiles(d) for d in (16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 128, 144, 160, 192,
-                                           200, 256)} == {
-        16: (16, 0), 24: (32, 0), 32: (32, 0), 40: (32, 16), 48: (32, 16), 56: (64, 0), 64: (64, 0),
-        72: (64, 16), 80: (64, 16), 88: (64, 32), 96: (64, 32), 104: (128, 0), 128: (128, 0), 144: (128, 16),
-        160: (128, 32), 192: (128, 64), 200: (256, 0), 256: (256, 0)}
-    for d in HEAD_DIMS:         # the tiles always cover D, never wider than the single padded tile
-        first, second = head_dim_tiles(d)
-        assert d <= first + second <= block_d(d) and (second == 0 or first <= d)
 
 
 def test_shape_reports_group_and_bottom_right_offset():

@@ -84,50 +84,6 @@ def test_head_dims_padded_and_unpadded(device, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("D", [40, 72, 80, 96, 160])
-def test_head_dims_in_two_tiles(device, D, dtype):
-    """The forward covers these head dims with two column tiles (kernels._common.head_dim_tiles: 32 + 16, 64 + 16,
-    64 + 16, 64 + 32, 128 + 32): GQA, odd Nq != Nk both ways, causal and not, one partition (phase 1 writes out)
-    and several (the summaries' two column ranges, phase 2's merge; float32: partition 0's s in the output); fwd and
-    grads (the backward keeps one padded tile)."""
-    for nq, nk, causal, config in ((77, 129, False, None), (129, 77, True, None),
-                                   (77, 129, True, {"plan": {"partition_width": 48}}),
-                                   (129, 77, False, {"plan": {"partition_width": 32}})):
-        _assert_exact(*_qkv(1, 4, 2, nq, nk, D, dtype, device), causal, config=config)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_second_head_dim_tile_carries_scores_and_output(device, dtype, bias):
-    """With q and k zero in the first tile's 64 columns (D = 80: 64 + 16), every score comes from the second tile;
-    the output's last 16 columns come from its accumulator. One partition and three; the core's loop (16-bit) and
-    this package's (float32, and any bias)."""
-    q, k, v = _qkv(1, 4, 2, 45, 77, 80, dtype, device, grad=False)
-    q[..., :64] = 0
-    k[..., :64] = 0
-    q = q * 3
-    attn_bias = torch.randn(1, 1, 45, 77, device=device, dtype=dtype) if bias else None
-    for causal, config in ((False, None), (True, {"plan": {"partition_width": 32}})):
-        out = elsa_attention(q, k, v, causal=causal, attn_bias=attn_bias, config=config)
-        ref = reference_attention(q, k, v, causal=causal, attn_bias=attn_bias)
-        assert _max_err(out, ref) <= FWD_TOL[dtype]
-        assert _max_err(out[..., 64:], ref[..., 64:]) <= FWD_TOL[dtype]
-
-
-def test_phase1_takes_two_head_dim_tiles_phase2_and_backward_one(device):
-    """The plan gives phase 1 head_dim_tiles(D) and phase 2 and the backward the one padded tile block_d(D)."""
-    from kernels._common import block_d, head_dim_tiles
-    from kernels.elsa import host
-    for D, dtype in ((80, torch.float16), (96, torch.float32), (64, torch.float16)):
-        q, k, v = _qkv(1, 2, 2, 300, 300, D, dtype, device, grad=False)
-        plan = host.forward_plan(q, k, v, None, False, D ** -0.5, "tf32x3", "", True)
-        p1, p2, _ = plan.chunks[0]
-        assert (p1.constexprs["BLOCK_D"], p1.constexprs["BLOCK_D2"]) == head_dim_tiles(D)
-        assert p2.constexprs["BLOCK_D"] == block_d(D) and "BLOCK_D2" not in p2.constexprs
-    assert head_dim_tiles(80) == (64, 16) and head_dim_tiles(64) == (64, 0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("Hkv", [4, 2, 1])
 def test_grouped_query_and_multi_query(device, Hkv, dtype):
     """Group ratios 1 (MHA), 2 (GQA) and Hq (MQA): K/V read in place, dK/dV summed over each group."""
@@ -534,26 +490,6 @@ def test_gpu_padded_head_dims_and_groups(D, dtype):
     dev = torch.device("cuda")
     for causal in (False, True):
         _assert_exact(*_qkv(2, 8, 2, 700, 1100, D, dtype, dev), causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [80, 96])
-def test_gpu_head_dims_in_two_tiles_match_sdpa_math(D, dtype):
-    """The benchmark's D = 80 / 96 cell at N = 4096 (B = 1, H = 16): phase 1 in two column tiles (64 + 16,
-    64 + 32; warp-specialized non-causal), against SDPA math in float32."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    dev = torch.device("cuda")
-    q, k, v = _qkv(1, 16, 16, 4096, 4096, D, dtype, dev, grad=False)
-    for causal in (False, True):
-        with trace_launches() as events:
-            out = elsa_attention(q, k, v, causal=causal)
-        with sdpa_kernel([SDPBackend.MATH]):
-            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
-        assert _max_err(out, ref) <= FWD_TOL[dtype], f"causal={causal}"
-        warps = {e["compiled"].metadata.num_warps for e in events if e["phase"] == 1 and e.get("compiled")}
-        if not causal:
-            assert warps == {12}, f"phase 1 did not warp-specialize with two head-dim tiles: {warps} warps"
 
 
 @pytest.mark.gpu

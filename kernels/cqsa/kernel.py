@@ -13,10 +13,8 @@ Shapes the kernels take (the contract of kernels/_common.py):
   expanded dK/dV);
 - Nq != Nk with causal aligned bottom-right: key n is visible from query m iff n <= m + delta + causal_off,
   causal_off = Nk - Nq and delta per range from the schedule (0 in global coordinates);
-- any head dim D that is a multiple of 8 up to 256: the backward's tiles are BLOCK_D = block_d(D) wide; the
-  forward's are (BLOCK_D, BLOCK_D2) = head_dim_tiles(D), two power-of-two column tiles where they are narrower
-  than one padded tile (D = 80: 64 + 16, not 128); the columns past D are masked (loads give 0, stores skip
-  them); fp32 state keeps D columns.
+- any head dim D that is a multiple of 8 up to 256: tiles are BLOCK_D = block_d(D) wide and the columns
+  past D are masked (loads give 0, stores skip them); fp32 state keeps D columns.
 q, k, v, dO: any strides with a unit feature stride; every buffer the kernels allocate themselves
 (outputs, lse, state) is contiguous, so only its row count is passed.
 
@@ -41,23 +39,22 @@ import triton
 import triton.language as tl
 
 from .. import _flash_core as core
-from .._common import block_d, head_dim_tiles, interpreted, launch, tile_config
+from .._common import block_d, interpreted, launch, tile_config
 from .._tuning import dim_key, read_configs
 
 
 @triton.jit
-def _load_tile(P, base, rows, stride, offs_d, ok, HEAD_DIM: tl.constexpr, COL_END: tl.constexpr,
+def _load_tile(P, base, rows, stride, offs_d, ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                ROW_MASK: tl.constexpr):
-    """[rows, len(offs_d)] tile of a row-major matrix, columns offs_d ending at COL_END (BLOCK_D for the first or
-    only head-dim tile); rows past `ok` and columns past HEAD_DIM read as 0."""
+    """[rows, BLOCK_D] tile of a row-major matrix; rows past `ok` and columns past HEAD_DIM read as 0."""
     ptrs = P + base + rows.to(tl.int64)[:, None] * stride + offs_d[None, :]
     if ROW_MASK:
-        if COL_END <= HEAD_DIM:
+        if HEAD_DIM == BLOCK_D:
             x = tl.load(ptrs, mask=ok[:, None], other=0.0)
         else:
             x = tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
-        if COL_END <= HEAD_DIM:
+        if HEAD_DIM == BLOCK_D:
             x = tl.load(ptrs)
         else:
             x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
@@ -65,10 +62,9 @@ def _load_tile(P, base, rows, stride, offs_d, ok, HEAD_DIM: tl.constexpr, COL_EN
 
 
 @triton.jit
-def _store_tile(P, base, rows, stride, offs_d, ok, x, HEAD_DIM: tl.constexpr, COL_END: tl.constexpr):
-    """Store the rows `ok` of a tile of the columns offs_d (ending at COL_END), without its padding columns."""
+def _store_tile(P, base, rows, stride, offs_d, ok, x, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     ptrs = P + base + rows.to(tl.int64)[:, None] * stride + offs_d[None, :]
-    if COL_END <= HEAD_DIM:
+    if HEAD_DIM == BLOCK_D:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=ok[:, None])
     else:
         tl.store(ptrs, x.to(P.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -86,14 +82,10 @@ def _log2_lse(lse):
 def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
                     H, GROUP, N_OUT, off_m, off_l, causal_off, qk_scale, first, last,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
     """OUT [B,H,N_OUT,HEAD_DIM] and LSE [B,H,N_OUT] contiguous. MODE 1: STATE holds the fp32 wave state
-    acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l.
-    The head dim is one tile of BLOCK_D columns (BLOCK_D2 = 0) or two (kernels._common.head_dim_tiles: D = 80 is
-    64 + 16 columns, not a padded 128): every D-wide value -- q, acc, the state, the output -- is then handled as
-    columns [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2) (the latter masked past HEAD_DIM); the state's layout
-    in memory stays D wide."""
+    acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l."""
     item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -112,10 +104,6 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     acc, m_i, l_i = core.init_state(BLOCK_M, BLOCK_D)
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q_b = _load_tile(Q, qbase, offs_m, sqn, offs_d2, row_ok, HEAD_DIM, BLOCK_D + BLOCK_D2, True)
-        acc_b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
     for r in range(rcnt):
         lo = tl.load(RANGES + 3 * (roff + r))
         hi = tl.load(RANGES + 3 * (roff + r) + 1)
@@ -126,14 +114,9 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
         # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past it
         # belong to other ranges) and dlt its bottom-right causal shift. Pointer loads: the kernel has no key
         # count for a tensor descriptor's shape (kernels/FLASH_CORE.md).
-        if BLOCK_D2 > 0:
-            acc, m_i, l_i, acc_b = core.fold_keys(acc, m_i, l_i, q, K + kbase, V + vbase, skn, svn, lo, hi, rs, hi,
-                                                  dlt, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False,
-                                                  False, False, PRECISION, BLOCK_D2, acc_b, q_b, K + kbase, V + vbase)
-        else:
-            acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, K + kbase, V + vbase, skn, svn, lo, hi, rs, hi, dlt,
-                                           qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, False, False,
-                                           PRECISION)
+        acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, K + kbase, V + vbase, skn, svn, lo, hi, rs, hi, dlt,
+                                       qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, False, False,
+                                       PRECISION)
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
     lbase = bh.to(tl.int64) * N_OUT
@@ -142,17 +125,12 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
         l_safe = tl.where(has, l_i, 1.0)
         lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         _store_tile(OUT, obase, orow, HEAD_DIM, offs_d, row_ok, acc / l_safe[:, None], HEAD_DIM, BLOCK_D)
-        if BLOCK_D2 > 0:
-            _store_tile(OUT, obase, orow, HEAD_DIM, offs_d2, row_ok, acc_b / l_safe[:, None], HEAD_DIM,
-                        BLOCK_D + BLOCK_D2)
         tl.store(LSE + lbase + orow, lse, mask=row_ok)
     else:
         if first != 0:
             m1 = m_i
             l1 = l_i
             a1 = acc
-            if BLOCK_D2 > 0:
-                a1_b = acc_b
         else:
             m0 = tl.load(STATE + off_m + lbase + orow, mask=row_ok, other=float("-inf"))
             l0 = tl.load(STATE + off_l + lbase + orow, mask=row_ok, other=0.0)
@@ -163,24 +141,16 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
             c1 = tl.exp2(m_i - m_ref)
             l1 = l0 * c0 + l_i * c1
             a1 = a0 * c0[:, None] + acc * c1[:, None]
-            if BLOCK_D2 > 0:
-                a0_b = _load_tile(STATE, obase, orow, HEAD_DIM, offs_d2, row_ok, HEAD_DIM, BLOCK_D + BLOCK_D2, True)
-                a1_b = a0_b * c0[:, None] + acc_b * c1[:, None]
         if last != 0:
             has = l1 > 0
             l_safe = tl.where(has, l1, 1.0)
             _store_tile(OUT, obase, orow, HEAD_DIM, offs_d, row_ok, a1 / l_safe[:, None], HEAD_DIM, BLOCK_D)
-            if BLOCK_D2 > 0:
-                _store_tile(OUT, obase, orow, HEAD_DIM, offs_d2, row_ok, a1_b / l_safe[:, None], HEAD_DIM,
-                            BLOCK_D + BLOCK_D2)
             lse = tl.where(has, (m1 + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
             tl.store(LSE + lbase + orow, lse, mask=row_ok)
         else:
             tl.store(STATE + off_m + lbase + orow, m1, mask=row_ok)
             tl.store(STATE + off_l + lbase + orow, l1, mask=row_ok)
             _store_tile(STATE, obase, orow, HEAD_DIM, offs_d, row_ok, a1, HEAD_DIM, BLOCK_D)
-            if BLOCK_D2 > 0:
-                _store_tile(STATE, obase, orow, HEAD_DIM, offs_d2, row_ok, a1_b, HEAD_DIM, BLOCK_D + BLOCK_D2)
 
 
 @triton.jit
@@ -467,13 +437,8 @@ def constexprs(kernel: str, head_dim: int, tiles, causal: bool, precision: str, 
     """The compile-time arguments and launch options of `kernel` ("fwd", "dq", "dkdv") for these tiles."""
     i = 4 * PARTS.index(kernel)
     bm, bn, warps, stages = tiles[i:i + 4]
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-                  PRECISION=precision, **extra, num_warps=warps, num_stages=stages)
-    if kernel == "fwd":
-        # the forward covers the head dim with two power-of-two tiles where they are narrower than one (D = 80:
-        # 64 + 16 columns of MMA work, not 128); the backward keeps the one padded tile
-        consts["BLOCK_D"], consts["BLOCK_D2"] = head_dim_tiles(head_dim)
-    return consts
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                PRECISION=precision, **extra, num_warps=warps, num_stages=stages)
 
 
 # --- launches (shared by the resident path, the streaming engine and the tests) -------------------------

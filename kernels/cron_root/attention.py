@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from .._common import (LOG2E, PRECISIONS, LaunchPlan, Prepared, SignatureCache, block_d, check_inputs,
-                       check_precision, default_scale, dot_precision, head_dim_tiles, layout, signature,
-                       unit_last)
+                       check_precision, default_scale, dot_precision, layout, signature, unit_last)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from . import configs
 from . import kernel as tk
@@ -53,20 +52,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _split(cfg: dict, grid: tuple, head_dim: int, prec: str, **constexprs) -> tuple:
     """(grid, constexprs + launch options) of one launch: the BLOCK_* sizes and num_warps/num_stages of a
-    config (other keys, e.g. glob's ``segments``, are read by the planner), the head-dim constexprs (one tile
-    block_d(D) wide unless ``constexprs`` says otherwise) and any others given."""
+    config (other keys, e.g. glob's ``segments``, are read by the planner), the head-dim constexprs and any
+    others given."""
     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_") or k in ("num_warps", "num_stages")}
-    meta.update(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PREC=prec)
-    meta.update(constexprs)
+    meta.update(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PREC=prec, **constexprs)
     return grid, meta
-
-
-def forward_tiles(head_dim: int) -> dict:
-    """The forward's head-dim tiles: kernels._common.head_dim_tiles (D = 80 -> 64 + 16 columns, 96 -> 64 + 32;
-    BLOCK_D2 = 0: one tile). The backward kernels keep one block_d(D)-wide tile; they read the forward's O and
-    LSE, which do not depend on how its columns were tiled."""
-    bd, bd2 = head_dim_tiles(head_dim)
-    return {"BLOCK_D": bd, "BLOCK_D2": bd2}
 
 
 class _Problem:
@@ -93,7 +83,7 @@ class _Problem:
         fwd = cfgs["fwd"]
         if device.type == "cuda" and _cdiv(n, fwd["BLOCK_M"]) * b * h < 2 * _num_sms(device):
             fwd = cfgs["fwd_small"]
-        self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec, **forward_tiles(d))
+        self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec)
         self.dq = _split(cfgs["dq"], (_cdiv(n, cfgs["dq"]["BLOCK_M"]), b * h), d, prec)
         # the dK/dV kernels run per key/value head and loop over its query heads when there are several
         grouped = self.g > 1

@@ -106,9 +106,7 @@ CPU_CONFIG = dict(
 
 
 def bucket(head_dim: int) -> int:
-    """The head-dim bucket of the tile tables: the padded tile width, at least 64. The forward's two column tiles
-    (D = 80 as 64 + 16) keep the bucket of the one tile they replace: they need fewer registers and less shared
-    memory than it (NOTES.md, "Head dims and tiles")."""
+    """The head-dim bucket of the tile tables: the padded tile width, at least 64."""
     return max(64, block_d(head_dim))
 
 

@@ -26,9 +26,8 @@ from .._common import block_d, tile_config
 from .._tuning import TuningFileError, parse_dim_key, read_configs
 
 # (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
-# dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = block_d(D), the head dim padded to a power of
-# two (D = 40 runs in the 64-wide row, D = 80 and 96 in the 128-wide one, D = 136..256 in the 256-wide one) -- also
-# where phase 1 runs two narrower column tiles (head_dim_tiles: 80 = 64 + 16), which need less than the padded one.
+# dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
+# (D = 40 runs in the 64-wide tiles, D = 80 and 96 in the 128-wide ones, D = 136..256 in the 256-wide ones).
 # 16-bit inputs without a bias run the flash core's loop with the core's tiles (core_tiles: kernels/_flash_core.py's
 # PLAIN_TILES and WS_TILES, from the H100 sweep; a key tuning.json names replaces the plain ones: FWD_TUNED); this
 # table serves float32 and the 16-bit bias path (this package's own loop, which loads a bias tile per key tile; the

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
-from .._common import (LOG2E, block_d, check_inputs, check_precision, dot_precision, head_dim_tiles, interpreted,
-                       unit_last)
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, interpreted, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from . import trace
 from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
@@ -118,12 +117,9 @@ class _FwdPlan(LaunchPlan):
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
         nrows = 0 if plan.final else P * qb_max * c.BH * bm
         self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
-        # phase 1 covers the head dim with two power-of-two tiles where they are narrower than one (D = 80: 64 + 16
-        # columns of MMA work, not 128); phase 2 and the backward keep the one padded tile (c.flags)
-        bd, bd2 = head_dim_tiles(c.D)
-        p1_const = dict(c.flags, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final,
-                        STORE_LSE=need_lse, KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc,
-                        WARP_SPECIALIZE=plan.warp_specialize, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        p1_const = dict(c.flags, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final, STORE_LSE=need_lse,
+                        KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)

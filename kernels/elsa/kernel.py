@@ -8,9 +8,8 @@ Notation (kernels/elsa/NOTES.md and shared/specs/elsa.md):
 
 Shapes: q [B, H, NQ, D]; k, v [B, HKV, NK, D] with H = HKV * GROUP (grouped-query attention: query head h
 reads key/value head h // GROUP in place). Causal is aligned bottom-right: query i sees keys j <= i + NK - NQ.
-The head dim D (HEAD_DIM) is covered by power-of-two column tiles: in phase 1 (BLOCK_D, BLOCK_D2) =
-head_dim_tiles(D) (D = 80: 64 + 16 columns; BLOCK_D2 = 0: one tile), in phase 2 and the backward one tile of
-BLOCK_D = block_d(D). Columns past D load as 0 and are never stored, so every product and sum is the unpadded one.
+The head dim D (HEAD_DIM) is padded to the power-of-two tile width BLOCK_D: columns past D load as 0 and are
+never stored, so every product and sum is the unpadded one.
 
 Tensors q, k, v, out, dO are addressed through (batch, head, row) strides with a unit feature stride,
 so timm's permuted q/k/v views need no copy. The (b, h) base offset is int64; within one head the
@@ -26,16 +25,15 @@ LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, COL_END: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """A [R, len(offs_d)] tile of the columns offs_d, which end at COL_END (BLOCK_D for the first or only tile):
-    rows >= n (when MASK_ROWS) and the padding columns >= HEAD_DIM read as 0."""
+def _load_rows(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A [R, BLOCK_D] tile: rows >= n (when MASK_ROWS) and the padding columns >= HEAD_DIM read as 0."""
     if MASK_ROWS:
-        if COL_END <= HEAD_DIM:
+        if BLOCK_D == HEAD_DIM:
             t = tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
         else:
             t = tl.load(ptrs, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
-        if COL_END <= HEAD_DIM:
+        if BLOCK_D == HEAD_DIM:
             t = tl.load(ptrs)
         else:
             t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
@@ -43,9 +41,9 @@ def _load_rows(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, COL_END: tl.conste
 
 
 @triton.jit
-def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, COL_END: tl.constexpr):
-    """Store the rows < n of a tile of the columns offs_d (ending at COL_END), without its padding columns."""
-    if COL_END <= HEAD_DIM:
+def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the rows < n of a [R, BLOCK_D] tile, without its padding columns."""
+    if BLOCK_D == HEAD_DIM:
         tl.store(ptrs, val, mask=rows[:, None] < n)
     else:
         tl.store(ptrs, val, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM))
@@ -57,15 +55,13 @@ def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, COL_END: tl.
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, t0, NQ, NK, off, qk_scale,
+def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
                k_base, v_base, skn, svn, b_base, sbi, sbj,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
                HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, DOT_PREC: tl.constexpr):
     """merge(state, summary of keys [t0, t0+BLOCK_N)) for BLOCK_M rows, in registers (fp32 inputs, whose Q
     carries the scale (FOLD_Q), and every input with a bias; 16-bit without bias runs the flash core: _core_scan).
-    BLOCK_D2 > 0: the head dim's second column tile [BLOCK_D, BLOCK_D + BLOCK_D2) in q_b and s_b (its scores add
-    to the first tile's; returns (m, z, s, s_b)); BLOCK_D2 = 0: q_b and s_b are not touched, returns (m, z, s).
 
     The tile's summary is taken directly relative to the merged max m_new (the FlashAttention form of
     the symmetric merge): beta * sum 2^(x - m_t) == sum 2^(x - m_new), so no [BM, D] rescale of the
@@ -77,13 +73,6 @@ def _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, t0, NQ, NK, off, qk_scale,
     k = _load_rows(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     v = _load_rows(v_base + offs_n[:, None] * svn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k_b = _load_rows(k_base + offs_n[:, None] * skn + offs_d2[None, :], offs_n, NK, offs_d2, HEAD_DIM,
-                         BLOCK_D + BLOCK_D2, MASK_KEYS)
-        v_b = _load_rows(v_base + offs_n[:, None] * svn + offs_d2[None, :], offs_n, NK, offs_d2, HEAD_DIM,
-                         BLOCK_D + BLOCK_D2, MASK_KEYS)
-        x = tl.dot(q_b, tl.trans(k_b), x, input_precision=DOT_PREC)
     if HAS_BIAS:
         if not FOLD_Q:
             x = x * qk_scale
@@ -100,21 +89,15 @@ def _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, t0, NQ, NK, off, qk_scale,
     p = tl.exp2(x - m_ref[:, None])               # masked keys: 2^-inf = 0
     z_i = z_i * alpha + tl.sum(p, 1)
     s_i = s_i * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    if BLOCK_D2 > 0:
-        s_b = s_b * alpha[:, None] + tl.dot(p.to(v.dtype), v_b, input_precision=DOT_PREC)
-        return m_new, z_i, s_i, s_b
-    else:
-        return m_new, z_i, s_i
+    return m_new, z_i, s_i
 
 
 @triton.jit
 def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
                     NQ, NK, off, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
-    """The (m, z, s) summary of keys [lo, hi) for the BLOCK_M query rows `rows` (the identity if lo >= hi);
-    with a second head-dim tile (BLOCK_D2 > 0) (m, z, s, s_b), s_b its columns [BLOCK_D, BLOCK_D + BLOCK_D2)."""
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The (m, z, s) summary of keys [lo, hi) for the BLOCK_M query rows `rows` (the identity if lo >= hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
     q = _load_rows(q_base + rows[:, None] * sqn + offs_d[None, :], rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -124,95 +107,55 @@ def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, row
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     z_i = tl.zeros([BLOCK_M], tl.float32)
     s_i = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # without a second tile q_b and s_b are placeholders _fold_tile never reads
-    q_b = q
-    s_b = s_i
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q_b = _load_rows(q_base + rows[:, None] * sqn + offs_d2[None, :], rows, NQ, offs_d2, HEAD_DIM,
-                         BLOCK_D + BLOCK_D2, True)
-        if FOLD_Q:
-            q_b = q_b * qk_scale
-        s_b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
     # tiles entirely inside [0, NK) and (causal) visible to every row of the block need no mask
     safe_hi = hi
     if CAUSAL:
         safe_hi = tl.minimum(safe_hi, r0 + 1 + off)
     n_safe = tl.maximum(safe_hi - lo, 0) // BLOCK_N
     for t in range(0, n_safe):
-        if BLOCK_D2 > 0:
-            m_i, z_i, s_i, s_b = _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
-                                            k_base, v_base, skn, svn, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                                            BLOCK_N, False, False, HAS_BIAS, FOLD_Q, DOT_PREC)
-        else:
-            m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
-                                       k_base, v_base, skn, svn, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                                       BLOCK_N, False, False, HAS_BIAS, FOLD_Q, DOT_PREC)
+        m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
+                                   k_base, v_base, skn, svn, b_base, sbi, sbj,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, False, False, HAS_BIAS, FOLD_Q, DOT_PREC)
     # the tail tile past NK and the tiles on the causal diagonal are masked (a fully masked
     # row of a tile contributes the identity)
     for t0 in range(lo + n_safe * BLOCK_N, hi, BLOCK_N):
-        if BLOCK_D2 > 0:
-            m_i, z_i, s_i, s_b = _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, t0, NQ, NK, off, qk_scale,
-                                            k_base, v_base, skn, svn, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                                            BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
-        else:
-            m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, s_b, q, q_b, rows, t0, NQ, NK, off, qk_scale,
-                                       k_base, v_base, skn, svn, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                                       BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
-    if BLOCK_D2 > 0:
-        return m_i, z_i, s_i, s_b
-    else:
-        return m_i, z_i, s_i
+        m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
+                                   k_base, v_base, skn, svn, b_base, sbi, sbj,
+                                   HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+    return m_i, z_i, s_i
 
 
 @triton.jit
 def _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
                WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
     """16-bit without bias: the (m, z, s) summary of keys [lo, hi) for rows r0 .. r0 + BLOCK_M - 1 through the
     shared flash core (kernels/_flash_core.py): the same state in the same base-2 domain (its (m, l, acc)), the scale
     applied inside exp2, tensor descriptors (TMA) and, where the plan says so, the warp-specialized loop -- which
-    must be the kernel's only loop and whose rows must not be indexed by r0 itself (core.row_index). With a second
-    head-dim tile (BLOCK_D2 > 0): (m, z, s, s_b) as _scan_partition."""
+    must be the kernel's only loop and whose rows must not be indexed by r0 itself (core.row_index)."""
     q_src = core.row_source(q_base, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     k_src = core.row_source(k_base, NK, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
     v_src = core.row_source(v_base, NK, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
     q = core.load_rows(q_src, r0, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC, True)
     s_i, m_i, z_i = core.init_state(BLOCK_M, BLOCK_D)
-    if BLOCK_D2 > 0:
-        q_src_b = core.row_source(q_base, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D2, USE_DESC)
-        k_src_b = core.row_source(k_base, NK, skn, HEAD_DIM, BLOCK_N, BLOCK_D2, USE_DESC)
-        v_src_b = core.row_source(v_base, NK, svn, HEAD_DIM, BLOCK_N, BLOCK_D2, USE_DESC)
-        q_b = core.load_cols(q_src_b, r0, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, USE_DESC, True)
-        s_b = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
-        s_i, m_i, z_i, s_b = core.fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
-                                            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
-                                            WARP_SPECIALIZE, DOT_PREC, BLOCK_D2, s_b, q_b, k_src_b, v_src_b)
-        return m_i, z_i, s_i, s_b
-    else:
-        s_i, m_i, z_i = core.fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
-                                       BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
-                                       WARP_SPECIALIZE, DOT_PREC)
-        return m_i, z_i, s_i
+    s_i, m_i, z_i = core.fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
+                                   BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
+                                   WARP_SPECIALIZE, DOT_PREC)
+    return m_i, z_i, s_i
 
 
 @triton.jit
-def _write_core_output(Out, Lse, m, z, s, s_b, bh, b, h, r0, sob, soh, son, NQ,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
+def _write_core_output(Out, Lse, m, z, s, bh, b, h, r0, sob, soh, son, NQ,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        USE_DESC: tl.constexpr, STORE_LSE: tl.constexpr):
-    """_write_output for the core's path: out through the same descriptor / pointer helpers as its loads (s_b: the
-    second head-dim tile when BLOCK_D2 > 0), lse through a pointer offset by r0 (never a vector built on r0:
-    core.row_index)."""
+    """_write_output for the core's path: out through the same descriptor / pointer helpers as its loads, lse
+    through a pointer offset by r0 (never a vector built on r0: core.row_index)."""
     o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
     o_dst = core.row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     core.store_rows(o_dst, r0, core.normalize(s, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D,
                     USE_DESC)
-    if BLOCK_D2 > 0:
-        o_dst_b = core.row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D2, USE_DESC)
-        core.store_cols(o_dst_b, r0, core.normalize(s_b, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M,
-                        BLOCK_D, BLOCK_D2, USE_DESC)
     if STORE_LSE:
         lse = tl.where(z > 0, m + tl.log2(tl.where(z > 0, z, 1.0)), float("inf"))
         offs_m = tl.arange(0, BLOCK_M)
@@ -220,118 +163,45 @@ def _write_core_output(Out, Lse, m, z, s, s_b, bh, b, h, r0, sob, soh, son, NQ,
 
 
 @triton.jit
-def _write_output(Out, Lse, m, z, s, s_b, bh, b, h, rows, sob, soh, son, NQ,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, STORE_LSE: tl.constexpr):
-    """out = s / z (0 for a row with no visible key) and lse = m + log2 z (+inf there) for rows < NQ; s_b: the
-    second head-dim tile's columns [BLOCK_D, BLOCK_D + BLOCK_D2) when BLOCK_D2 > 0 (else not read)."""
+def _write_output(Out, Lse, m, z, s, bh, b, h, rows, sob, soh, son, NQ,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):
+    """out = s / z (0 for a row with no visible key) and lse = m + log2 z (+inf there) for rows < NQ."""
     offs_d = tl.arange(0, BLOCK_D)
-    z_safe = tl.where(z > 0, z, 1.0)
-    out = tl.where(z[:, None] > 0, s / z_safe[:, None], 0.0)
+    out = tl.where(z[:, None] > 0, s / tl.where(z > 0, z, 1.0)[:, None], 0.0)
     o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
     _store_rows(o_base + rows[:, None] * son + offs_d[None, :], out.to(Out.dtype.element_ty), rows, NQ, offs_d,
                 HEAD_DIM, BLOCK_D)
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        out_b = tl.where(z[:, None] > 0, s_b / z_safe[:, None], 0.0)
-        _store_rows(o_base + rows[:, None] * son + offs_d2[None, :], out_b.to(Out.dtype.element_ty), rows, NQ,
-                    offs_d2, HEAD_DIM, BLOCK_D + BLOCK_D2)
     if STORE_LSE:
         # +inf makes the backward's 2^(x - lse) = 0 for every key of a row that sees none
-        lse = tl.where(z > 0, m + tl.log2(z_safe), float("inf"))
+        lse = tl.where(z > 0, m + tl.log2(tl.where(z > 0, z, 1.0)), float("inf"))
         tl.store(Lse + bh.to(tl.int64) * NQ + rows, lse, mask=rows < NQ)
 
 
 @triton.jit
-def _store_summary(Sbuf, Out, m_i, z_i, s_i, s_b, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """(m, z) of one program to its slot of M and Z, s to its slot of S -- or, float32 output, partition 0's s into
     the output rows themselves (Out holds fp32 then: the same numbers, one [rows, D] slab less of summaries).
-    Pointers offset by the slots' scalar bases. s_b: the second head-dim tile (BLOCK_D2 > 0), stored beside s in
-    the same D-wide rows (the summary layout does not depend on the tiles)."""
+    Pointers offset by the slots' scalar bases."""
     offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
     base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
     tl.store(Sbuf + base + offs_m, m_i)
     tl.store(Sbuf + NROWS.to(tl.int64) + base + offs_m, z_i)
-    _store_s(Sbuf, Out, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son, HEAD_DIM, 0, BLOCK_D,
-             BLOCK_M)
-    if BLOCK_D2 > 0:
-        _store_s(Sbuf, Out, s_b, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son, HEAD_DIM, BLOCK_D,
-                 BLOCK_D2, BLOCK_M)
-
-
-@triton.jit
-def _store_s(Sbuf, Out, s, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
-             HEAD_DIM: tl.constexpr, COL0: tl.constexpr, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The columns [COL0, COL0 + WIDTH) of one program's s (past HEAD_DIM: not stored) to its slot of S, or
-    (float32 output, partition 0) to the output rows."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = COL0 + tl.arange(0, WIDTH)
     if Out.dtype.element_ty == tl.float32:
         if part == 0:
             o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
             mask = offs_m[:, None] < NQ - r0
-            if COL0 + WIDTH > HEAD_DIM:
+            if BLOCK_D != HEAD_DIM:
                 mask = mask & (offs_d[None, :] < HEAD_DIM)
-            tl.store(o_base + offs_m[:, None] * son + offs_d[None, :], s, mask=mask)
+            tl.store(o_base + offs_m[:, None] * son + offs_d[None, :], s_i, mask=mask)
         else:
             base_s = (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
             _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base_s + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                        s, offs_m, BLOCK_M, offs_d, HEAD_DIM, COL0 + WIDTH)
+                        s_i, offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
     else:
-        base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
-        _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], s,
-                    offs_m, BLOCK_M, offs_d, HEAD_DIM, COL0 + WIDTH)
-
-
-@triton.jit
-def _core_partition(q_base, k_base, v_base, Sbuf, Out, Lse, sqn, skn, svn, lo, hi, r0, part, qb, bh, b, h,
-                    QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr, FINAL: tl.constexpr,
-                    STORE_LSE: tl.constexpr):
-    """One program's partition through the flash core (_core_scan), then its summary stored (or, FINAL, the output
-    and lse written)."""
-    if BLOCK_D2 > 0:
-        m_i, z_i, s_i, s_b = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
-                                        HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
-                                        WARP_SPECIALIZE, DOT_PREC)
-    else:
-        m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
-                                   HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
-                                   WARP_SPECIALIZE, DOT_PREC)
-        s_b = s_i                                 # a placeholder the stores below never read
-    if FINAL:
-        _write_core_output(Out, Lse, m_i, z_i, s_i, s_b, bh, b, h, r0, sob, soh, son, NQ, HEAD_DIM, BLOCK_D,
-                           BLOCK_D2, BLOCK_M, USE_DESC, STORE_LSE)
-    else:
-        _store_summary(Sbuf, Out, m_i, z_i, s_i, s_b, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
-                       HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M)
-
-
-@triton.jit
-def _own_partition(q_base, k_base, v_base, b_base, Sbuf, Out, Lse, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
-                   part, qb, bh, b, h, QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-                   DOT_PREC: tl.constexpr, FINAL: tl.constexpr, STORE_LSE: tl.constexpr):
-    """One program's partition through this file's loop (_scan_partition: fp32, bias), then its summary stored
-    (or, FINAL, the output and lse written)."""
-    if BLOCK_D2 > 0:
-        m_i, z_i, s_i, s_b = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
-                                             r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M, BLOCK_N,
-                                             CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
-    else:
-        m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
-                                        r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M, BLOCK_N,
-                                        CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
-        s_b = s_i                                 # a placeholder the stores below never read
-    if FINAL:
-        _write_output(Out, Lse, m_i, z_i, s_i, s_b, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                      STORE_LSE)
-    else:
-        _store_summary(Sbuf, Out, m_i, z_i, s_i, s_b, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
-                       HEAD_DIM, BLOCK_D, BLOCK_D2, BLOCK_M)
+        _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], s_i,
+                    offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "q0", "QB", "BH", "W"])
@@ -339,8 +209,8 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
                  sbb, sbh, sbi, sbj, sob, soh, son,
                  H, GROUP, NQ, NK, q0, QB, BH, W, NROWS, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
                  SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, FINAL: tl.constexpr,
                  STORE_LSE: tl.constexpr, KEYS_EVEN: tl.constexpr, USE_DESC: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr):
@@ -353,8 +223,6 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     one contiguous slab per partition.
     FINAL (a single partition holds every key): there is nothing to merge, so the program writes out and lse
     itself and phase 2 is not launched.
-    The head dim is one tile of BLOCK_D columns (BLOCK_D2 = 0), or two (kernels._common.head_dim_tiles): columns
-    [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_D2), the second masked past HEAD_DIM (D = 80: 64 + 16, not 128).
     SCALE_IN_EXP (16-bit, no bias) runs the shared flash core's loop (_core_scan): KEYS_EVEN (NK a multiple of
     BLOCK_N: no ragged tile), USE_DESC (tensor descriptors) and WARP_SPECIALIZE are its switches (the host's plan
     decides them); fp32 and the bias path keep this file's loop (_scan_partition).
@@ -377,27 +245,41 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     if SCALE_IN_EXP:
-        if FINAL or not CAUSAL:
-            # FINAL: one partition, out and lse written here; non-causal: every partition holds keys
-            # (P = ceil(NK / W)), so no branch around the (warp-specialized) loop
-            _core_partition(q_base, k_base, v_base, Sbuf, Out, Lse, sqn, skn, svn, lo, hi, r0, part, qb, bh, b, h,
-                            QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                            BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC, WARP_SPECIALIZE, DOT_PREC, FINAL, STORE_LSE)
-        elif lo < hi:
-            _core_partition(q_base, k_base, v_base, Sbuf, Out, Lse, sqn, skn, svn, lo, hi, r0, part, qb, bh, b, h,
-                            QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son, HEAD_DIM, BLOCK_D, BLOCK_D2,
-                            BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC, WARP_SPECIALIZE, DOT_PREC, FINAL, STORE_LSE)
+        if FINAL:
+            m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
+                                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
+                                       WARP_SPECIALIZE, DOT_PREC)
+            _write_core_output(Out, Lse, m_i, z_i, s_i, bh, b, h, r0, sob, soh, son, NQ, HEAD_DIM, BLOCK_D,
+                               BLOCK_M, USE_DESC, STORE_LSE)
+        elif CAUSAL:
+            if lo < hi:
+                m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off,
+                                           qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN,
+                                           USE_DESC, WARP_SPECIALIZE, DOT_PREC)
+                _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                               HEAD_DIM, BLOCK_D, BLOCK_M)
+        else:
+            # every partition holds keys (P = ceil(NK / W)): no branch around the (warp-specialized) loop
+            m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
+                                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, KEYS_EVEN, USE_DESC,
+                                       WARP_SPECIALIZE, DOT_PREC)
+            _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                           HEAD_DIM, BLOCK_D, BLOCK_M)
     else:
         rows = r0 + tl.arange(0, BLOCK_M)
         b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
         if FINAL:
-            _own_partition(q_base, k_base, v_base, b_base, Sbuf, Out, Lse, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
-                           part, qb, bh, b, h, QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son, HEAD_DIM, BLOCK_D,
-                           BLOCK_D2, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC, FINAL, STORE_LSE)
+            m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
+                                            r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                            CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+            _write_output(Out, Lse, m_i, z_i, s_i, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D,
+                          STORE_LSE)
         elif lo < hi:
-            _own_partition(q_base, k_base, v_base, b_base, Sbuf, Out, Lse, sqn, skn, svn, sbi, sbj, rows, lo, hi, r0,
-                           part, qb, bh, b, h, QB, BH, NROWS, NQ, NK, off, qk_scale, sob, soh, son, HEAD_DIM, BLOCK_D,
-                           BLOCK_D2, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC, FINAL, STORE_LSE)
+            m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
+                                            r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                            CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+            _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
+                           HEAD_DIM, BLOCK_D, BLOCK_M)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,8 +350,7 @@ def _elsa_phase2(Sbuf, Out, Lse,
         if BLOCK_D != HEAD_DIM:
             o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
         s += w0[:, None] * tl.load(o_ptrs, mask=o_mask, other=0.0)
-    # phase 2 merges the D-wide summaries as one padded tile (it is memory-bound): BLOCK_D2 = 0, s_b not read
-    _write_output(Out, Lse, m_star, z, s, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, 0, STORE_LSE)
+    _write_output(Out, Lse, m_star, z, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,13 +15,8 @@ Three kernels, one idea each:
 Shapes (the kernel contract, kernels/_common.py): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D] read in place
 through their batch/head/row strides (unit feature stride); query head h reads key/value head h // (Hq / Hkv);
 causal is aligned bottom-right (row i sees keys j <= i + Nk − Nq) and a row that sees no key gives 0; D is any
-multiple of 8 up to 256. Triton's tiles are powers of two, so D is covered by one tile of BLOCK_D columns or, where
-two are narrower (kernels._common.head_dim_tiles: D = 80 -> 64 + 16, 96 -> 64 + 32), by a full tile of columns
-[0, BLOCK_D) and a second of columns [BLOCK_D, BLOCK_D + BLOCK_D2) (constexpr BLOCK_D2, 0 = one tile; every
-`if BLOCK_D2 > 0:` is resolved at compile time). Columns past D are masked to zero, which adds nothing to the
-products. With two tiles each product over the head dim is two dots into one fp32 accumulator (QKᵀ: the second
-added to the first; M·K and P·V: one per column tile, the columns are independent), so the arithmetic is the
-one-tile kernel's up to the grouping of the fp32 sum over D.
+multiple of 8 up to 256, padded with masked zero columns to BLOCK_D (a power of two), which add nothing to the
+products.
 
 Precision model (shared with ``kernels.pasa.emulate``): a matmul accumulates in fp32 and its result is
 rounded once; a row reduction (sum) accumulates in fp32 and is rounded once; every elementwise op
@@ -45,12 +40,10 @@ M_INIT = tl.constexpr(-60000.0)   # the initial running max: finite in fp16, so 
 
 @triton.jit
 def _shift_k_kernel(K, KS, stride_kb, stride_kh, stride_kn, H_KV, N_K, diag, off,
-                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
+                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """KS[b, h, j·n + t] = fp16(Σ_s M[t, s] · K[b, h, start_j + s]): the KV window j of key/value head h shifted
     and scaled. K is read in place (any batch/head/row strides, unit feature stride); KS is contiguous
-    [B, H_KV, T_c·n, BLOCK_D + BLOCK_D2], its padded columns zero (so the main loop loads it without masks).
-    The two column tiles are two matmuls with the same λM (each output column depends on its own column only)."""
-    WIDTH: tl.constexpr = BLOCK_D + BLOCK_D2
+    [B, H_KV, T_c·n, BLOCK_D], its padded columns zero (so the main loop loads it without masks)."""
     j = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
@@ -69,68 +62,43 @@ def _shift_k_kernel(K, KS, stride_kb, stride_kh, stride_kn, H_KV, N_K, diag, off
     # λM = diag on the diagonal, off elsewhere; both already fp16 values, so the cast is exact.
     shift = tl.where(t[:, None] == t[None, :], diag, off).to(tl.float16)
     k_shift = tl.dot(shift, k)
-    tl.store(KS + bh.to(tl.int64) * n_blocks * BLOCK_N * WIDTH + (j * BLOCK_N + t)[:, None] * WIDTH
+    tl.store(KS + bh.to(tl.int64) * n_blocks * BLOCK_N * BLOCK_D + (j * BLOCK_N + t)[:, None] * BLOCK_D
              + cols[None, :], k_shift.to(tl.float16))
-    if BLOCK_D2 > 0:
-        cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2 = _load_cols(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_kn + cols2[None, :], keys, cols2,
-                        N_K, D, WIDTH, True)
-        tl.store(KS + bh.to(tl.int64) * n_blocks * BLOCK_N * WIDTH + (j * BLOCK_N + t)[:, None] * WIDTH
-                 + cols2[None, :], tl.dot(shift, k2).to(tl.float16))
-
-
-@triton.jit
-def _load_cols(ptrs, keys, cols, N_K, D: tl.constexpr, END: tl.constexpr, MASKED: tl.constexpr):
-    """The tile at ptrs (rows `keys`, columns `cols`, which end at END), zero where a row is past N_K (MASKED)
-    or a column past D (a tile that reaches past D); unmasked where neither can happen."""
-    if MASKED:
-        if D < END:
-            x = tl.load(ptrs, mask=(keys[:, None] < N_K) & (cols[None, :] < D), other=0.0)
-        else:
-            x = tl.load(ptrs, mask=keys[:, None] < N_K, other=0.0)
-    elif D < END:
-        x = tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
 
 
 @triton.jit
 def _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, MASKED: tl.constexpr):
-    """KV block j of both loops: its key positions, the shifted K̃ tile and the V tile of columns [0, BLOCK_D),
-    and those of columns [BLOCK_D, BLOCK_D + BLOCK_D2) (with BLOCK_D2 = 0: the first ones again, unused). The
-    ragged last block is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole
-    blocks and to BLOCK_D + BLOCK_D2 columns, so its loads never need a mask."""
-    WIDTH: tl.constexpr = BLOCK_D + BLOCK_D2
+                   BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """KV block j of both loops: its key positions, the shifted K̃ tile and the V tile. The ragged last block
+    is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole blocks and to
+    BLOCK_D columns, so its loads never need a mask."""
     t = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     start = tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
     keys = start + t
-    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * WIDTH + cols[None, :])
-    v = _load_cols(V + v_base + keys[:, None] * stride_vn + cols[None, :], keys, cols, N_K, D, BLOCK_D, MASKED)
-    if BLOCK_D2 > 0:
-        cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2 = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * WIDTH + cols2[None, :])
-        v2 = _load_cols(V + v_base + keys[:, None] * stride_vn + cols2[None, :], keys, cols2, N_K, D, WIDTH, MASKED)
+    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * BLOCK_D + cols[None, :])
+    v_ptrs = V + v_base + keys[:, None] * stride_vn + cols[None, :]
+    if MASKED:
+        if D < BLOCK_D:
+            v = tl.load(v_ptrs, mask=(keys[:, None] < N_K) & (cols[None, :] < D), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=keys[:, None] < N_K, other=0.0)
+    elif D < BLOCK_D:
+        v = tl.load(v_ptrs, mask=cols[None, :] < D, other=0.0)
     else:
-        k2, v2 = k_shift, v
-    return keys, k_shift, v, k2, v2
+        v = tl.load(v_ptrs)
+    return keys, k_shift, v
 
 
 @triton.jit
-def _pasa_block(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2, c, j, N_K,
-                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr, STATE: tl.constexpr):
-    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc, acc2): acc and acc2 are A's
-    column tiles (acc2 passes through untouched when BLOCK_D2 = 0). `last_key`: per query row, the last key it
-    may see when causal (row + N_K − N_Q, bottom-right aligned)."""
-    keys, k_shift, v, k2, v2 = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D,
-                                              BLOCK_D2, MASKED)
+def _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, STATE: tl.constexpr):
+    """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc). `last_key`: per query row,
+    the last key it may see when causal (row + N_K − N_Q, bottom-right aligned)."""
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))                  # λ·(QKᵀ)·M₀ in fp32 registers
-    if BLOCK_D2 > 0:                                     # the second column tile's share, same fp32 accumulator
-        s32 = tl.dot(q2, tl.trans(k2), s32)
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ local pseudo-average over all n columns, pre-mask
     s = s32.to(tl.float16).to(STATE)                     # the fp16 score tile of the paper
     if MASKED:
@@ -158,19 +126,15 @@ def _pasa_block(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, a
     gamma = tl.exp2((cand_new - m_new).to(tl.float32) * LOG2E).to(STATE)
     ell = alpha * ell + gamma * s_sum
     acc = alpha[:, None] * acc + gamma[:, None] * pv
-    if BLOCK_D2 > 0:
-        pv2 = tl.dot(p.to(tl.float16), v2).to(STATE)
-        acc2 = (alpha[:, None] * acc2 + gamma[:, None] * pv2).to(STATE)
     # explicit casts: the loop-carried types must match the STATE the loop started with (triton 3.6 checks)
-    return m_new.to(STATE), ell.to(STATE), g_new.to(STATE), acc.to(STATE), acc2
+    return m_new.to(STATE), ell.to(STATE), g_new.to(STATE), acc.to(STATE)
 
 
 @triton.jit
-def _pasa_block_fused(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2, c, j, N_K,
-                      BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-                      CAUSAL: tl.constexpr, MASKED: tl.constexpr, STATE: tl.constexpr):
-    """One step of Algorithm 1 in FlashAttention's in-place form; returns the updated (m, ell, g, acc, acc2)
-    (acc2: A's second column tile, untouched when BLOCK_D2 = 0).
+def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                      BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                      MASKED: tl.constexpr, STATE: tl.constexpr):
+    """One step of Algorithm 1 in FlashAttention's in-place form; returns the updated (m, ell, g, acc).
 
     The frame bookkeeping (μ, G, δ_cur, δ_prev, m_new, α, all in the state format) comes first, then the
     correction γ = e^{μ + δ_cur − m_new} is folded into the exponent: P = fp16(e^{Ŝ − (m_new − δ_cur)}),
@@ -182,12 +146,9 @@ def _pasa_block_fused(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell
 
     Every rounding is an explicit cast (tl.max promotes fp16 to fp32, and promotion rules differ between
     Triton versions); ``kernels.pasa.emulate`` (variant "fused") performs the same operations."""
-    keys, k_shift, v, k2, v2 = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D,
-                                              BLOCK_D2, MASKED)
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
 
     s32 = tl.dot(q, tl.trans(k_shift))
-    if BLOCK_D2 > 0:
-        s32 = tl.dot(q2, tl.trans(k2), s32)
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ from the fp32 accumulator, pre-mask
     s = s32.to(tl.float16).to(tl.float32)                # the fp16 score tile Ŝ (its values, held in fp32)
     if MASKED:
@@ -211,23 +172,21 @@ def _pasa_block_fused(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell
     p = tl.exp2(tl.fma(s, LOG2E, -(frame * LOG2E)[:, None])).to(STATE)   # one FFMA + ex2 per score
     ell = (alpha.to(tl.float32) * ell.to(tl.float32) + tl.sum(p.to(tl.float32), 1)).to(STATE)
     acc = tl.dot(p.to(tl.float16), v, acc.to(STATE).to(tl.float32) * alpha.to(tl.float32)[:, None])
-    if BLOCK_D2 > 0:
-        acc2 = tl.dot(p.to(tl.float16), v2, acc2.to(STATE).to(tl.float32) * alpha.to(tl.float32)[:, None])
-    return m_new.to(STATE), ell, g_new.to(STATE), acc, acc2
+    return m_new.to(STATE), ell, g_new.to(STATE), acc
 
 
 @triton.jit
-def _pasa_step(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2, c, j, N_K,
-               BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
+def _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
     """One KV block with the chosen main loop (attention.VARIANTS)."""
     if FUSED:
-        m, ell, g, acc, acc2 = _pasa_block_fused(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc,
-                                                 acc2, c, j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, MASKED, STATE)
+        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j,
+                                           N_K, BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
     else:
-        m, ell, g, acc, acc2 = _pasa_block(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2,
-                                           c, j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, MASKED, STATE)
-    return m, ell, g, acc, acc2
+        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                     BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
+    return m, ell, g, acc
 
 
 @triton.jit
@@ -250,14 +209,11 @@ def _block_range(i, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUS
 def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, stride_vh, stride_vn,
                      stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, c_arg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_D2: tl.constexpr, CAUSAL: tl.constexpr, STATE_FP32: tl.constexpr, FUSED: tl.constexpr):
+                     CAUSAL: tl.constexpr, STATE_FP32: tl.constexpr, FUSED: tl.constexpr):
     """Query tile i of query head h: Algorithm 1 over the KV blocks of key/value head h // (H_Q // H_KV)
     (grouped-query attention reads the shared K̃ and V in place). The softmax state is fp16 (the paper's
-    allocation) or, with STATE_FP32, fp32 (its hybrid mode); a bool, not a dtype, so the launch key stays plain.
-    Q, A and O are held as column tiles [0, BLOCK_D) and, with BLOCK_D2 > 0, [BLOCK_D, BLOCK_D + BLOCK_D2); with
-    BLOCK_D2 = 0 the second tile's names stand for the first and are never used (the compiler drops them)."""
+    allocation) or, with STATE_FP32, fp32 (its hybrid mode); a bool, not a dtype, so the launch key stays plain."""
     STATE: tl.constexpr = tl.float32 if STATE_FP32 else tl.float16
-    WIDTH: tl.constexpr = BLOCK_D + BLOCK_D2
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_Q).to(tl.int64)
@@ -265,7 +221,7 @@ def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, st
     hk = (h // (H_Q // H_KV)).to(tl.int64)
     h = h.to(tl.int64)
     n_blocks = tl.cdiv(N_K, BLOCK_N)
-    ks_base = (b * H_KV + hk) * n_blocks * BLOCK_N * WIDTH
+    ks_base = (b * H_KV + hk) * n_blocks * BLOCK_N * BLOCK_D
     v_base = b * stride_vb + hk * stride_vh
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -281,41 +237,27 @@ def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, st
     m = tl.full([BLOCK_M], M_INIT, STATE)
     ell = tl.zeros([BLOCK_M], STATE)
     g = tl.zeros([BLOCK_M], STATE)
-    ACC: tl.constexpr = tl.float32 if FUSED else STATE
-    # FUSED: the wgmma accumulator itself (holds α·A + P·V until its next read rounds it)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    if BLOCK_D2 > 0:
-        cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        io_mask2 = rows[:, None] < N_Q
-        if D < WIDTH:
-            io_mask2 = io_mask2 & (cols2[None, :] < D)
-        q2 = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols2[None, :], mask=io_mask2,
-                     other=0.0)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], ACC)
+    if FUSED:   # the wgmma accumulator itself (holds α·A + P·V until its next read rounds it)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     else:
-        q2, acc2 = q, acc
+        acc = tl.zeros([BLOCK_M, BLOCK_D], STATE)
     hi_full, hi = _block_range(i, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(0, hi_full):
-        m, ell, g, acc, acc2 = _pasa_step(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2, c,
-                                          j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, False, STATE, FUSED)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                    BLOCK_N, D, BLOCK_D, CAUSAL, False, STATE, FUSED)
     for j in range(hi_full, hi):
-        m, ell, g, acc, acc2 = _pasa_step(q, q2, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, acc2, c,
-                                          j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, True, STATE, FUSED)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+                                    BLOCK_N, D, BLOCK_D, CAUSAL, True, STATE, FUSED)
     # eq 8, in the state format; a row that saw no key (bottom-right causal with N_Q > N_K) has ℓ = 0 and gives 0
     out = tl.where((ell == 0)[:, None], 0.0, acc.to(STATE) / ell[:, None])
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :],
              out.to(O.dtype.element_ty), mask=io_mask)
-    if BLOCK_D2 > 0:
-        out2 = tl.where((ell == 0)[:, None], 0.0, acc2.to(STATE) / ell[:, None])
-        tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols2[None, :],
-                 out2.to(O.dtype.element_ty), mask=io_mask2)
 
 
 @triton.jit
-def _fa16_block(q, q2, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, acc2, qk_scale, j, N_K,
-                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr):
-    """One KV block of the comparator; returns (m, ell, acc, acc2), acc2 untouched when BLOCK_D2 = 0."""
+def _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale, j, N_K,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr):
     keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     k_ptrs = K + k_base + keys[:, None] * stride_kn + cols[None, :]
@@ -334,15 +276,7 @@ def _fa16_block(q, q2, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, 
         v = tl.load(v_ptrs)
     # The unscaled score leaves the matrix unit in fp16: > 65504 becomes inf (the overflow under test);
     # the static scale is applied afterwards, in fp32, together with log2(e) for exp2.
-    if BLOCK_D2 > 0:   # both column tiles into one fp32 accumulator, rounded once as before
-        cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2 = _load_cols(K + k_base + keys[:, None] * stride_kn + cols2[None, :], keys, cols2, N_K, D,
-                        BLOCK_D + BLOCK_D2, MASKED)
-        v2 = _load_cols(V + v_base + keys[:, None] * stride_vn + cols2[None, :], keys, cols2, N_K, D,
-                        BLOCK_D + BLOCK_D2, MASKED)
-        s = tl.dot(q2, tl.trans(k2), tl.dot(q, tl.trans(k))).to(tl.float16).to(tl.float32) * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)).to(tl.float16).to(tl.float32) * qk_scale
+    s = tl.dot(q, tl.trans(k)).to(tl.float16).to(tl.float32) * qk_scale
     if MASKED:
         visible = (keys < N_K)[None, :]
         if CAUSAL:
@@ -356,17 +290,14 @@ def _fa16_block(q, q2, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, 
     p = tl.exp2(s - m_off[:, None])
     ell = ell * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
-    if BLOCK_D2 > 0:
-        acc2 = tl.dot(p.to(tl.float16), v2, acc2 * alpha[:, None])
-    return m_new, ell, acc, acc2
+    return m_new, ell, acc
 
 
 @triton.jit
 def _fa16_fwd_kernel(Q, K, V, O, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, qk_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_D2: tl.constexpr, CAUSAL: tl.constexpr):
-    """The comparator: PASA's tiling and head-dim column tiles, no shift, the unscaled QKᵀ rounded to fp16."""
+                     CAUSAL: tl.constexpr):
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_Q).to(tl.int64)
@@ -386,28 +317,14 @@ def _fa16_fwd_kernel(Q, K, V, O, stride_qb, stride_qh, stride_qn, stride_kb, str
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     ell = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if BLOCK_D2 > 0:
-        cols2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        io_mask2 = rows[:, None] < N_Q
-        if D < BLOCK_D + BLOCK_D2:
-            io_mask2 = io_mask2 & (cols2[None, :] < D)
-        q2 = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols2[None, :], mask=io_mask2,
-                     other=0.0)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
-    else:   # one tile: the second tile's names stand for the first and are never used
-        q2, acc2 = q, acc
     hi_full, hi = _block_range(i, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(0, hi_full):
-        m, ell, acc, acc2 = _fa16_block(q, q2, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, acc2,
-                                        qk_scale, j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, False)
+        m, ell, acc = _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale,
+                                  j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, False)
     for j in range(hi_full, hi):
-        m, ell, acc, acc2 = _fa16_block(q, q2, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, acc2,
-                                        qk_scale, j, N_K, BLOCK_N, D, BLOCK_D, BLOCK_D2, CAUSAL, True)
+        m, ell, acc = _fa16_block(q, K, V, k_base, v_base, stride_kn, stride_vn, last_key, m, ell, acc, qk_scale,
+                                  j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, True)
     # a row that saw no key gives 0; a NaN ℓ (overflow) stays NaN
     out = tl.where((ell == 0)[:, None], 0.0, acc / ell[:, None])
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :],
              out.to(O.dtype.element_ty), mask=io_mask)
-    if BLOCK_D2 > 0:
-        out2 = tl.where((ell == 0)[:, None], 0.0, acc2 / ell[:, None])
-        tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols2[None, :],
-                 out2.to(O.dtype.element_ty), mask=io_mask2)

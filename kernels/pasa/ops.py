@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, forward_only_error, head_dim_tiles,
-                             layout, unit_last)
+from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, layout,
+                             unit_last)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
@@ -64,9 +64,7 @@ def _parse(options: str) -> dict:
 
 # (options, head dim, causal, scale) -> everything a PASA call derives from them: the tile, β's shift entries
 # diag and off (λM's two distinct entries rounded to fp16, ①), the recovery's c = β/(1 − β), and the constexprs
-# of both launches. Built once per key (β* by the fixed point of beta.py), never per call. The head dim's column
-# tiles are kernels._common.head_dim_tiles(D) (D = 80: 64 + 16, not one padded 128), and K̃ is stored
-# BLOCK_D + BLOCK_D2 columns wide; the tile sizes (options) keep the bucket of block_d(D) (attention.py).
+# of both launches. Built once per key (β* by the fixed point of beta.py), never per call.
 _pasa_plans = SignatureCache()
 _fa16_plans = SignatureCache()
 
@@ -79,12 +77,12 @@ def _pasa_plan(options: str, d: int, causal: bool, scale: float) -> tuple:
         block_m, block_n, num_warps, num_stages = opts["tiles"]
         beta = default_beta(block_n, scale) if opts["beta"] == "None" else float(opts["beta"])
         diag, off = shift_entries(beta, block_n, scale, "fp16")
-        bd, bd2 = head_dim_tiles(d)
-        shift = dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, BLOCK_D2=bd2, num_warps=SHIFT_WARPS, num_stages=1)
-        main = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, BLOCK_D2=bd2, CAUSAL=causal,
+        bd = block_d(d)
+        shift = dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, num_warps=SHIFT_WARPS, num_stages=1)
+        main = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, CAUSAL=causal,
                     STATE_FP32=opts["state"] == "fp32", FUSED=opts["loop"] == "fused", num_warps=num_warps,
                     num_stages=num_stages)
-        plan = _pasa_plans.put(key, (block_m, block_n, bd + bd2, diag, off, ideal_invariance(beta), shift, main))
+        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main))
     return plan
 
 
@@ -93,8 +91,7 @@ def _fa16_plan(options: str, d: int, causal: bool) -> tuple:
     plan = _fa16_plans.get(key)
     if plan is None:
         block_m, block_n, num_warps, num_stages = _parse(options)["tiles"]
-        bd, bd2 = head_dim_tiles(d)
-        plan = _fa16_plans.put(key, (block_m, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, BLOCK_D2=bd2,
+        plan = _fa16_plans.put(key, (block_m, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=block_d(d),
                                                    CAUSAL=causal, num_warps=num_warps, num_stages=num_stages)))
     return plan
 
@@ -140,10 +137,10 @@ class _Forward(LaunchPlan):
         if self.empty:
             return
         if name == "pasa":
-            block_m, block_n, width, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
+            block_m, block_n, bd, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
             n_blocks = -(-len_k // block_n)   # (triton.cdiv is a JIT function: ~5 us a call)
             # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
-            self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, width)
+            self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, bd)
             self.shift = Prepared(_shift_k_kernel, (n_blocks, bsz * heads_kv),
                                   (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
             self.main = Prepared(_pasa_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
