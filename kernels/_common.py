@@ -194,6 +194,12 @@ def unit_last(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def in_place(name: str, t: torch.Tensor) -> tuple:
+    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
+    u = unit_last(name, t)
+    return u is not t, u.stride()
+
+
 def on_device(t: torch.Tensor):
     """Make t's CUDA device current for the launches (Triton launches on the current device); a no-op
     context when it already is, the common case, which saves the device switch's host time."""

@@ -299,9 +299,13 @@ _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 class LaunchPlan:
     """Base of a kernel's per-signature plans: ``plan(*args)`` is ``plan.run(*args)`` with the plan's CUDA device
     current (Triton and Prepared launch on the current device). The common case, that device already current,
-    costs one C call and no switch. A subclass sets ``device_index`` (None on the CPU) and defines ``run``."""
+    costs one C call and no switch. A subclass calls ``place(device)`` with its tensors' device and defines
+    ``run``."""
 
-    device_index = None
+    device_index = None     # the CUDA device's index; None on the CPU (no device to make current)
+
+    def place(self, device: torch.device) -> None:
+        self.device_index = device.index if device.type == "cuda" else None
 
     def __call__(self, *args):
         index = self.device_index

@@ -426,7 +426,8 @@ def test_signature_cache_is_bounded_and_cleared_with_the_launch_cache():
 
 
 def test_launch_plan_runs_on_its_device(monkeypatch):
-    """A plan on CUDA device 1 switches to it when another device is current, and only then."""
+    """A plan placed on CUDA device 1 switches to it when another device is current, and only then; a plan
+    placed on the CPU never switches."""
     switches = []
 
     class Switch:
@@ -440,7 +441,8 @@ def test_launch_plan_runs_on_its_device(monkeypatch):
             return False
 
     class Plan(L.LaunchPlan):
-        device_index = 1
+        def __init__(self, device=torch.device("cuda", 1)):
+            self.place(device)
 
         def run(self, x):
             return x + 1
@@ -451,6 +453,7 @@ def test_launch_plan_runs_on_its_device(monkeypatch):
     assert Plan()(1) == 2 and switches == []
     current[0] = 0
     assert Plan()(1) == 2 and switches == [1]
+    assert Plan(torch.device("cpu"))(1) == 2 and switches == [1]
 
 
 class _Recorder:

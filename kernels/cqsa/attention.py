@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, layout, signature,
-                       unit_last)
+from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, in_place, layout,
+                       signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
@@ -69,12 +69,6 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
-def _in_place(t) -> tuple:
-    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
-    u = unit_last("cqsa", t)
-    return u is not t, u.stride()
-
-
 def _waves(kernel, waves, programs: int, fixed: tuple, consts: dict) -> list:
     """One Prepared launch per wave: grid (the wave's items, programs), the fixed arguments then the wave's
     (first, last) flags; each is called with the kernel's tensors and the wave's items and ranges last."""
@@ -92,12 +86,12 @@ class _Forward(LaunchPlan):
     def __init__(self, q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.place(q.device)
         self.out_shape, self.lse_shape = (B, H, N, D), (B, H, N)
         self.empty = N == 0 or B * H == 0
         if self.empty:
             return
-        (cq, sq), (ck, sk), (cv, sv) = _in_place(q), _in_place(k), _in_place(v)
+        (cq, sq), (ck, sk), (cv, sv) = in_place("cqsa", q), in_place("cqsa", k), in_place("cqsa", v)
         self.copy = (cq, ck, cv) if cq or ck or cv else None
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
@@ -131,12 +125,12 @@ class _Backward(LaunchPlan):
     def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
-        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.place(q.device)
         self.q_shape, self.kv_shape = (B, H, N, D), (B, Hkv, Nk, D)
         self.empty = N == 0 or Nk == 0 or B * H == 0
         if self.empty:
             return
-        ins = [_in_place(x) for x in (q, k, v, do)]
+        ins = [in_place("cqsa", x) for x in (q, k, v, do)]
         # out and lse are read as contiguous [B, H, N(, D)] (the forward's own outputs are)
         self.copy = (*(cp for cp, _ in ins), not out.is_contiguous(), not lse.is_contiguous())
         if not any(self.copy):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .._common import (LOG2E, PRECISIONS, LaunchPlan, Prepared, SignatureCache, block_d, check_inputs,
-                       check_precision, default_scale, dot_precision, layout, signature, unit_last)
+                       check_precision, default_scale, dot_precision, in_place, layout, signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from . import configs
 from . import kernel as tk
@@ -116,12 +116,6 @@ def _like_layout(t: torch.Tensor) -> tuple:
     return (True, st) if st[-1] == 1 else (False, meta.new_empty(t.shape).stride())
 
 
-def _in_place(t: torch.Tensor) -> tuple:
-    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
-    u = unit_last(NAME, t)
-    return u is not t, u.stride()
-
-
 def _relay(t: torch.Tensor, n_relay: int, w: int) -> torch.Tensor:
     # block means of the first n_relay full blocks, [B, Hkv, n_relay, D] contiguous; only full blocks can ever
     # be visible (block r needs (r+2)W <= N), so no padding. In the input dtype, as the original computes them.
@@ -140,8 +134,8 @@ class _Forward(LaunchPlan):
         shape = check_inputs(NAME, q, k, v, causal=True, scale=scale, self_attention=True, causal_only=True)
         check_options(NAME, shape, relay_threshold, precision)       # the op called directly: checked too
         p = self.p = _Problem(q.shape, k.shape[1], q.dtype, q.device, relay_threshold, precision, config)
-        self.device_index = q.device.index if q.device.type == "cuda" else None
-        (cq, sq), (ck, sk), (cv, sv) = _in_place(q), _in_place(k), _in_place(v)
+        self.place(q.device)
+        (cq, sq), (ck, sk), (cv, sv) = in_place(NAME, q), in_place(NAME, k), in_place(NAME, v)
         self.copy = (cq, ck, cv) if cq or ck or cv else None
         self.o_like, so = _like_layout(q)
         grid, meta = p.fwd
@@ -178,8 +172,8 @@ class _Backward(LaunchPlan):
                                  f"{tuple(want)} {dtype} on {q.device}")
         if lse.stride() != (p.n, 1):
             raise ValueError(f"{NAME}: lse must be contiguous, got strides {lse.stride()}")
-        self.device_index = q.device.index if q.device.type == "cuda" else None
-        ins = [_in_place(t) for t in (q, k, v, o, do)]
+        self.place(q.device)
+        ins = [in_place(NAME, t) for t in (q, k, v, o, do)]
         self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
         sq, sk, sv, so, sdo = (st for _, st in ins)
         (self.q_like, sdq), (self.k_like, sdk), (self.v_like, sdv) = _like_layout(q), _like_layout(k), _like_layout(v)

@@ -69,7 +69,6 @@ class _Common:
         self.BD = block_d(self.D)
         self.dtype = q.dtype
         self.device = q.device
-        self.device_index = q.device.index if q.device.type == "cuda" else None
         self.copy = tuple(unit_last("elsa", t) is not t for t in (q, k, v))
         strides = [((t.shape[1] * t.shape[2] * t.shape[3], t.shape[2] * t.shape[3], t.shape[3]) if c else
                     tuple(t.stride()[:3])) for t, c in zip((q, k, v), self.copy)]
@@ -101,7 +100,7 @@ class _FwdPlan(LaunchPlan):
 
     def __init__(self, q, k, v, bias, causal, scale, precision, config, need_lse):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
-        self.device_index = c.device_index
+        self.place(c.device)
         self.need_lse = need_lse
         self.out_shape = (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
@@ -212,7 +211,7 @@ class _BwdPlan(LaunchPlan):
 
     def __init__(self, do, q, k, v, bias, causal, scale, precision, config, bias_grad):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
-        self.device_index = c.device_index
+        self.place(c.device)
         if tuple(do.shape) != (c.B, c.H, c.NQ, c.D) or do.dtype != c.dtype or do.device != c.device:
             raise ValueError(f"elsa: the output gradient is {tuple(do.shape)} {do.dtype} on {do.device}, expected "
                              f"{(c.B, c.H, c.NQ, c.D)} {c.dtype} on {c.device}")

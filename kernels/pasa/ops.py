@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, layout,
-                             unit_last)
+from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
+                             layout)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
@@ -114,12 +114,6 @@ def _to_fp16(name: str, q: Tensor, k: Tensor, v: Tensor) -> tuple:
 _f16 = torch.float16
 
 
-def _in_place(name: str, t: Tensor) -> tuple:
-    """(whether unit_last copies t, the strides the kernels then read t with): once per plan."""
-    u = unit_last(name, t)
-    return u is not t, u.stride()
-
-
 class _Forward(LaunchPlan):
     """One forward signature (kernels._launch.layout of q, k, v and the options) of PASA or fa16: its allocations
     and Prepared launches (PASA: the K̃ pre-pass and Algorithm 1; fa16: one launch). float16 in and out."""
@@ -127,9 +121,9 @@ class _Forward(LaunchPlan):
     def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
         bsz, heads_q, len_q, d = q.shape
         _, heads_kv, len_k, _ = k.shape
-        self.device_index = q.device.index if q.device.type == "cuda" else None
+        self.place(q.device)
         self.out_shape = (bsz, heads_q, len_q, d)
-        ins = [_in_place(name, t) for t in (q, k, v)]
+        ins = [in_place(name, t) for t in (q, k, v)]
         self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
         (sq, sk, sv), so = (st for _, st in ins), (heads_q * len_q * d, len_q * d, d)
         self.empty = len_k == 0 or bsz * heads_q * len_q * d == 0      # no key: every row gives 0 (the contract)
