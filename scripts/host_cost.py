@@ -9,10 +9,13 @@ cron_root and pasa, 2x for cqsa's resident path).
 Shape: B=1, H=1, N=128, D=64, float16 (--n, --dtype change it). A measurement is `--calls` calls in a row with no
 synchronisation inside (at this shape the GPU finishes each call before the host has issued the next, so the
 loop is host-bound) after `--warmup` calls and a synchronisation: host time per call = wall time of the loop /
-calls. Each is repeated `--repeats` times; the median is reported (and the minimum, in the JSON).
+calls. Each is repeated `--repeats` times; the median is reported (and the minimum, in the JSON). The repeats
+go round-robin over every figure of the run (one sample of each figure in turn, `repeats` rounds), so the
+host's drift over the run (tens of percent on the lent GPU machines) hits SDPA and the kernels alike.
 
 Modes: fwd (inputs require grad, grad enabled: a training step's forward), fwd_nograd (inference), fwdbwd
-(forward + torch.autograd.grad of q, k and v). Kernels: SDPA (PyTorch's own backend choice; causal where the
+(forward + torch.autograd.grad of q, k and v), bwd (torch.autograd.grad alone, over one forward's graph kept
+with retain_graph: the backward's host time without its forward). Kernels: SDPA (PyTorch's own backend choice; causal where the
 kernel is), elsa, cron_root (causal: its only mode), pasa (forward only), cqsa (resident: inputs on the compute
 device).
 
@@ -38,7 +41,7 @@ and the differences that split a call:
   autograd_fwd        function_fwd - body_fwd: the autograd node, ctx, saved tensors
   public_fwd          the kernel's fwd - op_fwd: the public function around the op
   backward            fwdbwd - fwd: what the backward adds
-  backward_node       fwdbwd - fwd - body_bwd: torch.autograd.grad, the engine and the Python node around the body
+  backward_node       bwd - body_bwd: torch.autograd.grad, the engine and the Python node around the body
 Shared pieces (``pieces.shared``): grad_builtin (torch.autograd.grad of a built-in op, q * 1: the engine's own cost,
 which SDPA pays too) and autograd_identity (an identity autograd.Function through torch.autograd.grad).
 Registration patterns (``registration``): empty-bodied ops registered four ways, fwd / fwd_nograd / fwdbwd:
@@ -64,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the reposito
 
 KERNELS = {"elsa": "kernels.elsa", "cron_root": "kernels.cron_root", "pasa": "kernels.pasa", "cqsa": "kernels.cqsa"}
 TARGET = {"elsa": 1.5, "cron_root": 1.5, "pasa": 1.5, "cqsa": 2.0}       # x SDPA's host time: the targets
-MODES = ("fwd", "fwd_nograd", "fwdbwd")
+MODES = ("fwd", "fwd_nograd", "fwdbwd", "bwd")
 
 
 def parse_args(argv=None):
@@ -85,25 +88,53 @@ def parse_args(argv=None):
 
 
 class Timer:
-    """Host time per call of fn over `calls` unsynchronised calls; median and min of `repeats` loops."""
+    """Host time per call of fn: one sample is `calls` unsynchronised calls after `warmup` calls and a
+    synchronisation (wall time of the loop / calls, in us)."""
 
     def __init__(self, torch, device, calls, warmup, repeats):
         self.torch, self.calls, self.warmup, self.repeats = torch, calls, warmup, repeats
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def __call__(self, fn, calls=None) -> dict:
-        calls = calls or self.calls
-        samples = []
-        for _ in range(self.repeats):
-            for _ in range(self.warmup):
-                fn()
-            self.sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-            self.sync()
-        return {"median_us": round(statistics.median(samples), 2), "min_us": round(min(samples), 2)}
+    def sample(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(self.calls):
+            fn()
+        us = (time.perf_counter() - t0) / self.calls * 1e6
+        self.sync()
+        return us
+
+
+class Schedule:
+    """Every figure of a run, measured round-robin: `repeats` rounds, each taking one sample of every figure in
+    turn, so a slow or fast moment of the machine (the lent GPU hosts drift by tens of percent over a minute)
+    lands on all figures alike rather than on whichever was measured then. A figure is (path, fn, setting):
+    setting is a context manager factory entered around each of its samples (no_grad, a stubbed launch, ...).
+    A figure whose sample raises is dropped from later rounds and reported."""
+
+    def __init__(self, timer: Timer):
+        self.timer, self.figures = timer, []
+
+    def add(self, path: str, fn, setting=contextlib.nullcontext) -> None:
+        self.figures.append((path, fn, setting))
+
+    def run(self) -> tuple[dict, dict]:
+        """({path: {"median_us", "min_us"}}, {path: error})."""
+        samples, errors = {path: [] for path, _, _ in self.figures}, {}
+        for _ in range(self.timer.repeats):
+            for path, fn, setting in self.figures:
+                if path in errors:
+                    continue
+                try:
+                    with setting():
+                        samples[path].append(self.timer.sample(fn))
+                except Exception as exc:      # a probe that fails is reported, the others still run
+                    errors[path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        values = {path: {"median_us": round(statistics.median(s), 2), "min_us": round(min(s), 2)}
+                  for path, s in samples.items() if s and path not in errors}
+        return values, errors
 
 
 @contextlib.contextmanager
@@ -149,12 +180,18 @@ def _kernel_entry(name):
 
 
 def measure_calls(torch, fn, q, k, v, do, has_backward: bool, record, prefix: str):
-    """fwd, fwd_nograd and (when the kernel has a backward) fwdbwd of fn(q, k, v)."""
+    """fwd, fwd_nograd and (when the kernel has a backward) fwdbwd and bwd of fn(q, k, v)."""
     record(f"{prefix}.fwd", lambda: fn(q, k, v))
-    with torch.no_grad():
-        record(f"{prefix}.fwd_nograd", lambda: fn(q, k, v))
+    record(f"{prefix}.fwd_nograd", lambda: fn(q, k, v), torch.no_grad)
     if has_backward:
         record(f"{prefix}.fwdbwd", lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do))
+        graph = []          # one forward's graph, made at the first call and kept (retain_graph)
+
+        def bwd():
+            if not graph:
+                graph.append(fn(q, k, v))
+            return torch.autograd.grad(graph[0], (q, k, v), do, retain_graph=True)
+        record(f"{prefix}.bwd", bwd)
 
 
 # --- each kernel's call as pieces ------------------------------------------------------------------------------
@@ -228,51 +265,60 @@ def kernel_paths(torch, name, q, k, v, do):
     return p
 
 
-def kernel_pieces(torch, name, public, q, k, v, do, record, res):
-    """One kernel's pieces (module docstring) into res["pieces"][name]."""
+def kernel_pieces(torch, name, public, q, k, v, do, record):
+    """Schedule one kernel's pieces (module docstring); piece_differences splits them once measured."""
     import kernels._launch as fast_launch
 
-    was_enabled = fast_launch.enabled()
-    fast_launch.set_enabled(True)
     p = kernel_paths(torch, name, q, k, v, do)
-    rec = lambda piece, fn: record(f"pieces.{name}.{piece}", fn)     # noqa: E731
-    backward = p.body_bwd is not None
-    with torch.no_grad():
-        rec("validate", p.validate)
-        rec("plan_fwd", p.plan_fwd)
-        rec("body_fwd", p.body_fwd)
-        rec("body_fwd_nograd", p.body_fwd_nograd)
-        rec("op_fwd_nograd", p.op_fwd)
-        if backward:
-            rec("plan_bwd", p.plan_bwd)
-            rec("body_bwd", p.body_bwd)
-            rec("op_bwd", p.op_bwd)
-        real_call = fast_launch.Prepared.__call__
-        fast_launch.Prepared.__call__ = lambda self, *tensors: None
+    rec = lambda piece, fn, *setting: record(f"pieces.{name}.{piece}", fn, *setting)     # noqa: E731
+
+    @contextlib.contextmanager
+    def launches(fast: bool = True, stubbed: bool = False):
+        """no_grad, the fast launch path on or off, every Prepared launch a no-op or real."""
+        was, real_call = fast_launch.enabled(), fast_launch.Prepared.__call__
+        fast_launch.set_enabled(fast)
+        if stubbed:
+            fast_launch.Prepared.__call__ = lambda self, *tensors: None
         try:
-            rec("body_fwd_nolaunch", p.body_fwd)
-            if backward:
-                rec("body_bwd_nolaunch", p.body_bwd)
+            with torch.no_grad():
+                yield
         finally:
             fast_launch.Prepared.__call__ = real_call
-        fast_launch.set_enabled(False)
+            fast_launch.set_enabled(was)
+
+    @contextlib.contextmanager
+    def op_stubbed():
+        module, attr = p.op_site
+        real_op = getattr(module, attr)
+        setattr(module, attr, p.op_stub)
         try:
-            rec("body_fwd_fastoff", p.body_fwd)
-            if backward:
-                rec("body_bwd_fastoff", p.body_bwd)
+            yield
         finally:
-            fast_launch.set_enabled(True)
+            setattr(module, attr, real_op)
+
+    backward = p.body_bwd is not None
+    rec("validate", p.validate, launches)
+    rec("plan_fwd", p.plan_fwd, launches)
+    rec("body_fwd", p.body_fwd, launches)
+    rec("body_fwd_nograd", p.body_fwd_nograd, launches)
+    rec("op_fwd_nograd", p.op_fwd, launches)
+    if backward:
+        rec("plan_bwd", p.plan_bwd, launches)
+        rec("body_bwd", p.body_bwd, launches)
+        rec("op_bwd", p.op_bwd, launches)
+    rec("body_fwd_nolaunch", p.body_fwd, lambda: launches(stubbed=True))
+    rec("body_fwd_fastoff", p.body_fwd, lambda: launches(fast=False))
+    if backward:
+        rec("body_bwd_nolaunch", p.body_bwd, lambda: launches(stubbed=True))
+        rec("body_bwd_fastoff", p.body_bwd, lambda: launches(fast=False))
     rec("function_fwd", p.function_fwd)
     rec("op_fwd", p.op_fwd)
-    module, attr = p.op_site
-    real_op = getattr(module, attr)
-    setattr(module, attr, p.op_stub)
-    try:
-        rec("public_fn", lambda: public(q, k, v))
-    finally:
-        setattr(module, attr, real_op)
-    fast_launch.set_enabled(was_enabled)
+    rec("public_fn", lambda: public(q, k, v), op_stubbed)
+    return backward
 
+
+def piece_differences(res, name: str, backward: bool) -> None:
+    """The differences that split a call (module docstring), from the measured pieces and the kernel's figures."""
     pieces, api = res["pieces"].get(name, {}), res["kernels"].get(name, {})
 
     def diff(piece, a, *minus):
@@ -291,7 +337,7 @@ def kernel_pieces(torch, name, public, q, k, v, do, record, res):
         diff("allocs_bwd", g("body_bwd_nolaunch"), g("plan_bwd"))
         diff("dispatch_bwd", g("op_bwd"), g("body_bwd"))
         diff("backward", api.get("fwdbwd"), api.get("fwd"))
-        diff("backward_node", api.get("fwdbwd"), api.get("fwd"), g("body_bwd"))
+        diff("backward_node", api.get("bwd"), g("body_bwd"))
 
 
 def shared_pieces(torch, q, k, v, do, record):
@@ -424,61 +470,61 @@ def measure(torch, args) -> dict:
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.kernels.split(",") if n]
-    timer = Timer(torch, args.device, args.calls, args.warmup, args.repeats)
+    schedule = Schedule(Timer(torch, args.device, args.calls, args.warmup, args.repeats))
     import triton
     res = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
                     "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                     "shape": [1, 1, args.n, 64], "dtype": args.dtype, "calls": args.calls, "warmup": args.warmup,
                     "repeats": args.repeats, "stub_launches": args.stub_launches,
-                    "unit": "us of host time per call (median of repeats)"},
+                    "unit": "us of host time per call (median of repeats)",
+                    "order": "round-robin: each repeat samples every figure once, in turn"},
            "kernels": {}, "pieces": {}, "registration": {}, "ratios": {}, "errors": {}}
-
-    def record(path, fn):
-        """Time fn into res for path "group.name" ("sdpa.fwd" goes to res["kernels"]["sdpa"]["fwd"]) or
-        "pieces.kernel.name" / "registration.pattern.mode"."""
-        parts = path.split(".")
-        try:
-            val = timer(fn)
-        except Exception as exc:      # a probe that fails is reported, the others still run
-            res["errors"][path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            return
-        if parts[0] in ("pieces", "registration"):
-            res[parts[0]].setdefault(parts[1], {})[parts[2]] = val
-        else:
-            res["kernels"].setdefault(parts[0], {})[parts[1]] = val
 
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(1, 1, args.n, 64, generator=g).to(dev, dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
     measure_calls(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, do, True,
-                  record, "sdpa")
-    entries = {}
+                  schedule.add, "sdpa")
+    entries, causal_sdpa = {}, False
     for name in names:
         try:
             fn, causal, has_backward = _kernel_entry(name)
         except Exception as exc:
             res["errors"][name] = f"import failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             continue
-        if causal and "sdpa_causal" not in res["kernels"]:
+        if causal and not causal_sdpa:
+            causal_sdpa = True
             measure_calls(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
-                          do, True, record, "sdpa_causal")
+                          do, True, schedule.add, "sdpa_causal")
         call = (lambda fn, causal: lambda q, k, v: fn(q, k, v, causal=causal))(fn, causal)
         entries[name] = (call, causal)
-        measure_calls(torch, call, q, k, v, do, has_backward, record, name)
-        if not has_backward:
-            res["kernels"].setdefault(name, {})["fwdbwd"] = "n/a: forward only"
+        measure_calls(torch, call, q, k, v, do, has_backward, schedule.add, name)
+    backward_pieces = {}
     if not args.no_pieces:
         for name, (call, _) in entries.items():
             try:
-                kernel_pieces(torch, name, call, q, k, v, do, record, res)
+                backward_pieces[name] = kernel_pieces(torch, name, call, q, k, v, do, schedule.add)
             except Exception as exc:
                 res["errors"][f"pieces.{name}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         try:
-            shared_pieces(torch, q, k, v, do, record)
-            registration_patterns(torch, q, k, v, do, record)
+            shared_pieces(torch, q, k, v, do, schedule.add)
+            registration_patterns(torch, q, k, v, do, schedule.add)
         except Exception as exc:
             res["errors"]["registration"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    values, errors = schedule.run()
+    res["errors"].update(errors)
+    for path, val in values.items():
+        parts = path.split(".")        # "sdpa.fwd" -> kernels; "pieces.elsa.body_fwd", "registration.library.fwd"
+        if parts[0] in ("pieces", "registration"):
+            res[parts[0]].setdefault(parts[1], {})[parts[2]] = val
+        else:
+            res["kernels"].setdefault(parts[0], {})[parts[1]] = val
+    for name, backward in backward_pieces.items():
+        piece_differences(res, name, backward)
+    for name in entries:
+        if not _kernel_entry(name)[2]:
+            res["kernels"].setdefault(name, {}).update(fwdbwd="n/a: forward only", bwd="n/a: forward only")
     for name, (_, causal) in entries.items():
         sdpa = res["kernels"].get("sdpa_causal" if causal else "sdpa", {})
         got = res["kernels"].get(name, {})

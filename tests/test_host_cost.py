@@ -34,9 +34,9 @@ def test_host_cost_cpu_writes_every_figure(tmp_path, capsys, device):
     assert res["errors"] == {}
     assert res["meta"]["shape"] == [1, 1, 16, 64] and res["meta"]["dtype"] == "float16"
     for kernel in ("sdpa", "sdpa_causal", "elsa", "cron_root"):
-        assert set(res["kernels"][kernel]) == {"fwd", "fwd_nograd", "fwdbwd"}
+        assert set(res["kernels"][kernel]) == {"fwd", "fwd_nograd", "fwdbwd", "bwd"}
         assert all(v["median_us"] > 0 for v in res["kernels"][kernel].values())
-    assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "vs", "target"}
+    assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "bwd", "vs", "target"}
     assert res["ratios"]["elsa"]["vs"] == "sdpa" and res["ratios"]["cron_root"]["vs"] == "sdpa_causal"
     assert res["pieces"] == {} and res["registration"] == {}
     table = capsys.readouterr().out
@@ -66,10 +66,39 @@ def test_host_cost_stubbed_launches_report_every_kernels_pieces(tmp_path, capsys
             assert pieces[name]["median_us"] > 0, (kernel, name)
     assert set(res["pieces"]["shared"]) == {"grad_builtin", "autograd_identity"}
     assert set(res["registration"]) == {"custom_op", "library", "ops_pattern", "function_only"}
-    assert all(set(modes) == {"fwd", "fwd_nograd", "fwdbwd"} for modes in res["registration"].values())
-    assert res["kernels"]["pasa"]["fwdbwd"] == "n/a: forward only"
+    assert all(set(modes) == {"fwd", "fwd_nograd", "fwdbwd", "bwd"} for modes in res["registration"].values())
+    assert res["kernels"]["pasa"]["fwdbwd"] == res["kernels"]["pasa"]["bwd"] == "n/a: forward only"
     table = capsys.readouterr().out
     assert "launches stubbed" in table and "cqsa pieces:" in table and "registration ops_pattern:" in table
+
+
+def test_schedule_samples_round_robin_and_drops_a_failing_figure():
+    """Each round samples every figure once, in turn (a drifting machine hits all figures alike); the median and
+    min are over the rounds; a figure that raises is reported and not sampled again; its setting wraps each
+    sample."""
+    mod = _load()
+    order, entered = [], []
+
+    class Setting:
+        def __enter__(self):
+            entered.append("b")
+
+        def __exit__(self, *exc):
+            return False
+
+    timer = mod.Timer(None, "cpu", calls=2, warmup=1, repeats=3)
+    schedule = mod.Schedule(timer)
+    schedule.add("a.fwd", lambda: order.append("a"))
+    schedule.add("b.fwd", lambda: order.append("b"), Setting)
+
+    def fails():
+        raise RuntimeError("no such kernel\nsecond line")
+    schedule.add("c.fwd", fails)
+    values, errors = schedule.run()
+    assert order == ["a", "a", "a", "b", "b", "b"] * 3         # warmup + calls per sample, one sample per round
+    assert entered == ["b"] * 3
+    assert set(values) == {"a.fwd", "b.fwd"} and errors == {"c.fwd": "RuntimeError: no such kernel"}
+    assert all(v["min_us"] <= v["median_us"] for v in values.values())
 
 
 def test_host_cost_bad_arguments_are_one_line(tmp_path, capsys):
