@@ -308,9 +308,12 @@ def warp_specialize_ok(device: torch.device, descriptors: bool) -> bool:
 _tls = threading.local()
 
 
+_CUDA = torch.device("cuda")       # the current CUDA device (a device object: no string to parse per call)
+
+
 def _scratch(size: int, alignment: int, stream):
     # device-side descriptors live in global scratch; torch's caching allocator makes it cheap (and graph-safe)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    return torch.empty(size, dtype=torch.int8, device=_CUDA)
 
 
 def ensure_allocator() -> None:

@@ -21,6 +21,13 @@ tracing runs under dispatch modes), functorch, tensor subclasses and the profile
 before, and a compiled graph holds the training forward and backward ops. The result is the same body either
 way, so eager and compiled agree.
 
+The public function calls the entry op through ``register_autograd``'s returned ``call``: where the dispatcher
+would only route the call to this Autograd kernel (``eager``: ``plain`` tensors, no torch-function mode, no
+torch.jit tracing, not under torch.compile) ``call`` runs the kernel itself, skipping the dispatcher trip (on the
+H100 host ~10 us, a fifth of a small call); otherwise it calls the op, so every mode, tracer and compiler sees it.
+The dispatch keys above Autograd that a plain call can meet either fall through for custom ops (Autocast) or are
+what ``eager`` rules out (Python modes, functorch, Tracer, torch-function modes).
+
 Why not ``torch.library.custom_op`` / ``register_autograd``: their generic per-call work (argument re-binding,
 pytree, metadata objects, a Python Function.apply) and a second trip through the dispatcher into a Python body,
 forward and backward. scripts/host_cost.py times the four registrations with empty bodies (its "registration"
@@ -43,6 +50,9 @@ _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
 _profiling = torch._C._autograd._profiler_enabled
+_tracing = torch._C._get_tracing_state
+_function_modes = torch._C._is_torch_function_mode_enabled
+_compiling = torch.compiler.is_compiling
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
@@ -87,15 +97,14 @@ def _once_differentiable_gradients(ctx, *grad_outputs):
 
 def autograd_kernel(function: type[KernelFunction], body, op, tensors: int):
     """The Autograd kernel of an entry op whose first ``tensors`` arguments are its tensors (None allowed:
-    optional ones): ``function`` when gradients are needed, else ``body`` (plain) or ``op`` below autograd."""
+    optional ones): ``function`` when gradients are needed, else ``body`` (plain) or ``op`` below autograd.
+    Returns (kernel, run): run(is_plain, *args) is the kernel with plain(...) already decided."""
     apply = super(torch.autograd.Function, function).apply      # Function.apply's C entry
     full_apply = function.apply
 
-    def kernel(*args):
-        ts = args[:tensors]
-        is_plain = plain(*ts)
+    def run(is_plain, *args):
         if _grad_enabled():
-            for t in ts:
+            for t in args[:tensors]:
                 if t is not None and t.requires_grad:
                     if is_plain or not _functorch_active():
                         return apply(is_plain, *args)
@@ -105,7 +114,18 @@ def autograd_kernel(function: type[KernelFunction], body, op, tensors: int):
         with below_autograd():
             return op(*args)
 
-    return kernel
+    def kernel(*args):
+        return run(plain(*args[:tensors]), *args)
+
+    return kernel, run
+
+
+def eager(*tensors) -> bool:
+    """True when the dispatcher, asked to call an entry op of these tensors, would only route it to the op's
+    Autograd kernel: ``plain`` tensors, no torch-function mode (it sees torch.ops calls) and no torch.jit
+    tracing (the Tracer key records ops above autograd). Not for torch.compile's tracing: ``call`` asks that
+    first."""
+    return plain(*tensors) and not (_function_modes() or _tracing() is not None)
 
 
 def _op(lib: torch.library.Library, name: str):
@@ -123,9 +143,21 @@ def define_op(lib: torch.library.Library, schema: str, body):
 
 
 def register_autograd(lib: torch.library.Library, name: str, function: type[KernelFunction], body,
-                      tensors: int = 3) -> None:
-    """Install ``autograd_kernel`` on the entry op ``lib.ns::name`` (its CPU/CUDA body ``body``)."""
-    lib.impl(name, autograd_kernel(function, body, _op(lib, name), tensors), "Autograd")
+                      tensors: int = 3):
+    """Install ``autograd_kernel`` on the entry op ``lib.ns::name`` (its CPU/CUDA body ``body``) and return
+    ``call``, what the public function calls: the Autograd kernel directly where ``eager`` says the dispatcher
+    would only lead there, else the op."""
+    op = _op(lib, name)
+    kernel, run = autograd_kernel(function, body, op, tensors)
+    lib.impl(name, kernel, "Autograd")
+
+    def call(*args):
+        if not _compiling() and eager(*args[:tensors]):     # compiling first: dynamo folds it, never tracing eager
+            return run(True, *args)
+        return op(*args)
+
+    call.op = op
+    return call
 
 
 def not_differentiable(lib: torch.library.Library, *names: str) -> None:

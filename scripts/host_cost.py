@@ -15,9 +15,9 @@ host's drift over the run (tens of percent on the lent GPU machines) hits SDPA a
 
 Modes: fwd (inputs require grad, grad enabled: a training step's forward), fwd_nograd (inference), fwdbwd
 (forward + torch.autograd.grad of q, k and v), bwd (torch.autograd.grad alone, over one forward's graph kept
-with retain_graph: the backward's host time without its forward). Kernels: SDPA (PyTorch's own backend choice; causal where the
-kernel is), elsa, cron_root (causal: its only mode), pasa (forward only), cqsa (resident: inputs on the compute
-device).
+with retain_graph: the backward's host time without its forward). Kernels: SDPA (PyTorch's own backend choice;
+causal where the kernel is), elsa, cron_root (causal: its only mode), pasa (forward only), cqsa (resident: inputs
+on the compute device).
 
 --stub-launches (CPU only): every Triton launch takes kernels._launch's fast path (Prepared) to a launcher that
 does nothing, so the figures are the kernels' host path without the interpreter's compute (SDPA's stay its CPU
@@ -25,7 +25,7 @@ compute: compare the kernels' pieces, not their ratios to SDPA, there).
 
 Pieces, per kernel (``pieces.<kernel>``), same shape, fast launch path on, inputs requiring grad where it matters:
   validate            the checks a new call signature runs (later calls of the signature: one cache lookup)
-  public_fn           the public function's own Python with the op call replaced by a no-op
+  public_fn           the public function's own Python with its call of the op replaced by a no-op
   plan_fwd/_bwd       the op body's plan lookup: the key (kernels._launch.layout + options) and the dict get
   body_fwd(_nograd)   the training (inference) forward body: plan lookup, allocations, Prepared launches
   body_bwd            the backward body
@@ -34,12 +34,15 @@ Pieces, per kernel (``pieces.<kernel>``), same shape, fast launch path on, input
   body_*_fastoff      the body with the fast launch path off (every launch through Triton's JIT)
   function_fwd        the kernel's autograd.Function applied directly (C entry) with the body: no dispatcher
   op_fwd(_nograd)     the entry op (torch.ops.attnbench.*): the dispatcher, the Autograd kernel, the Function, the body
+  call_fwd            what the public function calls (kernels/_ops.py's ``call``): the Autograd kernel without the
+                      dispatcher when nothing else would see the op
   op_bwd              the backward op called directly: the dispatcher and the body
 and the differences that split a call:
   dispatch_fwd        op_fwd - function_fwd: the one dispatcher trip into the Autograd kernel
   dispatch_fwd_nograd op_fwd_nograd - body_fwd_nograd: the same without grad
   autograd_fwd        function_fwd - body_fwd: the autograd node, ctx, saved tensors
-  public_fwd          the kernel's fwd - op_fwd: the public function around the op
+  entry_saving        op_fwd - call_fwd: the dispatcher trip the eager entry skips
+  public_fwd          the kernel's fwd - call_fwd: the public function around its call
   backward            fwdbwd - fwd: what the backward adds
   backward_node       bwd - body_bwd: torch.autograd.grad, the engine and the Python node around the body
 Shared pieces (``pieces.shared``): grad_builtin (torch.autograd.grad of a built-in op, q * 1: the engine's own cost,
@@ -209,8 +212,9 @@ def kernel_paths(torch, name, q, k, v, do):
         opts = (None, False, scale, "tf32x3", "")
         apply = super(Function, ops._ElsaFunction).apply
         p.validate = lambda: attention._validate(q, k, v, False, None, "tf32x3", None)
-        p.op_site, p.op_stub = (ops, "elsa"), (lambda *a: q)
+        p.op_site, p.op_stub = (ops, "elsa_call"), (lambda *a: q)
         p.op_fwd = lambda: ops.elsa(q, k, v, *opts)
+        p.call_fwd = lambda: ops.elsa_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
         p.body_fwd = lambda: host.forward(q, k, v, *opts, True)
         p.body_fwd_nograd = lambda: host.forward(q, k, v, *opts, False)
@@ -225,8 +229,9 @@ def kernel_paths(torch, name, q, k, v, do):
         opts = (scale, RELAY_THRESHOLD, "tf32x3", "")
         apply = super(Function, attention._CronRootFunction).apply
         p.validate = lambda: attention.validate(q, k, v, True, None, RELAY_THRESHOLD, "tf32x3")
-        p.op_site, p.op_stub = (attention, "fwd_op"), (lambda *a: (q, q))
+        p.op_site, p.op_stub = (attention, "fwd_call"), (lambda *a: (q, q))
         p.op_fwd = lambda: attention.fwd_op(q, k, v, *opts)
+        p.call_fwd = lambda: attention.fwd_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
         p.body_fwd = p.body_fwd_nograd = lambda: attention._forward(q, k, v, *opts)
         p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts)
@@ -240,8 +245,9 @@ def kernel_paths(torch, name, q, k, v, do):
         opts = (False, scale, attention._DEFAULT_OPTIONS["pasa"][block_d(d)])
         apply = super(Function, ops.FUNCTIONS["pasa"]).apply
         p.validate = lambda: attention.validate("pasa", q, k, v, False, None)
-        p.op_site, p.op_stub = (ops, "pasa_fwd"), (lambda *a: q)
+        p.op_site, p.op_stub = (ops, "pasa_call"), (lambda *a: q)
         p.op_fwd = lambda: ops.pasa_fwd(q, k, v, *opts)
+        p.call_fwd = lambda: ops.pasa_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
         p.body_fwd = p.body_fwd_nograd = lambda: ops._pasa_fwd(q, k, v, *opts)
         p.plan_fwd = lambda: ops.forward_plan("pasa", q, k, v, *opts)
@@ -251,8 +257,9 @@ def kernel_paths(torch, name, q, k, v, do):
         opts = (False, sc, 7, 1, prec, tiles)
         apply = super(Function, attention._CqsaFunction).apply
         p.validate = lambda: attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
-        p.op_site, p.op_stub = (attention, "cqsa_fwd"), (lambda *a: (q, q))
+        p.op_site, p.op_stub = (attention, "cqsa_call"), (lambda *a: (q, q))
         p.op_fwd = lambda: attention.cqsa_fwd(q, k, v, *opts)
+        p.call_fwd = lambda: attention.cqsa_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
         p.body_fwd = p.body_fwd_nograd = lambda: attention.resident_forward(q, k, v, *opts)
         p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts)
@@ -313,6 +320,7 @@ def kernel_pieces(torch, name, public, q, k, v, do, record):
         rec("body_bwd_fastoff", p.body_bwd, lambda: launches(fast=False))
     rec("function_fwd", p.function_fwd)
     rec("op_fwd", p.op_fwd)
+    rec("call_fwd", p.call_fwd)
     rec("public_fn", lambda: public(q, k, v), op_stubbed)
     return backward
 
@@ -331,7 +339,8 @@ def piece_differences(res, name: str, backward: bool) -> None:
     diff("dispatch_fwd", g("op_fwd"), g("function_fwd"))
     diff("dispatch_fwd_nograd", g("op_fwd_nograd"), g("body_fwd_nograd"))
     diff("autograd_fwd", g("function_fwd"), g("body_fwd"))
-    diff("public_fwd", api.get("fwd"), g("op_fwd"))
+    diff("entry_saving", g("op_fwd"), g("call_fwd"))
+    diff("public_fwd", api.get("fwd"), g("call_fwd"))
     if backward:
         diff("launches_bwd", g("body_bwd"), g("body_bwd_nolaunch"))
         diff("allocs_bwd", g("body_bwd_nolaunch"), g("plan_bwd"))

@@ -17,8 +17,8 @@ def _load():
 
 
 PIECES = ("validate", "public_fn", "plan_fwd", "body_fwd", "body_fwd_nograd", "body_fwd_nolaunch", "body_fwd_fastoff",
-          "function_fwd", "op_fwd", "op_fwd_nograd", "launches_fwd", "allocs_fwd", "dispatch_fwd", "dispatch_fwd_nograd",
-          "autograd_fwd", "public_fwd")
+          "function_fwd", "op_fwd", "op_fwd_nograd", "call_fwd", "entry_saving", "launches_fwd", "allocs_fwd",
+          "dispatch_fwd", "dispatch_fwd_nograd", "autograd_fwd", "public_fwd")
 BACKWARD_PIECES = ("plan_bwd", "body_bwd", "body_bwd_nolaunch", "body_bwd_fastoff", "op_bwd", "launches_bwd",
                    "allocs_bwd", "dispatch_bwd", "backward", "backward_node")
 

@@ -345,6 +345,10 @@ def test_gpu_fast_launch_bit_identical(monkeypatch):
         fast = _run(fn, q, k, v, do, **kw)
         monkeypatch.setattr(L, "_get_stream", get_stream)
         assert n_fast[0] >= min_fast, f"{name}: fast path not taken ({n_fast[0]} launches)"
+        import triton
+        if triton.__version__.startswith("3.6."):     # the launcher KNOWN_LAUNCHERS holds: called directly
+            assert any(cls.__name__ == "CudaLauncher" and ok for cls, ok in L._direct_classes.items()), \
+                f"{name}: triton {triton.__version__}'s CudaLauncher not recognised"
         for label, a, b, c in zip(("out", "dq", "dk", "dv"), ref, first, fast):
             assert torch.equal(a, b) and torch.equal(a, c), f"{name}: {label} differs with the fast path"
 
@@ -391,6 +395,108 @@ def test_prepared_takes_the_jit_path_when_disabled_hooked_or_not_eligible(fast, 
     for _ in range(3):
         go(x, y)
     assert len(other.jit_calls) == 3 and other.ck.calls == []
+
+
+# ---- Prepared calling a known launcher's C entry directly ----
+
+class FakeLauncher:
+    """A CudaLauncher-like launcher: ``launch`` (the C entry) and the values its __call__ reads; __call__
+    records that it ran (a known launcher's __call__ is never run after the first launch)."""
+    num_ctas = 2
+    launch_cooperative_grid = False
+    launch_pdl = True
+    global_scratch_align = 128
+    profile_scratch_size = 0
+    profile_scratch_align = 1
+
+    def __init__(self, global_scratch_size=0):
+        self.global_scratch_size = global_scratch_size
+        self.launches, self.called = [], 0
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.called += 1
+
+
+class Allocator:
+    """triton's allocator ContextVar: get() returns the allocator, which records its calls."""
+    def __init__(self):
+        self.calls = []
+
+    def get(self):
+        def alloc(size, align, stream):
+            self.calls.append((size, align, stream))
+            return f"scratch-{size}"
+        return alloc
+
+
+@pytest.fixture
+def known(fast, monkeypatch):
+    monkeypatch.setattr(L, "KNOWN_LAUNCHERS", {L.launcher_fingerprint(FakeLauncher)})
+    monkeypatch.setattr(L, "_direct_classes", {})
+    monkeypatch.setattr(L, "_scratch_allocator", Allocator())
+    return fast
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_prepared_calls_a_known_launchers_c_entry_with_what_its_call_would_pass(known, scratch):
+    jit = FakeJIT()
+    jit.ck.run = launcher = FakeLauncher(global_scratch_size=scratch)
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (3, 2), (128, 0.5), CX)
+    go(x, y)                                        # first call: the JIT
+    known.stream = 3000
+    go(x, y)
+    assert launcher.called == 0 and len(jit.jit_calls) == 1
+    (args,) = launcher.launches
+    # the grid, the stream, the function, the launcher's cooperative / pdl flags, the global scratch (grid size x
+    # num_ctas x size bytes from the allocator, with its alignment and the stream) and no profile scratch, then
+    # what __call__ passes on: the packed metadata, no launch metadata or hooks, the pointers and the tail
+    want_scratch = None if scratch == 0 else f"scratch-{3 * 2 * 1 * 2 * scratch}"
+    assert args[:9] == (3, 2, 1, 3000, "cufunction", False, True, want_scratch, None)
+    assert args[9:13] == (("packed",), None, None, None)
+    assert args[13:] == (x.data_ptr(), y.data_ptr(), 128, 0.5, 64, 3, True)
+    assert L._scratch_allocator.calls == ([] if scratch == 0 else [(3 * 2 * 2 * scratch, 128, 3000)])
+
+
+@pytest.mark.parametrize("case", ["unknown", "profile_scratch", "no_allocator"])
+def test_prepared_calls_other_launchers_as_they_are(known, monkeypatch, case):
+    jit = FakeJIT()
+    jit.ck.run = launcher = FakeLauncher(global_scratch_size=64 if case == "no_allocator" else 0)
+    if case == "unknown":
+        monkeypatch.setattr(L, "KNOWN_LAUNCHERS", {"0" * 40})
+    elif case == "profile_scratch":
+        launcher.profile_scratch_size = 16
+    else:
+        monkeypatch.setattr(L, "_scratch_allocator", None)
+    x, y = _args()[:2]
+    go = L.Prepared(jit, (3,), (128, 0.5), CX)
+    go(x, y)
+    go(x, y)
+    assert launcher.called == 1 and launcher.launches == []
+
+
+def test_launcher_fingerprint_ignores_indentation_and_blank_lines_only(tmp_path):
+    import importlib.util
+
+    sources = {"a": "class A:\n    def __call__(self, x):\n        y = x + 1\n\n        return y\n",
+               "b": "class A:\n  def __call__(self, x):\n    y = x + 1\n    return y\n",
+               "c": "class A:\n    def __call__(self, x):\n        y = x + 2\n        return y\n"}
+    fps = {}
+    for name, src in sources.items():
+        path = tmp_path / f"launcher_{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"launcher_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        fps[name] = L.launcher_fingerprint(mod.A)
+    assert fps["a"] == fps["b"] != fps["c"] and len(fps["a"]) == 40
+    assert L.launcher_fingerprint(FakeLauncher) not in L.KNOWN_LAUNCHERS
+    ns = {}
+    exec("class A:\n    def __call__(self):\n        pass\n", ns)
+    assert L.launcher_fingerprint(ns["A"]) is None          # no source: never known
 
 
 # ---- layout keys, signature caches, plans ----

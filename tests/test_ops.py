@@ -45,6 +45,60 @@ def test_plain_only_for_plain_tensors_without_modes_transforms_or_profiler():
     assert _ops.plain(x)
 
 
+class FunctionRecording(torch.overrides.TorchFunctionMode):
+    """Records every function a torch-function mode sees (torch.ops calls included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.funcs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_only_where_the_dispatcher_would_just_reach_the_autograd_kernel():
+    x = torch.randn(2, 3)
+    assert _ops.eager(x, x, None)
+    assert not _ops.eager(x, torch.nn.Parameter(x))                    # not plain (the checks plain makes)
+    with FunctionRecording():
+        assert not _ops.eager(x)                                         # a torch-function mode sees torch.ops
+    with torch.device("cpu"):                                            # (a device context is one too)
+        assert not _ops.eager(x)
+    seen = []
+    torch.jit.trace(lambda t: (seen.append(_ops.eager(t)), t * 2)[1], (x,), check_trace=False)
+    assert seen == [False]                                               # the tracer records ops above autograd
+    assert _ops.eager(x)
+
+
+ENTRY = {   # public call, its entry op
+    "elsa": (lambda q, k, v: elsa_attention(q, k, v, causal=True), torch.ops.attnbench.elsa.default),
+    "cron_root": (lambda q, k, v: cron_root_attention(q, k, v), torch.ops.attnbench.cron_root_fwd.default),
+    "cqsa": (lambda q, k, v: cqsa_attention(q, k, v, c=3), torch.ops.attnbench.cqsa_fwd.default),
+    "pasa": (lambda q, k, v: pasa_attention(q, k, v), torch.ops.attnbench.pasa_fwd.default),
+}
+
+
+@pytest.mark.parametrize("name", list(ENTRY))
+def test_public_call_skips_the_dispatcher_only_when_nothing_would_see_the_op(name, device, monkeypatch):
+    """A plain eager call runs the entry op's Autograd kernel without the dispatcher trip; under a torch-function
+    mode the same call goes through the op, which the mode sees; same output either way."""
+    fn, entry = ENTRY[name]
+    dtype = torch.float16 if name == "pasa" else torch.float32
+    q, k, v, _ = _inputs(device, dtype=dtype)
+    decided = []
+    real_eager = _ops.eager
+    monkeypatch.setattr(_ops, "eager", lambda *ts: decided.append(real_eager(*ts)) or decided[-1])
+    with torch.no_grad():
+        out = fn(q, k, v)
+        mode = FunctionRecording()
+        with mode:
+            out_op = fn(q, k, v)
+    assert decided == [True, False]
+    assert entry in mode.funcs, mode.funcs
+    assert torch.equal(out, out_op)
+
+
 def _inputs(device, hq=2, hkv=1, n=24, d=16, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, hq, n, d, generator=g).to(device, dtype).requires_grad_(True)

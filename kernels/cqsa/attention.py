@@ -247,7 +247,8 @@ class _CqsaFunction(KernelFunction):
         return None, dq, dk, dv, None, None, None, None, None, None
 
 
-register_autograd(_lib, "cqsa_fwd", _CqsaFunction, resident_forward)
+# what cqsa_attention calls: the Autograd kernel, or the op where a mode, tracer or compiler must see it
+cqsa_call = register_autograd(_lib, "cqsa_fwd", _CqsaFunction, resident_forward)
 not_differentiable(_lib, "cqsa_bwd")
 
 
@@ -300,5 +301,5 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
         if key is not None:
             _checked.put(key, settings)
     sc, prec, tiles = settings
-    out = cqsa_fwd(q, k, v, causal, sc, c, itr, prec, tiles)[0]
+    out = cqsa_call(q, k, v, causal, sc, c, itr, prec, tiles)[0]
     return (out, None) if return_stats else out

@@ -287,7 +287,8 @@ class _CronRootFunction(KernelFunction):
         return None, dq, dk, dv, None, None, None, None
 
 
-register_autograd(_lib, "cron_root_fwd", _CronRootFunction, _forward)
+# what the public functions call: the Autograd kernel, or the op where a mode, tracer or compiler must see it
+fwd_call = register_autograd(_lib, "cron_root_fwd", _CronRootFunction, _forward)
 not_differentiable(_lib, "cron_root_bwd")
 
 
@@ -335,4 +336,4 @@ def cron_root_attention(q, k, v, causal: bool = True, scale: float | None = None
         resolved = validate(q, k, v, causal, scale, relay_threshold, precision)
         if key is not None:
             _checked.put(key, resolved)
-    return fwd_op(q, k, v, resolved, relay_threshold, precision, configs.encode(config))[0]
+    return fwd_call(q, k, v, resolved, relay_threshold, precision, configs.encode(config))[0]

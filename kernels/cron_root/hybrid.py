@@ -14,7 +14,7 @@ from kernels.reference import reference_attention
 
 from .._common import check_inputs, default_scale
 from . import configs
-from .attention import check_options, fwd_op
+from .attention import check_options, fwd_call
 from .reference import RELAY_THRESHOLD, cron_root_reference
 from .tuning import crossover_for, device_name
 
@@ -62,7 +62,7 @@ def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, c
     check_options(NAME, shape, relay_threshold, precision)
     if shape.len_q < _resolve(crossover, q.device, _training(q, k, v)):
         return _sdpa_causal(q, k, v, scale, shape.group)
-    return fwd_op(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
+    return fwd_call(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
                   configs.encode(config))[0]
 
 

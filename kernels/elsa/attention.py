@@ -73,4 +73,4 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
         resolved = _validate(q, k, v, causal, scale, precision, attn_bias)
         if key is not None:
             _validated.put(key, resolved)
-    return ops.elsa(q, k, v, attn_bias, causal, resolved, precision, "")
+    return ops.elsa_call(q, k, v, attn_bias, causal, resolved, precision, "")

@@ -34,7 +34,6 @@ _GRID_Y_MAX = 65535
 _fwd_plans = SignatureCache()
 _bwd_plans = SignatureCache()
 _f32 = torch.float32
-_empty = torch.empty
 _zeros = torch.zeros
 
 
@@ -144,8 +143,9 @@ class _FwdPlan(LaunchPlan):
         cq, ck, cv = c.copy
         if cq or ck or cv:
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
-        out = _empty(self.out_shape, dtype=c.dtype, device=c.device)
-        lse = _empty(self.lse_shape, dtype=_f32, device=c.device) if self.need_lse else out
+        # new_empty: less host time than torch.empty(shape, dtype=, device=) (q has the plan's dtype and device)
+        out = q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else out
         b = q if bias is None else bias
         if trace.active():
             self._run_traced(q, k, v, b, out, lse)
@@ -153,7 +153,7 @@ class _FwdPlan(LaunchPlan):
             for p1, _, _ in self.chunks:
                 p1(q, k, v, b, out, out, lse)
         else:
-            sbuf = _empty(self.sbuf_numel, dtype=_f32, device=c.device)
+            sbuf = q.new_empty(self.sbuf_numel, dtype=_f32)
             for p1, p2, _ in self.chunks:
                 p1(q, k, v, b, sbuf, out, lse)
                 p2(sbuf, out, lse)
@@ -163,7 +163,7 @@ class _FwdPlan(LaunchPlan):
         """run() with one trace event per launch (trace.py; `attnbench verify-2pass` reads them)."""
         c, plan = self.c, self.plan
         final = plan.final
-        sbuf = out if final else _empty(self.sbuf_numel, dtype=_f32, device=c.device)
+        sbuf = out if final else q.new_empty(self.sbuf_numel, dtype=_f32)
         if final:
             buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="",
                           summary_ptr=None)
@@ -253,14 +253,14 @@ class _BwdPlan(LaunchPlan):
             grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
                      _zeros(self.kv_shape, dtype=c.dtype, device=dev))
             return grads + (_zeros(self.ds_shape, dtype=_f32, device=dev),) if self.bias_grad else grads
-        dq = _empty(self.q_shape, dtype=c.dtype, device=dev)
-        dk = _empty(self.kv_shape, dtype=c.dtype, device=dev)
-        dv = _empty(self.kv_shape, dtype=c.dtype, device=dev)
-        delta = _empty(self.lse_shape, dtype=_f32, device=dev)
+        dq = q.new_empty(self.q_shape)
+        dk = q.new_empty(self.kv_shape)
+        dv = q.new_empty(self.kv_shape)
+        delta = q.new_empty(self.lse_shape, dtype=_f32)
         ds = delta
         if self.bias_grad:
             # causal: the tiles past the diagonal are never visited, so they must start at zero
-            ds = (_zeros if c.causal else _empty)(self.ds_shape, dtype=_f32, device=dev)
+            ds = (q.new_zeros if c.causal else q.new_empty)(self.ds_shape, dtype=_f32)
         b = q if bias is None else bias
         tracing = trace.active()
         ev = trace.start_event(dev) if tracing else None

@@ -111,4 +111,5 @@ class _ElsaFunction(KernelFunction):
         return None, dq, dk, dv, ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype), None, None, None, None
 
 
-register_autograd(_lib, "elsa", _ElsaFunction, _elsa_impl, tensors=4)
+# what elsa_attention calls in eager mode: the Autograd kernel, or the op where a mode or tracer must see it
+elsa_call = register_autograd(_lib, "elsa", _ElsaFunction, _elsa_impl, tensors=4)

@@ -146,7 +146,7 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
                                  f"singular), got {beta!r}")
             beta = float(beta)
         options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config))
-    return ops.pasa_fwd(q, k, v, causal, scale, options)
+    return ops.pasa_call(q, k, v, causal, scale, options)
 
 
 def fa16_attention(q, k, v, causal=False, scale=None, *, config=None):
@@ -155,4 +155,4 @@ def fa16_attention(q, k, v, causal=False, scale=None, *, config=None):
     Same inputs, dtypes and ``config`` as ``pasa_attention``; forward only."""
     scale, bd = _check("fa16", q, k, v, causal, scale)
     options = _DEFAULT_OPTIONS["fa16"][bd] if config is None else ops.fa16_options(_tiles("fa16", bd, config))
-    return ops.fa16_fwd(q, k, v, causal, scale, options)
+    return ops.fa16_call(q, k, v, causal, scale, options)

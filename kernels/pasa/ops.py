@@ -244,11 +244,13 @@ def _forward_only_function(name: str, op_name: str, body) -> type:
 
 
 FUNCTIONS = {}      # name -> the autograd Function of its op
+CALLS = {}          # name -> what the public function calls: the Autograd kernel, or the op where it must be seen
 for _name, _body in (("pasa", _pasa_fwd), ("fa16", _fa16_fwd)):
     define_op(_lib, f"{_name}_fwd{_FORWARD_SCHEMA}", _body)
     torch.library.register_fake(f"attnbench::{_name}_fwd", _forward_fake, lib=_lib)
     FUNCTIONS[_name] = _forward_only_function(_name, f"{_name}_fwd", _body)
-    register_autograd(_lib, f"{_name}_fwd", FUNCTIONS[_name], _body)
+    CALLS[_name] = register_autograd(_lib, f"{_name}_fwd", FUNCTIONS[_name], _body)
 
 pasa_fwd = torch.ops.attnbench.pasa_fwd.default
 fa16_fwd = torch.ops.attnbench.fa16_fwd.default
+pasa_call, fa16_call = CALLS["pasa"], CALLS["fa16"]
