@@ -303,8 +303,11 @@ class Prepared:
                        *map(_data_ptr, tensors), *self._tail)
                 return ck
             c_launch, cooperative, pdl, scratch = direct
+            buffer = None
             if scratch is not None:
-                scratch = _scratch_allocator.get()(scratch[0], scratch[1], stream)
+                # held until the launch is queued; passed as its pointer, like the tensors
+                buffer = _scratch_allocator.get()(scratch[0], scratch[1], stream)
+                scratch = buffer.data_ptr()
             c_launch(g[0], g[1], g[2], stream, ck.function, cooperative, pdl, scratch, None, ck.packed_metadata,
                    None, None, None, *map(_data_ptr, tensors), *self._tail)
             return ck

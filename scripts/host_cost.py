@@ -9,9 +9,10 @@ cron_root and pasa, 2x for cqsa's resident path).
 Shape: B=1, H=1, N=128, D=64, float16 (--n, --dtype change it). A measurement is `--calls` calls in a row with no
 synchronisation inside (at this shape the GPU finishes each call before the host has issued the next, so the
 loop is host-bound) after `--warmup` calls and a synchronisation: host time per call = wall time of the loop /
-calls. Each is repeated `--repeats` times; the median is reported (and the minimum, in the JSON). The repeats
-go round-robin over every figure of the run (one sample of each figure in turn, `repeats` rounds), so the
-host's drift over the run (tens of percent on the lent GPU machines) hits SDPA and the kernels alike.
+calls. Each is repeated `--repeats` times; the median is reported (the minimum and every sample, in the JSON).
+The repeats go round-robin over every figure of the run (one sample of each figure in turn, `repeats` rounds), so
+the host's drift over the run (tens of percent on the lent GPU machines) hits SDPA and the kernels alike, and a
+kernel's ratio to SDPA is the median over rounds of the ratio of the two samples of one round.
 
 Modes: fwd (inputs require grad, grad enabled: a training step's forward), fwd_nograd (inference), fwdbwd
 (forward + torch.autograd.grad of q, k and v), bwd (torch.autograd.grad alone, over one forward's graph kept
@@ -82,9 +83,10 @@ def parse_args(argv=None):
                     help="CPU only: launches take the fast path to a launcher that does nothing (the host path alone)")
     ap.add_argument("--n", type=int, default=128, help="sequence length (default 128)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"))
-    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop (default 300)")
+    ap.add_argument("--calls", type=int, default=200, help="calls per timed loop (default 200)")
     ap.add_argument("--warmup", type=int, default=20, help="calls before each timed loop (default 20)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed loops per figure, median reported (default 5)")
+    ap.add_argument("--repeats", type=int, default=15,
+                    help="rounds: timed loops per figure, median reported (default 15)")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
     ap.add_argument("--no-pieces", action="store_true", help="only the per-call figures (no pieces, no registration)")
     return ap.parse_args(argv)
@@ -124,7 +126,8 @@ class Schedule:
         self.figures.append((path, fn, setting))
 
     def run(self) -> tuple[dict, dict]:
-        """({path: {"median_us", "min_us"}}, {path: error})."""
+        """({path: {"median_us", "min_us", "samples"}}, {path: error}); samples[r] is round r's (a figure that
+        fails is dropped whole, so the rounds of the figures returned line up)."""
         samples, errors = {path: [] for path, _, _ in self.figures}, {}
         for _ in range(self.timer.repeats):
             for path, fn, setting in self.figures:
@@ -135,7 +138,8 @@ class Schedule:
                         samples[path].append(self.timer.sample(fn))
                 except Exception as exc:      # a probe that fails is reported, the others still run
                     errors[path] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        values = {path: {"median_us": round(statistics.median(s), 2), "min_us": round(min(s), 2)}
+        values = {path: {"median_us": round(statistics.median(s), 2), "min_us": round(min(s), 2),
+                         "samples": [round(x, 2) for x in s]}
                   for path, s in samples.items() if s and path not in errors}
         return values, errors
 
@@ -486,7 +490,8 @@ def measure(torch, args) -> dict:
                     "shape": [1, 1, args.n, 64], "dtype": args.dtype, "calls": args.calls, "warmup": args.warmup,
                     "repeats": args.repeats, "stub_launches": args.stub_launches,
                     "unit": "us of host time per call (median of repeats)",
-                    "order": "round-robin: each repeat samples every figure once, in turn"},
+                    "order": "round-robin: each repeat samples every figure once, in turn",
+                    "ratios": "median over rounds of (kernel sample / SDPA sample) within a round"},
            "kernels": {}, "pieces": {}, "registration": {}, "ratios": {}, "errors": {}}
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -537,18 +542,25 @@ def measure(torch, args) -> dict:
     for name, (_, causal) in entries.items():
         sdpa = res["kernels"].get("sdpa_causal" if causal else "sdpa", {})
         got = res["kernels"].get(name, {})
-        res["ratios"][name] = {mode: round(got[mode]["median_us"] / sdpa[mode]["median_us"], 2) for mode in MODES
+        res["ratios"][name] = {mode: paired_ratio(got[mode], sdpa[mode]) for mode in MODES
                                if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
         res["ratios"][name]["vs"] = "sdpa_causal" if causal else "sdpa"
         res["ratios"][name]["target"] = TARGET[name]
     return res
 
 
+def paired_ratio(got: dict, base: dict) -> float:
+    """The kernel's host time over SDPA's: the median over rounds of the two samples' ratio within each round
+    (taken a fraction of a second apart, so the host's slow and fast moments cancel)."""
+    return round(statistics.median(a / b for a, b in zip(got["samples"], base["samples"])), 2)
+
+
 def table(res) -> str:
     m = res["meta"]
     lines = [f"host time per call, us (median of {m['repeats']} x {m['calls']} calls), B=1 H=1 N={m['shape'][2]} "
              f"D=64 {m['dtype']}, {m['device']}, torch {m['torch']}, triton {m['triton']}"
-             + (", launches stubbed" if m.get("stub_launches") else ""),
+             + (", launches stubbed" if m.get("stub_launches") else "")
+             + "; x/sdpa: median over rounds of the ratio within a round",
              f"{'kernel':<12}" + "".join(f"{h:>12}" for h in MODES) + "".join(f"{h + '/sdpa':>16}" for h in MODES)
              + f"{'target':>8}"]
 

@@ -101,6 +101,16 @@ def test_schedule_samples_round_robin_and_drops_a_failing_figure():
     assert all(v["min_us"] <= v["median_us"] for v in values.values())
 
 
+def test_ratio_to_sdpa_pairs_the_samples_of_each_round():
+    """Rounds 4 and 5 on a host twice as slow, round 3 disturbed for the kernel alone: the paired ratio is the
+    kernel's 1.5, where the ratio of the medians would say 3.0 (30 / 10)."""
+    mod = _load()
+    sdpa = {"samples": [10.0, 10.0, 10.0, 20.0, 20.0]}
+    kernel = {"samples": [15.0, 15.0, 30.0, 30.0, 30.0]}
+    assert mod.paired_ratio(kernel, sdpa) == 1.5
+    assert mod.paired_ratio({"samples": [12.0, 11.0, 14.0]}, {"samples": [10.0, 10.0, 10.0]}) == 1.2
+
+
 def test_host_cost_bad_arguments_are_one_line(tmp_path, capsys):
     mod = _load()
     assert mod.main([str(tmp_path / "missing" / "x.json"), "--device", "cpu"]) == 2

@@ -428,7 +428,7 @@ class Allocator:
     def get(self):
         def alloc(size, align, stream):
             self.calls.append((size, align, stream))
-            return f"scratch-{size}"
+            return types.SimpleNamespace(data_ptr=lambda: 4096 + size)
         return alloc
 
 
@@ -454,7 +454,7 @@ def test_prepared_calls_a_known_launchers_c_entry_with_what_its_call_would_pass(
     # the grid, the stream, the function, the launcher's cooperative / pdl flags, the global scratch (grid size x
     # num_ctas x size bytes from the allocator, with its alignment and the stream) and no profile scratch, then
     # what __call__ passes on: the packed metadata, no launch metadata or hooks, the pointers and the tail
-    want_scratch = None if scratch == 0 else f"scratch-{3 * 2 * 1 * 2 * scratch}"
+    want_scratch = None if scratch == 0 else 4096 + 3 * 2 * 1 * 2 * scratch       # the buffer's pointer
     assert args[:9] == (3, 2, 1, 3000, "cufunction", False, True, want_scratch, None)
     assert args[9:13] == (("packed",), None, None, None)
     assert args[13:] == (x.data_ptr(), y.data_ptr(), 128, 0.5, 64, 3, True)
