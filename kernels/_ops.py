@@ -23,8 +23,9 @@ way, so eager and compiled agree.
 
 The public function calls the entry op through ``register_autograd``'s returned ``call``: where the dispatcher
 would only route the call to this Autograd kernel (``eager``: ``plain`` tensors, no torch-function mode, no
-torch.jit tracing, not under torch.compile) ``call`` runs the kernel itself, skipping the dispatcher trip (on the
-H100 host ~10 us, a fifth of a small call); otherwise it calls the op, so every mode, tracer and compiler sees it.
+torch.jit tracing; and not under torch.compile) ``call`` runs the kernel itself, skipping the dispatcher trip
+(6-16 us per forward on the H100 host, scripts/host_cost.py's ``entry_saving``); otherwise it calls the op, so
+every mode, tracer and compiler sees it.
 The dispatch keys above Autograd that a plain call can meet either fall through for custom ops (Autocast) or are
 what ``eager`` rules out (Python modes, functorch, Tracer, torch-function modes).
 
@@ -156,7 +157,6 @@ def register_autograd(lib: torch.library.Library, name: str, function: type[Kern
             return run(True, *args)
         return op(*args)
 
-    call.op = op
     return call
 
 

@@ -63,7 +63,7 @@ def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, c
     if shape.len_q < _resolve(crossover, q.device, _training(q, k, v)):
         return _sdpa_causal(q, k, v, scale, shape.group)
     return fwd_call(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
-                  configs.encode(config))[0]
+                    configs.encode(config))[0]
 
 
 def cron_root_hybrid_reference(q, k, v, causal: bool = True, scale: float | None = None,
