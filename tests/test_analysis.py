@@ -43,7 +43,8 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
     """Write a run directory. Each point is a dict with at least cell_id, n and one of:
     ratio (a measured lat_ratio; status clean unless given), or status oom/skipped/error with reason.
     Optional: kernel, baseline, dtype, mode, causal, heads, head_dim (None for model cells), mem_ratio,
-    samples (explicit ratio samples), n_samples, spread (per point), attempts (list of statuses of earlier
+    samples (explicit ratio samples), n_samples, spread (per point), baseline_ms (the baseline side's time; the
+    kernel's is it x the ratio), attempts (list of statuses of earlier
     attempts, e.g. ["noisy"]), failed_side, timing ("graph" writes the run's newer columns too).
     A "noisy" point records its reason as the legacy runs did (noisy_reasons); a "disturbed" one as runs do now.
     """
@@ -64,7 +65,7 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
         ratio = p.get("ratio")
         mem_ratio = p.get("mem_ratio", 0.5 if ratio is not None else None)
         model = "heads" in p and p["heads"] is None
-        base_ms = 1.0 * (n / 1024) ** 2 if not model else 2.0
+        base_ms = p.get("baseline_ms", 1.0 * (n / 1024) ** 2 if not model else 2.0)
         prior = p.get("attempts", [])
         for i, prior_status in enumerate(prior, 1):
             store.append_attempt({"point_id": f"{cell}@{n}", "cell_id": cell, "n": n, "attempt": i,

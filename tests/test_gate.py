@@ -59,6 +59,42 @@ def test_clearly_slower_is_caught(tmp_path):
     assert "SLOWER" in table_rows[0] and "+25" in table_rows[0]
 
 
+def test_a_ratio_moved_by_the_baseline_alone_is_baseline_not_slower(tmp_path):
+    """At 4K the baseline's own time fell 20 % (a launch-bound SDPA on a faster host) and the kernel's stayed: the
+    ratio rose 25 %, but the row is BASELINE, which does not fail, and says which side moved. At 16K the kernel
+    itself got 25 % slower while the baseline also moved: SLOWER, with both sides' own change. At 64K the ratio
+    fell 20 % because the baseline got slower: BASELINE too."""
+    base = [dict(cell_id="sdpa_fwd_efficient_vs_math", n=n, ratio=r, baseline_ms=1.0)
+            for n, r in ((4096, 0.2), (16384, 0.2), (65536, 0.2))]
+    cur = [dict(cell_id="sdpa_fwd_efficient_vs_math", n=4096, ratio=0.25, baseline_ms=0.8),
+           dict(cell_id="sdpa_fwd_efficient_vs_math", n=16384, ratio=0.3125, baseline_ms=0.8),
+           dict(cell_id="sdpa_fwd_efficient_vs_math", n=65536, ratio=0.16, baseline_ms=1.25)]
+    b = make_run(tmp_path, base, name="nightly", seed=0)
+    c = make_run(tmp_path, cur, name="nightly", seed=1, when=LATER, started="2026-11-23T01:00:00Z")
+    rows = compare_runs(b, c)
+    assert verdicts(rows) == {4096: "BASELINE", 16384: "SLOWER", 65536: "BASELINE"}
+    moved = rows[0]
+    assert 1.2 < moved.change < 1.3 and moved.ci_low > 1.07           # the ratio did move past the band
+    assert "the baseline moved, not the kernel" in moved.detail
+    assert "kernel's own time +0.0 %" in moved.detail and "baseline's -20.0 %" in moved.detail
+    assert "kernel's own time +25.0 %" in rows[1].detail
+    assert gate_exit_code([moved, rows[2]]) == 0 and gate_exit_code(rows) == 1
+    md = gate_markdown(rows)
+    assert "(SLOWER 1 · BASELINE 2)" in md
+
+
+def test_a_ratio_moved_by_the_baseline_on_another_gpu_model_stays_slower(tmp_path):
+    """Absolute times compare only on one GPU model: across models (--allow-other-gpu) the ratio decides."""
+    from test_analysis import H100
+
+    base = [dict(cell_id="sdpa_fwd_efficient_vs_math", n=4096, ratio=0.2, baseline_ms=1.0)]
+    cur = [dict(cell_id="sdpa_fwd_efficient_vs_math", n=4096, ratio=0.25, baseline_ms=0.8)]
+    b = make_run(tmp_path, base, name="nightly", seed=0)
+    c = make_run(tmp_path, cur, name="nightly", seed=1, when=LATER, started="2026-11-23T01:00:00Z",
+                 gpu=dict(H100, name="NVIDIA H200"))
+    assert verdicts(compare_runs(b, c)) == {4096: "SLOWER"}
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_slower_within_noise_is_never_slower(tmp_path, seed):
     # +5 % with 1 % noise: inside the ±7 % band → SAME (or NOISY), never SLOWER
