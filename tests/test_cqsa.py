@@ -337,6 +337,37 @@ def test_kernel_forward_and_grads_match_dense(device, b, hq, hkv, nq, nk, d, c, 
         assert max_err(a, r) <= grad_tol, name
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_through_tensor_descriptors(device, monkeypatch, causal):
+    """On the H100 the resident forward reads K and V tiles through tensor descriptors, one per column range
+    (shaped by the range end); the interpreter runs that path when asked: ragged ranges, Nq != Nk, grouped K/V, a
+    padded head dim, against float64 (fwd and grads: the backward is unchanged)."""
+    if device.type != "cpu":
+        pytest.skip("on the GPU the descriptor path is the automatic one")
+    import kernels._launch as fast_launch
+    from kernels.cqsa import attention
+
+    calls = []
+
+    def forced(*tensors, force=None):
+        calls.append(len(tensors))
+        return True
+    monkeypatch.setattr(attention.core, "use_descriptors", forced)
+    fast_launch.clear()                                     # no plan of this signature from an earlier test
+    q, k, v = _case_inputs(device, 1, 4, 2, 70, 150, 40, torch.float16)
+    try:
+        out = cqsa_attention(q, k, v, causal=causal, c=3)
+    finally:
+        fast_launch.clear()                                 # nor a descriptor plan for a later one
+    assert calls == [2]                                     # decided once per plan, on K and V
+    ref = reference_attention(q, k, v, causal=causal)
+    assert max_err(out, ref) <= F16_FWD_TOL
+    do = torch.randn_like(ref)
+    for name, a, r in zip("qkv", torch.autograd.grad(out, (q, k, v), do.to(out.dtype)),
+                          torch.autograd.grad(ref, (q, k, v), do)):
+        assert max_err(a, r) <= F16_GRAD_TOL, name
+
+
 def test_rows_that_see_no_key_give_zero_and_no_nan(device):
     # causal with Nq > Nk: the first Nq - Nk queries see no key (bottom-right); N = 5 < c = 7 at itr 2
     q = rand((1, 1, 12, 32), grad=True)

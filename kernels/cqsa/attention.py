@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, in_place, layout,
-                       signature)
+from .. import _flash_core as core
+from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, in_place,
+                       interpreted, layout, signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
@@ -97,9 +98,13 @@ class _Forward(LaunchPlan):
         rows = B * H * N
         self.state_numel = rows * (D + 2)
         self.ranges, waves = t.fwd
+        # 16-bit K and V tiles through tensor descriptors where the layout allows (read in place: not for copied
+        # inputs); float32 keeps its pointer loads and tiles (the tf32x3 path the core is not tuned for)
+        use_desc = self.copy is None and q.dtype != torch.float32 and core.use_descriptors(k, v)
+        self.needs_allocator = use_desc and not interpreted()
         self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E), t.fwd_consts)
+            H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E), dict(t.fwd_consts, USE_DESC=use_desc))
 
     def run(self, q, k, v):
         # new_empty: half the host time of torch.empty(shape, dtype=, device=)
@@ -110,6 +115,8 @@ class _Forward(LaunchPlan):
         if self.copy is not None:
             cq, ck, cv = self.copy
             q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
+        if self.needs_allocator:
+            core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
         state = q.new_empty(self.state_numel, dtype=_f32)
         ranges = self.ranges
         for items, go in self.waves:

@@ -83,9 +83,11 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
                     H, GROUP, N_OUT, off_m, off_l, causal_off, qk_scale, first, last,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr):
+                    CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr = False):
     """OUT [B,H,N_OUT,HEAD_DIM] and LSE [B,H,N_OUT] contiguous. MODE 1: STATE holds the fp32 wave state
-    acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l."""
+    acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l.
+    USE_DESC: K and V tiles through tensor descriptors (TMA on Hopper), one per column range, shaped [hi, HEAD_DIM]
+    so that the range end bounds the rows a tile reads (zero past it, masked by fold_keys like the pointer path)."""
     item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -112,10 +114,12 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
             dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off    # key n visible from query m: n <= m + dlt
         # the flash core's loop over the range [lo, hi): full unmasked tiles (up to the block's first row's
         # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past it
-        # belong to other ranges) and dlt its bottom-right causal shift. Pointer loads: the kernel has no key
-        # count for a tensor descriptor's shape (kernels/FLASH_CORE.md).
-        acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, K + kbase, V + vbase, skn, svn, lo, hi, rs, hi, dlt,
-                                       qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, False, False,
+        # belong to other ranges) and dlt its bottom-right causal shift. With descriptors, the range end is also
+        # the descriptor's row count (the rows a tile may read lie below it either way).
+        k_src = core.row_source(K + kbase, hi, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+        v_src = core.row_source(V + vbase, hi, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+        acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, rs, hi, dlt,
+                                       qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, USE_DESC, False,
                                        PRECISION)
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
