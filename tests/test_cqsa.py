@@ -340,8 +340,9 @@ def test_kernel_forward_and_grads_match_dense(device, b, hq, hkv, nq, nk, d, c, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_through_tensor_descriptors(device, monkeypatch, causal):
     """On the H100 the resident forward reads K and V tiles through tensor descriptors, one per column range
-    (shaped by the range end); the interpreter runs that path when asked: ragged ranges, Nq != Nk, grouped K/V, a
-    padded head dim, against float64 (fwd and grads: the backward is unchanged)."""
+    (shaped by the range end) where the head dim fills its tile; the interpreter runs that path when asked: ragged
+    ranges, Nq != Nk, grouped K/V, against float64 (fwd and grads: the backward is unchanged). A padded head dim
+    keeps pointer loads (the plan does not ask)."""
     if device.type != "cpu":
         pytest.skip("on the GPU the descriptor path is the automatic one")
     import kernels._launch as fast_launch
@@ -354,12 +355,14 @@ def test_forward_through_tensor_descriptors(device, monkeypatch, causal):
         return True
     monkeypatch.setattr(attention.core, "use_descriptors", forced)
     fast_launch.clear()                                     # no plan of this signature from an earlier test
-    q, k, v = _case_inputs(device, 1, 4, 2, 70, 150, 40, torch.float16)
+    q, k, v = _case_inputs(device, 1, 4, 2, 70, 150, 32, torch.float16)
     try:
         out = cqsa_attention(q, k, v, causal=causal, c=3)
+        assert calls == [2]                                 # decided once per plan, on K and V
+        cqsa_attention(*_case_inputs(device, 1, 2, 2, 30, 30, 40, torch.float16), causal=causal, c=3)
+        assert calls == [2]                                 # D=40 runs in 64-wide tiles: pointers, not asked
     finally:
         fast_launch.clear()                                 # nor a descriptor plan for a later one
-    assert calls == [2]                                     # decided once per plan, on K and V
     ref = reference_attention(q, k, v, causal=causal)
     assert max_err(out, ref) <= F16_FWD_TOL
     do = torch.randn_like(ref)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
-from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, default_scale, dot_precision, in_place,
-                       interpreted, layout, signature)
+from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
+                       in_place, interpreted, layout, signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
@@ -99,8 +99,12 @@ class _Forward(LaunchPlan):
         self.state_numel = rows * (D + 2)
         self.ranges, waves = t.fwd
         # 16-bit K and V tiles through tensor descriptors where the layout allows (read in place: not for copied
-        # inputs); float32 keeps its pointer loads and tiles (the tf32x3 path the core is not tuned for)
-        use_desc = self.copy is None and q.dtype != torch.float32 and core.use_descriptors(k, v)
+        # inputs) and the head dim fills its tile. On the H100 (runs/20261124T200428Z_hopper, 20261124T200508Z_full)
+        # that is +2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96 (128-wide tiles) the
+        # descriptors' boxes past the head dim cost 4 %, so padded head dims keep pointer loads, as does float32
+        # (the tf32x3 path the core is not tuned for).
+        use_desc = (self.copy is None and q.dtype != torch.float32 and block_d(D) == D
+                    and core.use_descriptors(k, v))
         self.needs_allocator = use_desc and not interpreted()
         self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
