@@ -99,10 +99,10 @@ class _Forward(LaunchPlan):
         self.state_numel = rows * (D + 2)
         self.ranges, waves = t.fwd
         # 16-bit K and V tiles through tensor descriptors where the layout allows (read in place: not for copied
-        # inputs) and the head dim fills its tile. On the H100 (runs/20261124T200428Z_hopper, 20261124T200508Z_full)
-        # that is +2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96 (128-wide tiles) the
-        # descriptors' boxes past the head dim cost 4 %, so padded head dims keep pointer loads, as does float32
-        # (the tf32x3 path the core is not tuned for).
+        # inputs) and the head dim fills its tile. On the H100 (results/runs/20261124T200428Z_hopper and
+        # 20261124T200836Z_full) that is +1-2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96
+        # (128-wide tiles) the descriptors' boxes past the head dim cost 4 % (results/dev/cqsa/descriptor_head_dims/),
+        # so padded head dims keep pointer loads, as does float32 (the tf32x3 path the core is not tuned for).
         use_desc = (self.copy is None and q.dtype != torch.float32 and block_d(D) == D
                     and core.use_descriptors(k, v))
         self.needs_allocator = use_desc and not interpreted()
