@@ -68,6 +68,13 @@ def _env():
     return env
 
 
+def sigint_default():
+    """preexec_fn of the Ctrl-C tests' CLI processes: SIGINT at its default disposition. A shell's background job
+    (`cmd &` without job control, as a CI step may be started) runs with SIGINT ignored, its children inherit that,
+    and Python then installs no KeyboardInterrupt handler, so the test's Ctrl-C would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli_process(*args, cwd=REPO, timeout=300) -> Result:
     proc = subprocess.run([sys.executable, "-m", "attnbench", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=_env(), timeout=timeout)
@@ -520,7 +527,7 @@ def test_ctrl_c_hint_and_runs_hint_finish_the_run_when_pasted(tmp_path):
     (work / "slow.yaml").write_text(TINY.replace("seq_lens: [16, 32, 48]", f"seq_lens: {list(range(16, 16 + 12))}"))
     args = ["run-matrix", "slow.yaml", "--device", "cpu", "--results-root", "my runs", "--only", "a", "--max-util", "50"]
     proc = subprocess.Popen([sys.executable, "-m", "attnbench", *args], cwd=work, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 240
     points = None
     while time.monotonic() < deadline and proc.poll() is None:

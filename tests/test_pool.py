@@ -25,7 +25,7 @@ from attnbench.analysis import spread_pct
 from attnbench.gpu import GpuListError, resolve_gpu_list
 from attnbench.store import TORN_FILE, RunDirError, RunStore, load_run
 from fakes import FakeReader, gpu_state
-from test_faults import REPO, TINY, _env, assert_one_line, cli, cli_process, data_lines
+from test_faults import REPO, TINY, _env, assert_one_line, cli, cli_process, data_lines, sigint_default
 
 IDS = ["a@16", "a@32", "a@48"]
 LONG = TINY.replace("seq_lens: [16, 32, 48]", f"seq_lens: {list(range(16, 28))}")   # 12 points
@@ -260,7 +260,8 @@ def test_ctrl_c_stops_every_worker_and_the_hint_finishes_the_run(tmp_path):
     (work / "mid.yaml").write_text(MID)
     args = ["run-matrix", "mid.yaml", "--device", "cpu", "--results-root", "my runs", "--workers", "2",
             "--replicate"]
-    proc = _popen(work, args, start_new_session=True)   # its own process group, as a terminal's Ctrl-C reaches it
+    # its own process group, as a terminal's Ctrl-C reaches it, with SIGINT at its default (test_faults.sigint_default)
+    proc = _popen(work, args, start_new_session=True, preexec_fn=sigint_default)
     run = _wait_for_rows(work, proc, 2)
     pids = [d["pid"] for d in json.loads((run / "manifest.json").read_text())["pool"]["devices"]]
     os.killpg(proc.pid, signal.SIGINT)
