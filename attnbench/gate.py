@@ -73,15 +73,11 @@ def _side_status(attempt: dict | None, side: str) -> str | None:
     return s.get("status") if isinstance(s, dict) else None
 
 
-def _samples(attempt: dict | None):
-    ratio = (attempt or {}).get("ratio") or {}
-    samples = ratio.get("samples") if isinstance(ratio, dict) else None
-    return [float(x) for x in samples if _finite(x)] if samples else []
-
-
-def _side_samples(attempt: dict | None, side: str):
-    s = (attempt or {}).get(side) or {}
-    samples = s.get("samples_ms") if isinstance(s, dict) else None
+def _samples(attempt: dict | None, part: str = "ratio", key: str = "samples"):
+    """The finite samples of one part of an attempt record: the paired ratios ("ratio", "samples"), or a side's
+    own times ("kernel" / "baseline", "samples_ms")."""
+    rec = (attempt or {}).get(part) or {}
+    samples = rec.get(key) if isinstance(rec, dict) else None
     return [float(x) for x in samples if _finite(x)] if samples else []
 
 
@@ -90,7 +86,7 @@ def _own_changes(b_attempt, c_attempt, n_boot: int, seed: int, pid: str) -> dict
     enough samples in both)."""
     out = {}
     for side in ("kernel", "baseline"):
-        bs, cs = _side_samples(b_attempt, side), _side_samples(c_attempt, side)
+        bs, cs = _samples(b_attempt, side, "samples_ms"), _samples(c_attempt, side, "samples_ms")
         if len(bs) >= MIN_SAMPLES and len(cs) >= MIN_SAMPLES:
             out[side] = bootstrap_change(bs, cs, n_boot, seed, f"{pid}:{side}")
     return out

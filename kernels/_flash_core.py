@@ -319,8 +319,9 @@ def _scratch(size: int, alignment: int, stream):
 def ensure_allocator() -> None:
     """Install the scratch allocator that device-side tensor descriptors need. Triton keeps it in a ContextVar,
     which a new thread (autograd's backward worker, say) does not inherit: call this before every launch that
-    uses descriptors; after the first call per thread it costs one attribute read."""
-    if not getattr(_tls, "allocator_set", False):
+    uses descriptors; after the first call per thread it costs one attribute read. The interpreter runs
+    descriptors without one: nothing to install there."""
+    if not getattr(_tls, "allocator_set", False) and not interpreted():
         triton.set_allocator(_scratch)
         _tls.allocator_set = True
 
@@ -426,7 +427,7 @@ def forward(q, k, v, causal: bool = False, scale=None, *, precision: str = "tf32
         return out, ran
     if shape.len_kv == 0:
         return out.zero_(), ran                 # no key at all: every row sees none
-    if use_desc and not interpreted():
+    if use_desc:
         ensure_allocator()
     bm, bn = tiles["block_m"], tiles["block_n"]
     grid = (triton.cdiv(shape.len_q, bm), shape.batch * shape.heads_q)

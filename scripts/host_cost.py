@@ -512,11 +512,11 @@ def measure(torch, args) -> dict:
             measure_calls(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
                           do, True, schedule.add, "sdpa_causal")
         call = (lambda fn, causal: lambda q, k, v: fn(q, k, v, causal=causal))(fn, causal)
-        entries[name] = (call, causal)
+        entries[name] = (call, causal, has_backward)
         measure_calls(torch, call, q, k, v, do, has_backward, schedule.add, name)
     backward_pieces = {}
     if not args.no_pieces:
-        for name, (call, _) in entries.items():
+        for name, (call, _, _) in entries.items():
             try:
                 backward_pieces[name] = kernel_pieces(torch, name, call, q, k, v, do, schedule.add)
             except Exception as exc:
@@ -536,10 +536,10 @@ def measure(torch, args) -> dict:
             res["kernels"].setdefault(parts[0], {})[parts[1]] = val
     for name, backward in backward_pieces.items():
         piece_differences(res, name, backward)
-    for name in entries:
-        if not _kernel_entry(name)[2]:
+    for name, (_, _, has_backward) in entries.items():
+        if not has_backward:
             res["kernels"].setdefault(name, {}).update(fwdbwd="n/a: forward only", bwd="n/a: forward only")
-    for name, (_, causal) in entries.items():
+    for name, (_, causal, _) in entries.items():
         sdpa = res["kernels"].get("sdpa_causal" if causal else "sdpa", {})
         got = res["kernels"].get(name, {})
         res["ratios"][name] = {mode: paired_ratio(got[mode], sdpa[mode]) for mode in MODES

@@ -25,7 +25,7 @@ import torch
 
 from .. import _flash_core as core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
-                       in_place, interpreted, layout, signature)
+                       in_place, layout, signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
@@ -105,7 +105,7 @@ class _Forward(LaunchPlan):
         # so padded head dims keep pointer loads, as does float32 (the tf32x3 path the core is not tuned for).
         use_desc = (self.copy is None and q.dtype != torch.float32 and block_d(D) == D
                     and core.use_descriptors(k, v))
-        self.needs_allocator = use_desc and not interpreted()
+        self.use_desc = use_desc
         self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E), dict(t.fwd_consts, USE_DESC=use_desc))
@@ -119,7 +119,7 @@ class _Forward(LaunchPlan):
         if self.copy is not None:
             cq, ck, cv = self.copy
             q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
-        if self.needs_allocator:
+        if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
         state = q.new_empty(self.state_numel, dtype=_f32)
         ranges = self.ranges

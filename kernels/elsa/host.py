@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
-from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, interpreted, unit_last
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from . import trace
 from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
@@ -107,7 +107,7 @@ class _FwdPlan(LaunchPlan):
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous)
         use_desc = c.scale_in_exp and core.use_descriptors(
             *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)))
-        self.needs_allocator = use_desc and not interpreted()
+        self.use_desc = use_desc
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc))
         bm, W, P = plan.block_m, plan.width, plan.parts
@@ -138,7 +138,7 @@ class _FwdPlan(LaunchPlan):
 
     def run(self, q, k, v, bias):
         c = self.c
-        if self.needs_allocator:
+        if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
         cq, ck, cv = c.copy
         if cq or ck or cv:
