@@ -262,7 +262,7 @@ def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     scalars = {"qk_scale", "sm_scale", "mscale"}
     # the integers a launch may see not divisible by 16 (strides and the rest are)
     not_div16 = {"H", "HKV", "GROUP", "N_OUT", "N_ROWS", "off_m", "off_l", "off_delta", "off_dk", "off_dv",
-                 "causal_off", "first", "last", "n", "g0", "N"}
+                 "causal_off", "n_waves", "first", "last", "n", "g0", "N"}
     jobs = []
 
     def job(name, fn, dtype, meta, w, st, extra_fp32=(), **label):

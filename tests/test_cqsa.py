@@ -152,11 +152,12 @@ def test_golden_example_n49():
 
 # --- 3. kernel tables: masked pieces skipped, each kept pair visited once ---------------------
 
-def _table_counts(sched, nq, nk, rows, causal, row_ids=None, col_ids=None):
-    """Pairs a schedule visits, in global (query, key) coordinates, with the kernels' causal rule applied
-    through each range's delta (key n visible from query m iff n <= m + delta + Nk - Nq, table coordinates)."""
+def _table_counts(sched, nq, nk, rows, causal, row_ids=None, col_ids=None, waves=None):
+    """Pairs a schedule visits (its waves, or the item tables ``waves``), in global (query, key) coordinates, with
+    the kernels' causal rule applied through each range's delta (key n visible from query m iff
+    n <= m + delta + Nk - Nq, table coordinates)."""
     cnt = np.zeros((nq, nk), np.int64)
-    for wave in sched.waves:
+    for wave in (sched.waves if waves is None else waves):
         for rs, re, roff, rcnt, _ in wave.tolist():
             for lo, hi, d in sched.ranges[roff:roff + rcnt].tolist():
                 r, cc = np.arange(rs, re)[:, None], np.arange(lo, hi)[None, :]
@@ -186,6 +187,17 @@ def test_schedule_tables_cover_each_pair_once(n, nk, c, itr, block):
             assert len(sched.waves) == len(INTEREST_SETS[c]) ** itr
             target = bottom_right(n, nkv) if causal else np.ones((n, nkv), np.int64)
             assert np.array_equal(_table_counts(sched, n, nkv, rows, causal), target), (rows, causal)
+            joined = sched.joined
+            if itr == 1:
+                assert joined is not None           # one division level: every wave cuts the same row blocks
+            if joined is not None:
+                assert joined.shape == (len(sched.waves[0]), len(sched.waves), 5)
+                # each row block's items: the same rows and shift in every wave, and each wave's items all there
+                assert (joined[:, :, [0, 1, 4]] == joined[:, :1, [0, 1, 4]]).all()
+                for w, wave in enumerate(sched.waves):
+                    assert sorted(map(tuple, joined[:, w].tolist())) == sorted(map(tuple, wave.tolist()))
+                assert np.array_equal(_table_counts(sched, n, nkv, rows, causal, waves=[joined.reshape(-1, 5)]),
+                                      target)
     # streaming (task-local) tables: the same pairs, in local coordinates, the causal rule through delta
     tasks = build_tasks(n, c, itr, n_kv=nk)
     for t in (tasks[len(tasks) // 2], tasks[-1]):
@@ -335,6 +347,38 @@ def test_kernel_forward_and_grads_match_dense(device, b, hq, hkv, nq, nk, d, c, 
     for name, a, r in zip("qkv", g, gref):
         assert a.dtype == dtype and a.shape == r.shape, name
         assert max_err(a, r) <= grad_tol, name
+
+
+def test_join_waves_orders_blocks_heaviest_first_and_refuses_blocks_that_differ():
+    from kernels.cqsa.schedule import join_waves
+    # (row_start, row_end, range_offset, range_count, shift, slot); two slots cutting rows [0, 32) the same way
+    items = np.array([[0, 16, 0, 1, 0, 0], [16, 32, 1, 2, 0, 0], [16, 32, 3, 1, 0, 1], [0, 16, 4, 3, 0, 1]])
+    vis = np.array([10, 40, 5, 20])            # block [0, 16): 30 in all, block [16, 32): 45 -> first
+    table = join_waves(items, vis)
+    assert table.tolist() == [[[16, 32, 1, 2, 0], [16, 32, 3, 1, 0]], [[0, 16, 0, 1, 0], [0, 16, 4, 3, 0]]]
+    # slot 1 cuts [16, 32) into [16, 24) and [24, 32)
+    assert join_waves(np.array([[0, 16, 0, 1, 0, 0], [16, 32, 1, 2, 0, 0], [16, 24, 3, 1, 0, 1],
+                                [0, 16, 4, 3, 0, 1], [24, 32, 5, 1, 0, 1]]), np.arange(5)) is None
+    assert join_waves(items[:2], vis[:2]) is None      # one wave: nothing to join
+
+
+@pytest.mark.parametrize("itr,joined", [(1, True), (2, False)])
+def test_resident_plans_launch_joined_waves_once(device, itr, joined):
+    """Joined waves: one forward launch and no fp32 state, one dQ and one dK/dV launch with a workspace of δ only;
+    otherwise one launch per wave. (Exactness of both: test_kernel_forward_and_grads_match_dense, whose itr = 2
+    cases do not join.)"""
+    from kernels.cqsa.attention import backward_plan, forward_plan
+    q, k, v = _case_inputs(device, 1, 2, 1, 40, 40, 32, torch.float32)
+    tiles = resolve_tiles(32, torch.float32, q.device.type)
+    assert (resident_schedule(40, 7, itr, tiles[0], True, 40, "q").joined is not None) == joined
+    fwd = forward_plan(q, k, v, True, 0.125, 7, itr, "ieee", tiles)
+    out, lse = fwd(q, k, v)
+    bwd = backward_plan(out, q, k, v, out, lse, True, 0.125, 7, itr, "ieee", tiles)
+    waves = 1 if joined else 3 ** itr
+    assert (len(fwd.waves), len(bwd.dq), len(bwd.dkdv)) == (waves, waves, waves)
+    assert (fwd.state_numel == 0) == joined
+    # δ of the 2 x 40 query rows; not joined: first the dq accumulator (2 x 40 x 32) and dk, dv's (2 x 40 x 32)
+    assert bwd.ws_numel == (2 * 40 if joined else 2 * 40 * 32 + 2 * 40 * 32 + 2 * 40)
 
 
 @pytest.mark.parametrize("causal", [False, True])

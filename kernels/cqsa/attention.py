@@ -1,11 +1,13 @@
 """Public entry point and the resident path: torch.library ops with autograd, and their slot-wave launches.
 
 Resident mode (inputs on the compute device, no budget): every task of a head runs, but instead of one
-launch per task the tasks are batched into slot waves (see schedule.py): one launch covers all c**itr tasks'
-row blocks of one slot × all (batch, head) pairs, and folds its partials into fp32 (m, l, acc) state with
-the log-sum-exp rule. l**itr launches per forward (3 at c = 7, itr = 1), independent of the number of tasks;
-the last one writes O and the global lse. The backward runs the same waves for dQ (the first also computes
-δ = rowsum(dO ⊙ O)) and for dK/dV.
+launch per task the tasks are batched into slot waves (see schedule.py): all c**itr tasks' row blocks of one
+slot × all (batch, head) pairs. At one division level (itr = 1, the default) every wave cuts the rows into the
+same blocks, so the waves are joined: one launch, where each program runs its row block's item of every wave in
+turn and merges them in registers with the log-sum-exp rule, then writes O and the global lse (no state between
+waves). Where they do not join (itr > 1), l**itr launches fold into shared fp32 (m, l, acc) state, the last
+writing O and lse. The backward runs the same way for dQ (its first wave also computes δ = rowsum(dO ⊙ O)) and
+for dK/dV: two launches when joined.
 
 The resident forward and backward are ops in the ``attnbench`` namespace (``attnbench::cqsa_fwd`` returns
 (out, lse), ``attnbench::cqsa_bwd`` returns (dq, dk, dv)) with a registered autograd formula and fake
@@ -15,9 +17,10 @@ eagerly only; under torch.compile it says so.
 
 Host time per call is what short sequences pay (NOTES.md, host cost): the public function caches its checks per
 call signature; an op body is one key lookup for the plan of its signature (kernels._launch.layout of its tensors
-and the options: ``_Forward``, ``_Backward``), whose launches are kernels._launch.Prepared, one per slot wave, over
-slot-wave tables cached on the device per (Nq, Nk, c, itr, causal, tiles, D, precision, device); then three
-(forward) or four (backward) allocations and the launches. The autograd layer is kernels/_ops.py's pattern.
+and the options: ``_Forward``, ``_Backward``), whose launches are kernels._launch.Prepared over slot-wave tables
+cached on the device per (Nq, Nk, c, itr, causal, tiles, D, precision, device); then two (forward: out, lse) or
+four (backward: dq, dk, dv, workspace) allocations and the launches (one forward, two backward when joined). The
+autograd layer is kernels/_ops.py's pattern.
 """
 from __future__ import annotations
 
@@ -50,9 +53,15 @@ _tables = SignatureCache(256)
 
 
 def _device_tables(n, n_kv, c, itr, block, causal, rows, device):
-    """One schedule's tables on the device: (ranges, [(items, count)] per wave)."""
-    ranges, waves = resident_schedule(n, c, itr, block, causal, n_kv, rows).on(device)
-    return ranges, [(w, int(w.shape[0])) for w in waves]
+    """One schedule's tables on the device: (ranges, [(items, count, n_waves)] per launch): the joined waves in one
+    launch where every wave cuts the rows into the same blocks (schedule.join_waves; always at itr = 1), else one
+    launch per wave."""
+    sched = resident_schedule(n, c, itr, block, causal, n_kv, rows)
+    ranges, waves = sched.on(device)
+    joined = sched.joined_on(device)
+    if joined is not None:
+        return ranges, [(joined, int(joined.shape[0]), int(joined.shape[1]))]
+    return ranges, [(w, int(w.shape[0]), 1) for w in waves]
 
 
 def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backward: bool) -> _Tables:
@@ -70,19 +79,21 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
-def _waves(kernel, waves, programs: int, fixed: tuple, consts: dict) -> list:
-    """One Prepared launch per wave: grid (the wave's items, programs), the fixed arguments then the wave's
-    (first, last) flags; each is called with the kernel's tensors and the wave's items and ranges last."""
-    last = len(waves) - 1
-    return [(items, Prepared(kernel, (count, programs), (*fixed, int(i == 0), int(i == last)), consts))
-            for i, (items, count) in enumerate(waves)]
+def _waves(kernel, launches, programs: int, fixed: tuple, consts: dict) -> list:
+    """One Prepared launch per entry of _device_tables' list: grid (its items, programs), the fixed arguments then
+    its wave count and (first, last) flags; each is called with the kernel's tensors and its items and ranges last.
+    A single launch (joined waves) is first and last: it writes the results and never touches the state."""
+    last = len(launches) - 1
+    return [(items, Prepared(kernel, (count, programs), (*fixed, n_waves, int(i == 0), int(i == last)), consts))
+            for i, (items, count, n_waves) in enumerate(launches)]
 
 
 # --- the resident forward and backward: one plan of Prepared launches per call signature ----------------
 
 class _Forward(LaunchPlan):
-    """A resident forward signature (kernels._launch.layout of q, k, v and the options): out, lse and one fp32
-    state buffer (acc | m | l), then one launch per slot wave (l**itr)."""
+    """A resident forward signature (kernels._launch.layout of q, k, v and the options): out and lse, then one
+    launch of the joined slot waves; where they do not join (itr > 1), one fp32 state buffer (acc | m | l) and one
+    launch per slot wave (l**itr)."""
 
     def __init__(self, q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
@@ -96,8 +107,8 @@ class _Forward(LaunchPlan):
         self.copy = (cq, ck, cv) if cq or ck or cv else None
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
-        self.state_numel = rows * (D + 2)
         self.ranges, waves = t.fwd
+        self.state_numel = rows * (D + 2) if len(waves) > 1 else 0
         # 16-bit K and V tiles through tensor descriptors where the layout allows (read in place: not for copied
         # inputs) and the head dim fills its tile. On the H100 (results/runs/20261124T200428Z_hopper and
         # 20261124T200836Z_full) that is +1-2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96
@@ -121,7 +132,7 @@ class _Forward(LaunchPlan):
             q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
         if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
-        state = q.new_empty(self.state_numel, dtype=_f32)
+        state = q.new_empty(self.state_numel, dtype=_f32) if self.state_numel else lse    # lse: unused there
         ranges = self.ranges
         for items, go in self.waves:
             go(q, k, v, out, lse, state, items, ranges)
@@ -130,8 +141,9 @@ class _Forward(LaunchPlan):
 
 class _Backward(LaunchPlan):
     """A resident backward signature (layout of dO, q, k, v, O, lse and the options): dq, dk, dv and one fp32
-    workspace (dq acc | dk acc | dv acc | δ), then the dQ waves (the first computes δ = rowsum(dO ⊙ O)) and the
-    dK/dV waves."""
+    workspace (δ, after the dq and dk/dv accumulators where those run as several waves), then the dQ launch (its
+    first wave computes δ = rowsum(dO ⊙ O)) and the dK/dV launch, each of the joined waves where they join, else
+    one per wave."""
 
     def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
@@ -148,16 +160,18 @@ class _Backward(LaunchPlan):
             self.copy = None
         sq, sk, sv, sd = (st for _, st in ins)
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, True)
-        n_q, n_kv = B * H * N * D, B * Hkv * Nk * D
-        self.ws_numel = n_q + 2 * n_kv + B * H * N
+        self.dq_ranges, dq_waves = t.dq
+        self.dkdv_ranges, dkdv_waves = t.dkdv
+        # the fp32 accumulators across waves, only where a kernel runs as several launches: dq at 0, then dk, dv
+        n_q = B * H * N * D if len(dq_waves) > 1 else 0
+        n_kv = B * Hkv * Nk * D if len(dkdv_waves) > 1 else 0
         off_delta = n_q + 2 * n_kv
+        self.ws_numel = off_delta + B * H * N
         strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2])
         qk_scale = scale * LOG2E
-        self.dq_ranges, waves = t.dq
-        self.dq = _waves(cqsa_bwd_dq_kernel, waves, B * H, (
+        self.dq = _waves(cqsa_bwd_dq_kernel, dq_waves, B * H, (
             *strides, H, H // Hkv, N, N, off_delta, Nk - N, qk_scale, scale), t.dq_consts)
-        self.dkdv_ranges, waves = t.dkdv
-        self.dkdv = _waves(cqsa_bwd_dkdv_kernel, waves, B * Hkv, (
+        self.dkdv = _waves(cqsa_bwd_dkdv_kernel, dkdv_waves, B * Hkv, (
             *strides, Hkv, H // Hkv, N, Nk, off_delta, n_q, n_q + n_kv, Nk - N, qk_scale, scale), t.dkdv_consts)
 
     def run(self, do, q, k, v, out, lse):

@@ -23,10 +23,13 @@ Forward modes:
   out = 0 for a row without a kept key) — the per-task result that the streaming engine merges.
 - MODE 1 (wave merge): fold the block's (m, l, acc) into shared fp32 state with the log-sum-exp
   rule (rescale both sides by exp2 of the max, never exponentiate an lse), finalising on the last
-  wave. Race-free because a wave touches each row once.
+  wave. Race-free because a wave touches each row once. A launch that is both first and last writes O and
+  lse directly and never touches the state: the resident path's joined waves (``n_waves`` > 1, items
+  [I, n_waves, 5]: a program folds its row block's item of every wave in turn, merging in registers).
 Backward (§4.2 form): p = exp2(s·log2e·α − lse·log2e) with the *global* lse (natural log in memory,
 converted here; rows without a key get +inf, so their p is 0), ds = p ⊙ (dO vᵀ − δ); dQ and dK/dV
-kernels are separate and deterministic (no atomics), accumulating across waves in an fp32 workspace.
+kernels are separate and deterministic (no atomics), accumulating across launched waves in an fp32 workspace
+(joined waves accumulate in registers).
 The first dQ wave can compute δ = rowsum(dO ⊙ O) for its rows itself (DELTA_FROM_O), so the resident
 backward needs no separate pass for it.
 """
@@ -81,23 +84,24 @@ def _log2_lse(lse):
 @triton.jit(do_not_specialize=["first", "last", "off_m", "off_l", "causal_off"])
 def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-                    H, GROUP, N_OUT, off_m, off_l, causal_off, qk_scale, first, last,
+                    H, GROUP, N_OUT, off_m, off_l, causal_off, qk_scale, n_waves, first, last,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr = False):
     """OUT [B,H,N_OUT,HEAD_DIM] and LSE [B,H,N_OUT] contiguous. MODE 1: STATE holds the fp32 wave state
     acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l.
     USE_DESC: K and V tiles through tensor descriptors (TMA on Hopper), one per column range, shaped [hi, HEAD_DIM]
-    so that the range end bounds the rows a tile reads (zero past it, masked by fold_keys like the pointer path)."""
+    so that the range end bounds the rows a tile reads (zero past it, masked by fold_keys like the pointer path).
+    ITEMS [I, n_waves, 5]: a program folds the column ranges of its row block's item in each of the n_waves
+    joined waves (schedule.join_waves: the same rows in each) in turn, in registers."""
     item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    rs = tl.load(ITEMS + item * 5)
-    re = tl.load(ITEMS + item * 5 + 1)
-    roff = tl.load(ITEMS + item * 5 + 2)
-    rcnt = tl.load(ITEMS + item * 5 + 3)
-    shift = tl.load(ITEMS + item * 5 + 4)     # output row = input row - shift (global -> task-local)
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_m = rs + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < re
@@ -106,21 +110,24 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     acc, m_i, l_i = core.init_state(BLOCK_M, BLOCK_D)
-    for r in range(rcnt):
-        lo = tl.load(RANGES + 3 * (roff + r))
-        hi = tl.load(RANGES + 3 * (roff + r) + 1)
-        dlt = 0
-        if CAUSAL:
-            dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off    # key n visible from query m: n <= m + dlt
-        # the flash core's loop over the range [lo, hi): full unmasked tiles (up to the block's first row's
-        # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past it
-        # belong to other ranges) and dlt its bottom-right causal shift. With descriptors, the range end is also
-        # the descriptor's row count (the rows a tile may read lie below it either way).
-        k_src = core.row_source(K + kbase, hi, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
-        v_src = core.row_source(V + vbase, hi, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
-        acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, rs, hi, dlt,
-                                       qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, USE_DESC, False,
-                                       PRECISION)
+    for w in range(n_waves):
+        roff = tl.load(it + w * 5 + 2)
+        rcnt = tl.load(it + w * 5 + 3)
+        for r in range(rcnt):
+            lo = tl.load(RANGES + 3 * (roff + r))
+            hi = tl.load(RANGES + 3 * (roff + r) + 1)
+            dlt = 0
+            if CAUSAL:
+                dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off    # key n visible from query m: n <= m + dlt
+            # the flash core's loop over the range [lo, hi): full unmasked tiles (up to the block's first row's
+            # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past
+            # it belong to other ranges) and dlt its bottom-right causal shift. With descriptors, the range end is
+            # also the descriptor's row count (the rows a tile may read lie below it either way).
+            k_src = core.row_source(K + kbase, hi, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+            v_src = core.row_source(V + vbase, hi, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+            acc, m_i, l_i = core.fold_keys(acc, m_i, l_i, q, k_src, v_src, skn, svn, lo, hi, rs, hi, dlt,
+                                           qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, False, USE_DESC,
+                                           False, PRECISION)
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
     lbase = bh.to(tl.int64) * N_OUT
@@ -196,22 +203,22 @@ def _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, start, hi, of
 @triton.jit(do_not_specialize=["first", "last", "off_delta", "causal_off"])
 def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-                       H, GROUP, N_ROWS, N_OUT, off_delta, causal_off, qk_scale, sm_scale, first, last,
+                       H, GROUP, N_ROWS, N_OUT, off_delta, causal_off, qk_scale, sm_scale, n_waves, first, last,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     """Rows read at input rows (Q, dO strided; O [B,H,N_ROWS,HEAD_DIM], LSE and δ [B,H,N_ROWS] contiguous),
     written at output rows (DQ [B,H,N_OUT,HEAD_DIM] contiguous). WS: fp32 workspace with the dQ accumulator
-    [B,H,N_OUT,HEAD_DIM] at 0 and δ at off_delta; DELTA_FROM_O: the first wave computes δ and stores it."""
+    [B,H,N_OUT,HEAD_DIM] at 0 and δ at off_delta; DELTA_FROM_O: the first wave computes δ and stores it.
+    ITEMS [I, n_waves, 5]: joined waves, as in the forward."""
     item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    rs = tl.load(ITEMS + item * 5)
-    re = tl.load(ITEMS + item * 5 + 1)
-    roff = tl.load(ITEMS + item * 5 + 2)
-    rcnt = tl.load(ITEMS + item * 5 + 3)
-    shift = tl.load(ITEMS + item * 5 + 4)     # output row = input row - shift (global -> task-local)
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_m = rs + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < re
@@ -234,23 +241,26 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     else:
         delta = tl.load(d_ptrs, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for r in range(rcnt):
-        lo = tl.load(RANGES + 3 * (roff + r))
-        hi = tl.load(RANGES + 3 * (roff + r) + 1)
-        dlt = 0
-        if CAUSAL:
-            dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off
-            hi = tl.minimum(hi, re + dlt)
-            mid = tl.minimum(hi, rs + dlt + 1)
-        else:
-            mid = hi
-        n_full = tl.maximum(mid - lo, 0) // BLOCK_N
-        for j in range(n_full):
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, lo + j * BLOCK_N, hi, offs_m, dlt,
-                          qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, PRECISION)
-        for start in range(lo + n_full * BLOCK_N, hi, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, start, hi, offs_m, dlt,
-                          qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
+    for w in range(n_waves):
+        roff = tl.load(it + w * 5 + 2)
+        rcnt = tl.load(it + w * 5 + 3)
+        for r in range(rcnt):
+            lo = tl.load(RANGES + 3 * (roff + r))
+            hi = tl.load(RANGES + 3 * (roff + r) + 1)
+            dlt = 0
+            if CAUSAL:
+                dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off
+                hi = tl.minimum(hi, re + dlt)
+                mid = tl.minimum(hi, rs + dlt + 1)
+            else:
+                mid = hi
+            n_full = tl.maximum(mid - lo, 0) // BLOCK_N
+            for j in range(n_full):
+                dq = _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, lo + j * BLOCK_N, hi, offs_m,
+                              dlt, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, CAUSAL, PRECISION)
+            for start in range(lo + n_full * BLOCK_N, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, start, hi, offs_m, dlt,
+                              qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
     dq = dq * sm_scale
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
@@ -309,21 +319,21 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, qbase, dbase, lbase, sqn, sdn, s
 def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
                          HKV, GROUP, N_ROWS, N_OUT, off_delta, off_dk, off_dv, causal_off, qk_scale, sm_scale,
-                         first, last,
+                         n_waves, first, last,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     """One program per key row block × (batch, key/value head): the GROUP query heads that read this head are
     summed here. LSE and δ (at WS + off_delta) are [B,Hq,N_ROWS]; DK, DV [B,HKV,N_OUT,HEAD_DIM] contiguous;
-    the fp32 accumulators across waves at WS + off_dk and WS + off_dv, same shape."""
+    the fp32 accumulators across waves at WS + off_dk and WS + off_dv, same shape. ITEMS [I, n_waves, 5]: joined
+    waves, as in the forward."""
     item = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
-    rs = tl.load(ITEMS + item * 5)
-    re = tl.load(ITEMS + item * 5 + 1)
-    roff = tl.load(ITEMS + item * 5 + 2)
-    rcnt = tl.load(ITEMS + item * 5 + 3)
-    shift = tl.load(ITEMS + item * 5 + 4)     # output row = input row - shift (global -> task-local)
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_n = rs + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_n < re
@@ -338,29 +348,32 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
         qbase = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         dbase = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
         lbase = (b * HKV * GROUP + h).to(tl.int64) * N_ROWS
-        for r in range(rcnt):
-            lo = tl.load(RANGES + 3 * (roff + r))
-            hi = tl.load(RANGES + 3 * (roff + r) + 1)
-            dlt = 0
-            if CAUSAL:
-                dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off   # query m sees key n: n <= m + dlt
-                lo = tl.maximum(lo, rs - dlt)                               # queries before that see no key here
-                head_end = tl.minimum(tl.maximum(lo, re - 1 - dlt), hi)    # queries >= re-1-dlt see every key
-                n_head = tl.cdiv(tl.maximum(head_end - lo, 0), BLOCK_M)
-            else:
-                n_head = 0
-            for start in range(lo, lo + n_head * BLOCK_M, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn, start,
-                                    hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
-            u0 = lo + n_head * BLOCK_M
-            n_full = tl.maximum(hi - u0, 0) // BLOCK_M
-            for j in range(n_full):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn,
-                                    u0 + j * BLOCK_M, hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, False,
-                                    CAUSAL, PRECISION)
-            for start in range(u0 + n_full * BLOCK_M, hi, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn, start,
-                                    hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
+        for w in range(n_waves):
+            roff = tl.load(it + w * 5 + 2)
+            rcnt = tl.load(it + w * 5 + 3)
+            for r in range(rcnt):
+                lo = tl.load(RANGES + 3 * (roff + r))
+                hi = tl.load(RANGES + 3 * (roff + r) + 1)
+                dlt = 0
+                if CAUSAL:
+                    dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off   # query m sees key n: n <= m + dlt
+                    lo = tl.maximum(lo, rs - dlt)                               # queries before that see no key here
+                    head_end = tl.minimum(tl.maximum(lo, re - 1 - dlt), hi)    # queries >= re-1-dlt see every key
+                    n_head = tl.cdiv(tl.maximum(head_end - lo, 0), BLOCK_M)
+                else:
+                    n_head = 0
+                for start in range(lo, lo + n_head * BLOCK_M, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn, start,
+                                        hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
+                u0 = lo + n_head * BLOCK_M
+                n_full = tl.maximum(hi - u0, 0) // BLOCK_M
+                for j in range(n_full):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn,
+                                        u0 + j * BLOCK_M, hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, False,
+                                        CAUSAL, PRECISION)
+                for start in range(u0 + n_full * BLOCK_M, hi, BLOCK_M):
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, WS + off_delta, qbase, dbase, lbase, sqn, sdn, start,
+                                        hi, offs_n, dlt, qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, CAUSAL, PRECISION)
     dk = dk * sm_scale
     orow = offs_n - shift
     obase = bhk.to(tl.int64) * N_OUT * HEAD_DIM
@@ -458,7 +471,7 @@ def launch_fwd(q, k, v, out, lse, state, items, ranges, *, n_out, causal_off, qk
     sq, sk, sv = q.stride(), k.stride(), v.stride()
     launch(cqsa_fwd_kernel, (n_items, B * H),
            (q, k, v, out, lse, state, items, ranges, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-            H, H // k.shape[1], n_out, off_m, off_l, causal_off, qk_scale, int(first), int(last)), consts)
+            H, H // k.shape[1], n_out, off_m, off_l, causal_off, qk_scale, 1, int(first), int(last)), consts)
 
 
 def launch_bwd_dq(q, k, v, o, do, lse, ws, dq, items, ranges, *, n_rows, n_out, causal_off, qk_scale, sm_scale,
@@ -471,7 +484,7 @@ def launch_bwd_dq(q, k, v, o, do, lse, ws, dq, items, ranges, *, n_rows, n_out, 
     launch(cqsa_bwd_dq_kernel, (n_items, B * H),
            (q, k, v, o, do, lse, ws, dq, items, ranges, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             sd[0], sd[1], sd[2], H, H // k.shape[1], n_rows, n_out, off_delta, causal_off, qk_scale, sm_scale,
-            int(first), int(last)), consts)
+            1, int(first), int(last)), consts)
 
 
 def launch_bwd_dkdv(q, k, v, do, lse, ws, dk, dv, items, ranges, *, n_rows, n_out, causal_off, qk_scale, sm_scale,
@@ -484,7 +497,7 @@ def launch_bwd_dkdv(q, k, v, do, lse, ws, dk, dv, items, ranges, *, n_rows, n_ou
     launch(cqsa_bwd_dkdv_kernel, (n_items, B * Hkv),
            (q, k, v, do, lse, ws, dk, dv, items, ranges, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1],
             sv[2], sd[0], sd[1], sd[2], Hkv, q.shape[1] // Hkv, n_rows, n_out, off_delta, off_dk, off_dv, causal_off,
-            qk_scale, sm_scale, int(first), int(last)), consts)
+            qk_scale, sm_scale, 1, int(first), int(last)), consts)
 
 
 # --- streaming: the per-row-block finalisation ---------------------------------------------------------

@@ -19,7 +19,9 @@ positions; streaming gathers each task into a compact buffer). Sorted gather kee
 equal to its global order, and a range never spans two pieces whose local-to-global shifts differ when the
 causal test needs them, so delta is exact per range.
 Resident schedules are split into *slot waves*: items whose rows are tokens of slot j. Every row token has
-exactly one row in each wave, so a wave can merge into shared state without races.
+exactly one row in each wave, so a wave can merge into shared state without races. Where every wave cuts the
+rows into the same blocks (one division level, itr = 1: each wave covers every chunk, cut into blocks from the
+chunk's start), ``joined`` lays the waves side by side so one launch runs them all (``join_waves``).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Schedule:
     waves: list[np.ndarray]       # each [I, 5] int32
     block_rows: int
     work: float                   # visited row×column pairs (before causal clipping), for FLOP counts
+    joined: np.ndarray | None = None  # [I, W, 5] int32: the W waves' items of one row block side by side (join_waves)
     _device_cache: dict = None
 
     def on(self, device) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -49,8 +52,14 @@ class Schedule:
         if key not in self._device_cache:
             r = torch.from_numpy(np.ascontiguousarray(self.ranges)).to(device)
             w = [torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in self.waves]
-            self._device_cache[key] = (r, w)
-        return self._device_cache[key]
+            j = None if self.joined is None else torch.from_numpy(np.ascontiguousarray(self.joined)).to(device)
+            self._device_cache[key] = (r, w, j)
+        return self._device_cache[key][:2]
+
+    def joined_on(self, device) -> torch.Tensor | None:
+        """``joined`` as an int32 tensor on `device` (None where the waves do not join), kept like ``on``'s."""
+        self.on(device)
+        return self._device_cache[str(device)][2]
 
 
 def _task_tables(task: Task, rows: str, coord: str, block_rows: int, causal: bool, causal_off: int,
@@ -130,15 +139,42 @@ def build_schedule(tasks, coord: str, block_rows: int, causal: bool, by_slot: bo
     if max(int(np.abs(items[:, :5]).max(initial=0)), int(np.abs(ranges).max(initial=0))) >= 2 ** 31:
         raise ValueError("cqsa: sequence too long for int32 tables")
     waves = []
+    joined = None
     if by_slot:
         for s in np.unique(items[:, 5]):
             sel = items[:, 5] == s
             order = np.argsort(-vis[sel], kind="stable")
             waves.append(items[sel][order][:, :5].astype(np.int32))
+        joined = join_waves(items, vis)
     else:
         order = np.argsort(-vis, kind="stable")
         waves.append(items[order][:, :5].astype(np.int32))
-    return Schedule(ranges.astype(np.int32), waves, block_rows, work)
+    return Schedule(ranges.astype(np.int32), waves, block_rows, work, joined)
+
+
+def join_waves(items: np.ndarray, vis: np.ndarray) -> np.ndarray | None:
+    """The slot waves side by side, where every wave cuts the rows into the same row blocks: [I, W, 5] int32, row
+    block i's item in wave w at [i, w], the blocks ordered by their visited columns over all waves (heaviest
+    first). Then one program can run a row block's items of every wave in turn and merge them in registers: one
+    launch instead of W, no fp32 state between waves. None where the blocks differ between waves (deeper
+    divisions, itr > 1, cut the slots' pieces differently) or there is one wave.
+
+    items [n, 6] (row_start, row_end, range_offset, range_count, shift, slot), vis [n]: build_schedule's."""
+    slots = np.unique(items[:, 5])
+    if len(slots) < 2:
+        return None
+    per_slot = []
+    for s in slots:
+        sel = items[:, 5] == s
+        order = np.lexsort((items[sel, 1], items[sel, 0]))      # by row block
+        per_slot.append((items[sel][order], vis[sel][order]))
+    first = per_slot[0][0]
+    for blocks, _ in per_slot[1:]:
+        if blocks.shape != first.shape or not np.array_equal(blocks[:, [0, 1, 4]], first[:, [0, 1, 4]]):
+            return None
+    table = np.stack([blocks[:, :5] for blocks, _ in per_slot], 1)       # [I, W, 5]
+    order = np.argsort(-sum(v for _, v in per_slot), kind="stable")
+    return np.ascontiguousarray(table[order].astype(np.int32))
 
 
 @lru_cache(maxsize=64)
