@@ -269,12 +269,14 @@ def _tma_layout_ok(t: torch.Tensor) -> bool:
     return all((st * size) % 16 == 0 for dim, st in zip(t.shape[:3], t.stride()[:3]) if dim > 1)
 
 
-def use_descriptors(*tensors: torch.Tensor, force: bool | None = None) -> bool:
+def use_descriptors(*tensors: torch.Tensor, force: bool | None = None, min_rows: int = 0) -> bool:
     """The one decision between tensor descriptors and plain pointers for the tiles of these [B, H, N, D]
     tensors. Automatic (force=None): descriptors on a CUDA device of compute capability >= 9 when Triton has
-    them and every tensor's layout suits TMA; pointers in the interpreter and elsewhere. force=True asks for
-    descriptors (the interpreter runs them too: the tests use that) and is an error when the layout cannot take
-    them; force=False asks for pointers."""
+    them, every tensor's layout suits TMA and the longest tensor has at least ``min_rows`` rows (the caller's
+    measured length below which pointer loads are faster: each program builds its descriptors and each launch
+    allocates their global scratch, which short rows do not win back); pointers in the interpreter and elsewhere.
+    force=True asks for descriptors (the interpreter runs them too: the tests use that) and is an error when the
+    layout cannot take them; force=False asks for pointers."""
     if force is False:
         return False
     layout_ok = all(_tma_layout_ok(t) for t in tensors)
@@ -287,7 +289,8 @@ def use_descriptors(*tensors: torch.Tensor, force: bool | None = None) -> bool:
                              "aligned (TMA needs both)")
         return True
     t = tensors[0]
-    if not _HAS_DESCRIPTORS or interpreted() or t.device.type != "cuda":
+    if not _HAS_DESCRIPTORS or interpreted() or t.device.type != "cuda" or \
+            max(x.shape[-2] for x in tensors) < min_rows:
         return False
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9 \
         and layout_ok

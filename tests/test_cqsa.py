@@ -394,7 +394,7 @@ def test_forward_through_tensor_descriptors(device, monkeypatch, causal):
 
     calls = []
 
-    def forced(*tensors, force=None):
+    def forced(*tensors, force=None, min_rows=0):
         calls.append(len(tensors))
         return True
     monkeypatch.setattr(attention.core, "use_descriptors", forced)

@@ -196,7 +196,7 @@ def test_flash_core_descriptor_path(device, monkeypatch, causal):
     if device.type != "cpu":
         pytest.skip("on the GPU the descriptor path is the automatic one")
     from kernels.elsa import host
-    monkeypatch.setattr(host.core, "use_descriptors", lambda *tensors, force=None: True)
+    monkeypatch.setattr(host.core, "use_descriptors", lambda *tensors, force=None, min_rows=0: True)
     host.clear_plans()
     try:
         for config in (None, {"plan": {"partition_width": 64}, "fwd": {"BLOCK_N": 32}}):

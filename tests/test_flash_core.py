@@ -116,6 +116,11 @@ def test_descriptor_decision(device):
         assert core.use_descriptors(q, k, v) is False           # the interpreter takes pointers unless asked
     assert core.use_descriptors(q, k, v, force=False) is False
     assert core.use_descriptors(q, k, v, force=True) is True
+    assert core.use_descriptors(q, k, v, force=True, min_rows=10 ** 6) is True      # asked for: the length is moot
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        # automatic: descriptors from the caller's min_rows (the longest tensor's rows), pointers below it
+        assert core.use_descriptors(q, k, v, min_rows=32) is True
+        assert core.use_descriptors(q, k, v, min_rows=33) is False
     # a base 4 bytes off 16-byte alignment: TMA cannot take it
     flat = torch.randn(1 + 2 * 32 * 64, device=device)
     shifted = flat[1:].view(1, 2, 32, 64)
@@ -328,6 +333,30 @@ def test_gpu_float32_tf32x3(d, causal):
     out, ran = core.forward(q, k, v, causal=causal)
     assert ran["descriptors"]
     assert _rel_rms(out, _reference_chunked(q, k, v, causal)) <= TOL[torch.float32]
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_read_short_rows_through_pointers():
+    """ELSA's and CQSA's plans take descriptors from their measured lengths on (host.DESC_MIN_ROWS,
+    attention.DESC_MIN_KEYS), pointers below, and compute the same either way."""
+    from kernels.cqsa import attention as cqsa
+    from kernels.cqsa import cqsa_attention
+    from kernels.elsa import elsa_attention, host as elsa
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("descriptors need sm_90")
+    for n, on in ((elsa.DESC_MIN_ROWS // 2, False), (elsa.DESC_MIN_ROWS, True)):
+        q, k, v = _inputs(1, 2, 2, n, n, 64, torch.float16, torch.device("cuda"))
+        plan = elsa.forward_plan(q, k, v, None, False, 0.125, "ieee", "", False)
+        assert plan.use_desc is on, n
+        out = elsa_attention(q, k, v, scale=0.125)
+        assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
+    for n, on in ((cqsa.DESC_MIN_KEYS // 2, False), (cqsa.DESC_MIN_KEYS, True)):
+        q, k, v = _inputs(1, 1, 1, n, n, 64, torch.float16, torch.device("cuda"))
+        tiles = cqsa.resolve_tiles(64, torch.float16, "cuda")
+        plan = cqsa.forward_plan(q, k, v, False, 0.125, 7, 1, "ieee", tiles)
+        assert plan.use_desc is on, n
+        out = cqsa_attention(q, k, v, scale=0.125)
+        assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
 
 
 @pytest.mark.gpu

@@ -90,6 +90,13 @@ def _waves(kernel, launches, programs: int, fixed: tuple, consts: dict) -> list:
 
 # --- the resident forward and backward: one plan of Prepared launches per call signature ----------------
 
+# The forward reads K and V through tensor descriptors only from this many keys: up to 4096 pointer loads were
+# 1-40 % faster on the H100 (B x H 1, 8, 96; D 64 and 128; fp16; results/dev/descriptors_vs_pointers_h100.json:
+# the descriptors' per-program setup and scratch allocation per launch); from 8K descriptors are faster (+1-2 %
+# at 8K, +5-6 % at 16K and 64K).
+DESC_MIN_KEYS = 8192
+
+
 class _Forward(LaunchPlan):
     """A resident forward signature (kernels._launch.layout of q, k, v and the options): out and lse, then one
     launch of the joined slot waves; where they do not join (itr > 1), one fp32 state buffer (acc | m | l) and one
@@ -113,9 +120,10 @@ class _Forward(LaunchPlan):
         # inputs) and the head dim fills its tile. On the H100 (results/runs/20261124T200428Z_hopper and
         # 20261124T200836Z_full) that is +1-2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96
         # (128-wide tiles) the descriptors' boxes past the head dim cost 4 % (results/dev/cqsa/descriptor_head_dims/),
-        # so padded head dims keep pointer loads, as does float32 (the tf32x3 path the core is not tuned for).
+        # so padded head dims keep pointer loads, as does float32 (the tf32x3 path the core is not tuned for), and
+        # so do key lengths below DESC_MIN_KEYS.
         use_desc = (self.copy is None and q.dtype != torch.float32 and block_d(D) == D
-                    and core.use_descriptors(k, v))
+                    and core.use_descriptors(k, v, min_rows=DESC_MIN_KEYS))
         self.use_desc = use_desc
         self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],

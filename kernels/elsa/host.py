@@ -28,6 +28,12 @@ from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
+# Phase 1 reads through tensor descriptors only from this many rows (the longer of Nq and Nk): below it, pointer
+# loads were faster on the H100 at every shape measured (B x H 1, 8, 96; D 64 and 128; fp16), by 5-60 % at
+# 128-1024, and they spare each launch the descriptors' scratch allocation (~4 us of host time per forward at
+# N = 128); from 2048 on, descriptors are 4-30 % faster at D = 128 and B x H >= 8
+# (results/dev/descriptors_vs_pointers_h100.json).
+DESC_MIN_ROWS = 2048
 _GRID_Y_MAX = 65535
 # Plans are keyed by the full call signature (a SignatureCache: cleared when full, each signature is then planned
 # once more).
@@ -104,9 +110,9 @@ class _FwdPlan(LaunchPlan):
         self.out_shape = (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
-        # (decided on the tensors phase 1 reads: the copies run() makes are contiguous)
+        # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough
         use_desc = c.scale_in_exp and core.use_descriptors(
-            *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)))
+            *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc))
