@@ -12,6 +12,8 @@ K̃ = fp16(λM·K) is computed by the main kernel itself up to ops.SHIFT_INLINE_
 beyond: the exactness tests run both ways (the ``shift_path`` fixture), whatever the constant.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -573,6 +575,36 @@ def test_plan_shifts_inline_up_to_the_constant(device, monkeypatch):
         assert rel_rmse(out, reference_attention(q, k, v)) <= 4e-3, nk
 
 
+def test_shift_timing_script_runs_on_cpu(tmp_path, capsys):
+    # scripts/pasa_shift_timing.py (the GPU sweep that sets SHIFT_INLINE_MAX_KEYS): both paths checked against
+    # float64 and timed, every row kept, the shipped constant restored; the crossover rule on made-up rows
+    import importlib.util
+    from pathlib import Path
+
+    from kernels.pasa import ops
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pasa_shift_timing.py"
+    spec = importlib.util.spec_from_file_location("pasa_shift_timing", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shipped = ops.SHIFT_INLINE_MAX_KEYS
+    out = tmp_path / "shift.json"
+    assert mod.main(["--device", "cpu", "--ns", "32,80", "--bh", "1", "--dims", "16", "--rounds", "1",
+                     "--out", str(out)]) == 0
+    assert ops.SHIFT_INLINE_MAX_KEYS == shipped
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["n"] for r in rows] == [32, 80]
+    for r in rows:
+        assert "error" not in r and r["rel_rmse_inline"] <= 4e-3 and r["rel_rmse_prepass"] <= 4e-3
+        assert r["wall_ratio"] == pytest.approx(r["wall_ms_inline"] / r["wall_ms_prepass"])
+    assert "D=16: inline at most as slow" in capsys.readouterr().out
+    made = [dict(head_dim=64, bh=bh, n=n, wall_ratio=ratio)
+            for n, ratios in ((128, (0.5, 0.9)), (256, (0.8, 1.0)), (512, (0.9, 1.2)), (1024, (0.7, 0.8)))
+            for bh, ratio in zip((1, 96), ratios)]
+    assert mod.crossover(made, 64) == 256 and mod.crossover(made, 128) is None
+    assert mod.main(["--device", "cpu", "--ns", "a"]) == 2
+
+
 # -------------------------------------------------------------------------- ops and torch.compile ---
 
 def test_opcheck():
@@ -717,3 +749,25 @@ def test_gpu_cuda_graph_capture_replays_like_eager(dtype):
     for fn, out in zip(calls, captured):
         assert torch.equal(out, fn())
     assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(128, 128), (197, 197), (100, 256), (512, 512), (1024, 1024)])
+def test_gpu_inline_and_prepass_shift_agree(monkeypatch, dtype, d, causal, nq, nk):
+    # K̃ inline (one launch) and by the pre-pass (two) on the GPU: each against float64 within PASA's GPU tolerances,
+    # and each other within the kernel-vs-model bound (only the order of the fp32 sums may differ: the pre-pass's
+    # matmul runs with other warps and layouts). Grouped K/V (Hq 8, Hkv 2), ragged N = 197 (BLOCK_N 64).
+    q, k, v = _randn_inputs(8, 2, nq, nk, d, "cuda", seed=nk + d, dtype=dtype)
+    ref = reference_attention(q, k, v, causal=causal)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
+    tol = 8e-3 if dtype == torch.bfloat16 else 4e-3
+    outs = {}
+    for path in ("inline", "prepass"):
+        outs[path] = _with_shift_path(path, monkeypatch, lambda: pasa_attention(q, k, v, causal=causal))
+        assert outs[path].dtype == dtype and torch.isfinite(outs[path]).all(), path
+        assert rel_rmse(outs[path], ref) <= tol, (path, rel_rmse(outs[path], ref))
+        assert (outs[path].double() - ref).abs().max().item() <= 3e-2, path
+    assert_matches_model(outs["inline"], outs["prepass"], ref, unit, f"{dtype} D={d} causal={causal} N={nq},{nk}")

@@ -2,11 +2,14 @@
 
 Three kernels, one idea each:
 - ``_shift_k_kernel``  the pre-pass: K̃_j = fp16(λM · K_j) for every KV window of every key/value head, one
-  tensor-core matmul per window (paper steps ①②). It costs one pass over K and writes a K-sized fp16 buffer
-  (Hkv heads: grouped query heads share it, spec pitfall 10).
+  tensor-core matmul per window (paper steps ①②, ``_shift_window`` with the λM tile of ``_shift_tile``). It costs
+  one pass over K and writes a K-sized fp16 buffer (Hkv heads: grouped query heads share it, spec pitfall 10).
 - ``_pasa_fwd_kernel`` Algorithm 1 of the spec: the FA-2 loop on the shifted keys, in the paper's full
   low-precision allocation (fp16 score tile, fp16 softmax state, fp16 output accumulator), with the
   online recovery of the global pseudo-average and the corrected max/sum/output updates (③④).
+  It reads K̃ from the pre-pass's buffer, or (constexpr SHIFT_INLINE, ops.py chooses it for short key lengths)
+  reads K itself and computes each window's K̃ per KV step with the same two helpers as the pre-pass: one launch
+  and no K̃ buffer, at the price of one n×n×D matmul per KV step, repeated by every query tile and query head.
   Two loop bodies (constexpr FUSED): ``_pasa_block`` is Algorithm 1 as written (the default: faster on
   the H100), ``_pasa_block_fused`` folds γ into the exponent and accumulates P·V in place (variant="fused").
 - ``_fa16_fwd_kernel`` the comparator "FA16-FP32": the same tiling, the unscaled QKᵀ rounded to fp16
