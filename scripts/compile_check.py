@@ -237,13 +237,13 @@ def pasa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             meta = dict(BLOCK_N=bn, D=d, BLOCK_D=block_d(d))
             jobs.append(Job("pasa", "shift_k", K._shift_k_kernel, "fp16", meta, SHIFT_WARPS, 1, ptrs, floats=floats,
                             div16=stride, label=dict(D=d, cfg=[bn, SHIFT_WARPS, 1])))
-            for causal, state in itertools.product((False, True), ("fp16", "fp32")):
+            for causal, state, inline in itertools.product((False, True), ("fp16", "fp32"), (False, True)):
                 for variant in VARIANTS:
                     meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal,
-                                STATE_FP32=state == "fp32", FUSED=VARIANTS[variant])
-                    jobs.append(Job("pasa", "fwd", K._pasa_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,
-                                    div16=stride, label=dict(D=d, variant=variant, causal=causal, state=state,
-                                                             cfg=[bm, bn, w, st])))
+                                STATE_FP32=state == "fp32", FUSED=VARIANTS[variant], SHIFT_INLINE=inline)
+                    jobs.append(Job("pasa", "fwd_inline" if inline else "fwd", K._pasa_fwd_kernel, "fp16", meta, w,
+                                    st, ptrs, floats=floats, div16=stride,
+                                    label=dict(D=d, variant=variant, causal=causal, state=state, cfg=[bm, bn, w, st])))
             for causal in (False, True):
                 meta = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, BLOCK_D=block_d(d), CAUSAL=causal)
                 jobs.append(Job("pasa", "fa16", K._fa16_fwd_kernel, "fp16", meta, w, st, ptrs, floats=floats,

@@ -8,7 +8,11 @@ the wrapper before any kernel runs, so they are testable here too). Tolerances, 
   roundings (the spec's §7 D gate);
 - the kernel against that model (``kernels.pasa.emulate``): a bound derived from the arithmetic, never bit
   identity (the fp32 summation order differs between CPUs, and on the GPU), see ``assert_matches_model``.
+K̃ = fp16(λM·K) is computed by the main kernel itself up to ops.SHIFT_INLINE_MAX_KEYS keys and by a pre-pass
+beyond: the exactness tests run both ways (the ``shift_path`` fixture), whatever the constant.
 """
+
+import json
 
 import numpy as np
 import pytest
@@ -61,6 +65,23 @@ def assert_matches_model(out, model, ref, unit, what=""):
     assert worst <= MODEL_MAX_UNITS, f"{what}: an element is {worst:.1f} ulp16(O_abs) from the model"
     noise, own = rms(diff), rms(model.double() - ref)
     assert noise <= MODEL_RMS_FRACTION * own, f"{what}: RMS {noise:.3e} from the model, whose own error is {own:.3e}"
+
+
+@pytest.fixture(params=["inline", "prepass"])
+def shift_path(request, monkeypatch):
+    """Runs a test with K̃ computed inline by the main kernel (one launch) and by the pre-pass (two launches), at
+    every length: ops.SHIFT_INLINE_MAX_KEYS set above / below all of them, the cached plans dropped before and
+    after. On teardown, every PASA plan the test made must have taken that path."""
+    from kernels import _launch
+    from kernels.pasa import ops
+
+    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", 1 << 30 if request.param == "inline" else 0)
+    _launch.clear()
+    yield request.param
+    made = [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
+    _launch.clear()
+    assert made, "the test made no PASA plan"
+    assert all((plan.shift is None) == (request.param == "inline") for plan in made), request.param
 
 
 def window(block_n):
@@ -173,7 +194,7 @@ def test_algorithm_is_exact_in_float64_for_grouped_kv_and_other_lengths(hq, hkv,
     (50, 64, False, 64),      # N < n: one zero-padded window
     (256, 128, True, 128),
 ])
-def test_pasa_forward_ordinary_inputs(device, n, d, causal, block_n):
+def test_pasa_forward_ordinary_inputs(device, shift_path, n, d, causal, block_n):
     gen = torch.Generator(device=device).manual_seed(n + d)
     q, k, v = (torch.randn(1, 2, n, d, generator=gen, device=device).half() for _ in range(3))
     out = pasa_attention(q, k, v, causal=causal, config=window(block_n))
@@ -206,7 +227,7 @@ def _emulation_case(device, hq, hkv, nq, nk, d, x0):
 
 
 @pytest.mark.parametrize("hq, hkv, nq, nk, d, causal, block_n, x0, beta", EMULATION_CASES)
-def test_kernel_matches_its_emulation(device, hq, hkv, nq, nk, d, causal, block_n, x0, beta):
+def test_kernel_matches_its_emulation(device, shift_path, hq, hkv, nq, nk, d, causal, block_n, x0, beta):
     # emulate.py models each main loop's roundings; the kernel must be its own loop's model up to the order of
     # its fp32 sums (the interpreter's NumPy order on this CPU, the tensor cores' on the GPU; ex2.approx there)
     q, k, v = _emulation_case(device, hq, hkv, nq, nk, d, x0)
@@ -248,7 +269,7 @@ def sparse_low_blocks(n, d, block_n, gap, gen, device, heads=2):
 
 
 @pytest.mark.parametrize("n, d, causal", [(256, 64, False), (200, 128, True)])
-def test_recovery_constant_c_is_exact_to_a_percent(device, n, d, causal):
+def test_recovery_constant_c_is_exact_to_a_percent(device, shift_path, n, d, causal):
     # A 2 % error in c = β/(1 − β) moves these outputs by 4-10 % (rel. RMSE, emulation) where PASA's own fp16 error
     # is 2-3.5e-3; the bound sits between the two, and the model run with c·1.02 and c·0.98 shows it is exceeded.
     gen = torch.Generator(device=device).manual_seed(n + d)
@@ -266,7 +287,7 @@ def test_recovery_constant_c_is_exact_to_a_percent(device, n, d, causal):
 
 
 @pytest.mark.parametrize("n, d, causal", [(200, 64, False), (77, 128, True), (256, 128, False), (129, 64, True)])
-def test_fused_and_reference_loops_agree_with_float64(device, n, d, causal):
+def test_fused_and_reference_loops_agree_with_float64(device, shift_path, n, d, causal):
     # both main loops against float64 on fresh inputs; the fused one rounds ℓ and A once per block
     # instead of four times, so it must be at least as accurate (5 % slack for the seed)
     gen = torch.Generator(device=device).manual_seed(1000 + n + d)
@@ -286,7 +307,7 @@ def test_fused_and_reference_loops_agree_with_float64(device, n, d, causal):
 
 
 @pytest.mark.parametrize("d, x0, causal, n", [(128, 30.0, False, 161), (64, 40.0, True, 160), (128, 30.0, True, 97)])
-def test_fused_loop_overflow_free_where_fa16_overflows(device, d, x0, causal, n):
+def test_fused_loop_overflow_free_where_fa16_overflows(device, shift_path, d, x0, causal, n):
     gen = torch.Generator(device=device).manual_seed(17 + n)
     shape = (1, 2, n, d)
     q, k, v = (biased(shape, x0, 0.5, gen, device) for _ in range(3))
@@ -320,7 +341,7 @@ def test_fa16_forward_ordinary_inputs(device):
 
 
 @pytest.mark.parametrize("d, x0, causal", [(128, 20.0, False), (64, 25.0, True)])
-def test_pasa_biased_inputs_more_accurate_than_fa16(device, d, x0, causal):
+def test_pasa_biased_inputs_more_accurate_than_fa16(device, shift_path, d, x0, causal):
     # |QKᵀ| ≈ d·x0² stays just below 65504: fa16 is finite but its fp16 scores have an ulp of 32
     gen = torch.Generator(device=device).manual_seed(7)
     shape = (1, 2, 192, d)
@@ -352,7 +373,7 @@ def test_fa16_overflows_where_pasa_stays_finite(device, d, x0):
     assert rms(out.double() - ref) / v.double().std().item() <= 0.1  # and to V's spread
 
 
-def test_pasa_beta_zero_and_state_fp32(device):
+def test_pasa_beta_zero_and_state_fp32(device, shift_path):
     gen = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(1, 2, 150, 64, generator=gen, device=device).half() for _ in range(3))
     ref = reference_attention(q, k, v)
@@ -373,7 +394,7 @@ def test_pasa_beta_zero_and_state_fp32(device):
     assert rel_rmse(out_b, reference_attention(q, k, v, scale=0.1)) <= 4e-3
 
 
-def test_pasa_bfloat16_converted_to_float16(device):
+def test_pasa_bfloat16_converted_to_float16(device, shift_path):
     gen = torch.Generator(device=device).manual_seed(11)
     q, k, v = (torch.randn(1, 2, 96, 64, generator=gen, device=device).bfloat16() for _ in range(3))
     out = pasa_attention(q, k, v, causal=True)
@@ -411,7 +432,7 @@ SHAPES = [(16, 4, 2, 70, 150), (40, 3, 1, 97, 97), (80, 2, 2, 150, 70), (96, 4, 
 
 
 @pytest.mark.parametrize("d, hq, hkv, nq, nk", SHAPES)
-def test_head_dims_gqa_and_lengths_match_float64(device, d, hq, hkv, nq, nk):
+def test_head_dims_gqa_and_lengths_match_float64(device, shift_path, d, hq, hkv, nq, nk):
     # PASA's error on these inputs: rel. RMSE 0.4-2.3e-3 (fp16 state), fa16's 0.3-0.6e-3 (fp32 state)
     q, k, v = _randn_inputs(hq, hkv, nq, nk, d, device, seed=d + nq)
     for causal in (False, True):
@@ -424,7 +445,7 @@ def test_head_dims_gqa_and_lengths_match_float64(device, d, hq, hkv, nq, nk):
             assert (out.double() - ref).abs().max().item() <= tol_max, where
 
 
-def test_grouped_kv_read_in_place_equals_repeated_kv(device):
+def test_grouped_kv_read_in_place_equals_repeated_kv(device, shift_path):
     # query head h reads kv head h // group: the same kernel on K/V repeated to Hq heads gives the same output
     # (same values, same operations), and the causal mask aligned bottom-right equals the reference's
     q, k, v = _randn_inputs(6, 2, 40, 90, 64, device, seed=3)
@@ -434,7 +455,7 @@ def test_grouped_kv_read_in_place_equals_repeated_kv(device):
             assert torch.equal(fn(q, k, v, causal=causal), fn(q, k_rep, v_rep, causal=causal)), (fn, causal)
 
 
-def test_rows_that_see_no_key_give_zero(device):
+def test_rows_that_see_no_key_give_zero(device, shift_path):
     # bottom-right causal with Nq > Nk: query i sees keys j <= i + Nk − Nq, so the first Nq − Nk rows see none
     q, k, v = _randn_inputs(2, 1, 100, 30, 32, device, seed=4)
     ref = reference_attention(q, k, v, causal=True)
@@ -449,7 +470,7 @@ def test_rows_that_see_no_key_give_zero(device):
         assert fn(q[:, :, :0], k, v).shape == (1, 2, 0, 32)
 
 
-def test_strided_views_read_in_place(device):
+def test_strided_views_read_in_place(device, shift_path):
     # a [B, N, H, D] buffer viewed as [B, H, N, D] (the layout models produce) gives what its contiguous copy does
     gen = torch.Generator(device=device).manual_seed(6)
     qkv = torch.randn(1, 70, 3, 2, 48, generator=gen, device=device).half()
@@ -486,6 +507,102 @@ def test_fp16_path_never_reads_values_back(device, monkeypatch):
     q, k, v = _randn_inputs(1, 1, 20, 20, 16, device, seed=8)
     pasa_attention(q, k, v)
     fa16_attention(q, k, v)
+
+
+# ------------------------------------------------------------- K̃ inline or by the pre-pass ---
+
+def _with_shift_path(path, monkeypatch, fn):
+    """fn() with K̃ computed inline ("inline") or by the pre-pass ("prepass") at every length, on fresh plans."""
+    from kernels import _launch
+    from kernels.pasa import ops
+
+    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", 1 << 30 if path == "inline" else 0)
+    _launch.clear()
+    try:
+        return fn()
+    finally:
+        monkeypatch.undo()
+        _launch.clear()
+
+
+# (Hq, Hkv, Nq, Nk, D, causal, block_n): ragged last windows (Nk % n != 0), Nk < n (one zero-padded window), grouped
+# K/V, bottom-right causal with Nq != Nk, a padded head dim
+INLINE_CASES = [(2, 2, 200, 200, 64, False, 64), (2, 2, 50, 50, 64, True, 64), (4, 2, 70, 150, 40, True, 64),
+                (3, 1, 97, 97, 80, False, 128), (2, 1, 130, 77, 64, True, 32)]
+
+
+@pytest.mark.parametrize("hq, hkv, nq, nk, d, causal, block_n", INLINE_CASES)
+def test_inline_and_prepass_shift_agree(device, monkeypatch, hq, hkv, nq, nk, d, causal, block_n):
+    # Both make the same K̃ (the same λM tile, the same fp32-accumulated matmul per window, rounded once to fp16) and
+    # then the same main loop: they may differ only by the order of the fp32 sums, the bound of the kernel against
+    # its model (assert_matches_model; ≤ 32 ulp16(O_abs) per element, RMS ≤ half the error against float64)
+    q, k, v = _emulation_case(device, hq, hkv, nq, nk, d, 2.0)
+    ref = reference_attention(q, k, v, causal=causal)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
+    for var in ("ref", "fused"):
+        for state in ("fp16", "fp32"):
+            outs = {path: _with_shift_path(path, monkeypatch, lambda: pasa_attention(
+                q, k, v, causal=causal, config=window(block_n), variant=var, state_dtype=state))
+                for path in ("inline", "prepass")}
+            assert torch.isfinite(outs["inline"]).all()
+            assert_matches_model(outs["inline"], outs["prepass"], ref, unit, f"{var} {state}")
+
+
+def test_plan_shifts_inline_up_to_the_constant(device, monkeypatch):
+    # the shipped rule: Nk <= SHIFT_INLINE_MAX_KEYS is one launch (the main kernel shifts K itself, no K̃ buffer),
+    # one key more is the pre-pass and the main kernel on its buffer. Counted by the launches kernels._launch makes.
+    from kernels import _launch
+    from kernels.pasa import ops
+    from kernels.pasa.kernel import _pasa_fwd_kernel, _shift_k_kernel
+
+    launched = []
+    real_launch = _launch.launch
+
+    def counting(jit_fn, grid, args, constexprs):
+        launched.append(jit_fn)
+        return real_launch(jit_fn, grid, args, constexprs)
+
+    monkeypatch.setattr(_launch, "launch", counting)
+    limit = ops.SHIFT_INLINE_MAX_KEYS
+    for nk, inline in ((limit, True), (limit + 1, False), (17, True)):
+        q, k, v = _randn_inputs(2, 1, 16, nk, 16, device, seed=nk)
+        _launch.clear()
+        launched.clear()
+        out = pasa_attention(q, k, v)
+        (plan,) = ops._plans.values()
+        assert (plan.shift is None) == inline and plan.main.constexprs["SHIFT_INLINE"] == inline, nk
+        assert launched == ([_pasa_fwd_kernel] if inline else [_shift_k_kernel, _pasa_fwd_kernel]), nk
+        assert rel_rmse(out, reference_attention(q, k, v)) <= 4e-3, nk
+
+
+def test_shift_timing_script_runs_on_cpu(tmp_path, capsys):
+    # scripts/pasa_shift_timing.py (the GPU sweep that sets SHIFT_INLINE_MAX_KEYS): both paths checked against
+    # float64 and timed, every row kept, the shipped constant restored; the crossover rule on made-up rows
+    import importlib.util
+    from pathlib import Path
+
+    from kernels.pasa import ops
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pasa_shift_timing.py"
+    spec = importlib.util.spec_from_file_location("pasa_shift_timing", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shipped = ops.SHIFT_INLINE_MAX_KEYS
+    out = tmp_path / "shift.json"
+    assert mod.main(["--device", "cpu", "--ns", "32,80", "--bh", "1", "--dims", "16", "--rounds", "1",
+                     "--out", str(out)]) == 0
+    assert ops.SHIFT_INLINE_MAX_KEYS == shipped
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["n"] for r in rows] == [32, 80]
+    for r in rows:
+        assert "error" not in r and r["rel_rmse_inline"] <= 4e-3 and r["rel_rmse_prepass"] <= 4e-3
+        assert r["wall_ratio"] == pytest.approx(r["wall_ms_inline"] / r["wall_ms_prepass"])
+    assert "D=16: inline at most as slow" in capsys.readouterr().out
+    made = [dict(head_dim=64, bh=bh, n=n, wall_ratio=ratio)
+            for n, ratios in ((128, (0.5, 0.9)), (256, (0.8, 1.0)), (512, (0.9, 1.2)), (1024, (0.7, 0.8)))
+            for bh, ratio in zip((1, 96), ratios)]
+    assert mod.crossover(made, 64) == 256 and mod.crossover(made, 128) is None
+    assert mod.main(["--device", "cpu", "--ns", "a"]) == 2
 
 
 # -------------------------------------------------------------------------- ops and torch.compile ---
@@ -632,3 +749,25 @@ def test_gpu_cuda_graph_capture_replays_like_eager(dtype):
     for fn, out in zip(calls, captured):
         assert torch.equal(out, fn())
     assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(128, 128), (197, 197), (100, 256), (512, 512), (1024, 1024)])
+def test_gpu_inline_and_prepass_shift_agree(monkeypatch, dtype, d, causal, nq, nk):
+    # K̃ inline (one launch) and by the pre-pass (two) on the GPU: each against float64 within PASA's GPU tolerances,
+    # and each other within the kernel-vs-model bound (only the order of the fp32 sums may differ: the pre-pass's
+    # matmul runs with other warps and layouts). Grouped K/V (Hq 8, Hkv 2), ragged N = 197 (BLOCK_N 64).
+    q, k, v = _randn_inputs(8, 2, nq, nk, d, "cuda", seed=nk + d, dtype=dtype)
+    ref = reference_attention(q, k, v, causal=causal)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
+    tol = 8e-3 if dtype == torch.bfloat16 else 4e-3
+    outs = {}
+    for path in ("inline", "prepass"):
+        outs[path] = _with_shift_path(path, monkeypatch, lambda: pasa_attention(q, k, v, causal=causal))
+        assert outs[path].dtype == dtype and torch.isfinite(outs[path]).all(), path
+        assert rel_rmse(outs[path], ref) <= tol, (path, rel_rmse(outs[path], ref))
+        assert (outs[path].double() - ref).abs().max().item() <= 3e-2, path
+    assert_matches_model(outs["inline"], outs["prepass"], ref, unit, f"{dtype} D={d} causal={causal} N={nq},{nk}")

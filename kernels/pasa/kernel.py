@@ -2,11 +2,14 @@
 
 Three kernels, one idea each:
 - ``_shift_k_kernel``  the pre-pass: K̃_j = fp16(λM · K_j) for every KV window of every key/value head, one
-  tensor-core matmul per window (paper steps ①②). It costs one pass over K and writes a K-sized fp16 buffer
-  (Hkv heads: grouped query heads share it, spec pitfall 10).
+  tensor-core matmul per window (paper steps ①②, ``_shift_window`` with the λM tile of ``_shift_tile``). It costs
+  one pass over K and writes a K-sized fp16 buffer (Hkv heads: grouped query heads share it, spec pitfall 10).
 - ``_pasa_fwd_kernel`` Algorithm 1 of the spec: the FA-2 loop on the shifted keys, in the paper's full
   low-precision allocation (fp16 score tile, fp16 softmax state, fp16 output accumulator), with the
   online recovery of the global pseudo-average and the corrected max/sum/output updates (③④).
+  It reads K̃ from the pre-pass's buffer, or (constexpr SHIFT_INLINE, ops.py chooses it for short key lengths)
+  reads K itself and computes each window's K̃ per KV step with the same two helpers as the pre-pass: one launch
+  and no K̃ buffer, at the price of one n×n×D matmul per KV step, repeated by every query tile and query head.
   Two loop bodies (constexpr FUSED): ``_pasa_block`` is Algorithm 1 as written (the default: faster on
   the H100), ``_pasa_block_fused`` folds γ into the exponent and accumulates P·V in place (variant="fused").
 - ``_fa16_fwd_kernel`` the comparator "FA16-FP32": the same tiling, the unscaled QKᵀ rounded to fp16
@@ -39,6 +42,42 @@ M_INIT = tl.constexpr(-60000.0)   # the initial running max: finite in fp16, so 
 
 
 @triton.jit
+def _shift_tile(diag, off, BLOCK_N: tl.constexpr):
+    """λM as an fp16 [n, n] tile: diag on the diagonal, off elsewhere (both already fp16 values, so the cast is
+    exact). Built once per program, by the pre-pass and by the inline main loop alike."""
+    t = tl.arange(0, BLOCK_N)
+    return tl.where(t[:, None] == t[None, :], diag, off).to(tl.float16)
+
+
+@triton.jit
+def _shift_window(K, k_base, stride_kn, shift, keys, N_K, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """K̃ of one KV window: fp16(λM · K[keys]), one tensor-core matmul accumulated in fp32 and rounded once.
+    K is read in place (row stride stride_kn, unit feature stride); keys past N_K (only when MASKED) and columns
+    past D load as zeros, so they add nothing and the padded columns of K̃ are zero."""
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = K + k_base + keys[:, None] * stride_kn + cols[None, :]
+    if MASKED:
+        if D < BLOCK_D:
+            k = tl.load(ptrs, mask=(keys[:, None] < N_K) & (cols[None, :] < D), other=0.0)
+        else:
+            k = tl.load(ptrs, mask=keys[:, None] < N_K, other=0.0)
+    elif D < BLOCK_D:
+        k = tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+    else:
+        k = tl.load(ptrs)
+    return tl.dot(shift, k).to(tl.float16)
+
+
+@triton.jit
+def _window_start(j, N_K, BLOCK_N: tl.constexpr):
+    """The first key of KV window j. The last, ragged block uses the window [N − n, N): n real keys, so its
+    mean is not diluted by padding (spec §3); only N < n pads, with zeros (exact: those columns are masked
+    after ȳ)."""
+    return tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
+
+
+@triton.jit
 def _shift_k_kernel(K, KS, stride_kb, stride_kh, stride_kn, H_KV, N_K, diag, off,
                     BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """KS[b, h, j·n + t] = fp16(Σ_s M[t, s] · K[b, h, start_j + s]): the KV window j of key/value head h shifted
@@ -49,34 +88,29 @@ def _shift_k_kernel(K, KS, stride_kb, stride_kh, stride_kn, H_KV, N_K, diag, off
     b = (bh // H_KV).to(tl.int64)
     h = (bh % H_KV).to(tl.int64)
     n_blocks = tl.cdiv(N_K, BLOCK_N)
-    # The last, ragged block uses the window [N − n, N): n real keys, so its mean is not diluted by
-    # padding (spec §3). Only N < n pads, with zeros (exact: those columns are masked after ȳ).
-    start = tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
     t = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
-    keys = start + t
-    mask = keys[:, None] < N_K
-    if D < BLOCK_D:
-        mask = mask & (cols[None, :] < D)
-    k = tl.load(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_kn + cols[None, :], mask=mask, other=0.0)
-    # λM = diag on the diagonal, off elsewhere; both already fp16 values, so the cast is exact.
-    shift = tl.where(t[:, None] == t[None, :], diag, off).to(tl.float16)
-    k_shift = tl.dot(shift, k)
+    keys = _window_start(j, N_K, BLOCK_N) + t
+    k_shift = _shift_window(K, b * stride_kb + h * stride_kh, stride_kn, _shift_tile(diag, off, BLOCK_N), keys, N_K,
+                            D, BLOCK_D, True)
     tl.store(KS + bh.to(tl.int64) * n_blocks * BLOCK_N * BLOCK_D + (j * BLOCK_N + t)[:, None] * BLOCK_D
-             + cols[None, :], k_shift.to(tl.float16))
+             + cols[None, :], k_shift)
 
 
 @triton.jit
-def _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+def _load_kv_block(KS, V, ks_base, v_base, stride_kn, stride_vn, shift, j, N_K, BLOCK_N: tl.constexpr,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SHIFT_INLINE: tl.constexpr):
     """KV block j of both loops: its key positions, the shifted K̃ tile and the V tile. The ragged last block
-    is the window [N − n, N) (README "Ragged last block"); the K̃ buffer is padded to whole blocks and to
-    BLOCK_D columns, so its loads never need a mask."""
+    is the window [N − n, N) (README "Ragged last block"). K̃ comes from the pre-pass's buffer (padded to
+    whole blocks and to BLOCK_D columns, so its loads never need a mask), or, with SHIFT_INLINE, KS is K itself
+    (base ks_base, row stride stride_kn) and the window is shifted here exactly as the pre-pass does it."""
     t = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
-    start = tl.minimum(j * BLOCK_N, tl.maximum(N_K - BLOCK_N, 0))
-    keys = start + t
-    k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * BLOCK_D + cols[None, :])
+    keys = _window_start(j, N_K, BLOCK_N) + t
+    if SHIFT_INLINE:
+        k_shift = _shift_window(KS, ks_base, stride_kn, shift, keys, N_K, D, BLOCK_D, MASKED)
+    else:
+        k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * BLOCK_D + cols[None, :])
     v_ptrs = V + v_base + keys[:, None] * stride_vn + cols[None, :]
     if MASKED:
         if D < BLOCK_D:
@@ -91,12 +125,13 @@ def _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
-                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, STATE: tl.constexpr):
+def _pasa_block(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g, acc, c, j,
+                N_K, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, STATE: tl.constexpr, SHIFT_INLINE: tl.constexpr):
     """One step of Algorithm 1 for KV block j; returns the updated (m, ell, g, acc). `last_key`: per query row,
     the last key it may see when causal (row + N_K − N_Q, bottom-right aligned)."""
-    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_kn, stride_vn, shift, j, N_K, BLOCK_N, D,
+                                    BLOCK_D, MASKED, SHIFT_INLINE)
 
     s32 = tl.dot(q, tl.trans(k_shift))                  # λ·(QKᵀ)·M₀ in fp32 registers
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ local pseudo-average over all n columns, pre-mask
@@ -131,9 +166,9 @@ def _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, 
 
 
 @triton.jit
-def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
-                      BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                      MASKED: tl.constexpr, STATE: tl.constexpr):
+def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g, acc, c, j,
+                      N_K, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CAUSAL: tl.constexpr, MASKED: tl.constexpr, STATE: tl.constexpr, SHIFT_INLINE: tl.constexpr):
     """One step of Algorithm 1 in FlashAttention's in-place form; returns the updated (m, ell, g, acc).
 
     The frame bookkeeping (μ, G, δ_cur, δ_prev, m_new, α, all in the state format) comes first, then the
@@ -146,7 +181,8 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g,
 
     Every rounding is an explicit cast (tl.max promotes fp16 to fp32, and promotion rules differ between
     Triton versions); ``kernels.pasa.emulate`` (variant "fused") performs the same operations."""
-    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_vn, j, N_K, BLOCK_N, D, BLOCK_D, MASKED)
+    keys, k_shift, v = _load_kv_block(KS, V, ks_base, v_base, stride_kn, stride_vn, shift, j, N_K, BLOCK_N, D,
+                                    BLOCK_D, MASKED, SHIFT_INLINE)
 
     s32 = tl.dot(q, tl.trans(k_shift))
     ybar = tl.sum(s32, 1) / BLOCK_N                      # ③ from the fp32 accumulator, pre-mask
@@ -176,16 +212,17 @@ def _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g,
 
 
 @triton.jit
-def _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
+def _pasa_step(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g, acc, c, j, N_K,
                BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr):
+               MASKED: tl.constexpr, STATE: tl.constexpr, FUSED: tl.constexpr, SHIFT_INLINE: tl.constexpr):
     """One KV block with the chosen main loop (attention.VARIANTS)."""
     if FUSED:
-        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j,
-                                           N_K, BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
+        m, ell, g, acc = _pasa_block_fused(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell,
+                                           g, acc, c, j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE,
+                                           SHIFT_INLINE)
     else:
-        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
-                                     BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE)
+        m, ell, g, acc = _pasa_block(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g,
+                                     acc, c, j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, MASKED, STATE, SHIFT_INLINE)
     return m, ell, g, acc
 
 
@@ -207,12 +244,18 @@ def _block_range(i, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUS
 
 @triton.jit
 def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, stride_vh, stride_vn,
-                     stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, c_arg,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     CAUSAL: tl.constexpr, STATE_FP32: tl.constexpr, FUSED: tl.constexpr):
+                     stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, c_arg, stride_kb, stride_kh, stride_kn,
+                     diag, off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, STATE_FP32: tl.constexpr, FUSED: tl.constexpr,
+                     SHIFT_INLINE: tl.constexpr):
     """Query tile i of query head h: Algorithm 1 over the KV blocks of key/value head h // (H_Q // H_KV)
     (grouped-query attention reads the shared K̃ and V in place). The softmax state is fp16 (the paper's
-    allocation) or, with STATE_FP32, fp32 (its hybrid mode); a bool, not a dtype, so the launch key stays plain."""
+    allocation) or, with STATE_FP32, fp32 (its hybrid mode); a bool, not a dtype, so the launch key stays plain.
+
+    KS is the pre-pass's K̃ buffer; with SHIFT_INLINE it is K itself (read through stride_kb/kh/kn) and each
+    window's K̃ = fp16(λM·K_j) is computed here, per KV step, with the λM tile of diag/off built once per program
+    (ops.py, "Host cost": one launch instead of two, for short key lengths). Without it the K strides and
+    diag/off are unused."""
     STATE: tl.constexpr = tl.float32 if STATE_FP32 else tl.float16
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -220,8 +263,11 @@ def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, st
     h = bh % H_Q
     hk = (h // (H_Q // H_KV)).to(tl.int64)
     h = h.to(tl.int64)
-    n_blocks = tl.cdiv(N_K, BLOCK_N)
-    ks_base = (b * H_KV + hk) * n_blocks * BLOCK_N * BLOCK_D
+    if SHIFT_INLINE:
+        ks_base = b * stride_kb + hk * stride_kh
+    else:
+        ks_base = (b * H_KV + hk) * tl.cdiv(N_K, BLOCK_N) * BLOCK_N * BLOCK_D
+    shift = _shift_tile(diag, off, BLOCK_N)     # used only with SHIFT_INLINE (else the compiler drops it)
     v_base = b * stride_vb + hk * stride_vh
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -243,11 +289,11 @@ def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, st
         acc = tl.zeros([BLOCK_M, BLOCK_D], STATE)
     hi_full, hi = _block_range(i, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(0, hi_full):
-        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
-                                    BLOCK_N, D, BLOCK_D, CAUSAL, False, STATE, FUSED)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g,
+                                    acc, c, j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, False, STATE, FUSED, SHIFT_INLINE)
     for j in range(hi_full, hi):
-        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_vn, last_key, m, ell, g, acc, c, j, N_K,
-                                    BLOCK_N, D, BLOCK_D, CAUSAL, True, STATE, FUSED)
+        m, ell, g, acc = _pasa_step(q, KS, V, ks_base, v_base, stride_kn, stride_vn, shift, last_key, m, ell, g,
+                                    acc, c, j, N_K, BLOCK_N, D, BLOCK_D, CAUSAL, True, STATE, FUSED, SHIFT_INLINE)
     # eq 8, in the state format; a row that saw no key (bottom-right causal with N_Q > N_K) has ℓ = 0 and gives 0
     out = tl.where((ell == 0)[:, None], 0.0, acc.to(STATE) / ell[:, None])
     tl.store(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :],

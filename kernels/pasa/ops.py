@@ -18,7 +18,9 @@ backward runs — through ``forward_only_backward``, whose body raises, wherever
 Host cost (README.md, "Host cost"). The options travel as one canonical string (the public functions keep the
 default ones ready): every op argument costs boxing on each call. A body is one key lookup for the plan of its
 signature (``_Forward``: kernels._launch.layout of q, k, v and the options; β, λM's entries, c, grids, strides and
-both launches as kernels._launch.Prepared), two allocations (out, K̃) and two launches. The autograd layer is
+the launches as kernels._launch.Prepared), then its launches: up to SHIFT_INLINE_MAX_KEYS keys one allocation (out)
+and one launch (the main kernel shifts K inline), beyond them two allocations (out, K̃) and two launches (the K̃
+pre-pass, then the main kernel). The choice is made once per signature, in the plan. The autograd layer is
 kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
 """
 from typing import Optional
@@ -34,6 +36,13 @@ from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_ker
 
 FORWARD_ONLY_WHY = "PASA is a forward-only (inference) algorithm; the paper defines no backward pass"
 SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memory-bound
+# Key lengths up to this shift K inline (one launch: _pasa_fwd_kernel computes each window's K̃ = fp16(λM·K_j) per
+# KV step, SHIFT_INLINE); longer ones run the pre-pass into a K̃ buffer first (two launches). Inline saves a launch
+# (~10 µs of host time), the K̃ allocation (~4 µs) and K̃'s write and read, but recomputes every window once per
+# query tile and query head of its group (cdiv(Nq, BLOCK_M)·Hq/Hkv times) and adds an n×n×D matmul per KV step
+# (~+50 % of the main loop's matmul work): it wins only where the launch dominates. A starting value: the GPU
+# sweep (scripts/pasa_shift_timing.py, inline vs pre-pass) sets it. A property of the shape, not a user option.
+SHIFT_INLINE_MAX_KEYS = 256
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -116,7 +125,9 @@ _f16 = torch.float16
 
 class _Forward(LaunchPlan):
     """One forward signature (kernels._launch.layout of q, k, v and the options) of PASA or fa16: its allocations
-    and Prepared launches (PASA: the K̃ pre-pass and Algorithm 1; fa16: one launch). float16 in and out."""
+    and Prepared launches (PASA: Algorithm 1 shifting K inline when Nk <= SHIFT_INLINE_MAX_KEYS, else the K̃
+    pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one launch). float16 in
+    and out."""
 
     def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
         bsz, heads_q, len_q, d = q.shape
@@ -132,14 +143,22 @@ class _Forward(LaunchPlan):
             return
         if name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
-            n_blocks = -(-len_k // block_n)   # (triton.cdiv is a JIT function: ~5 us a call)
-            # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
-            self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, bd)
-            self.shift = Prepared(_shift_k_kernel, (n_blocks, bsz * heads_kv),
-                                  (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
-            self.main = Prepared(_pasa_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
-                                 (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv,
-                                  len_q, len_k, c), main_meta)
+            main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
+                         len_k, c)
+            grid = (-(-len_q // block_m), bsz * heads_q)   # (triton.cdiv is a JIT function: ~5 us a call)
+            if len_k <= SHIFT_INLINE_MAX_KEYS:
+                # one launch: the main kernel reads K in place and shifts each window itself
+                self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (sk[0], sk[1], sk[2], diag, off),
+                                     dict(main_meta, SHIFT_INLINE=True))
+            else:
+                n_blocks = -(-len_k // block_n)
+                # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
+                self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, bd)
+                self.shift = Prepared(_shift_k_kernel, (n_blocks, bsz * heads_kv),
+                                      (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
+                # K's strides and λM's entries are the pre-pass's: unused by this launch (zeros keep its key plain)
+                self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (0, 0, 0, 0.0, 0.0),
+                                     dict(main_meta, SHIFT_INLINE=False))
         else:
             block_m, meta = _fa16_plan(options, d, causal)
             self.main = Prepared(_fa16_fwd_kernel, (-(-len_q // block_m), bsz * heads_q),
@@ -172,7 +191,8 @@ def forward_plan(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale
 
 
 def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
-    """The pre-pass (K̃ = fp16(λM·K) per KV window and kv head) and Algorithm 1 (kernel.py); float16 in and out."""
+    """Algorithm 1 (kernel.py) on K̃ = fp16(λM·K) per KV window and kv head, shifted inline or by the pre-pass
+    (SHIFT_INLINE_MAX_KEYS); float16 in and out."""
     return forward_plan("pasa", q, k, v, causal, scale, options)(q, k, v)
 
 
