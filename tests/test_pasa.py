@@ -75,7 +75,8 @@ def shift_path(request, monkeypatch):
     from kernels import _launch
     from kernels.pasa import ops
 
-    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", 1 << 30 if request.param == "inline" else 0)
+    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS",
+                        dict.fromkeys(ops.SHIFT_INLINE_MAX_KEYS, 1 << 30 if request.param == "inline" else 0))
     _launch.clear()
     yield request.param
     made = [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
@@ -516,7 +517,8 @@ def _with_shift_path(path, monkeypatch, fn):
     from kernels import _launch
     from kernels.pasa import ops
 
-    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", 1 << 30 if path == "inline" else 0)
+    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", dict.fromkeys(ops.SHIFT_INLINE_MAX_KEYS,
+                                                                   1 << 30 if path == "inline" else 0))
     _launch.clear()
     try:
         return fn()
@@ -563,7 +565,7 @@ def test_plan_shifts_inline_up_to_the_constant(device, monkeypatch):
         return real_launch(jit_fn, grid, args, constexprs)
 
     monkeypatch.setattr(_launch, "launch", counting)
-    limit = ops.SHIFT_INLINE_MAX_KEYS
+    limit = ops.SHIFT_INLINE_MAX_KEYS[16]                # the inputs' head dim 16: 16-wide tiles
     for nk, inline in ((limit, True), (limit + 1, False), (17, True)):
         q, k, v = _randn_inputs(2, 1, 16, nk, 16, device, seed=nk)
         _launch.clear()

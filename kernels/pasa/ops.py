@@ -36,13 +36,17 @@ from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_ker
 
 FORWARD_ONLY_WHY = "PASA is a forward-only (inference) algorithm; the paper defines no backward pass"
 SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memory-bound
-# Key lengths up to this shift K inline (one launch: _pasa_fwd_kernel computes each window's K̃ = fp16(λM·K_j) per
-# KV step, SHIFT_INLINE); longer ones run the pre-pass into a K̃ buffer first (two launches). Inline saves a launch
-# (~10 µs of host time), the K̃ allocation (~4 µs) and K̃'s write and read, but recomputes every window once per
-# query tile and query head of its group (cdiv(Nq, BLOCK_M)·Hq/Hkv times) and adds an n×n×D matmul per KV step
-# (~+50 % of the main loop's matmul work): it wins only where the launch dominates. A starting value: the GPU
-# sweep (scripts/pasa_shift_timing.py, inline vs pre-pass) sets it. A property of the shape, not a user option.
-SHIFT_INLINE_MAX_KEYS = 256
+# Key lengths up to this (per head-dim tile width, block_d) shift K inline (one launch: _pasa_fwd_kernel computes
+# each window's K̃ = fp16(λM·K_j) per KV step, SHIFT_INLINE); longer ones run the pre-pass into a K̃ buffer first
+# (two launches). Inline saves a launch (~10 µs of host time), the K̃ allocation (~4 µs) and K̃'s write and read,
+# but recomputes every window once per query tile and query head of its group (cdiv(Nq, BLOCK_M)·Hq/Hkv times)
+# and adds an n×n×D matmul per KV step (~+50 % of the main loop's matmul work): it wins only where the launch
+# dominates. On the H100 (scripts/pasa_shift_timing.py, results/dev/pasa/shift_inline_h100.json: B·H 1, 8, 96,
+# N 128-1024, fp16, non-causal) inline was at most as slow as the pre-pass at every B·H up to N = 512 with 64-wide
+# tiles (0.70-0.95 of its time from 128 to 512), and up to N = 128 with 128-wide ones (their inline kernel spills:
+# at N = 197 and B·H = 96 it took 1.07x). 16- and 32-wide tiles do less per step than 64-wide ones and take their
+# rule; 256-wide tiles, not measured, keep the pre-pass. A property of the shape, not a user option.
+SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -146,7 +150,7 @@ class _Forward(LaunchPlan):
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
                          len_k, c)
             grid = (-(-len_q // block_m), bsz * heads_q)   # (triton.cdiv is a JIT function: ~5 us a call)
-            if len_k <= SHIFT_INLINE_MAX_KEYS:
+            if len_k <= SHIFT_INLINE_MAX_KEYS[bd]:
                 # one launch: the main kernel reads K in place and shifts each window itself
                 self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (sk[0], sk[1], sk[2], diag, off),
                                      dict(main_meta, SHIFT_INLINE=True))
