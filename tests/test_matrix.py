@@ -273,7 +273,7 @@ def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(
     from attnbench.runner import Runner, RunOptions
     from attnbench.runs import run_progress
     from attnbench.spotcheck import load_spot_check
-    from attnbench.store import load_run
+    from attnbench.store import RunDirError, load_run
 
     copy = tmp_path / run_dir.name
     shutil.copytree(run_dir, copy)
@@ -296,6 +296,13 @@ def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(
     events = []
     runner = Runner(m, RunOptions(device=device, results_root=tmp_path / "runs"), reader=None,
                     on_event=lambda kind, **data: events.append(kind))
+    if (manifest.get("pool") or {}).get("replicate"):
+        # a --replicate run resumes only with its worker pool (--gpus: GPUs this machine lacks); a resume without
+        # it is refused in one line that says so, and nothing is written
+        with pytest.raises(RunDirError, match=r"started with --replicate .*resume it with --replicate and --gpus"):
+            runner.run(resume=copy)
+        assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+        return
     assert runner.run(resume=copy) == copy
     assert events == ["complete"]
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
