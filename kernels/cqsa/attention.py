@@ -91,10 +91,11 @@ def _waves(kernel, launches, programs: int, fixed: tuple, consts: dict) -> list:
 # --- the resident forward and backward: one plan of Prepared launches per call signature ----------------
 
 # The forward reads K and V through tensor descriptors only from this many keys: up to 4096 pointer loads were
-# 1-40 % faster on the H100 (B x H 1, 8, 96; D 64 and 128; fp16; results/dev/descriptors_vs_pointers_h100.json:
-# the descriptors' per-program setup and scratch allocation per launch); from 8K descriptors were faster (+1-2 %
-# at 8K, +5-6 % at 16K and 64K). Both comparisons ran on the earlier 128 x 64 forward tiles; the tuned 64 x 64
-# tiles (tuning.json) were chosen on the descriptor path at 16K.
+# faster on the H100 at 35 of 36 shapes (B x H 1, 8, 96; D 64 and 128; fp16;
+# results/dev/descriptors_vs_pointers_h100.json), by 1-74 %: the descriptors' per-program setup and scratch
+# allocation per launch (the exception, D = 128, B x H = 8, N = 1024, took 2.3x, between neighbours at 0.79x and
+# 0.89x); from 8K descriptors were faster (+1-2 % at 8K, +5-6 % at 16K and 64K). Both comparisons ran on the
+# earlier 128 x 64 forward tiles; the tuned 64 x 64 tiles (tuning.json) were chosen on the descriptor path at 16K.
 DESC_MIN_KEYS = 8192
 
 

@@ -28,11 +28,11 @@ from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
-# Phase 1 reads through tensor descriptors only from this many rows (the longer of Nq and Nk): below it, pointer
-# loads were faster on the H100 at every shape measured (B x H 1, 8, 96; D 64 and 128; fp16), by 5-60 % at
-# 128-1024, and they spare each launch the descriptors' scratch allocation (~4 us of host time per forward at
-# N = 128); from 2048 on, descriptors are 4-30 % faster at D = 128 and B x H >= 8
-# (results/dev/descriptors_vs_pointers_h100.json).
+# Phase 1 reads through tensor descriptors only from this many rows (the longer of Nq and Nk). On the H100
+# (results/dev/descriptors_vs_pointers_h100.json: B x H 1, 8, 96; D 64 and 128; fp16) pointer loads were faster
+# at 23 of the 24 shapes of 128-1024 tokens, by 2-90 % (the exception: D = 128, B x H = 1, N = 256), and they
+# spare each launch the descriptors' scratch allocation (~4 us of host time per forward at N = 128); from 2048 on
+# they took 1.14-1.32x the descriptors' time at D = 128 and B x H >= 8.
 DESC_MIN_ROWS = 2048
 _GRID_Y_MAX = 65535
 # Plans are keyed by the full call signature (a SignatureCache: cleared when full, each signature is then planned
