@@ -375,7 +375,7 @@ def test_resident_plans_launch_joined_waves_once(device, itr, joined):
     out, lse = fwd(q, k, v)
     bwd = backward_plan(out, q, k, v, out, lse, True, 0.125, 7, itr, "ieee", tiles)
     waves = 1 if joined else 3 ** itr
-    assert (len(fwd.waves), len(bwd.dq), len(bwd.dkdv)) == (waves, waves, waves)
+    assert (len(fwd.launches), len(bwd.dq), len(bwd.dkdv)) == (waves, waves, waves)
     assert (fwd.state_numel == 0) == joined
     # δ of the 2 x 40 query rows; not joined: first the dq accumulator (2 x 40 x 32) and dk, dv's (2 x 40 x 32)
     assert bwd.ws_numel == (2 * 40 if joined else 2 * 40 * 32 + 2 * 40 * 32 + 2 * 40)

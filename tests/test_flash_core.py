@@ -338,7 +338,8 @@ def test_gpu_float32_tf32x3(d, causal):
 @pytest.mark.gpu
 def test_gpu_kernels_read_short_rows_through_pointers():
     """ELSA's and CQSA's plans take descriptors from their measured lengths on (host.DESC_MIN_ROWS,
-    attention.DESC_MIN_KEYS), pointers below, and compute the same either way."""
+    attention.DESC_MIN_KEYS), pointers below, and compute the same either way. The plan checked is the one the
+    public call made (looked up by its own key afterwards: no new plan appears)."""
     from kernels.cqsa import attention as cqsa
     from kernels.cqsa import cqsa_attention
     from kernels.elsa import elsa_attention, host as elsa
@@ -346,16 +347,18 @@ def test_gpu_kernels_read_short_rows_through_pointers():
         pytest.skip("descriptors need sm_90")
     for n, on in ((elsa.DESC_MIN_ROWS // 2, False), (elsa.DESC_MIN_ROWS, True)):
         q, k, v = _inputs(1, 2, 2, n, n, 64, torch.float16, torch.device("cuda"))
-        plan = elsa.forward_plan(q, k, v, None, False, 0.125, "ieee", "", False)
-        assert plan.use_desc is on, n
         out = elsa_attention(q, k, v, scale=0.125)
+        made = len(elsa._fwd_plans)
+        plan = elsa.forward_plan(q, k, v, None, False, 0.125, "tf32x3", "", False)    # the call's inference plan
+        assert len(elsa._fwd_plans) == made and plan.use_desc is on, n
         assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
     for n, on in ((cqsa.DESC_MIN_KEYS // 2, False), (cqsa.DESC_MIN_KEYS, True)):
         q, k, v = _inputs(1, 1, 1, n, n, 64, torch.float16, torch.device("cuda"))
-        tiles = cqsa.resolve_tiles(64, torch.float16, "cuda")
-        plan = cqsa.forward_plan(q, k, v, False, 0.125, 7, 1, "ieee", tiles)
-        assert plan.use_desc is on, n
         out = cqsa_attention(q, k, v, scale=0.125)
+        made = len(cqsa._fwd_plans)
+        tiles = cqsa.resolve_tiles(64, torch.float16, "cuda")
+        plan = cqsa.forward_plan(q, k, v, False, 0.125, 7, 1, "tf32", tiles)           # 16-bit dots: "tf32"
+        assert len(cqsa._fwd_plans) == made and plan.use_desc is on, n
         assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
 
 

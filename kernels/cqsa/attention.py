@@ -79,13 +79,13 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
-def _waves(kernel, launches, programs: int, fixed: tuple, consts: dict) -> list:
+def _launches(kernel, tables, programs: int, fixed: tuple, consts: dict) -> list:
     """One Prepared launch per entry of _device_tables' list: grid (its items, programs), the fixed arguments then
     its wave count and (first, last) flags; each is called with the kernel's tensors and its items and ranges last.
     A single launch (joined waves) is first and last: it writes the results and never touches the state."""
-    last = len(launches) - 1
+    last = len(tables) - 1
     return [(items, Prepared(kernel, (count, programs), (*fixed, n_waves, int(i == 0), int(i == last)), consts))
-            for i, (items, count, n_waves) in enumerate(launches)]
+            for i, (items, count, n_waves) in enumerate(tables)]
 
 
 # --- the resident forward and backward: one plan of Prepared launches per call signature ----------------
@@ -116,8 +116,8 @@ class _Forward(LaunchPlan):
         self.copy = (cq, ck, cv) if cq or ck or cv else None
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
-        self.ranges, waves = t.fwd
-        self.state_numel = rows * (D + 2) if len(waves) > 1 else 0
+        self.ranges, tables = t.fwd
+        self.state_numel = rows * (D + 2) if len(tables) > 1 else 0
         # 16-bit K and V tiles through tensor descriptors where the layout allows (read in place: not for copied
         # inputs) and the head dim fills its tile. On the H100 (results/runs/20261124T200428Z_hopper and
         # 20261124T200836Z_full) that is +1-2 % at D=64 and D=128 8K, +5 % at 16K, +6 % at 64K; at D=80 and 96
@@ -127,7 +127,7 @@ class _Forward(LaunchPlan):
         use_desc = (self.copy is None and q.dtype != torch.float32 and block_d(D) == D
                     and core.use_descriptors(k, v, min_rows=DESC_MIN_KEYS))
         self.use_desc = use_desc
-        self.waves = _waves(cqsa_fwd_kernel, waves, B * H, (
+        self.launches = _launches(cqsa_fwd_kernel, tables, B * H, (
             sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
             H, H // Hkv, N, rows * D, rows * (D + 1), Nk - N, scale * LOG2E), dict(t.fwd_consts, USE_DESC=use_desc))
 
@@ -144,7 +144,7 @@ class _Forward(LaunchPlan):
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
         state = q.new_empty(self.state_numel, dtype=_f32) if self.state_numel else lse    # lse: unused there
         ranges = self.ranges
-        for items, go in self.waves:
+        for items, go in self.launches:
             go(q, k, v, out, lse, state, items, ranges)
         return out, lse
 
@@ -170,18 +170,18 @@ class _Backward(LaunchPlan):
             self.copy = None
         sq, sk, sv, sd = (st for _, st in ins)
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, True)
-        self.dq_ranges, dq_waves = t.dq
-        self.dkdv_ranges, dkdv_waves = t.dkdv
+        self.dq_ranges, dq_tables = t.dq
+        self.dkdv_ranges, dkdv_tables = t.dkdv
         # the fp32 accumulators across waves, only where a kernel runs as several launches: dq at 0, then dk, dv
-        n_q = B * H * N * D if len(dq_waves) > 1 else 0
-        n_kv = B * Hkv * Nk * D if len(dkdv_waves) > 1 else 0
+        n_q = B * H * N * D if len(dq_tables) > 1 else 0
+        n_kv = B * Hkv * Nk * D if len(dkdv_tables) > 1 else 0
         off_delta = n_q + 2 * n_kv
         self.ws_numel = off_delta + B * H * N
         strides = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sd[0], sd[1], sd[2])
         qk_scale = scale * LOG2E
-        self.dq = _waves(cqsa_bwd_dq_kernel, dq_waves, B * H, (
+        self.dq = _launches(cqsa_bwd_dq_kernel, dq_tables, B * H, (
             *strides, H, H // Hkv, N, N, off_delta, Nk - N, qk_scale, scale), t.dq_consts)
-        self.dkdv = _waves(cqsa_bwd_dkdv_kernel, dkdv_waves, B * Hkv, (
+        self.dkdv = _launches(cqsa_bwd_dkdv_kernel, dkdv_tables, B * Hkv, (
             *strides, Hkv, H // Hkv, N, Nk, off_delta, n_q, n_q + n_kv, Nk - N, qk_scale, scale), t.dkdv_consts)
 
     def run(self, do, q, k, v, out, lse):
