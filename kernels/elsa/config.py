@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_core as gluon_core
 from .._common import block_d, tile_config
 from .._tuning import TuningFileError, parse_dim_key, read_configs
 
@@ -218,6 +219,7 @@ class FwdPlan:
     p2_rows: int
     p2_kbt: int
     warp_specialize: bool = False   # phase 1 runs the flash core's warp-specialized loop
+    gluon: bool = False             # phase 1 runs the Gluon Hopper core (kernels/_gluon_core.py)
 
     @property
     def final(self) -> bool:
@@ -231,15 +233,20 @@ def _next_pow2(x: int) -> int:
 
 @functools.lru_cache(maxsize=1024)   # a pure function of its arguments
 def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "",
-                 causal: bool = False, bias: bool = False, ws_capable: bool = False) -> FwdPlan:
+                 causal: bool = False, bias: bool = False, ws_capable: bool = False,
+                 gluon_capable: bool = False) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
     streaming multiprocessors; ``config`` a canonical override string (canonical_config); ws_capable: the call's
     tensors and device can take the flash core's warp-specialized loop (core.warp_specialize_ok with descriptors).
     Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
-    blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N)."""
+    blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
+    gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
+    descriptors); phase 1 then runs it for 16-bit inputs without a bias and N > SHORT_N, unless the caller overrides
+    the forward tiles (its CTA is 128 query rows, its key tile gluon_core.TILES')."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
+    gluon = gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
     ws_tiles = core_tiles(dtype, d, bias, True)
     ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N
           and core.ws_proven(causal, nk % ws_tiles[1] == 0))
@@ -248,6 +255,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         bm = SHORT_BLOCK_M
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
+    if gluon:
+        bm, (bn, stages), warps, ws = gluon_core.CTA_ROWS, gluon_core.TILES[d], 4, False
     plan_given = overrides.get("plan", {})
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -277,7 +286,7 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     qc = min(qc, all_rows)
     rows = min(PHASE2_ROWS[bd], bm)
     kbt = min(PHASE2_KBT, _next_pow2(parts))
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws)
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_core as gluon_core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from . import trace
@@ -114,8 +115,9 @@ class _FwdPlan(LaunchPlan):
         use_desc = c.scale_in_exp and core.use_descriptors(
             *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
+        gluon_ok = use_desc and gluon_core.available(q, k, v)
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
-                                        bias is not None, core.warp_specialize_ok(c.device, use_desc))
+                                        bias is not None, core.warp_specialize_ok(c.device, use_desc), gluon_ok)
         bm, W, P = plan.block_m, plan.width, plan.parts
         out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
@@ -133,8 +135,12 @@ class _FwdPlan(LaunchPlan):
             qlen = min(plan.q_chunk, c.NQ - q0)
             QB = _cdiv(qlen, bm)
             grid1 = (QB, c.BH, P)
-            p1 = Prepared(_elsa_phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
-                                                c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
+            if plan.gluon:
+                p1 = _GluonPhase1(causal=causal, qk_scale=c.qk_scale, q0=q0, n_blocks=QB, parts=P, width=W,
+                                  n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0)
+            else:
+                p1 = Prepared(_elsa_phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
+                                                    c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
             p2 = None
             grid2 = (QB * (bm // plan.p2_rows), c.BH)
             if not plan.final:
@@ -180,10 +186,10 @@ class _FwdPlan(LaunchPlan):
             summary_shape = None if final else (plan.parts, info["QB"], c.BH, plan.block_m, c.D)
             ev = trace.start_event(c.device)
             k1 = p1(q, k, v, b, sbuf, out, lse)
-            trace.record(start=ev, phase=1, kernel=_elsa_phase1.__name__, grid=info["grid1"],
+            trace.record(start=ev, phase=1, kernel=p1.jit_fn.__name__, grid=info["grid1"],
                          programs=info["QB"] * c.BH * plan.parts, partitions=plan.parts, partition_width=plan.width,
                          q_chunk=(info["q0"], info["qlen"]), block_m=plan.block_m, final=final,
-                         args=trace.kernel_arg_names(_elsa_phase1), compiled=k1,
+                         args=trace.kernel_arg_names(p1.jit_fn), compiled=k1,
                          **dict(buffer, summary_shape=summary_shape))
             if p2 is not None:
                 ev = trace.start_event(c.device)
@@ -192,6 +198,20 @@ class _FwdPlan(LaunchPlan):
                              programs=info["grid2"][0] * c.BH, partitions=plan.parts,
                              q_chunk=(info["q0"], info["qlen"]), args=trace.kernel_arg_names(_elsa_phase2),
                              compiled=k2, **dict(buffer, summary_shape=summary_shape))
+
+
+class _GluonPhase1:
+    """Phase 1 on the Gluon Hopper core (kernels/_gluon_core.py), called like the Prepared _elsa_phase1 it
+    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse."""
+
+    __slots__ = ("fixed",)
+    jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None
+
+    def __init__(self, **fixed):
+        self.fixed = fixed
+
+    def __call__(self, q, k, v, b, sbuf, out, lse):
+        return gluon_core.launch(q, k, v, out, lse, sbuf, **self.fixed)
 
 
 def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):

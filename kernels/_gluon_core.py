@@ -1,0 +1,339 @@
+"""The Hopper forward written in Gluon (triton.experimental.gluon): FA3's structure, for 16-bit inputs on sm_90.
+
+Plain Triton's warp-specialized core (kernels/_flash_core.py) stops at ~557 TFLOP/s at D=128 16K on the H100 (1.09x
+cuDNN's time): its compiler-made partitions wait on loads and on barriers between producer and consumers, and
+each consumer runs its two GEMMs and its softmax in sequence. Here the partitions are written out
+(kernels/FLASH_CORE.md, "Gluon"):
+
+- a loader partition (1 warp) streams K and V tiles by TMA into a ring of STAGES buffers, with a ready and an empty
+  mbarrier per buffer and operand; Q by TMA once;
+- two consumer partitions (one warpgroup each: the default partition and a worker) each own 64 of the CTA's 128
+  query rows and share every K/V tile (the empty barriers count both consumers' arrivals);
+- inside a consumer the GEMMs overlap the softmax (FA3's intra-warpgroup pipelining): S_j = Q K_j^T is issued,
+  then O += P_{j-1} V_{j-1} on the previous tile's probabilities (P from registers, in the wgmma A-operand
+  layout), and the softmax of S_j runs while that second GEMM is in flight;
+- PINGPONG (FA3's inter-warpgroup schedule): the two consumers take turns to issue their GEMMs, handing a token
+  through two mbarriers, so one consumer's softmax runs while the other's GEMMs use the tensor cores.
+
+The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
+score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
+
+What this file needs and where it runs: triton 3.6's Gluon API (`gl.warp_specialize(functions_and_args,
+worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, head dims 64 and 128, contiguous
+[B, H, N, D] inputs of 16 bits. `available(q, k, v)` is the one test; nothing here runs on the CPU (Gluon has no
+interpreter), so the CPU and exactness reference stays the plain core. `gluon_fwd` is the standalone forward, for
+tests and timing.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ._common import LOG2E, check_inputs, default_scale
+
+NAME = "gluon_core"
+HEAD_DIMS = (64, 128)
+GLUON_VERSION = "3.6"      # the Gluon API this file is written against (warp_specialize's signature changed later)
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    HAS_GLUON = True
+except ImportError:            # a triton without Gluon: available() says no
+    HAS_GLUON = False
+
+ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
+CTA_ROWS = 2 * ROWS_PER_CONSUMER
+# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles
+TILES = {64: (128, 3), 128: (128, 2)}
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_bufs.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + q_desc.block_type.shape[0], 0], q_bar, q_bufs.index(1))
+        for i in range(n_tiles):
+            s = i % STAGES
+            phase = (i // STAGES) & 1
+            # a buffer starts empty: its first wait (phase 1) passes at once
+            mbarrier.wait(k_empty.index(s), phase ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """One tile's online-softmax step: (p, m, l, alpha), p unnormalised in fp32, alpha the factor for acc."""
+        if MASK:
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = cols[None, :] < n_k
+            if CAUSAL:
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                keep = keep & (cols[None, :] <= rows[:, None] + causal_shift)
+            qk = gl.where(keep, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)     # a row with no visible key yet: p = 0, not NaN
+        p = gl.exp2(qk * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                  Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
+                  slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+                  LSE_MODE: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        dtype: gl.constexpr = q_bufs.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        q_smem = q_bufs.index(WG)
+        my_row0 = row0 + WG * BLOCK_M
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
+        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+
+        # tile 0: S_0 alone. Ping-pong: consumer 0 takes the first turn (a fresh mbarrier's phase 1 counts as
+        # complete), then the two alternate: turn t of consumer 0 waits for phase (t & 1) ^ 1, of consumer 1 for t & 1
+        if PINGPONG:
+            mbarrier.wait(turn_bars.index(WG), 1 - WG)
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+        qk = warpgroup_mma_wait(0, deps=[qk])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if n_unmasked == 0:
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo, my_row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
+                                          BLOCK_N, True, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo, my_row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
+                                          BLOCK_N, False, CAUSAL)
+
+        for j in range(1, n_tiles):
+            s = j % STAGES
+            prev = (j - 1) % STAGES
+            if PINGPONG:
+                mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
+            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+            # the older group (S_j) done; O += P V stays in flight through the softmax
+            qk = warpgroup_mma_wait(1, deps=[qk])
+            mbarrier.arrive(k_empty.index(s), count=1)
+            if j >= n_unmasked:
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
+                                              s_layout, BLOCK_M, BLOCK_N, True, CAUSAL)
+            else:
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
+                                              s_layout, BLOCK_M, BLOCK_N, False, CAUSAL)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+        last = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+        rows_o = gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+        rows_s = gl.arange(0, BLOCK_M, layout=row_s)
+        if SUMMARY:
+            # ELSA's phase-1 slots: m and l at [slot + r] and [n_slots + slot + r], acc at row slot + r of the
+            # [*, D] slab after them; a causal partition past every row's horizon (hi <= lo) stores nothing
+            if hi > lo:
+                base = (slot + WG * BLOCK_M).to(gl.int64)
+                gl.store(Sbuf + base + rows_s, m_i)
+                gl.store(Sbuf + n_slots + base + rows_s, l_i)
+                offs = 2 * n_slots.to(gl.int64) + (base + rows_o)[:, None] * BLOCK_D + cols_o[None, :]
+                gl.store(Sbuf + offs, acc)
+        else:
+            l_o = gl.convert_layout(l_i, row_o)
+            out = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+            in_rows = my_row0 + rows_o < n_q
+            offs = (o_row + WG * BLOCK_M + rows_o).to(gl.int64)[:, None] * BLOCK_D + cols_o[None, :]
+            gl.store(Out + offs, out.to(dtype), mask=in_rows[:, None])
+            if LSE_MODE != 0:
+                has = l_i > 0
+                lse = m_i + gl.log2(gl.where(has, l_i, 1.0))
+                if LSE_MODE == 1:
+                    lse = lse / 1.4426950408889634      # natural log; -inf for a row that sees no key
+                else:
+                    lse = gl.where(has, lse, float("inf"))   # ELSA's: base 2, +inf (its backward's zero weight)
+                gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < n_q)
+
+    @gluon.jit
+    def _consumer_worker(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
+                         slot, n_slots, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+                         LSE_MODE: gl.constexpr):
+        _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                  Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
+                  slot, n_slots, 1, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)
+
+    @gluon.jit
+    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, Out, Lse, Sbuf, heads, group, n_q, n_k, causal_shift, qk_scale,
+                          q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+                          LSE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
+        [part * width, part * width + width) (one partition holding every key: width >= n_k). SUMMARY stores the
+        unnormalised state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot rows
+        in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        qb = gl.program_id(0)
+        if CAUSAL:
+            qb = gl.num_programs(0) - 1 - qb          # the longest rows first
+        bh = gl.program_id(1)
+        part = gl.program_id(2)
+        b = bh // heads
+        hk = (bh % heads) // group
+        row0 = q0 + qb * (2 * BLOCK_M)                # the CTA's first query row within its head
+        q_row = bh * n_q + row0
+        lo = part * width
+        hi = gl.minimum(lo + width, n_k)
+        if CAUSAL:
+            # keys past the CTA's last row's horizon are future for all its rows
+            hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
+            seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the CTA sees
+        else:
+            seen = n_k
+        kv_row = (b * (heads // group) + hk) * n_k + lo
+        # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
+        # partition with hi <= lo computes one masked tile and stores nothing)
+        n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+        n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
+        slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
+
+        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)      # both consumers release every buffer
+            mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn_bars.index(i), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
+                         slot, n_slots, 0, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)),
+            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                                Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                                qk_scale, slot, n_slots, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY,
+                                LSE_MODE)),
+            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                       q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether gluon_fwd can run these inputs: triton 3.6's Gluon, an sm_90 device (Hopper: wgmma), 16-bit,
+    a head dim of HEAD_DIMS, contiguous tensors."""
+    if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or q.device.type != "cuda":
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] == 9 and all(t.is_contiguous() for t in (q, k, v))
+
+
+def _desc(t2d: torch.Tensor, rows: int, dtype_gl):
+    layout = gl.NVMMASharedLayout.get_default_for([rows, t2d.shape[1]], dtype_gl)
+    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), [rows, t2d.shape[1]], layout)
+
+
+def _descriptors(q, k, v, block_n):
+    d = q.shape[-1]
+    dtype_gl = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    return (_desc(q.view(-1, d), ROWS_PER_CONSUMER, dtype_gl), _desc(k.view(-1, d), block_n, dtype_gl),
+            _desc(v.view(-1, d), block_n, dtype_gl))
+
+
+def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int,
+           width: int, n_slots: int, summary: bool, lse_mode: int, pingpong: bool = True, tiles=None,
+           regs=(CONSUMER_REGS, LOADER_REGS)):
+    """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
+    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key). The caller checked
+    available(q, k, v). Returns the CompiledKernel."""
+    d = q.shape[-1]
+    block_n, stages = tiles or TILES[d]
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, block_n)
+    heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    grid = (n_blocks, q.shape[0] * heads, parts)
+    with torch.cuda.device(q.device):
+        return _gluon_fwd_kernel[grid](
+            q_desc, k_desc, v_desc, out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
+            q0, n_blocks, width, n_slots, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+            SUMMARY=summary, LSE_MODE=lse_mode, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4)
+
+
+def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = True, tiles=None,
+              regs=(CONSUMER_REGS, LOADER_REGS), return_lse: bool = False):
+    """Softmax attention forward (no autograd) on sm_90: q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D], contiguous,
+    float16 / bfloat16, D in HEAD_DIMS. Causal is bottom-right aligned. tiles=(BLOCK_N, STAGES) overrides
+    TILES, regs=(consumer, loader) the partitions' registers. Returns out (and the natural-log LSE [B, Hq, Nq]
+    in fp32 with return_lse)."""
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
+    if not available(q, k, v):
+        raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim "
+                         f"in {HEAD_DIMS} and contiguous inputs (got {q.dtype}, D={shape.head_dim}, "
+                         f"{q.device}, triton {triton.__version__})")
+    scale = default_scale(scale, shape.head_dim)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else out
+    if out.numel() == 0 or shape.len_kv == 0:
+        out.zero_()
+        return (out, lse.fill_(float("-inf"))) if return_lse else out
+    launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
+           n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
+           lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs)
+    return (out, lse) if return_lse else out
