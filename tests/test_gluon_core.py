@@ -52,6 +52,7 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
                  (512, 8192, 8, d, torch.float16, 132, "", False, False, True, True),     # short rows
+                 (4096, 2048, 8, d, torch.float16, 132, "", False, False, True, True),    # too little work
                  (8192, 8192, 8, d, torch.float16, 132, "", False, False, True, False)]:  # the host says no
         assert not elsa_config.plan_forward(*args).gluon, args
     override = elsa_config.canonical_config({"fwd": {"BLOCK_N": 64}}, torch.float16, d)

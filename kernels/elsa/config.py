@@ -49,6 +49,12 @@ BUILTIN_FWD_TABLE = {
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
+# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D): its launch
+# goes through the JIT with three host-side tensor descriptors built per call, tens of microseconds more host time
+# than the prepared Triton launch. Below it that host time is the call's time: in the H100 nightly gate the D=64 4K
+# forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core; D=128 4K (2^34) and the Llama-3 cells from 2K
+# (2^34) gained (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full).
+GLUON_MIN_WORK = 2**34
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
@@ -241,12 +247,13 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
     blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
     gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
-    descriptors); phase 1 then runs it for 16-bit inputs without a bias and N > SHORT_N, unless the caller overrides
-    the forward tiles (its CTA is 128 query rows, its key tile gluon_core.TILES')."""
+    descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least GLUON_MIN_WORK,
+    unless the caller overrides the forward tiles (its CTA is 128 query rows, its key tile gluon_core.TILES')."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
-    gluon = gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
+    gluon = (gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
+             and bh * nq * nk * d >= GLUON_MIN_WORK)
     ws_tiles = core_tiles(dtype, d, bias, True)
     ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N
           and core.ws_proven(causal, nk % ws_tiles[1] == 0))
