@@ -31,7 +31,8 @@ import functools
 import torch
 import triton
 
-from ._common import LOG2E, check_inputs, default_scale
+from ._common import LOG2E, check_inputs, default_scale, on_device
+from ._launch import launch as _launch
 
 NAME = "gluon_core"
 HEAD_DIMS = (64, 128)
@@ -286,9 +287,14 @@ def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _capability(index)[0] == 9 and all(t.is_contiguous() for t in (q, k, v))
 
 
+@functools.lru_cache(maxsize=32)
+def _layout(rows: int, d: int, dtype_gl):
+    return gl.NVMMASharedLayout.get_default_for([rows, d], dtype_gl)
+
+
 def _desc(t2d: torch.Tensor, rows: int, dtype_gl):
-    layout = gl.NVMMASharedLayout.get_default_for([rows, t2d.shape[1]], dtype_gl)
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), [rows, t2d.shape[1]], layout)
+    d = t2d.shape[1]
+    return TensorDescriptor(t2d, list(t2d.shape), [d, 1], [rows, d], _layout(rows, d, dtype_gl))
 
 
 def _descriptors(q, k, v, block_n):
@@ -302,18 +308,20 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n
            width: int, n_slots: int, summary: bool, lse_mode: int, pingpong: bool = True, tiles=None,
            regs=(CONSUMER_REGS, LOADER_REGS)):
     """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
-    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key). The caller checked
-    available(q, k, v). Returns the CompiledKernel."""
+    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), on q's device made
+    current by the caller. The caller checked available(q, k, v). Through kernels/_launch.py: after the first
+    call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
+    launcher). Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     q_desc, k_desc, v_desc = _descriptors(q, k, v, block_n)
     heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
     grid = (n_blocks, q.shape[0] * heads, parts)
-    with torch.cuda.device(q.device):
-        return _gluon_fwd_kernel[grid](
-            q_desc, k_desc, v_desc, out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
-            q0, n_blocks, width, n_slots, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-            SUMMARY=summary, LSE_MODE=lse_mode, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4)
+    return _launch(_gluon_fwd_kernel, grid, (
+        q_desc, k_desc, v_desc, out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
+        q0, n_blocks, width, n_slots), dict(
+        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary, LSE_MODE=lse_mode,
+        CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = True, tiles=None,
@@ -333,7 +341,8 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = Tru
     if out.numel() == 0 or shape.len_kv == 0:
         out.zero_()
         return (out, lse.fill_(float("-inf"))) if return_lse else out
-    launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
-           n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
-           lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs)
+    with on_device(q):
+        launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
+               n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
+               lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs)
     return (out, lse) if return_lse else out
