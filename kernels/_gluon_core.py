@@ -17,12 +17,19 @@ each consumer runs its two GEMMs and its softmax in sequence. Here the partition
 
 The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
+A program takes 128 query rows and one key partition (grid (row blocks, B*Hq, partitions)); it writes the
+normalised output (and an LSE), or with SUMMARY the unnormalised state into ELSA's phase-1 summary slots, so ELSA's
+phase 1 runs on it through `launch` (kernels/elsa/host.py) with its phase 2 unchanged. The TMA descriptors span the
+flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past
+the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end
+are computed and never stored.
 
 What this file needs and where it runs: triton 3.6's Gluon API (`gl.warp_specialize(functions_and_args,
 worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, head dims 64 and 128, contiguous
 [B, H, N, D] inputs of 16 bits. `available(q, k, v)` is the one test; nothing here runs on the CPU (Gluon has no
 interpreter), so the CPU and exactness reference stays the plain core. `gluon_fwd` is the standalone forward, for
-tests and timing.
+tests and timing. A launch builds three host-side descriptors; their TMA maps cost ~100-160 us of CPU per ELSA
+forward (results/dev/gluon_core/elsa_host_time_h100.json), which is why ELSA takes this core only for enough work.
 """
 from __future__ import annotations
 

@@ -195,9 +195,9 @@ def call_key(args, constexprs, device, state):
         an int                          a plain int (strides, sizes: the common case, kept short)
         dtype, aligned, device index    a tensor (the dtype, never equal to an int/type/str, marks it)
         type, value                     bool, str, None, float (True == 1 == 1.0 as keys: the type splits them)
+        type, dtype, block, layout      a host-side tensor descriptor (Gluon's: kernels/_gluon_core.py)
     Each entry's first item says how many follow, and an int, a dtype, a type and a name (str, only in the
     keyword part) never compare equal to each other, so two different calls never give equal tuples.
-        type, dtype, block, layout      a host-side tensor descriptor (Gluon's: kernels/_gluon_core.py)
     An inlined loop: it runs on every launch and is what the fast path costs (NOTES.md, "Host cost")."""
     key = [device, state]
     app = key.append

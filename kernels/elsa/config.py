@@ -2,7 +2,8 @@
 and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
 No per-call autotuning: a new sequence length must not re-run a tuning sweep. Phase 1 of 16-bit inputs without a
-bias runs the flash core's loop with the core's tiles (kernels/_flash_core.py's PLAIN_TILES, and WS_TILES where
+bias runs the Gluon core at D = 64 / 128 on sm_90 from GLUON_MIN_WORK (FwdPlan.gluon: its CTA and key tile), else
+the flash core's loop with the core's tiles (kernels/_flash_core.py's PLAIN_TILES, and WS_TILES where
 the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
 float32 and the 16-bit bias path (this package's own loop), the backward table every backward. Their 64- and
 128-wide entries come from H100 sweeps or, where a comment says so, an sm_90 compile check (NOTES.md,
@@ -50,10 +51,11 @@ BUILTIN_FWD_TABLE = {
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
 # Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D): its launch
-# goes through the JIT with three host-side tensor descriptors built per call, tens of microseconds more host time
-# than the prepared Triton launch. Below it that host time is the call's time: in the H100 nightly gate the D=64 4K
-# forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core; D=128 4K (2^34) and the Llama-3 cells from 2K
-# (2^34) gained (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full).
+# builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
+# the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
+# the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
+# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
+# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full).
 GLUON_MIN_WORK = 2**34
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
