@@ -4,7 +4,7 @@ registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and 
 instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
 spill or cannot launch, before any device time is spent.
 
-    python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|all [--json OUT] [--tiles]
+    python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|gluon_core|all [--json OUT] [--tiles]
         [--ws-only] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
@@ -64,6 +64,8 @@ class Job:
     floats: set = field(default_factory=set)      # fp32 scalar arguments
     div16: object = None             # name -> True for the integer arguments a launch sees divisible by 16 (strides)
     label: dict = field(default_factory=dict)     # what the report shows besides the kernel
+    descs: dict = field(default_factory=dict)     # host-side tensor descriptor arguments: name -> signature type
+    gluon: bool = False              # a Gluon kernel (compiled from its own source type)
 
 
 def signature(job: Job) -> tuple[dict, dict]:
@@ -73,6 +75,9 @@ def signature(job: Job) -> tuple[dict, dict]:
     for i, name in enumerate(job.fn.arg_names):
         if name in job.constexprs:
             sig[name] = "constexpr"
+            continue
+        if name in job.descs:
+            sig[name] = job.descs[name]
             continue
         if name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
             sig[name] = "*fp32" if name in job.fp32_ptrs else "*i32" if name in job.i32_ptrs else f"*{job.dtype}"
@@ -122,7 +127,10 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     constexprs = {k: v for k, v in job.constexprs.items() if k in job.fn.arg_names}
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": job.num_warps, "num_stages": job.num_stages})
-    cc = triton.compile(ASTSource(fn=job.fn, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
+    source = ASTSource
+    if job.gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    cc = triton.compile(source(fn=job.fn, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
                         options=options.__dict__)
     ptx = cc.asm.get("ptx", "")
     # warps: as compiled; more than asked when warp specialization added a producer warpgroup
@@ -313,8 +321,36 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
+def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
+    """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output
+    and ELSA's summary mode, causal and not. Its Gluon API is triton 3.6's: with another triton nothing is compiled
+    (a line says so)."""
+    from kernels import _gluon_core as gc
+
+    if tiles:
+        raise SystemExit("--tiles: the Gluon core has no candidate grid here; gluon_fwd(tiles=...) tries tiles")
+    if not (gc.HAS_GLUON and triton.__version__.startswith(gc.GLUON_VERSION)):
+        print(f"gluon_core: written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped",
+              flush=True)
+        return []
+    gl = gc.gl
+    jobs = []
+    for dtype, d in itertools.product([x for x in dtypes if x != "fp32"], [x for x in dims if x in gc.HEAD_DIMS]):
+        block_n, stages = gc.TILES[d]
+        elem = gl.float16 if dtype == "fp16" else gl.bfloat16
+        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], elem)!r}>"
+                 for name, rows in (("q_desc", gc.ROWS_PER_CONSUMER), ("k_desc", block_n), ("v_desc", block_n))}
+        for causal, summary in itertools.product((False, True), (False, True)):
+            meta = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
+                        LSE_MODE=0 if summary else 2, CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
+            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
+                            floats={"qk_scale"}, descs=descs, gluon=True,
+                            label=dict(D=d, causal=causal, summary=summary, cfg=[block_n, stages])))
+    return jobs
+
+
 KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "cqsa": cqsa_jobs,
-           "flash_core": flash_core_jobs}
+           "flash_core": flash_core_jobs, "gluon_core": gluon_core_jobs}
 
 
 def main(argv=None) -> int:

@@ -177,3 +177,23 @@ def test_shipped_warp_specialized_kernels_pass_the_audit():
                           timeout=600, env=_no_interpreter_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "2 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
+
+
+def test_gluon_core_compile_check_compiles_or_says_why_not():
+    """scripts/compile_check.py --kernel gluon_core: with triton 3.6 (the H100's; the Gluon API the core is written
+    against) every shipped variant compiles for sm_90 and fits its shared memory; with another triton nothing is
+    compiled and one line says why (the CI machine's newest triton lands here)."""
+    import triton
+
+    from kernels import _gluon_core as gc
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/compile_check.py"), "--kernel", "gluon_core",
+                           "--dims", "64", "--dtypes", "fp16"], capture_output=True, text=True, timeout=600,
+                          env=_no_interpreter_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if gc.HAS_GLUON and triton.__version__.startswith(gc.GLUON_VERSION):
+        assert "4 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
+        assert "over sm_90's shared memory" not in proc.stdout
+    else:
+        assert f"written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped" in proc.stdout
+        assert "0 compiled for cuda:90:32" in proc.stdout
