@@ -133,3 +133,34 @@ def test_gpu_elsa_phase1_on_the_core(batch, n, causal, dtype):
     for name, got, want in zip("qkv", grads, ref_grads):
         err = _rel_rms(got, want)
         assert err <= 2 * TOL[dtype], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_elsa_on_the_core_compiled_and_graphed():
+    """ELSA with phase 1 on the core under torch.compile(fullgraph=True), forward and backward, equal to eager; and
+    a CUDA graph of its forward replays it on new inputs copied into the captured ones."""
+    _need_core("cuda")
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 8, 4096, 4096, 128, torch.float16, "cuda"))
+    assert elsa_host.forward_plan(q, k, v, None, False, 128 ** -0.5, "tf32x3", "", True).plan.gluon
+    eager = torch.autograd.grad(elsa_attention(q, k, v).float().square().sum(), (q, k, v))
+    compiled = torch.compile(lambda q, k, v: elsa_attention(q, k, v).float().square().sum(), fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        assert _rel_rms(a, b) <= 1e-3
+    static = [t.detach().clone() for t in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            elsa_attention(*static)                 # warm-up: compile, fill the plan cache
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = elsa_attention(*static)
+    fresh = _inputs(1, 8, 8, 4096, 4096, 128, torch.float16, "cuda", seed=1)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_rms(out, reference_attention(*fresh)) <= TOL[torch.float16]
