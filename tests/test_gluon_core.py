@@ -2,7 +2,9 @@
 
 CPU: the core is never taken there (Gluon has no interpreter): available() says no, the standalone forward refuses
 in one line, and ELSA's plan takes the core only where the host says it can (16-bit, no bias, more than SHORT_N
-rows, no tile override), with its 128-row CTA and its key tile.
+rows, enough work, no tile override), with its 128-row CTA and its key tile. ELSA's host wiring around the core's
+launch (grid, q-chunks, partitions, slot counts, phase 2, the single-partition output and lse) runs with the launch
+replaced by a float64 emulation of what the kernel writes.
 GPU (`-m gpu`, sm_90 with triton 3.6): the standalone forward against float64 -- float16 and bfloat16, D 64 and
 128, causal (bottom-right for Nq != Nk) and not, ragged lengths, grouped-query and multi-query K/V, ping-pong on
 and off, the natural-log LSE -- and ELSA with phase 1 on the core: several partitions merged by phase 2 and the
@@ -164,3 +166,82 @@ def test_gpu_elsa_on_the_core_compiled_and_graphed():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel_rms(out, reference_attention(*fresh)) <= TOL[torch.float16]
+
+
+# --- ELSA's host wiring of the core, on the CPU: the core's launch replaced by a float64 emulation of what it writes ---
+
+def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0, n_blocks, parts, width, n_slots, summary,
+                     lse_mode, **_):
+    """What _gluon_fwd_kernel writes, in float64: per (row block, head, partition) the state of 128 rows over the
+    partition's keys into ELSA's slots (SUMMARY), or out and the base-2 lse (+inf for a row that sees no key)."""
+    b_, hq, n_q, d = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    rows_per_block = gc.CTA_ROWS
+    for part, qb, bh in ((p, i, j) for p in range(parts) for i in range(n_blocks) for j in range(b_ * hq)):
+        b, h = divmod(bh, hq)
+        row0 = q0 + qb * rows_per_block
+        lo, hi = part * width, min(part * width + width, n_k)
+        if causal:
+            hi = min(hi, row0 + rows_per_block + n_k - n_q)
+        rows = torch.arange(row0, row0 + rows_per_block)
+        keys = torch.arange(max(lo, 0), max(hi, lo))
+        x = (q[b, h].double()[rows.clamp(max=n_q - 1)] @ k[b, h // (hq // hkv)].double()[keys].T) * qk_scale
+        if causal:
+            x = x.masked_fill(keys[None, :] > rows[:, None] + n_k - n_q, float("-inf"))
+        m = x.max(1).values if keys.numel() else torch.full((rows_per_block,), float("-inf"), dtype=torch.float64)
+        p = torch.exp2(x - torch.where(torch.isinf(m), 0.0, m)[:, None])
+        l_, acc = p.sum(1), p @ v[b, h // (hq // hkv)].double()[keys]
+        if summary:
+            if hi > lo:
+                base = ((part * n_blocks + qb) * b_ * hq + bh) * rows_per_block
+                sbuf[base:base + rows_per_block] = m.float()
+                sbuf[n_slots + base:n_slots + base + rows_per_block] = l_.float()
+                sbuf[2 * n_slots + base * d:2 * n_slots + (base + rows_per_block) * d] = acc.float().flatten()
+        else:
+            keep = rows < n_q
+            o = torch.where(l_[:, None] > 0, acc / l_.clamp_min(1e-300)[:, None], 0.0)
+            out[b, h, rows[keep]] = o[keep].to(out.dtype)
+            if lse_mode == 2:
+                lse[b, h, rows[keep]] = torch.where(l_ > 0, m + torch.log2(l_.clamp_min(1e-300)),
+                                                    float("inf"))[keep].float()
+
+
+@pytest.mark.parametrize("case", [
+    dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config=None),              # several partitions: phase 2 merges
+    dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config=None),               # GQA, bottom-right causal
+    dict(nq=390, nk=260, hq=2, hkv=1, causal=True, config=None),               # rows that see no key
+    dict(nq=300, nk=300, hq=2, hkv=2, causal=True, config={"plan": {"q_chunk": 128}}),   # three q-chunks
+    dict(nq=300, nk=300, hq=2, hkv=2, causal=True,
+         config={"plan": {"partition_width": 4096}}),                           # one partition: the core writes out
+], ids=["parts", "gqa-causal", "no-key-rows", "q-chunks", "final"])
+def test_elsa_host_wiring_of_the_core(monkeypatch, case):
+    """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64:
+    the grid, q-chunks, partitions and slot counts the host passes are what phase 2 reads."""
+    monkeypatch.setattr(gc, "available", lambda *a: True)
+    monkeypatch.setattr(gc, "launch", _emulated_launch)
+    monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
+    monkeypatch.setattr(elsa_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(elsa_config, "SHORT_N", 0)
+    elsa_config.plan_forward.cache_clear()
+    elsa_host.clear_plans()
+    try:
+        q, k, v = _inputs(1, case["hq"], case["hkv"], case["nq"], case["nk"], 64, torch.float32, "cpu")
+        q, k, v = q.half(), k.half(), v.half()
+        config = elsa_config.canonical_config(case["config"], q.dtype, 64) if case["config"] else ""
+        plan = elsa_host.forward_plan(q, k, v, None, case["causal"], 64 ** -0.5, "tf32x3", config, True)
+        assert plan.plan.gluon and plan.plan.final == ("partition_width" in (case["config"] or {}).get("plan", {}))
+        assert len(plan.chunks) == (3 if "q_chunk" in (case["config"] or {}).get("plan", {}) else 1)
+        out, lse = plan(q, k, v, None)
+        ref = reference_attention(q, k, v, causal=case["causal"])
+        assert _rel_rms(out, ref) <= TOL[torch.float16]
+        scores = (q.double() @ k.double().repeat_interleave(case["hq"] // case["hkv"], 1).transpose(-1, -2)) / 8.0
+        if case["causal"]:
+            i, j = torch.arange(case["nq"])[:, None], torch.arange(case["nk"])[None, :]
+            scores = scores.masked_fill(j > i + case["nk"] - case["nq"], float("-inf"))
+        ref_lse = torch.logsumexp(scores, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))   # base 2
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen)
+        assert (lse.double() - ref_lse)[seen].abs().max().item() <= LSE_TOL
+    finally:
+        elsa_config.plan_forward.cache_clear()
+        elsa_host.clear_plans()
