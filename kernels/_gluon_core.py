@@ -39,6 +39,7 @@ import torch
 import triton
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
+from ._flash_core import _capability
 from ._launch import launch as _launch
 
 NAME = "gluon_core"
@@ -276,11 +277,6 @@ if HAS_GLUON:
             (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                        q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -72,8 +72,8 @@ def signature(job: Job) -> tuple[dict, dict]:
     """(signature, attrs) as a launch on contiguous tensors specialises them: every pointer 16-byte aligned,
     the integers `div16` names divisible by 16, other integers plain i32."""
     sig, attrs = {}, {}
-    for i, name in enumerate(job.fn.arg_names):
-        if name in job.constexprs:
+    for i, (name, param) in enumerate(zip(job.fn.arg_names, job.fn.params)):
+        if name in job.constexprs or param.is_constexpr:
             sig[name] = "constexpr"
             continue
         if name in job.descs:
@@ -125,6 +125,8 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     sig, attrs = signature(job)
     # a kernel takes only the constexprs it declares (one meta dict serves a package's several kernels)
     constexprs = {k: v for k, v in job.constexprs.items() if k in job.fn.arg_names}
+    # a declared constexpr the job leaves out takes its default, as a launch that leaves it out does
+    constexprs.update({p.name: p.default for p in job.fn.params if p.is_constexpr and p.name not in constexprs})
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": job.num_warps, "num_stages": job.num_stages})
     source = ASTSource
@@ -277,7 +279,10 @@ def cqsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         return Job("cqsa", name, fn, dtype, meta, w, st, ptrs - set(extra_fp32), fp32_ptrs | set(extra_fp32),
                    i32_ptrs={"ITEMS", "RANGES"}, floats=scalars, div16=lambda arg: arg not in not_div16, label=label)
 
-    kernels = (("fwd", K.cqsa_fwd_kernel, dict(MODE=1)), ("fwd", K.cqsa_fwd_kernel, dict(MODE=0)),
+    # the forward's MODE 1 with K/V through tensor descriptors too (the resident path takes them from
+    # cqsa.attention.DESC_MIN_KEYS keys on sm_90)
+    kernels = (("fwd", K.cqsa_fwd_kernel, dict(MODE=1)), ("fwd", K.cqsa_fwd_kernel, dict(MODE=1, USE_DESC=True)),
+               ("fwd", K.cqsa_fwd_kernel, dict(MODE=0)),
                ("dq", K.cqsa_bwd_dq_kernel, dict(DELTA_FROM_O=True)), ("dkdv", K.cqsa_bwd_dkdv_kernel, {}))
     for dtype, d in itertools.product(dtypes, dims):
         prec = "tf32x3" if dtype == "fp32" else "tf32"

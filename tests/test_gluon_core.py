@@ -13,6 +13,8 @@ single-partition forward that writes out and lse itself, forward and gradients.
 Tolerances (relative RMS against float64 on the same rounded inputs): float16 1.5e-3, bfloat16 4e-3, as the
 Triton core's tests (tests/test_flash_core.py): a 1 % error in the softmax scale moves the output by 0.7-1.2 %.
 """
+import math
+
 import pytest
 import torch
 
@@ -35,6 +37,18 @@ def _inputs(b, hq, hkv, nq, nk, d, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g).to(device, dtype)
             for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))]
+
+
+def _reference_lse(q, k, causal: bool):
+    """The natural-log LSE of every query row in float64 (-inf for a row that sees no key; GQA by repetition)."""
+    nq, nk = q.shape[2], k.shape[2]
+    scores = (q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2))
+    scores = scores / q.shape[-1] ** 0.5
+    if causal:
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + nk - nq, float("-inf"))
+    return torch.logsumexp(scores, -1)
 
 
 def test_not_available_on_the_cpu():
@@ -94,12 +108,7 @@ def test_gpu_matches_float64(case, dtype, pingpong):
     assert torch.isfinite(out).all()
     err = _rel_rms(out, ref)
     assert err <= TOL[dtype], f"rel RMS {err:.2e} > {TOL[dtype]:.1e}"
-    scores = (q.double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(-1, -2)) / d ** 0.5
-    if causal:
-        i = torch.arange(nq, device="cuda")[:, None]
-        j = torch.arange(nk, device="cuda")[None, :]
-        scores = scores.masked_fill(j > i + nk - nq, float("-inf"))
-    ref_lse = torch.logsumexp(scores, -1)
+    ref_lse = _reference_lse(q, k, causal)
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse.double() - ref_lse)[seen].abs().max().item() <= LSE_TOL
@@ -234,11 +243,7 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
         out, lse = plan(q, k, v, None)
         ref = reference_attention(q, k, v, causal=case["causal"])
         assert _rel_rms(out, ref) <= TOL[torch.float16]
-        scores = (q.double() @ k.double().repeat_interleave(case["hq"] // case["hkv"], 1).transpose(-1, -2)) / 8.0
-        if case["causal"]:
-            i, j = torch.arange(case["nq"])[:, None], torch.arange(case["nk"])[None, :]
-            scores = scores.masked_fill(j > i + case["nk"] - case["nq"], float("-inf"))
-        ref_lse = torch.logsumexp(scores, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))   # base 2
+        ref_lse = _reference_lse(q, k, case["causal"]) / math.log(2.0)          # ELSA's lse: base 2
         seen = torch.isfinite(ref_lse)
         assert torch.equal(torch.isinf(lse) & (lse > 0), ~seen)
         assert (lse.double() - ref_lse)[seen].abs().max().item() <= LSE_TOL

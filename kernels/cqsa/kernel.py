@@ -74,6 +74,18 @@ def _store_tile(P, base, rows, stride, offs_d, ok, x, HEAD_DIM: tl.constexpr, BL
 
 
 @triton.jit
+def _read_range(RANGES, idx, causal_off, CAUSAL: tl.constexpr):
+    """Column range idx of the range table [*, 3]: its bounds [lo, hi) and, causal, its bottom-right shift dlt
+    (key n visible from query m: n <= m + dlt; 0 when not causal)."""
+    lo = tl.load(RANGES + 3 * idx)
+    hi = tl.load(RANGES + 3 * idx + 1)
+    dlt = 0
+    if CAUSAL:
+        dlt = tl.load(RANGES + 3 * idx + 2) + causal_off
+    return lo, hi, dlt
+
+
+@triton.jit
 def _log2_lse(lse):
     """Natural-log lse -> log2 units; -inf (a row without a key) -> +inf, so exp2(s - lse2) is 0."""
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -114,11 +126,7 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
         roff = tl.load(it + w * 5 + 2)
         rcnt = tl.load(it + w * 5 + 3)
         for r in range(rcnt):
-            lo = tl.load(RANGES + 3 * (roff + r))
-            hi = tl.load(RANGES + 3 * (roff + r) + 1)
-            dlt = 0
-            if CAUSAL:
-                dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off    # key n visible from query m: n <= m + dlt
+            lo, hi, dlt = _read_range(RANGES, roff + r, causal_off, CAUSAL)
             # the flash core's loop over the range [lo, hi): full unmasked tiles (up to the block's first row's
             # horizon, causal), then the masked ragged end and diagonal; the range end is its key bound (keys past
             # it belong to other ranges) and dlt its bottom-right causal shift. With descriptors, the range end is
@@ -245,11 +253,8 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
         roff = tl.load(it + w * 5 + 2)
         rcnt = tl.load(it + w * 5 + 3)
         for r in range(rcnt):
-            lo = tl.load(RANGES + 3 * (roff + r))
-            hi = tl.load(RANGES + 3 * (roff + r) + 1)
-            dlt = 0
+            lo, hi, dlt = _read_range(RANGES, roff + r, causal_off, CAUSAL)
             if CAUSAL:
-                dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off
                 hi = tl.minimum(hi, re + dlt)
                 mid = tl.minimum(hi, rs + dlt + 1)
             else:
@@ -352,11 +357,8 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
             roff = tl.load(it + w * 5 + 2)
             rcnt = tl.load(it + w * 5 + 3)
             for r in range(rcnt):
-                lo = tl.load(RANGES + 3 * (roff + r))
-                hi = tl.load(RANGES + 3 * (roff + r) + 1)
-                dlt = 0
+                lo, hi, dlt = _read_range(RANGES, roff + r, causal_off, CAUSAL)
                 if CAUSAL:
-                    dlt = tl.load(RANGES + 3 * (roff + r) + 2) + causal_off   # query m sees key n: n <= m + dlt
                     lo = tl.maximum(lo, rs - dlt)                               # queries before that see no key here
                     head_end = tl.minimum(tl.maximum(lo, re - 1 - dlt), hi)    # queries >= re-1-dlt see every key
                     n_head = tl.cdiv(tl.maximum(head_end - lo, 0), BLOCK_M)
