@@ -64,7 +64,6 @@ class Job:
     floats: set = field(default_factory=set)      # fp32 scalar arguments
     div16: object = None             # name -> True for the integer arguments a launch sees divisible by 16 (strides)
     label: dict = field(default_factory=dict)     # what the report shows besides the kernel
-    descs: dict = field(default_factory=dict)     # host-side tensor descriptor arguments: name -> signature type
     gluon: bool = False              # a Gluon kernel (compiled from its own source type)
 
 
@@ -75,9 +74,6 @@ def signature(job: Job) -> tuple[dict, dict]:
     for i, (name, param) in enumerate(zip(job.fn.arg_names, job.fn.params)):
         if name in job.constexprs or param.is_constexpr:
             sig[name] = "constexpr"
-            continue
-        if name in job.descs:
-            sig[name] = job.descs[name]
             continue
         if name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
             sig[name] = "*fp32" if name in job.fp32_ptrs else "*i32" if name in job.i32_ptrs else f"*{job.dtype}"
@@ -193,6 +189,13 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
+        if not tiles:
+            # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse
+            rows = config.PHASE2_ROWS[key[0]][block_d(d)]
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=128, ROWS=rows, KBT=config.PHASE2_KBT, CAUSAL=False,
+                        STORE_LSE=True)
+            jobs.append(Job("elsa", "phase2", K._elsa_phase2, dtype, meta, config.PHASE2_WARPS, 2, ptrs, fp32_ptrs,
+                            div16=stride, label=dict(D=d, rows=rows, kbt=config.PHASE2_KBT)))
     return jobs
 
 
@@ -338,18 +341,14 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         print(f"gluon_core: written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped",
               flush=True)
         return []
-    gl = gc.gl
     jobs = []
     for dtype, d in itertools.product([x for x in dtypes if x != "fp32"], [x for x in dims if x in gc.HEAD_DIMS]):
         block_n, stages = gc.TILES[d]
-        elem = gl.float16 if dtype == "fp16" else gl.bfloat16
-        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], elem)!r}>"
-                 for name, rows in (("q_desc", gc.ROWS_PER_CONSUMER), ("k_desc", block_n), ("v_desc", block_n))}
         for causal, summary in itertools.product((False, True), (False, True)):
-            meta = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
+            meta = dict(BLOCK_D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
                         LSE_MODE=0 if summary else 2, CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
-            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
-                            floats={"qk_scale"}, descs=descs, gluon=True,
+            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Q", "K", "V", "Out"},
+                            {"Lse", "Sbuf"}, floats={"qk_scale"}, gluon=True,
                             label=dict(D=d, causal=causal, summary=summary, cfg=[block_n, stages])))
     return jobs
 

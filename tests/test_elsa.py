@@ -284,6 +284,28 @@ def test_scale_and_noncontiguous_inputs(device):
     assert max(_max_err(g, r) for g, r in zip(grads, refs)) <= GRAD_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_16_bit_partials_cost_about_one_rounding(device, causal):
+    """16-bit inputs keep each partition's normalised output in 16 bits between the phases. That adds about one
+    rounding of the output: with 3 partitions the error against float64 (relative RMS) stays within 2x that of the
+    float64 result rounded to fp16 once (CPU: 1.3-1.6x; 1.2-1.3x with fp32 partials or one partition), while a 1 %
+    error in the scale is ~50x it."""
+    torch.manual_seed(7)
+    q, k, v = _qkv(1, 2, 2, 300, 300, 64, torch.float16, device, grad=False)
+    cfg = {"plan": {"partition_width": 128}}
+    ref = reference_attention(q, k, v, causal=causal)
+
+    def rel_rms(x):
+        return ((x.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+    with trace_launches() as events:
+        out = elsa_attention(q, k, v, causal=causal, config=cfg)
+    assert events[0]["partitions"] == 3 and events[0]["partials_dtype"] == "float16"
+    rounding = rel_rms(ref.half())
+    assert rel_rms(out) <= 2.0 * rounding
+    assert rel_rms(elsa_attention(q, k, v, causal=causal, config=cfg, scale=1.01 / 8)) > 2.0 * rounding
+
+
 def test_q_chunks_and_trace_records_every_launch(device):
     q, k, v = _qkv(1, 2, 2, 200, 200, 32, torch.float16, device, grad=False)
     with trace_launches() as events:
@@ -292,6 +314,7 @@ def test_q_chunks_and_trace_records_every_launch(device):
     assert phases == [1, 2] * 4                                        # ceil(200 / 64) chunks, each a pair
     for e in events:
         assert e["summary_dtype"] == "float32" and e["summary_shape"][0] == 4
+        assert e["partials_dtype"] == "float16"                         # normalised partial outputs, 16-bit
         assert e["summary_device"].startswith(device.type)
         assert e["summary_ptr"] == events[0]["summary_ptr"]
     assert not set(events[1]["args"]) & {"Q", "K", "V"}

@@ -181,8 +181,9 @@ def test_gpu_elsa_on_the_core_compiled_and_graphed():
 
 def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0, n_blocks, parts, width, n_slots, summary,
                      lse_mode, **_):
-    """What _gluon_fwd_kernel writes, in float64: per (row block, head, partition) the state of 128 rows over the
-    partition's keys into ELSA's slots (SUMMARY), or out and the base-2 lse (+inf for a row that sees no key)."""
+    """What _gluon_fwd_kernel writes, computed in float64: per (row block, head, partition) the state of 128 rows
+    over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in q's dtype), or out
+    and the base-2 lse (+inf for a row that sees no key)."""
     b_, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows_per_block = gc.CTA_ROWS
@@ -205,7 +206,9 @@ def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0, n_blocks,
                 base = ((part * n_blocks + qb) * b_ * hq + bh) * rows_per_block
                 sbuf[base:base + rows_per_block] = m.float()
                 sbuf[n_slots + base:n_slots + base + rows_per_block] = l_.float()
-                sbuf[2 * n_slots + base * d:2 * n_slots + (base + rows_per_block) * d] = acc.float().flatten()
+                o = torch.where(l_[:, None] > 0, acc / l_.clamp_min(1e-300)[:, None], 0.0)
+                partials = sbuf[2 * n_slots:].view(q.dtype)       # the normalised partial outputs, 16-bit
+                partials[base * d:(base + rows_per_block) * d] = o.to(q.dtype).flatten()
         else:
             keep = rows < n_q
             o = torch.where(l_[:, None] > 0, acc / l_.clamp_min(1e-300)[:, None], 0.0)
@@ -227,7 +230,8 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
     """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64:
     the grid, q-chunks, partitions and slot counts the host passes are what phase 2 reads."""
     monkeypatch.setattr(gc, "available", lambda *a: True)
-    monkeypatch.setattr(gc, "launch", _emulated_launch)
+    monkeypatch.setattr(gc, "prepare", lambda q, k, v, **fixed: (
+        lambda q, k, v, out, lse, sbuf: _emulated_launch(q, k, v, out, lse, sbuf, **fixed)))
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(elsa_config, "GLUON_MIN_WORK", 0)
     monkeypatch.setattr(elsa_config, "SHORT_N", 0)

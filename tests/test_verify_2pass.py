@@ -13,7 +13,8 @@ def test_verify_two_pass_cpu_confirms():
         assert row["ok"] and row["phase2_separate"] == "yes"
         assert row["k_partitions"] >= 2
         assert row["phase1_launches"] >= 1
-        assert row["summary_shape"].endswith("float32 cpu")
+        # fp32 statistics; partial outputs fp32 for fp32 inputs, in the inputs' dtype for 16-bit ones
+        assert row["summary_shape"].endswith(f"float32/{row['dtype']} cpu")
         assert row["max_abs"] <= v2.TOLERANCE[getattr(torch, row["dtype"])]
     assert set(rows[0]) == set(v2.ROW_KEYS)
     causal = [row for row in rows if row["causal"]]
@@ -32,6 +33,17 @@ def test_verify_two_pass_fails_without_phase2(monkeypatch):
     assert not ok and len(failures) == 1
     assert "tiny fp32" in failures[0] and "phase-2" in failures[0]
     assert rows[0]["phase2_separate"] == "no"
+
+
+def test_verify_two_pass_fails_on_16_bit_statistics(monkeypatch):
+    """The softmax statistics (m, z) must stay fp32: a trace that says otherwise is FAILED, naming them."""
+    import kernels.elsa.trace as trace
+
+    real_record = trace.record
+    monkeypatch.setattr(trace, "record", lambda **e: real_record(**dict(e, summary_dtype="float16")))
+    monkeypatch.setattr(v2, "CPU_SHAPES", [("tiny fp16", (1, 1, 160, 32), torch.float16, False)])
+    rows, ok, failures = v2.verify_two_pass("cpu")
+    assert not ok and "(m, z) are not float32" in failures[0]
 
 
 @pytest.mark.gpu

@@ -50,11 +50,12 @@ BUILTIN_FWD_TABLE = {
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
-# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D): its launch
-# builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
-# the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
-# the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
-# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
+# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D). Below it the
+# Triton core is as fast or faster on the GPU: do_bench at D=64 4K (B=1, H=8: 2^33) 0.101 ms against 0.112, at
+# (1, 1, 4096, 128) 0.039 against 0.045, level at (1, 2, 8192, 64) (results/dev/gluon_core/elsa_host_time_h100.json,
+# whose host times are now alike on both cores). With the core's earlier host-side descriptors (~100-160 us of CPU
+# a launch) the H100 nightly gate had caught the D=64 4K forward at 1.07x flash against 0.86x
+# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gain on the core
 # (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full).
 GLUON_MIN_WORK = 2**34
 
@@ -120,15 +121,19 @@ LONG_N = 4096
 MIN_P_LONG = 2
 MIN_W = 128
 MAX_P = 16
-# Q-chunking, per dtype class: chunk the query rows so the fp32 summary buffer stays within SUMMARY_BUDGET x the
+# Q-chunking, per dtype class: chunk the query rows so the summary buffer stays within SUMMARY_BUDGET x the
 # output's bytes (extra memory O(N): peak above the inputs ~ (1 + budget) x the output's), but never below
 # CHUNK_MIN_WAVES waves of phase-1 programs per launch (fewer leave SMs idle in each chunk's last wave). float32:
 # the memory target (peak above the inputs <= 1.3 x SDPA efficient's) with chunks of ~15 waves of its small tiles
 # anyway; 16-bit: speed first, 4 waves of 128-row programs per chunk.
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
-# Phase 2: rows per program and partitions reduced per slab, per BLOCK_D (slab = KBT x ROWS x BLOCK_D fp32).
-PHASE2_ROWS = {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}
+# Phase 2: rows per program, per dtype class and BLOCK_D, and partitions reduced per slab (slab = KBT x ROWS x
+# BLOCK_D values). 16-bit (partials in 16 bits): 64 rows at D=64 and 32 at D=128 took 10-16 % less phase-2 time on
+# the H100 than 32 and 16 (4K-16K, and Llama-3's causal GQA at 8K; results/dev/elsa/phase2_16bit_partials_h100.json).
+# float32 keeps the smaller slabs: 64 rows at D=64 spill there (sm_90 compile check, scripts/compile_check.py).
+PHASE2_ROWS = {"16": {16: 64, 32: 64, 64: 64, 128: 32, 256: 16},
+               "32": {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}}
 PHASE2_KBT = 2   # 4 spilled at D=64, BM=128 (255 regs); phase 2 is memory-bound anyway
 PHASE2_WARPS = 4
 DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there is no SM count
@@ -293,7 +298,7 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qc = max(qc_budget, qc_parallel)
         qc = -(-qc // bm) * bm
     qc = min(qc, all_rows)
-    rows = min(PHASE2_ROWS[bd], bm)
+    rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT, _next_pow2(parts))
     return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
 
@@ -312,15 +317,19 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
 
 
 def summary_row_bytes(parts: int, d: int, dtype: torch.dtype) -> int:
-    """Summary bytes per query row (of one head) with `parts` partitions: (m, z) of every partition and the weighted
-    sum s of every partition -- but the first for a float32 output, which holds partition 0's s itself until phase 2
-    merges in place (a 16-bit output cannot hold an unnormalised sum)."""
-    return (2 * parts + (parts - (dtype == torch.float32)) * d) * 4
+    """Summary bytes per query row (of one head) with `parts` partitions: fp32 (m, z) of every partition, and per
+    partition its part of the output -- float32: the weighted sum s, but for the first partition, whose s the
+    output itself holds until phase 2 merges in place; 16-bit: the normalised s / z in the output's dtype (a
+    16-bit output cannot hold an unnormalised sum, and s / z cannot overflow)."""
+    if dtype == torch.float32:
+        return (2 * parts + (parts - 1) * d) * 4
+    return 2 * parts * 4 + parts * d * dtype.itemsize
 
 
 def summary_numel(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -> int:
-    """fp32 elements of the summary buffer of one q-chunk (0 when phase 1 writes the output itself): M and Z for
-    P slots of rows [P, QB, BH, BLOCK_M], then S (float32 outputs: for the partitions 1..P-1)."""
+    """The size of the summary buffer of one q-chunk in fp32 elements (it is allocated as float32; 0 when phase 1
+    writes the output itself): M and Z for P slots of rows [P, QB, BH, BLOCK_M], then S (float32 outputs: for the
+    partitions 1..P-1; 16-bit outputs: in the output's dtype)."""
     if plan.final:
         return 0
     rows = math.ceil(min(plan.q_chunk, nq) / plan.block_m) * bh * plan.block_m
@@ -328,5 +337,5 @@ def summary_numel(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -
 
 
 def summary_bytes(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -> int:
-    """Bytes of the fp32 summary buffer of one q-chunk (0 when phase 1 writes the output itself)."""
+    """Bytes of the summary buffer of one q-chunk (0 when phase 1 writes the output itself)."""
     return summary_numel(plan, nq, bh, d, dtype) * 4

@@ -2,7 +2,8 @@
 
 Forward, per q-chunk of rows [q0, q0 + q_chunk):
   phase 1  grid (QB, B*Hq, P): program (qb, bh, p) folds the keys of partition p for BLOCK_M query rows
-           into one monoid summary per row, (m, z, s) in fp32, and stores it to global memory;
+           into one monoid summary per row and stores it to global memory: (m, z) in fp32, and s in fp32
+           (float32 inputs) or s / z in the inputs' dtype (16-bit: half the bytes, and it cannot overflow);
   phase 2  grid (QB*BLOCK_M/ROWS, B*Hq), a separate launch: reads only those summaries, merges the
            partitions of each row (causal: only partitions at or before the block's diagonal) and
            writes out = s / z (0 for a row with no visible key), plus lse = m + log2 z for training.
@@ -178,10 +179,13 @@ class _FwdPlan(LaunchPlan):
         sbuf = out if final else q.new_empty(self.sbuf_numel, dtype=_f32)
         if final:
             buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="",
-                          summary_ptr=None)
+                          partials_dtype="", summary_ptr=None)
         else:
+            # the buffer (and its m, z) is fp32; the partial outputs after them are fp32 sums for a float32 output,
+            # normalised partial outputs in the output's dtype for a 16-bit one (kernel.py's _store_summary)
             buffer = dict(summary_buffer=(self.sbuf_numel,), summary_device=str(sbuf.device),
-                          summary_dtype=str(sbuf.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())
+                          summary_dtype=str(sbuf.dtype).replace("torch.", ""),
+                          partials_dtype=str(out.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())
         for p1, p2, info in self.chunks:
             summary_shape = None if final else (plan.parts, info["QB"], c.BH, plan.block_m, c.D)
             ev = trace.start_event(c.device)
@@ -202,16 +206,21 @@ class _FwdPlan(LaunchPlan):
 
 class _GluonPhase1:
     """Phase 1 on the Gluon Hopper core (kernels/_gluon_core.py), called like the Prepared _elsa_phase1 it
-    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse."""
+    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse. The
+    core's Prepared launch is made at the first call (it needs the tensors' shapes) and kept with the plan."""
 
-    __slots__ = ("fixed",)
+    __slots__ = ("fixed", "prepared")
     jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None
 
     def __init__(self, **fixed):
         self.fixed = fixed
+        self.prepared = None
 
     def __call__(self, q, k, v, b, sbuf, out, lse):
-        return gluon_core.launch(q, k, v, out, lse, sbuf, **self.fixed)
+        prepared = self.prepared
+        if prepared is None:
+            prepared = self.prepared = gluon_core.prepare(q, k, v, **self.fixed)
+        return prepared(q, k, v, out, lse, sbuf)
 
 
 def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):

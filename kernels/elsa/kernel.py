@@ -178,11 +178,20 @@ def _write_output(Out, Lse, m, z, s, bh, b, h, rows, sob, soh, son, NQ,
 
 
 @triton.jit
+def _partials(Sbuf, NROWS, Out):
+    """Where slab S starts, after M and Z: fp32 partial sums for a float32 output, the normalised partial outputs
+    in the output's dtype for a 16-bit one (one allocation, typed by this pointer)."""
+    return (Sbuf + 2 * NROWS.to(tl.int64)).to(tl.pointer_type(Out.dtype.element_ty))
+
+
+@triton.jit
 def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(m, z) of one program to its slot of M and Z, s to its slot of S -- or, float32 output, partition 0's s into
-    the output rows themselves (Out holds fp32 then: the same numbers, one [rows, D] slab less of summaries).
-    Pointers offset by the slots' scalar bases."""
+    """(m, z) of one program to its slot of M and Z (fp32), and its part of the output to its slot of S.
+    float32 output: s itself, and partition 0's s into the output rows themselves (Out holds fp32 then: the same
+    numbers, one [rows, D] slab less of summaries). 16-bit output: the partition's normalised output s / z in the
+    output's dtype (0 for a row that sees none of its keys): half the bytes of an fp32 s, and no overflow (it lies
+    within the values' range). Pointers offset by the slots' scalar bases."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
@@ -197,11 +206,12 @@ def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NRO
             tl.store(o_base + offs_m[:, None] * son + offs_d[None, :], s_i, mask=mask)
         else:
             base_s = (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
-            _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base_s + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+            _store_rows(_partials(Sbuf, NROWS, Out) + (base_s + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
                         s_i, offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
     else:
-        _store_rows(Sbuf + 2 * NROWS.to(tl.int64) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], s_i,
-                    offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
+        o_i = tl.where(z_i[:, None] > 0, s_i / tl.where(z_i > 0, z_i, 1.0)[:, None], 0.0)
+        _store_rows(_partials(Sbuf, NROWS, Out) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                    o_i.to(Out.dtype.element_ty), offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "q0", "QB", "BH", "W"])
@@ -216,11 +226,12 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                  WARP_SPECIALIZE: tl.constexpr):
     """Program (qb, bh, part): the summaries of BLOCK_M query rows over the keys [part*W, part*W + W).
 
-    Summary buffer Sbuf (fp32, one allocation): M [NROWS], Z [NROWS], rows in the logical order [P, QB, BH,
-    BLOCK_M] (NROWS = P * QB * BH * BLOCK_M for the largest chunk), then S [rows, HEAD_DIM] in the same order --
-    for a float32 output only the partitions 1..P-1: partition 0 writes its s into the output rows it will finally
-    hold (phase 2 reads it back and merges in place), one [rows, D] slab less per chunk. Phase 2's (qb, bh) reads
-    one contiguous slab per partition.
+    Summary buffer Sbuf (one allocation): M [NROWS] and Z [NROWS] in fp32, rows in the logical order [P, QB, BH,
+    BLOCK_M] (NROWS = P * QB * BH * BLOCK_M for the largest chunk), then S [rows, HEAD_DIM] in the same order.
+    16-bit output: S holds each partition's normalised output s / z in the output's dtype (_store_summary).
+    float32 output: S holds the fp32 s of the partitions 1..P-1 only: partition 0 writes its s into the output rows
+    it will finally hold (phase 2 reads it back and merges in place), one [rows, D] slab less per chunk. Phase 2's
+    (qb, bh) reads one contiguous slab per partition.
     FINAL (a single partition holds every key): there is nothing to merge, so the program writes out and lse
     itself and phase 2 is not launched.
     SCALE_IN_EXP (16-bit, no bias) runs the shared flash core's loop (_core_scan): KEYS_EVEN (NK a multiple of
@@ -309,7 +320,7 @@ def _elsa_phase2(Sbuf, Out, Lse,
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     z_base = Sbuf + NROWS.to(tl.int64)
-    s_base = Sbuf + 2 * NROWS.to(tl.int64)
+    s_base = _partials(Sbuf, NROWS, Out)
     # Slabs of KBT partitions are reduced with tl.max / tl.sum over axis 0 (a tree inside the
     # program); slabs are merged into a running total. Pass 1: the row max M* over partitions.
     m_star = tl.full([ROWS], float("-inf"), tl.float32)
@@ -320,7 +331,8 @@ def _elsa_phase2(Sbuf, Out, Lse,
         m_star = tl.maximum(m_star, tl.max(mk, 0))
     m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
     # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s; a float32 output
-    # holds partition 0's s itself (read back here, then overwritten by the result).
+    # holds partition 0's s itself (read back here, then overwritten by the result); a 16-bit one's slots hold
+    # o_p = s_p / z_p, so S = sum (w z) o_p.
     S0_IN_OUT: tl.constexpr = Out.dtype.element_ty == tl.float32
     z = tl.zeros([ROWS], tl.float32)
     s = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -342,7 +354,10 @@ def _elsa_phase2(Sbuf, Out, Lse,
         if BLOCK_D != HEAD_DIM:
             s_mask = s_mask & (offs_d[None, None, :] < HEAD_DIM)
         sk = tl.load(s_base + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_mask, other=0.0)
-        s += tl.sum(w[:, :, None] * sk, 0)
+        if S0_IN_OUT:
+            s += tl.sum(w[:, :, None] * sk, 0)
+        else:
+            s += tl.sum((w * zk)[:, :, None] * sk.to(tl.float32), 0)
     rows = q0 + qb * BLOCK_M + i0 + offs_r
     if S0_IN_OUT:
         o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
