@@ -19,7 +19,7 @@ The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale fo
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
 A program takes 128 query rows and one key partition (grid (row blocks, B*Hq, partitions)); it writes the
 normalised output (and an LSE), or with SUMMARY its state into ELSA's phase-1 summary slots (fp32 m and l, the
-normalised partial output in the inputs' dtype), so ELSA's phase 1 runs on it through `prepare` (kernels/elsa/host.py)
+normalised partial output in the inputs' dtype), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
 with the same phase 2 as the Triton phase 1. The TMA descriptors span the
 flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past
 the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end
@@ -29,20 +29,22 @@ What this file needs and where it runs: triton 3.6's Gluon API (`gl.warp_special
 worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, head dims 64 and 128, contiguous
 [B, H, N, D] inputs of 16 bits. `available(q, k, v)` is the one test; nothing here runs on the CPU (Gluon has no
 interpreter), so the CPU and exactness reference stays the plain core. `gluon_fwd` is the standalone forward, for
-tests and timing. The kernel makes its three TMA descriptors itself (in the global scratch the launch allocates,
-like the Triton core's), so a launch passes pointers and integers only and ELSA launches it as a Prepared: ~35-65 us
-of CPU per ELSA forward, as on the Triton core, where three host-side descriptors had cost ~100-160 us
-(results/dev/gluon_core/elsa_host_time_h100.json).
+tests and timing. A launch builds three host-side descriptors; their TMA maps cost ~100-160 us of CPU per ELSA
+forward (results/dev/gluon_core/elsa_host_time_h100.json), which is why ELSA takes this core only for enough work.
+Making the descriptors in the kernel instead (pointers only at launch, ~35-65 us of CPU per ELSA forward, as on the
+Triton core) was measured and not taken: every CTA then builds three TMA maps, and ELSA's phase 1 took 2-7 % longer
+at every shape where ELSA uses the core (the same file) -- more than the host time it saves, hidden there.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
-from ._flash_core import _capability, ensure_allocator
-from ._launch import Prepared
+from ._flash_core import _capability
+from ._launch import launch as _launch
 
 NAME = "gluon_core"
 HEAD_DIMS = (64, 128)
@@ -51,6 +53,7 @@ GLUON_VERSION = "3.6"      # the Gluon API this file is written against (warp_sp
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     HAS_GLUON = True
@@ -66,11 +69,6 @@ LOADER_REGS = 24
 
 
 if HAS_GLUON:
-    _ROWS = gl.constexpr(ROWS_PER_CONSUMER)       # a kernel reads module globals only as constexprs
-
-    @gluon.constexpr_function
-    def _smem_layout(rows, d, dtype):
-        return gl.NVMMASharedLayout.get_default_for([rows, d], dtype)
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
@@ -220,24 +218,17 @@ if HAS_GLUON:
                   slot, n_slots, 1, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)
 
     @gluon.jit
-    def _gluon_fwd_kernel(Q, K, V, Out, Lse, Sbuf, q_rows, kv_rows, heads, group, n_q, n_k, causal_shift,
-                          qk_scale, q0, n_blocks, width, n_slots, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, Out, Lse, Sbuf, heads, group, n_q, n_k, causal_shift, qk_scale,
+                          q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
                           LSE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
         [part * width, part * width + width) (one partition holding every key: width >= n_k). SUMMARY stores the
         state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot rows
-        in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
-        Q, K, V are contiguous [rows, BLOCK_D] (q_rows = B*Hq*Nq, kv_rows = B*Hkv*Nk); their TMA descriptors are
-        made here, in the global scratch the launch allocates, so a launch passes plain pointers."""
-        BLOCK_M: gl.constexpr = _ROWS
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_desc = tma.make_tensor_descriptor(Q, [q_rows, BLOCK_D], [BLOCK_D, 1], [BLOCK_M, BLOCK_D],
-                                            _smem_layout(BLOCK_M, BLOCK_D, dtype))
-        k_desc = tma.make_tensor_descriptor(K, [kv_rows, BLOCK_D], [BLOCK_D, 1], [BLOCK_N, BLOCK_D],
-                                            _smem_layout(BLOCK_N, BLOCK_D, dtype))
-        v_desc = tma.make_tensor_descriptor(V, [kv_rows, BLOCK_D], [BLOCK_D, 1], [BLOCK_N, BLOCK_D],
-                                            _smem_layout(BLOCK_N, BLOCK_D, dtype))
+        in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
         qb = gl.program_id(0)
         if CAUSAL:
             qb = gl.num_programs(0) - 1 - qb          # the longest rows first
@@ -305,24 +296,41 @@ def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return _capability(index)[0] == 9 and all(t.is_contiguous() for t in (q, k, v))
 
 
-def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int, width: int,
-            n_slots: int, summary: bool, lse_mode: int, pingpong: bool = True, tiles=None,
-            regs=(CONSUMER_REGS, LOADER_REGS)) -> Prepared:
-    """The launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
-    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), for tensors shaped
-    and laid out like q, k, v: a kernels/_launch.py Prepared, called as (q, k, v, out, lse, sbuf) on q's device
-    made current by the caller, which checked available(q, k, v) and keeps the Prepared per call signature (ELSA's
-    plan does). After its first call it launches the compiled kernel with pointers and integers only: the kernel
-    makes its TMA descriptors itself, in the global scratch that Triton's allocator gives the launch
-    (kernels/_flash_core.ensure_allocator, per thread, before a call)."""
+@functools.lru_cache(maxsize=32)
+def _layout(rows: int, d: int, dtype_gl):
+    return gl.NVMMASharedLayout.get_default_for([rows, d], dtype_gl)
+
+
+def _desc(t2d: torch.Tensor, rows: int, dtype_gl):
+    d = t2d.shape[1]
+    return TensorDescriptor(t2d, list(t2d.shape), [d, 1], [rows, d], _layout(rows, d, dtype_gl))
+
+
+def _descriptors(q, k, v, block_n):
+    d = q.shape[-1]
+    dtype_gl = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    return (_desc(q.view(-1, d), ROWS_PER_CONSUMER, dtype_gl), _desc(k.view(-1, d), block_n, dtype_gl),
+            _desc(v.view(-1, d), block_n, dtype_gl))
+
+
+def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int,
+           width: int, n_slots: int, summary: bool, lse_mode: int, pingpong: bool = True, tiles=None,
+           regs=(CONSUMER_REGS, LOADER_REGS)):
+    """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
+    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), on q's device made
+    current by the caller. The caller checked available(q, k, v). Through kernels/_launch.py: after the first
+    call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
+    launcher). Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
-    batch, heads, n_q, n_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    return Prepared(_gluon_fwd_kernel, (n_blocks, batch * heads, parts), (
-        batch * heads * n_q, batch * k.shape[1] * n_k, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
+    q_desc, k_desc, v_desc = _descriptors(q, k, v, block_n)
+    heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    grid = (n_blocks, q.shape[0] * heads, parts)
+    return _launch(_gluon_fwd_kernel, grid, (
+        q_desc, k_desc, v_desc, out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
         q0, n_blocks, width, n_slots), dict(
-        BLOCK_D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-        LSE_MODE=lse_mode, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
+        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary, LSE_MODE=lse_mode,
+        CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = True, tiles=None,
@@ -342,9 +350,8 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = Tru
     if out.numel() == 0 or shape.len_kv == 0:
         out.zero_()
         return (out, lse.fill_(float("-inf"))) if return_lse else out
-    ensure_allocator()
     with on_device(q):
-        prepare(q, k, v, causal=causal, qk_scale=scale * LOG2E, q0=0, n_blocks=triton.cdiv(shape.len_q, CTA_ROWS),
-                parts=1, width=shape.len_kv, n_slots=0, summary=False, lse_mode=1 if return_lse else 0,
-                pingpong=pingpong, tiles=tiles, regs=regs)(q, k, v, out, lse, out)
+        launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
+               n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
+               lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs)
     return (out, lse) if return_lse else out

@@ -55,6 +55,7 @@ as before.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import os
 
@@ -103,6 +104,9 @@ def clear() -> None:
         cache.clear()
 
 
+_host_descriptors: set = set()     # the host-side tensor descriptor classes call_key knows (filled by _eligible)
+
+
 def _eligible(jit_fn) -> bool:
     """A real (not interpreted) Triton JITFunction on the CUDA backend, with a triton that has triton.knobs."""
     global _get_device, _get_stream, _knobs
@@ -128,6 +132,11 @@ def _eligible(jit_fn) -> bool:
         _scratch_allocator = _allocation._allocator
     except (ImportError, AttributeError):
         _scratch_allocator = None
+    for module in ("triton.tools.tensor_descriptor", "triton.experimental.gluon.nvidia.hopper"):
+        try:
+            _host_descriptors.add(importlib.import_module(module).TensorDescriptor)
+        except (ImportError, AttributeError):
+            pass
     return True
 
 
@@ -186,6 +195,7 @@ def call_key(args, constexprs, device, state):
         an int                          a plain int (strides, sizes: the common case, kept short)
         dtype, aligned, device index    a tensor (the dtype, never equal to an int/type/str, marks it)
         type, value                     bool, str, None, float (True == 1 == 1.0 as keys: the type splits them)
+        type, dtype, block, layout      a host-side tensor descriptor (Gluon's: kernels/_gluon_core.py)
     Each entry's first item says how many follow, and an int, a dtype, a type and a name (str, only in the
     keyword part) never compare equal to each other, so two different calls never give equal tuples.
     An inlined loop: it runs on every launch and is what the fast path costs (NOTES.md, "Host cost")."""
@@ -209,6 +219,13 @@ def call_key(args, constexprs, device, state):
             app(a.dtype)
             app(a.data_ptr() % 16 == 0)
             app(a.get_device())
+        elif t in _host_descriptors:
+            # a host-side tensor descriptor: the JIT specialises on its element type, block shape and shared
+            # layout only (its base, shape and strides become the TMA map the launcher builds at every launch)
+            app(t)
+            app(a.base.dtype)
+            app(tuple(a.block_shape))
+            app(a.layout)
         else:
             return None                 # other types (dtypes, numpy scalars): the JIT decides
     for name, a in constexprs.items():

@@ -64,6 +64,7 @@ class Job:
     floats: set = field(default_factory=set)      # fp32 scalar arguments
     div16: object = None             # name -> True for the integer arguments a launch sees divisible by 16 (strides)
     label: dict = field(default_factory=dict)     # what the report shows besides the kernel
+    descs: dict = field(default_factory=dict)     # host-side tensor descriptor arguments: name -> signature type
     gluon: bool = False              # a Gluon kernel (compiled from its own source type)
 
 
@@ -74,6 +75,9 @@ def signature(job: Job) -> tuple[dict, dict]:
     for i, (name, param) in enumerate(zip(job.fn.arg_names, job.fn.params)):
         if name in job.constexprs or param.is_constexpr:
             sig[name] = "constexpr"
+            continue
+        if name in job.descs:
+            sig[name] = job.descs[name]
             continue
         if name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
             sig[name] = "*fp32" if name in job.fp32_ptrs else "*i32" if name in job.i32_ptrs else f"*{job.dtype}"
@@ -341,14 +345,18 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         print(f"gluon_core: written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped",
               flush=True)
         return []
+    gl = gc.gl
     jobs = []
     for dtype, d in itertools.product([x for x in dtypes if x != "fp32"], [x for x in dims if x in gc.HEAD_DIMS]):
         block_n, stages = gc.TILES[d]
+        elem = gl.float16 if dtype == "fp16" else gl.bfloat16
+        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], elem)!r}>"
+                 for name, rows in (("q_desc", gc.ROWS_PER_CONSUMER), ("k_desc", block_n), ("v_desc", block_n))}
         for causal, summary in itertools.product((False, True), (False, True)):
-            meta = dict(BLOCK_D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
+            meta = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
                         LSE_MODE=0 if summary else 2, CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
-            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Q", "K", "V", "Out"},
-                            {"Lse", "Sbuf"}, floats={"qk_scale"}, gluon=True,
+            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
+                            floats={"qk_scale"}, descs=descs, gluon=True,
                             label=dict(D=d, causal=causal, summary=summary, cfg=[block_n, stages])))
     return jobs
 

@@ -230,8 +230,7 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
     """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64:
     the grid, q-chunks, partitions and slot counts the host passes are what phase 2 reads."""
     monkeypatch.setattr(gc, "available", lambda *a: True)
-    monkeypatch.setattr(gc, "prepare", lambda q, k, v, **fixed: (
-        lambda q, k, v, out, lse, sbuf: _emulated_launch(q, k, v, out, lse, sbuf, **fixed)))
+    monkeypatch.setattr(gc, "launch", _emulated_launch)
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(elsa_config, "GLUON_MIN_WORK", 0)
     monkeypatch.setattr(elsa_config, "SHORT_N", 0)

@@ -252,6 +252,29 @@ def test_key_is_cheap_enough_to_measure():
     assert key is not None and hash(key) == hash(L.call_key(args, cx, 0, None))
 
 
+def test_key_of_a_host_tensor_descriptor(monkeypatch):
+    """A host-side tensor descriptor keys on its element type, block shape and layout -- what the JIT specialises
+    on -- not on its tensor's base, shape or strides (the launcher builds the TMA map from those at each launch)."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    monkeypatch.setattr(L, "_host_descriptors", {hopper.TensorDescriptor})
+
+    def desc(rows, block, dtype=torch.float16):
+        t = torch.empty(rows, 64, dtype=dtype)
+        layout = gl.NVMMASharedLayout.get_default_for([block, 64], gl.float16 if dtype == torch.float16 else
+                                                      gl.bfloat16)
+        return hopper.TensorDescriptor(t, [rows, 64], [64, 1], [block, 64], layout)
+
+    def key(d):
+        return L.call_key((d, 7), {"BLOCK_N": 64}, 0, None)
+
+    assert key(desc(100, 64)) == key(desc(4096, 64)) is not None
+    assert key(desc(100, 64)) != key(desc(100, 128))
+    assert key(desc(100, 64)) != key(desc(100, 64, torch.bfloat16))
+    monkeypatch.setattr(L, "_host_descriptors", set())
+    assert key(desc(100, 64)) is None          # an unknown type: the JIT decides
+
+
 def test_env_var_sets_it_at_import_default_on():
     code = "import kernels._launch as L; print(L.enabled())"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}

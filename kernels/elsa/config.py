@@ -50,13 +50,13 @@ BUILTIN_FWD_TABLE = {
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
-# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D). Below it the
-# Triton core is as fast or faster on the GPU: do_bench at D=64 4K (B=1, H=8: 2^33) 0.101 ms against 0.112, at
-# (1, 1, 4096, 128) 0.039 against 0.045, level at (1, 2, 8192, 64) (results/dev/gluon_core/elsa_host_time_h100.json,
-# whose host times are now alike on both cores). With the core's earlier host-side descriptors (~100-160 us of CPU
-# a launch) the H100 nightly gate had caught the D=64 4K forward at 1.07x flash against 0.86x
-# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gain on the core
-# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full).
+# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D): its launch
+# builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
+# the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
+# the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
+# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
+# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full). Below it the Triton core is also as fast or faster on
+# the GPU (D=64 4K: 0.101 ms against 0.112; the same file, "rows").
 GLUON_MIN_WORK = 2**34
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).

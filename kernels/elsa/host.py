@@ -206,21 +206,16 @@ class _FwdPlan(LaunchPlan):
 
 class _GluonPhase1:
     """Phase 1 on the Gluon Hopper core (kernels/_gluon_core.py), called like the Prepared _elsa_phase1 it
-    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse. The
-    core's Prepared launch is made at the first call (it needs the tensors' shapes) and kept with the plan."""
+    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse."""
 
-    __slots__ = ("fixed", "prepared")
+    __slots__ = ("fixed",)
     jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None
 
     def __init__(self, **fixed):
         self.fixed = fixed
-        self.prepared = None
 
     def __call__(self, q, k, v, b, sbuf, out, lse):
-        prepared = self.prepared
-        if prepared is None:
-            prepared = self.prepared = gluon_core.prepare(q, k, v, **self.fixed)
-        return prepared(q, k, v, out, lse, sbuf)
+        return gluon_core.launch(q, k, v, out, lse, sbuf, **self.fixed)
 
 
 def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
