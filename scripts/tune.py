@@ -11,7 +11,10 @@ A candidate is first checked
 against the float64 reference (relative RMS error of the output, and of dQ, dK, dV for backward sections,
 within a per-dtype tolerance); then it is timed against an SDPA baseline with
 ``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median
-ratio is within ±1 % or the budget ends). Its score is the geometric mean of its median ratios over the
+ratio is within ±1 % or the budget ends). Two sections measure a crossover over lengths instead of a list of
+candidates: Cron Root's "cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root) and PASA's
+"shift" (PASA's K̃ made inline against its pre-pass, pasa_attention(shift=...): up to which key length the main
+kernel shifts K itself). Otherwise a candidate's score is the geometric mean of its median ratios over the
 section's lengths (and causal settings); the current entry is candidate 0, and it is replaced only when the
 best candidate's score is lower by more than the combined CI half-widths (a change must be real, not noise).
 
@@ -21,7 +24,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              kernels/elsa/config.py's FWD_TABLE / BWD_TABLE; a 16-bit "fwd" entry also replaces the flash
              core's plain tiles for phase 1 without a bias: config.FWD_TUNED)
 - pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
-             kernels/pasa/attention.py's DEFAULT_CONFIGS)
+             kernels/pasa/attention.py's DEFAULT_CONFIGS; "shift_inline_max_keys": {"64": 512}, section "shift":
+             up to how many keys the main kernel shifts K itself rather than after a pre-pass, kernels/pasa/ops.py)
 - cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
              kernels/cqsa/kernel.py's built-in GPU tiles)
 - cron_root: kernels/cron_root/tuning.json, the entry of this GPU's name: the hybrid's crossovers
@@ -79,6 +83,7 @@ class Sweep:
     options: Callable[[object, int], dict]      # kernel keyword options of a candidate at a head dim
     causal: tuple = (False,)
     baseline: str = "flash"
+    baseline_options: dict = field(default_factory=dict)     # the baseline backend's keyword options
 
 
 @dataclass
@@ -187,7 +192,9 @@ PASA_TILES = {
     64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4)],
     128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
 }
-PASA_DEFAULT = "variant,tiles"
+PASA_SHIFT_NS = (128, 197, 256, 384, 512, 768, 1024)   # key (= query) lengths of the K̃ path's crossover
+PASA_SHIFT_HEADS = (1, 8, 96)                              # B·H (B = 1): launch-bound to busy
+PASA_DEFAULT = "variant,tiles,shift"
 
 
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")   # ELSA's and PASA's tile tuples, in this order
@@ -316,7 +323,7 @@ def cron_root_sweeps(ctx: Context, section: str):
 
 SECTIONS = {
     "elsa": (elsa_sweeps, list(ELSA_SECTIONS), ELSA_DEFAULT),
-    "pasa": (pasa_sweeps, ["variant", "tiles"], PASA_DEFAULT),
+    "pasa": (pasa_sweeps, ["variant", "tiles", "shift"], PASA_DEFAULT),
     "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv"], CQSA_DEFAULT),
     "cron_root": (cron_root_sweeps, ["cross", "fwd", "dq", "glob", "loc", "seg"], CRON_ROOT_DEFAULT),
 }
@@ -358,7 +365,7 @@ def time_ratio(s: Sweep, options: dict, d: int, n: int, causal: bool, device: st
     common = dict(batch=1, heads=s.heads, n=n, head_dim=d, dtype=s.dtype, mode=s.mode, causal=causal,
                   device=device)
     kernel = make_attention_workload(get_backend(s.kernel), options=options, **common)
-    baseline = make_attention_workload(get_backend(s.baseline), **common)
+    baseline = make_attention_workload(get_backend(s.baseline), options=s.baseline_options, **common)
     try:
         res = measure_pair(kernel, baseline, kernel_name=s.kernel, baseline_name=s.baseline, timing=timing,
                            device=device)
@@ -473,6 +480,9 @@ class Tuner:
             if self.kernel == "cron_root" and section == "cross":
                 self.crossover()
                 continue
+            if self.kernel == "pasa" and section == "shift":
+                self.pasa_shift()
+                continue
             for s in sweeps(self.ctx, section):
                 self.run_sweep(s)
         return self.decisions
@@ -515,6 +525,62 @@ class Tuner:
             self.log(f"== cross {mode}: {cross}")
 
 
+    def pasa_shift(self) -> None:
+        """PASA's K̃ path per head-dim tile width: inline (the main kernel shifts each window itself) against the
+        pre-pass, fp16, non-causal, B = 1, at every B·H of PASA_SHIFT_HEADS; inline is kept up to the longest
+        measured N at which it, and at every shorter measured N, is at most as slow as the pre-pass at every B·H
+        (0: the pre-pass everywhere). Both paths are first checked against float64."""
+        from kernels.pasa import ops
+
+        inline, prepass = {"shift": "inline"}, {"shift": "prepass"}
+        heads = (1,) if self.ctx.cpu else PASA_SHIFT_HEADS
+        for d in self.ctx.dims([64, 128]):
+            key = str(block_d(d))
+            ns = self.ctx.sizes(*PASA_SHIFT_NS)
+            sweeps = {h: Sweep("shift", "pasa", "shift_inline_max_keys", key, "float16", "fwd", (d,), h, ns, [None],
+                               lambda v, _d: inline, baseline="pasa", baseline_options=prepass) for h in heads}
+            check_n = ns[0] if self.ctx.cpu else 1024
+            errors = {name: accuracy(sweeps[heads[0]], opts, d, self.device, check_n)
+                      for name, opts in (("inline", inline), ("prepass", prepass))}
+            self.rows.append({"section": "shift", "head_dim": d, "rel_rmse": errors})
+            bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+            points = []
+            for n in ns if not bad else ():
+                for h in heads:
+                    if not self._time_left():
+                        self.log(f"shift D={d}: budget reached at N={n}, B·H={h}")
+                        break
+                    t0 = time.monotonic()
+                    try:
+                        p = time_ratio(sweeps[h], inline, d, n, False, self.device, self.timing)
+                    except Exception as exc:
+                        p = {"head_dim": d, "n": n, "error": f"{type(exc).__name__}: {exc}"}
+                    self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+                    p["heads"] = h
+                    points.append(p)
+                    self.rows.append({"section": "shift", **p})
+                    self._save()
+                    self.log(f"shift D={d} B·H={h} N={n}: " + (f"inline x{p['ratio']:.3f} vs the pre-pass"
+                                                               if "ratio" in p else p["error"]))
+            limit = 0
+            for n in ns:
+                at_n = [p for p in points if p["n"] == n]
+                if len(at_n) < len(heads) or any("error" in p or p["ratio"] > 1.0 for p in at_n):
+                    break
+                limit = n
+            complete = not bad and len(points) == len(ns) * len(heads)
+            current = ops.SHIFT_INLINE_MAX_KEYS[block_d(d)]
+            why = ("; ".join(bad) + ": the rule stays") if bad else (
+                f"inline at most as slow as the pre-pass at every B·H up to N = {limit}" if limit else
+                f"the pre-pass faster at N = {ns[0]} already")
+            decision = {"section": "shift", "table": "shift_inline_max_keys", "key": key, "value": limit if not bad
+                        else current, "current": current, "changed": complete and limit != current,
+                        "complete": complete, "why": why}
+            self.decisions.append(decision)
+            self._save()
+            self.log(f"== shift D={d}: {decision['value']} ({why})")
+
+
 # --- writing the choices where the kernels read them -------------------------------------------------------------
 
 def _gpu_name() -> str:
@@ -541,9 +607,10 @@ NOTES = {
     "elsa": "ELSA launch configs chosen by scripts/tune.py --kernel elsa (harness timer, paired against SDPA); "
             "entries replace kernels/elsa/config.py's built-in tables: fwd {dtype class,BLOCK_D: [BLOCK_M, BLOCK_N, "
             "num_warps, num_stages]}, bwd {dtype class,BLOCK_D: {dq, dkdv}}.",
-    "pasa": "PASA launch configs chosen by scripts/tune.py --kernel pasa (harness timer, paired against SDPA flash); "
-            "entries replace kernels/pasa/attention.py's BUILTIN_CONFIGS / BUILTIN_VARIANT: {BLOCK_D: [BLOCK_M, BLOCK_N, "
-            "num_warps, num_stages]} (fa16 keeps PASA's tiles).",
+    "pasa": "PASA launch configs chosen by scripts/tune.py --kernel pasa (harness timer, paired against SDPA flash; "
+            "the K̃ path inline against the pre-pass); entries replace kernels/pasa/attention.py's BUILTIN_CONFIGS / "
+            "BUILTIN_VARIANT: {BLOCK_D: [BLOCK_M, BLOCK_N, num_warps, num_stages]} (fa16 keeps PASA's tiles), and "
+            "kernels/pasa/ops.py's BUILTIN_SHIFT_INLINE_MAX_KEYS: {BLOCK_D: keys}.",
     "cqsa": "Stream-CQSA tiles chosen by scripts/tune.py --kernel cqsa (harness timer, paired against SDPA flash); "
             "entries replace kernels/cqsa/kernel.py's built-in GPU choice: {kind: {dtype class,D: [BLOCK_M, BLOCK_N, "
             "num_warps, num_stages]}}.",

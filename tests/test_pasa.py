@@ -12,8 +12,6 @@ K̃ = fp16(λM·K) is computed by the main kernel itself up to ops.SHIFT_INLINE_
 beyond: the exactness tests run both ways (the ``shift_path`` fixture), whatever the constant.
 """
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -329,6 +327,8 @@ def test_variant_option():
     q, k, v = (torch.randn(1, 1, 32, 64).half() for _ in range(3))
     with pytest.raises(ValueError, match="variant"):
         pasa_attention(q, k, v, variant="fast")
+    with pytest.raises(ValueError, match="shift must be one of auto, inline, prepass, got 'fast'"):
+        pasa_attention(q, k, v, shift="fast")
 
 
 def test_fa16_forward_ordinary_inputs(device):
@@ -512,21 +512,6 @@ def test_fp16_path_never_reads_values_back(device, monkeypatch):
 
 # ------------------------------------------------------------- K̃ inline or by the pre-pass ---
 
-def _with_shift_path(path, monkeypatch, fn):
-    """fn() with K̃ computed inline ("inline") or by the pre-pass ("prepass") at every length, on fresh plans."""
-    from kernels import _launch
-    from kernels.pasa import ops
-
-    monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS", dict.fromkeys(ops.SHIFT_INLINE_MAX_KEYS,
-                                                                   1 << 30 if path == "inline" else 0))
-    _launch.clear()
-    try:
-        return fn()
-    finally:
-        monkeypatch.undo()
-        _launch.clear()
-
-
 # (Hq, Hkv, Nq, Nk, D, causal, block_n): ragged last windows (Nk % n != 0), Nk < n (one zero-padded window), grouped
 # K/V, bottom-right causal with Nq != Nk, a padded head dim
 INLINE_CASES = [(2, 2, 200, 200, 64, False, 64), (2, 2, 50, 50, 64, True, 64), (4, 2, 70, 150, 40, True, 64),
@@ -534,7 +519,7 @@ INLINE_CASES = [(2, 2, 200, 200, 64, False, 64), (2, 2, 50, 50, 64, True, 64), (
 
 
 @pytest.mark.parametrize("hq, hkv, nq, nk, d, causal, block_n", INLINE_CASES)
-def test_inline_and_prepass_shift_agree(device, monkeypatch, hq, hkv, nq, nk, d, causal, block_n):
+def test_inline_and_prepass_shift_agree(device, hq, hkv, nq, nk, d, causal, block_n):
     # Both make the same K̃ (the same λM tile, the same fp32-accumulated matmul per window, rounded once to fp16) and
     # then the same main loop: they may differ only by the order of the fp32 sums, the bound of the kernel against
     # its model (assert_matches_model; ≤ 32 ulp16(O_abs) per element, RMS ≤ half the error against float64)
@@ -543,14 +528,13 @@ def test_inline_and_prepass_shift_agree(device, monkeypatch, hq, hkv, nq, nk, d,
     unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
     for var in ("ref", "fused"):
         for state in ("fp16", "fp32"):
-            outs = {path: _with_shift_path(path, monkeypatch, lambda: pasa_attention(
-                q, k, v, causal=causal, config=window(block_n), variant=var, state_dtype=state))
-                for path in ("inline", "prepass")}
+            outs = {path: pasa_attention(q, k, v, causal=causal, config=window(block_n), variant=var,
+                                         state_dtype=state, shift=path) for path in ("inline", "prepass")}
             assert torch.isfinite(outs["inline"]).all()
             assert_matches_model(outs["inline"], outs["prepass"], ref, unit, f"{var} {state}")
 
 
-def test_plan_shifts_inline_up_to_the_constant(device, monkeypatch):
+def test_plan_shifts_inline_up_to_the_rule_or_as_asked(device, monkeypatch):
     # the shipped rule: Nk <= SHIFT_INLINE_MAX_KEYS is one launch (the main kernel shifts K itself, no K̃ buffer),
     # one key more is the pre-pass and the main kernel on its buffer. Counted by the launches kernels._launch makes.
     from kernels import _launch
@@ -566,48 +550,18 @@ def test_plan_shifts_inline_up_to_the_constant(device, monkeypatch):
 
     monkeypatch.setattr(_launch, "launch", counting)
     limit = ops.SHIFT_INLINE_MAX_KEYS[16]                # the inputs' head dim 16: 16-wide tiles
-    for nk, inline in ((limit, True), (limit + 1, False), (17, True)):
+    # shift="auto" by the rule; "inline" / "prepass" force a path at any length (scripts/tune.py times them so)
+    for nk, shift, inline in ((limit, "auto", True), (limit + 1, "auto", False), (17, "auto", True),
+                              (limit + 1, "inline", True), (17, "prepass", False)):
         q, k, v = _randn_inputs(2, 1, 16, nk, 16, device, seed=nk)
         _launch.clear()
         launched.clear()
-        out = pasa_attention(q, k, v)
+        out = pasa_attention(q, k, v, shift=shift)
         (plan,) = ops._plans.values()
         assert (plan.shift is None) == inline and plan.main.constexprs["SHIFT_INLINE"] == inline, nk
         assert launched == ([_pasa_fwd_kernel] if inline else [_shift_k_kernel, _pasa_fwd_kernel]), nk
         assert rel_rmse(out, reference_attention(q, k, v)) <= 4e-3, nk
 
-
-def test_shift_timing_script_runs_on_cpu(tmp_path, capsys):
-    # scripts/pasa_shift_timing.py (the GPU sweep that sets SHIFT_INLINE_MAX_KEYS): both paths checked against
-    # float64 and timed, every row kept, the shipped constant restored; the crossover rule on made-up rows
-    import importlib.util
-    from pathlib import Path
-
-    from kernels.pasa import ops
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "pasa_shift_timing.py"
-    spec = importlib.util.spec_from_file_location("pasa_shift_timing", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    shipped = ops.SHIFT_INLINE_MAX_KEYS
-    out = tmp_path / "shift.json"
-    assert mod.main(["--device", "cpu", "--ns", "32,80", "--bh", "1", "--dims", "16", "--rounds", "1",
-                     "--out", str(out)]) == 0
-    assert ops.SHIFT_INLINE_MAX_KEYS == shipped
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["n"] for r in rows] == [32, 80]
-    for r in rows:
-        assert "error" not in r and r["rel_rmse_inline"] <= 4e-3 and r["rel_rmse_prepass"] <= 4e-3
-        assert r["wall_ratio"] == pytest.approx(r["wall_ms_inline"] / r["wall_ms_prepass"])
-    assert "D=16: inline at most as slow" in capsys.readouterr().out
-    made = [dict(head_dim=64, bh=bh, n=n, wall_ratio=ratio)
-            for n, ratios in ((128, (0.5, 0.9)), (256, (0.8, 1.0)), (512, (0.9, 1.2)), (1024, (0.7, 0.8)))
-            for bh, ratio in zip((1, 96), ratios)]
-    assert mod.crossover(made, 64) == 256 and mod.crossover(made, 128) is None
-    assert mod.main(["--device", "cpu", "--ns", "a"]) == 2
-
-
-# -------------------------------------------------------------------------- ops and torch.compile ---
 
 def test_opcheck():
     from kernels.pasa import ops
@@ -758,7 +712,7 @@ def test_gpu_cuda_graph_capture_replays_like_eager(dtype):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq, nk", [(128, 128), (197, 197), (100, 256), (512, 512), (1024, 1024)])
-def test_gpu_inline_and_prepass_shift_agree(monkeypatch, dtype, d, causal, nq, nk):
+def test_gpu_inline_and_prepass_shift_agree(dtype, d, causal, nq, nk):
     # K̃ inline (one launch) and by the pre-pass (two) on the GPU: each against float64 within PASA's GPU tolerances,
     # and each other within the kernel-vs-model bound (only the order of the fp32 sums may differ: the pre-pass's
     # matmul runs with other warps and layouts). Grouped K/V (Hq 8, Hkv 2), ragged N = 197 (BLOCK_N 64).
@@ -768,7 +722,7 @@ def test_gpu_inline_and_prepass_shift_agree(monkeypatch, dtype, d, causal, nq, n
     tol = 8e-3 if dtype == torch.bfloat16 else 4e-3
     outs = {}
     for path in ("inline", "prepass"):
-        outs[path] = _with_shift_path(path, monkeypatch, lambda: pasa_attention(q, k, v, causal=causal))
+        outs[path] = pasa_attention(q, k, v, causal=causal, shift=path)
         assert outs[path].dtype == dtype and torch.isfinite(outs[path]).all(), path
         assert rel_rmse(outs[path], ref) <= tol, (path, rel_rmse(outs[path], ref))
         assert (outs[path].double() - ref).abs().max().item() <= 3e-2, path

@@ -37,6 +37,7 @@ def run_tune(*args, timeout=900):
 @pytest.mark.parametrize("kernel, sections, expected", [
     ("elsa", "bwd32", [("bwd32:dkdv", "bwd", "32,64"), ("bwd32:dq", "bwd", "32,64")]),
     ("pasa", "variant", [("variant", "variant", "default")]),
+    ("pasa", "shift", [("shift", "shift_inline_max_keys", "64")]),
     ("cqsa", "fwd", [("fwd", "fwd", "16,64")]),
     ("cron_root", "cross,seg", [("cross", "crossover", "fwd"), ("cross", "crossover", "fwdbwd"),
                                 ("seg", "configs", "64:glob")]),
@@ -161,6 +162,23 @@ def test_pasa_reads_its_tuning_file(tmp_path):
     path.write_text(json.dumps({"configs": {"pasa": {"80": [64, 64, 4, 3]}}}))
     with pytest.raises(ValueError, match=r"pasa\['80'\].*head-dim tile width"):
         pasa.tuned_defaults(path)
+
+
+def test_pasa_reads_its_shift_rule(tmp_path):
+    """The K̃ path's crossover (section "shift") replaces ops.py's built-in rule; 16- and 32-wide tiles follow the
+    64-wide entry unless they have their own."""
+    from kernels.pasa import ops
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("pasa", [decision("shift_inline_max_keys", "64", 256),
+                                decision("shift_inline_max_keys", "128", 0)], path, "cpu")
+    rule = ops.tuned_shift_rule(path)
+    assert rule == {**ops.BUILTIN_SHIFT_INLINE_MAX_KEYS, 16: 256, 32: 256, 64: 256, 128: 0}
+    assert ops.BUILTIN_SHIFT_INLINE_MAX_KEYS[64] != 256                   # the built-in table is not changed
+    for bad in ({"96": 128}, {"64": -1}, {"64": "512"}):
+        path.write_text(json.dumps({"configs": {"shift_inline_max_keys": bad}}))
+        with pytest.raises(ValueError, match=r"shift_inline_max_keys\[.*key count >= 0"):
+            ops.tuned_shift_rule(path)
 
 
 def test_cqsa_reads_its_tuning_file(tmp_path, monkeypatch):

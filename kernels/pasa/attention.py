@@ -6,7 +6,6 @@ They validate, resolve the options and call the torch.library ops of ``ops.py``.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -45,8 +44,8 @@ _HOPPER = {16: _fwd_tile(64, 64, 4, 3), 32: _fwd_tile(64, 64, 4, 3), 64: _fwd_ti
 BUILTIN_CONFIGS = {"pasa": _HOPPER, "fa16": _HOPPER}
 # `scripts/tune.py --kernel pasa` writes the tiles and loop it chooses to tuning.json beside this file; its entries
 # ("pasa"/"fa16": {"<block_d>": [BLOCK_M, BLOCK_N, num_warps, num_stages]}, "variant": {"default": "ref"}) replace
-# the built-in ones above.
-TUNING_FILE = Path(__file__).with_name("tuning.json")
+# the built-in ones above (its "shift_inline_max_keys", the K̃ path's rule, is ops.py's).
+TUNING_FILE = ops.TUNING_FILE
 
 
 def tuned_defaults(path=TUNING_FILE) -> tuple[dict, str]:
@@ -117,7 +116,8 @@ def _tiles(name: str, bd: int, config) -> tuple:
     return tuple(fwd[p] for p in TILE_PARAMS)
 
 
-def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype="fp16", variant=None, config=None):
+def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype="fp16", variant=None, config=None,
+                   shift="auto"):
     """PASA forward (Algorithm 1 of the spec): softmax attention computed with fp16 scores and fp16 state
     without overflow, by shifting each KV block by β × its mean inside the first GEMM and recovering
     the global pseudo-average online.
@@ -127,13 +127,17 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     kernel's block length and scale (``kernels.pasa.beta.default_beta``). ``state_dtype="fp32"`` is the paper's
     hybrid mode (fp16 scores, fp32 statistics). ``variant`` picks the main loop (``VARIANTS``; None:
     ``DEFAULT_VARIANT``). ``config={"fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}}`` overrides
-    the tiles (BLOCK_N is also the shifting window n). Returns the input dtype. Forward only: a backward
-    raises kernels._common.ForwardOnlyError.
+    the tiles (BLOCK_N is also the shifting window n). ``shift`` picks how K̃ is made: "auto" (inline in the
+    main kernel up to ``ops.SHIFT_INLINE_MAX_KEYS`` keys, by a pre-pass beyond), "inline" or "prepass" (both
+    exact alike; for tuning and tests). Returns the input dtype. Forward only: a backward raises
+    kernels._common.ForwardOnlyError.
     """
     scale, bd = _check("pasa", q, k, v, causal, scale)
-    if beta is None and state_dtype == "fp16" and variant is None and config is None:
+    if beta is None and state_dtype == "fp16" and variant is None and config is None and shift == "auto":
         options = _DEFAULT_OPTIONS["pasa"][bd]
     else:
+        if shift not in ops.SHIFTS:
+            raise ValueError(f"pasa: shift must be one of {', '.join(ops.SHIFTS)}, got {shift!r}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"pasa: state_dtype must be 'fp16' or 'fp32', got {state_dtype!r}")
         if variant is None:
@@ -145,7 +149,7 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
                 raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix "
                                  f"singular), got {beta!r}")
             beta = float(beta)
-        options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config))
+        options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config), shift)
     return ops.pasa_call(q, k, v, causal, scale, options)
 
 

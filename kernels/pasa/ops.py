@@ -1,7 +1,8 @@
 """The PASA and fa16 forwards as torch.library ops (namespace ``attnbench``), and what their bodies launch.
 
     attnbench::pasa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
-        options: "beta=<float|None> state=<fp16|fp32> loop=<ref|fused> tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
+        options: "beta=<float|None> state=<fp16|fp32> loop=<ref|fused> tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>
+                  shift=<auto|inline|prepass>"
     attnbench::fa16_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
     attnbench::pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name)
@@ -20,9 +21,11 @@ default ones ready): every op argument costs boxing on each call. A body is one 
 signature (``_Forward``: kernels._launch.layout of q, k, v and the options; β, λM's entries, c, grids, strides and
 the launches as kernels._launch.Prepared), then its launches: up to SHIFT_INLINE_MAX_KEYS keys one allocation (out)
 and one launch (the main kernel shifts K inline), beyond them two allocations (out, K̃) and two launches (the K̃
-pre-pass, then the main kernel). The choice is made once per signature, in the plan. The autograd layer is
+pre-pass, then the main kernel). The choice is made once per signature, in the plan ("auto"; a call can force
+either path with shift="inline" / "prepass", which is how scripts/tune.py times one against the other). The autograd layer is
 kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
 """
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -31,6 +34,7 @@ from torch import Tensor
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
                              layout)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
+from kernels._tuning import TuningFileError, read_configs
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
@@ -41,19 +45,43 @@ SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memo
 # (two launches). Inline saves a launch (~10 µs of host time), the K̃ allocation (~4 µs) and K̃'s write and read,
 # but recomputes every window once per query tile and query head of its group (cdiv(Nq, BLOCK_M)·Hq/Hkv times)
 # and adds an n×n×D matmul per KV step (~+50 % of the main loop's matmul work): it wins only where the launch
-# dominates. On the H100 (scripts/pasa_shift_timing.py, results/dev/pasa/shift_inline_h100.json: B·H 1, 8, 96,
-# N 128-1024, fp16, non-causal) inline was at most as slow as the pre-pass at every B·H up to N = 512 with 64-wide
-# tiles (0.70-0.95 of its time from 128 to 512), and up to N = 128 with 128-wide ones (their inline kernel spills:
-# at N = 197 and B·H = 96 it took 1.07x). 16- and 32-wide tiles do less per step than 64-wide ones and take their
-# rule; 256-wide tiles, not measured, keep the pre-pass. A property of the shape, not a user option.
-SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
+# dominates. On the H100 (results/dev/pasa/shift_inline_h100.json: B·H 1, 8, 96, N 128-1024, fp16, non-causal)
+# inline was at most as slow as the pre-pass at every B·H up to N = 512 with 64-wide tiles (0.70-0.95 of its time
+# from 128 to 512), and up to N = 128 with 128-wide ones (their inline kernel spills: at N = 197 and B·H = 96 it
+# took 1.07x). 16- and 32-wide tiles do less per step than 64-wide ones and take their rule; 256-wide tiles, not
+# measured, keep the pre-pass. `scripts/tune.py --kernel pasa --sections shift` measures the crossover with the
+# harness's timer and writes it to TUNING_FILE ("shift_inline_max_keys": {"<block_d>": keys}), which replaces
+# these built-in values (an entry for 64 also sets 16 and 32 unless they have their own).
+BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
+SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
+TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
+
+
+def tuned_shift_rule(path=TUNING_FILE) -> dict:
+    """SHIFT_INLINE_MAX_KEYS: the built-in rule with a tuning file's "shift_inline_max_keys" entries in its place."""
+    stored = read_configs(path).get("shift_inline_max_keys", {})
+    rule = dict(BUILTIN_SHIFT_INLINE_MAX_KEYS)
+    for key, keys in stored.items():
+        bd = int(key) if str(key).isdigit() else None
+        if bd not in rule or isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
+            raise TuningFileError(f"{path}: shift_inline_max_keys[{key!r}] = {keys!r}: need a head-dim tile width "
+                                  f"({', '.join(map(str, rule))}) and a key count >= 0")
+        rule[bd] = keys
+    for bd in (16, 32):
+        if "64" in stored and str(bd) not in stored:
+            rule[bd] = rule[64]
+    return rule
+
+
+SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
 
 
 # --- options -----------------------------------------------------------------------------------------------
 
-def pasa_options(beta: Optional[float], state_dtype: str, variant: str, tiles: tuple) -> str:
+def pasa_options(beta: Optional[float], state_dtype: str, variant: str, tiles: tuple,
+                 shift: str = "auto") -> str:
     """The canonical options string of attnbench::pasa_fwd (beta as repr: exact)."""
-    return f"beta={beta!r} state={state_dtype} loop={variant} tiles={','.join(map(str, tiles))}"
+    return f"beta={beta!r} state={state_dtype} loop={variant} tiles={','.join(map(str, tiles))} shift={shift}"
 
 
 def fa16_options(tiles: tuple) -> str:
@@ -95,7 +123,8 @@ def _pasa_plan(options: str, d: int, causal: bool, scale: float) -> tuple:
         main = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, CAUSAL=causal,
                     STATE_FP32=opts["state"] == "fp32", FUSED=opts["loop"] == "fused", num_warps=num_warps,
                     num_stages=num_stages)
-        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main))
+        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main,
+                                     opts["shift"]))
     return plan
 
 
@@ -129,8 +158,8 @@ _f16 = torch.float16
 
 class _Forward(LaunchPlan):
     """One forward signature (kernels._launch.layout of q, k, v and the options) of PASA or fa16: its allocations
-    and Prepared launches (PASA: Algorithm 1 shifting K inline when Nk <= SHIFT_INLINE_MAX_KEYS, else the K̃
-    pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one launch). float16 in
+    and Prepared launches (PASA: Algorithm 1 shifting K inline when Nk <= SHIFT_INLINE_MAX_KEYS or the options
+    force it, else the K̃ pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one launch). float16 in
     and out."""
 
     def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
@@ -146,11 +175,11 @@ class _Forward(LaunchPlan):
         if self.empty:
             return
         if name == "pasa":
-            block_m, block_n, bd, diag, off, c, shift_meta, main_meta = _pasa_plan(options, d, causal, scale)
+            block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
                          len_k, c)
             grid = (-(-len_q // block_m), bsz * heads_q)   # (triton.cdiv is a JIT function: ~5 us a call)
-            if len_k <= SHIFT_INLINE_MAX_KEYS[bd]:
+            if path == "inline" or (path == "auto" and len_k <= SHIFT_INLINE_MAX_KEYS[bd]):
                 # one launch: the main kernel reads K in place and shifts each window itself
                 self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (sk[0], sk[1], sk[2], diag, off),
                                      dict(main_meta, SHIFT_INLINE=True))
