@@ -51,7 +51,9 @@ SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memo
 # took 1.07x). 16- and 32-wide tiles do less per step than 64-wide ones and take their rule; 256-wide tiles, not
 # measured, keep the pre-pass. `scripts/tune.py --kernel pasa --sections shift` measures the crossover with the
 # harness's timer and writes it to TUNING_FILE ("shift_inline_max_keys": {"<block_d>": keys}), which replaces
-# these built-in values (an entry for 64 also sets 16 and 32 unless they have their own).
+# these built-in values (an entry for 64 also sets 16 and 32 unless they have their own). On the H100 it found
+# the same 512 and 128 (results/dev/pasa/shift_inline_tune_h100.json: inline 0.47-0.95x the pre-pass's time up to
+# 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
