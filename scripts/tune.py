@@ -487,6 +487,25 @@ class Tuner:
                 self.run_sweep(s)
         return self.decisions
 
+    def timed_point(self, s: Sweep, options: dict, d: int, n: int, causal: bool, label: str, **row) -> dict | None:
+        """One paired measurement of a crossover section (time_ratio), kept in the log with `row`'s fields; a
+        failure is a point with its error; None when the budget ends first."""
+        if not self._time_left():
+            self.log(f"{label}: budget reached")
+            return None
+        t0 = time.monotonic()
+        try:
+            p = time_ratio(s, options, d, n, causal, self.device, self.timing)
+        except Exception as exc:
+            p = {"head_dim": d, "n": n, "error": f"{type(exc).__name__}: {exc}"}
+        self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+        p.update(row)
+        self.rows.append({"section": s.section, **p})
+        self._save()
+        self.log(f"{label}: " + (f"x{p['ratio']:.3f} vs {s.baseline} {s.baseline_options or ''}".rstrip()
+                                 if "ratio" in p else p["error"]))
+        return p
+
     def crossover(self) -> None:
         """Cron Root vs SDPA flash, causal, B=1 H=8 D=64 fp16: per mode the first N from which Cron Root is faster
         at every larger measured N (the hybrid uses SDPA below it)."""
@@ -496,19 +515,10 @@ class Tuner:
                       lambda v, _d: {}, causal=(True,), baseline=self.ctx.baseline("flash"))
             points = []
             for n in ns:
-                if not self._time_left():
-                    self.log(f"cross {mode}: budget reached at N={n}")
+                p = self.timed_point(s, {}, 64, n, True, f"cross {mode} N={n}", mode=mode)
+                if p is None:
                     break
-                t0 = time.monotonic()
-                try:
-                    p = time_ratio(s, {}, 64, n, True, self.device, self.timing)
-                except Exception as exc:
-                    p = {"n": n, "error": f"{type(exc).__name__}: {exc}"}
-                self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
                 points.append(p)
-                self.rows.append({"section": "cross", "mode": mode, **p})
-                self._save()
-                self.log(f"cross {mode} N={n}: " + (f"x{p['ratio']:.3f} vs {s.baseline}" if "ratio" in p else p["error"]))
             cross = None
             for p in reversed([p for p in points if "ratio" in p]):
                 if p["ratio"] <= 1.0:
@@ -545,23 +555,11 @@ class Tuner:
             self.rows.append({"section": "shift", "head_dim": d, "rel_rmse": errors})
             bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
             points = []
-            for n in ns if not bad else ():
-                for h in heads:
-                    if not self._time_left():
-                        self.log(f"shift D={d}: budget reached at N={n}, B·H={h}")
-                        break
-                    t0 = time.monotonic()
-                    try:
-                        p = time_ratio(sweeps[h], inline, d, n, False, self.device, self.timing)
-                    except Exception as exc:
-                        p = {"head_dim": d, "n": n, "error": f"{type(exc).__name__}: {exc}"}
-                    self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
-                    p["heads"] = h
-                    points.append(p)
-                    self.rows.append({"section": "shift", **p})
-                    self._save()
-                    self.log(f"shift D={d} B·H={h} N={n}: " + (f"inline x{p['ratio']:.3f} vs the pre-pass"
-                                                               if "ratio" in p else p["error"]))
+            for n, h in [(n, h) for n in ns for h in heads] if not bad else ():
+                p = self.timed_point(sweeps[h], inline, d, n, False, f"shift D={d} B·H={h} N={n} inline", heads=h)
+                if p is None:
+                    break
+                points.append(p)
             limit = 0
             for n in ns:
                 at_n = [p for p in points if p["n"] == n]
