@@ -55,8 +55,9 @@ SHORT_BLOCK_M = 64
 # the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
 # the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
 # (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
-# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full). Below it the Triton core is also as fast or faster on
-# the GPU (D=64 4K: 0.101 ms against 0.112; the same file, "rows").
+# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full). Below it the Triton core is about as fast on the GPU
+# too: at D=64 4K ELSA took 0.101 ms on it against 0.112 on the core with in-kernel descriptors (the same file,
+# "rows"; those descriptors cost the core ~6 % there, "gpu_time_per_descriptor_kind").
 GLUON_MIN_WORK = 2**34
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
