@@ -76,6 +76,23 @@ def row_source(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def load_tile(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A [R, BLOCK_D] tile at ptrs (every kernel's pointer loads of Q, K, V and dO rows): zero in the padding
+    columns >= HEAD_DIM and, when MASK_ROWS, in the rows where row_ok is False. The compile-time cases keep the
+    mask to what can be out of range (MASK_ROWS=False promises every row is in range)."""
+    if MASK_ROWS:
+        if BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        if BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
 def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
               USE_DESC: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Rows [start, start + BLOCK) x columns [0, BLOCK_D) of src; zero past HEAD_DIM and, when MASK_ROWS (the
@@ -87,16 +104,7 @@ def load_rows(src, start, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.
         offs_d = tl.arange(0, BLOCK_D)
         # int64 row offsets: a head's rows may span more than 2^31 elements (CQSA's long sequences)
         ptrs = src + offs_r.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
-        if MASK_ROWS:
-            if BLOCK_D != HEAD_DIM:
-                return tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-            else:
-                return tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
-        else:
-            if BLOCK_D != HEAD_DIM:
-                return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-            else:
-                return tl.load(ptrs)
+        return load_tile(ptrs, offs_r < n_rows, offs_d, HEAD_DIM, BLOCK_D, MASK_ROWS)
 
 
 @triton.jit

@@ -297,20 +297,20 @@ def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _layout(rows: int, d: int, dtype_gl):
-    return gl.NVMMASharedLayout.get_default_for([rows, d], dtype_gl)
+def descriptor_layout(rows: int, d: int, dtype: torch.dtype):
+    """The shared-memory layout of a [rows, d] tile of a 16-bit dtype: the kernel's descriptors' (and what
+    scripts/compile_check.py gives their signature)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
-def _desc(t2d: torch.Tensor, rows: int, dtype_gl):
+def _desc(t2d: torch.Tensor, rows: int):
     d = t2d.shape[1]
-    return TensorDescriptor(t2d, list(t2d.shape), [d, 1], [rows, d], _layout(rows, d, dtype_gl))
+    return TensorDescriptor(t2d, list(t2d.shape), [d, 1], [rows, d], descriptor_layout(rows, d, t2d.dtype))
 
 
 def _descriptors(q, k, v, block_n):
     d = q.shape[-1]
-    dtype_gl = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    return (_desc(q.view(-1, d), ROWS_PER_CONSUMER, dtype_gl), _desc(k.view(-1, d), block_n, dtype_gl),
-            _desc(v.view(-1, d), block_n, dtype_gl))
+    return _desc(q.view(-1, d), ROWS_PER_CONSUMER), _desc(k.view(-1, d), block_n), _desc(v.view(-1, d), block_n)
 
 
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int,

@@ -345,12 +345,10 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         print(f"gluon_core: written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped",
               flush=True)
         return []
-    gl = gc.gl
     jobs = []
     for dtype, d in itertools.product([x for x in dtypes if x != "fp32"], [x for x in dims if x in gc.HEAD_DIMS]):
         block_n, stages = gc.TILES[d]
-        elem = gl.float16 if dtype == "fp16" else gl.bfloat16
-        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], elem)!r}>"
+        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
                  for name, rows in (("q_desc", gc.ROWS_PER_CONSUMER), ("k_desc", block_n), ("v_desc", block_n))}
         for causal, summary in itertools.product((False, True), (False, True)):
             meta = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,

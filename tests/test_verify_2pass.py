@@ -13,8 +13,7 @@ def test_verify_two_pass_cpu_confirms():
         assert row["ok"] and row["phase2_separate"] == "yes"
         assert row["k_partitions"] >= 2
         assert row["phase1_launches"] >= 1
-        # fp32 statistics; partial outputs fp32 for fp32 inputs, in the inputs' dtype for 16-bit ones
-        assert row["summary_shape"].endswith(f"float32/{row['dtype']} cpu")
+        assert row["summary_shape"].endswith("float32 cpu")
         assert row["max_abs"] <= v2.TOLERANCE[getattr(torch, row["dtype"])]
     assert set(rows[0]) == set(v2.ROW_KEYS)
     causal = [row for row in rows if row["causal"]]

@@ -51,17 +51,7 @@ def _load_tile(P, base, rows, stride, offs_d, ok, HEAD_DIM: tl.constexpr, BLOCK_
                ROW_MASK: tl.constexpr):
     """[rows, BLOCK_D] tile of a row-major matrix; rows past `ok` and columns past HEAD_DIM read as 0."""
     ptrs = P + base + rows.to(tl.int64)[:, None] * stride + offs_d[None, :]
-    if ROW_MASK:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs, mask=ok[:, None], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return x
+    return core.load_tile(ptrs, ok, offs_d, HEAD_DIM, BLOCK_D, ROW_MASK)
 
 
 @triton.jit

@@ -179,13 +179,10 @@ class _FwdPlan(LaunchPlan):
         sbuf = out if final else q.new_empty(self.sbuf_numel, dtype=_f32)
         if final:
             buffer = dict(summary_shape=None, summary_buffer=None, summary_device="", summary_dtype="",
-                          partials_dtype="", summary_ptr=None)
+                          summary_ptr=None)
         else:
-            # the buffer (and its m, z) is fp32; the partial outputs after them are fp32 sums for a float32 output,
-            # normalised partial outputs in the output's dtype for a 16-bit one (kernel.py's _store_summary)
             buffer = dict(summary_buffer=(self.sbuf_numel,), summary_device=str(sbuf.device),
-                          summary_dtype=str(sbuf.dtype).replace("torch.", ""),
-                          partials_dtype=str(out.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())
+                          summary_dtype=str(sbuf.dtype).replace("torch.", ""), summary_ptr=sbuf.data_ptr())
         for p1, p2, info in self.chunks:
             summary_shape = None if final else (plan.parts, info["QB"], c.BH, plan.block_m, c.D)
             ev = trace.start_event(c.device)

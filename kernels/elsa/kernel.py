@@ -25,22 +25,6 @@ LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """A [R, BLOCK_D] tile: rows >= n (when MASK_ROWS) and the padding columns >= HEAD_DIM read as 0."""
-    if MASK_ROWS:
-        if BLOCK_D == HEAD_DIM:
-            t = tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
-        else:
-            t = tl.load(ptrs, mask=(rows[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if BLOCK_D == HEAD_DIM:
-            t = tl.load(ptrs)
-        else:
-            t = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return t
-
-
-@triton.jit
 def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Store the rows < n of a [R, BLOCK_D] tile, without its padding columns."""
     if BLOCK_D == HEAD_DIM:
@@ -70,8 +54,10 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
     """
     offs_n = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
-    v = _load_rows(v_base + offs_n[:, None] * svn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    k = core.load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    v = core.load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if HAS_BIAS:
         if not FOLD_Q:
@@ -100,7 +86,7 @@ def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, row
     """The (m, z, s) summary of keys [lo, hi) for the BLOCK_M query rows `rows` (the identity if lo >= hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
-    q = _load_rows(q_base + rows[:, None] * sqn + offs_d[None, :], rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = core.load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], rows < NQ, offs_d, HEAD_DIM, BLOCK_D, True)
     if FOLD_Q:
         # fp32: fold scale*log2(e) into Q once (one rounding of Q, ~6e-8 relative)
         q = q * qk_scale
@@ -382,8 +368,10 @@ def _dq_tile(acc, q, do, l2, delta, rows, t0, NQ, NK, off, qk_scale,
              DOT_PREC: tl.constexpr):
     offs_n = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(k_base + offs_n[:, None] * skn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
-    v = _load_rows(v_base + offs_n[:, None] * svn + offs_d[None, :], offs_n, NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    k = core.load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    v = core.load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if HAS_BIAS:
         if not FOLD_Q:
@@ -427,12 +415,12 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
     rows = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
-    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + offs_d[None, :],
-                   rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows[:, None] * sdn + offs_d[None, :],
-                    rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
-    o = _load_rows(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :],
-                   rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = core.load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + offs_d[None, :],
+                       ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = core.load_tile(dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows[:, None] * sdn + offs_d[None, :],
+                        ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    o = core.load_tile(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :],
+                       ok, offs_d, HEAD_DIM, BLOCK_D, True)
     st = bh.to(tl.int64) * NQ + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + st, delta, mask=ok)
@@ -473,8 +461,8 @@ def _dkdv_tile(dk, dv, k, v, cols, i0, NQ, NK, off, qk_scale,
     rows = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
-    q = _load_rows(q_base + rows[:, None] * sqn + offs_d[None, :], rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(do_base + rows[:, None] * sdn + offs_d[None, :], rows, NQ, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = core.load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = core.load_tile(do_base + rows[:, None] * sdn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
     l2 = tl.load(Lse + st0 + rows, mask=ok, other=float("inf"))
     delta = tl.load(Delta + st0 + rows, mask=ok, other=0.0)
     # transposed scores x^T [BN, BM]; k already carries scale*log2e for fp32 (FOLD_Q), else scale here.
@@ -544,10 +532,10 @@ def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
     c0 = kb * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + offs_d[None, :],
-                   cols, NK, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + offs_d[None, :],
-                   cols, NK, offs_d, HEAD_DIM, BLOCK_D, True)
+    k = core.load_tile(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + offs_d[None, :],
+                       cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = core.load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + offs_d[None, :],
+                       cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
     ks = k
     if FOLD_Q:
         ks = k * qk_scale                              # fp32: fold scale*log2(e) into K once

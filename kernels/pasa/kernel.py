@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import LOG2E as _LOG2E
+from kernels._flash_core import load_tile
 
 # constexprs: triton 3.6 refuses plain globals inside kernels
 LOG2E = tl.constexpr(_LOG2E)
@@ -50,29 +51,13 @@ def _shift_tile(diag, off, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_key_rows(ptrs, keys, cols, N_K, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """A [n, BLOCK_D] tile of K or V rows at ptrs: rows past N_K (only when MASKED) and columns past D load as zeros
-    (the compile-time cases keep the mask to what can be out of range)."""
-    if MASKED:
-        if D < BLOCK_D:
-            x = tl.load(ptrs, mask=(keys[:, None] < N_K) & (cols[None, :] < D), other=0.0)
-        else:
-            x = tl.load(ptrs, mask=keys[:, None] < N_K, other=0.0)
-    elif D < BLOCK_D:
-        x = tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
 def _shift_window(K, k_base, stride_kn, shift, keys, N_K, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   MASKED: tl.constexpr):
     """K̃ of one KV window: fp16(λM · K[keys]), one tensor-core matmul accumulated in fp32 and rounded once.
     K is read in place (row stride stride_kn, unit feature stride); keys past N_K (only when MASKED) and columns
     past D load as zeros, so they add nothing and the padded columns of K̃ are zero."""
     cols = tl.arange(0, BLOCK_D)
-    k = _load_key_rows(K + k_base + keys[:, None] * stride_kn + cols[None, :], keys, cols, N_K, D, BLOCK_D, MASKED)
+    k = load_tile(K + k_base + keys[:, None] * stride_kn + cols[None, :], keys < N_K, cols, D, BLOCK_D, MASKED)
     return tl.dot(shift, k).to(tl.float16)
 
 
@@ -118,7 +103,7 @@ def _load_kv_block(KS, V, ks_base, v_base, stride_kn, stride_vn, shift, j, N_K, 
         k_shift = _shift_window(KS, ks_base, stride_kn, shift, keys, N_K, D, BLOCK_D, MASKED)
     else:
         k_shift = tl.load(KS + ks_base + (j * BLOCK_N + t)[:, None] * BLOCK_D + cols[None, :])
-    v = _load_key_rows(V + v_base + keys[:, None] * stride_vn + cols[None, :], keys, cols, N_K, D, BLOCK_D, MASKED)
+    v = load_tile(V + v_base + keys[:, None] * stride_vn + cols[None, :], keys < N_K, cols, D, BLOCK_D, MASKED)
     return keys, k_shift, v
 
 
