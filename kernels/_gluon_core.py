@@ -25,11 +25,15 @@ flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the nex
 the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end
 are computed and never stored.
 
+Head dims (SPLITS): 64, 128 and 256 as one column tile; 80, 96, 160 and 192 as two (64 + 16, 64 + 32, 128 + 32,
+128 + 64), loaded by a second set of descriptors onto the same barriers: QK^T is two MMAs into one accumulator, P.V
+two into two, so no MMA runs on padded columns (the Triton core pads 80 and 96 to 128, 160 and 192 to 256).
+
 What this file needs and where it runs: triton 3.6's Gluon API (`gl.warp_specialize(functions_and_args,
-worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, head dims 64 and 128, contiguous
+worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, a head dim of SPLITS, contiguous
 [B, H, N, D] inputs of 16 bits. `available(q, k, v)` is the one test; nothing here runs on the CPU (Gluon has no
 interpreter), so the CPU and exactness reference stays the plain core. `gluon_fwd` is the standalone forward, for
-tests and timing. A launch builds three host-side descriptors; their TMA maps cost ~100-160 us of CPU per ELSA
+tests and timing. A launch builds three host-side descriptors (six for a split head dim); their TMA maps cost ~100-160 us of CPU per ELSA
 forward (results/dev/gluon_core/elsa_host_time_h100.json), which is why ELSA takes this core only for enough work.
 Making the descriptors in the kernel instead (pointers only at launch, ~35-65 us of CPU per ELSA forward, as on the
 Triton core) was measured and not taken: every CTA then builds three TMA maps, and ELSA's phase 1 took 2-7 % longer
@@ -47,7 +51,13 @@ from ._flash_core import _capability
 from ._launch import launch as _launch
 
 NAME = "gluon_core"
-HEAD_DIMS = (64, 128)
+# head dim -> (D0, D1): the columns of every Q/K/V row as two tiles of power-of-two widths (Gluon's register tensors
+# have power-of-two shapes), D1 = 0 for none. wgmma takes K in steps of 16 and N in steps of 8, so QK^T over D0 + D1
+# is two MMAs into one accumulator and P.V two MMAs into two (64 x D0 and 64 x D1): D = 80 and 96 run no padded
+# columns, where the Triton core pads them to 128 (37.5 % and 25 % of its MMA work on zeros). Each entry is exact
+# against float64 on the H100 (tests/test_gluon_core.py) and faster there in ELSA than the Triton core.
+SPLITS = {64: (64, 0), 80: (64, 16), 96: (64, 32), 128: (128, 0), 160: (128, 32), 192: (128, 64), 256: (256, 0)}
+HEAD_DIMS = tuple(SPLITS)
 GLUON_VERSION = "3.6"      # the Gluon API this file is written against (warp_specialize's signature changed later)
 
 try:
@@ -62,8 +72,10 @@ except ImportError:            # a triton without Gluon: available() says no
 
 ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
 CTA_ROWS = 2 * ROWS_PER_CONSUMER
-# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles
-TILES = {64: (128, 3), 128: (128, 2)}
+# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles (<= 227 KB); from
+# D = 160 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240 registers
+# (sm_90 compile check, scripts/compile_check.py --kernel gluon_core: no spills but 16 bytes at D=256)
+TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (64, 2), 192: (64, 2), 256: (64, 2)}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -71,21 +83,39 @@ LOADER_REGS = 24
 if HAS_GLUON:
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_bufs.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + q_desc.block_type.shape[0], 0], q_bar, q_bufs.index(1))
+    def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
+                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, D1: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        D0: gl.constexpr = q_desc.block_type.shape[1]
+        # a split head dim: each row's columns [D0, D0 + D1) come by a second copy onto the same barrier
+        if D1 > 0:
+            mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q2_desc.block_type.nbytes))
+        else:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        for wg in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [q_row + wg * BLOCK_M, 0], q_bar, q_bufs.index(wg))
+            if D1 > 0:
+                tma.async_copy_global_to_shared(q2_desc, [q_row + wg * BLOCK_M, D0], q_bar, q2_bufs.index(wg))
         for i in range(n_tiles):
             s = i % STAGES
             phase = (i // STAGES) & 1
+            row = kv_row + i * BLOCK_N
             # a buffer starts empty: its first wait (phase 1) passes at once
             mbarrier.wait(k_empty.index(s), phase ^ 1)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + i * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+            if D1 > 0:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k2_desc, [row, D0], k_ready.index(s), k2_bufs.index(s))
+            else:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_empty.index(s), phase ^ 1)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + i * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+            if D1 > 0:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v2_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v2_desc, [row, D0], v_ready.index(s), v2_bufs.index(s))
+            else:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_bufs.index(s))
 
     @gluon.jit
     def _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
@@ -106,12 +136,13 @@ if HAS_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                  Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
-                  slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
-                  LSE_MODE: gl.constexpr):
+    def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                  qk_scale, slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                  D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                  SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr):
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
         dtype: gl.constexpr = q_bufs.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_N, 16])
@@ -120,6 +151,17 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # PV_GROUPS: the MMA groups of one O += P V (one per column tile), left in flight through the softmax
+        if D1 > 0:
+            o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, D1, 16])
+            p2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o2_layout, k_width=2)
+            row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
+            PV_GROUPS: gl.constexpr = 2
+            q2_smem = q2_bufs.index(WG)
+            acc2 = gl.zeros([BLOCK_M, D1], gl.float32, o2_layout)
+        else:
+            PV_GROUPS: gl.constexpr = 1
 
         q_smem = q_bufs.index(WG)
         my_row0 = row0 + WG * BLOCK_M
@@ -135,6 +177,8 @@ if HAS_GLUON:
             mbarrier.wait(turn_bars.index(WG), 1 - WG)
         mbarrier.wait(k_ready.index(0), 0)
         qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if D1 > 0:
+            qk = warpgroup_mma(q2_smem, k2_bufs.index(0).permute((1, 0)), qk, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
@@ -153,13 +197,19 @@ if HAS_GLUON:
                 mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
             mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
             qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if D1 > 0:
+                qk = warpgroup_mma(q2_smem, k2_bufs.index(s).permute((1, 0)), qk, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, p_layout)
             acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            if D1 > 0:
+                p2_op = gl.convert_layout(p16, p2_layout)
+                acc2 = warpgroup_mma(p2_op, v2_bufs.index(prev), acc2, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
-            # the older group (S_j) done; O += P V stays in flight through the softmax
-            qk = warpgroup_mma_wait(1, deps=[qk])
+            # the older groups (S_j) done; O += P V stays in flight through the softmax
+            qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
             if j >= n_unmasked:
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
@@ -167,15 +217,25 @@ if HAS_GLUON:
             else:
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
                                               s_layout, BLOCK_M, BLOCK_N, False, CAUSAL)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+            if D1 > 0:
+                acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
+                acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
         last = (n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p16 = p.to(dtype)
+        p_op = gl.convert_layout(p16, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+        if D1 > 0:
+            p2_op = gl.convert_layout(p16, p2_layout)
+            acc2 = warpgroup_mma(p2_op, v2_bufs.index(last), acc2, is_async=True)
+            acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
+        else:
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
         mbarrier.arrive(v_empty.index(last), count=1)
 
         rows_o = gl.arange(0, BLOCK_M, layout=row_o)
@@ -183,21 +243,33 @@ if HAS_GLUON:
         rows_s = gl.arange(0, BLOCK_M, layout=row_s)
         l_o = gl.convert_layout(l_i, row_o)
         out = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]     # 0 for a row that sees no key (acc is 0 there)
+        if D1 > 0:
+            rows_o2 = gl.arange(0, BLOCK_M, layout=row_o2)
+            cols_o2 = gl.arange(0, D1, layout=gl.SliceLayout(0, o2_layout))
+            l_o2 = gl.convert_layout(l_i, row_o2)
+            out2 = acc2 / gl.where(l_o2 > 0, l_o2, 1.0)[:, None]
         if SUMMARY:
             # ELSA's phase-1 slots: fp32 m and l at [slot + r] and [n_slots + slot + r], the normalised output in
-            # the inputs' dtype at row slot + r of the [*, D] slab after them (kernels/elsa/kernel.py's
+            # the inputs' dtype at row slot + r of the [*, HEAD_DIM] slab after them (kernels/elsa/kernel.py's
             # _store_summary); a causal partition past every row's horizon (hi <= lo) stores nothing
             if hi > lo:
                 base = (slot + WG * BLOCK_M).to(gl.int64)
                 gl.store(Sbuf + base + rows_s, m_i)
                 gl.store(Sbuf + n_slots + base + rows_s, l_i)
                 partials = (Sbuf + 2 * n_slots.to(gl.int64)).to(gl.pointer_type(dtype))
-                offs = (base + rows_o)[:, None] * BLOCK_D + cols_o[None, :]
+                offs = (base + rows_o)[:, None] * HEAD_DIM + cols_o[None, :]
                 gl.store(partials + offs, out.to(dtype))
+                if D1 > 0:
+                    offs2 = (base + rows_o2)[:, None] * HEAD_DIM + (BLOCK_D + cols_o2)[None, :]
+                    gl.store(partials + offs2, out2.to(dtype))
         else:
             in_rows = my_row0 + rows_o < n_q
-            offs = (o_row + WG * BLOCK_M + rows_o).to(gl.int64)[:, None] * BLOCK_D + cols_o[None, :]
+            offs = (o_row + WG * BLOCK_M + rows_o).to(gl.int64)[:, None] * HEAD_DIM + cols_o[None, :]
             gl.store(Out + offs, out.to(dtype), mask=in_rows[:, None])
+            if D1 > 0:
+                rows2 = (o_row + WG * BLOCK_M + rows_o2).to(gl.int64)
+                offs2 = rows2[:, None] * HEAD_DIM + (BLOCK_D + cols_o2)[None, :]
+                gl.store(Out + offs2, out2.to(dtype), mask=(my_row0 + rows_o2 < n_q)[:, None])
             if LSE_MODE != 0:
                 has = l_i > 0
                 lse = m_i + gl.log2(gl.where(has, l_i, 1.0))
@@ -208,24 +280,26 @@ if HAS_GLUON:
                 gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < n_q)
 
     @gluon.jit
-    def _consumer_worker(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
-                         slot, n_slots, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
-                         LSE_MODE: gl.constexpr):
-        _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                  Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
-                  slot, n_slots, 1, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)
+    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
+                         v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked,
+                         causal_shift, qk_scale, slot, n_slots, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                         D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                         SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr):
+        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                  turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                  qk_scale, slot, n_slots, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)
 
     @gluon.jit
-    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, Out, Lse, Sbuf, heads, group, n_q, n_k, causal_shift, qk_scale,
-                          q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
-                          LSE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, heads, group, n_q, n_k,
+                          causal_shift, qk_scale, q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr, D1: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                          SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr):
         """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
-        [part * width, part * width + width) (one partition holding every key: width >= n_k). SUMMARY stores the
-        state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot rows
-        in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written."""
+        [part * width, part * width + width) (one partition holding every key: width >= n_k). The descriptors
+        q/k/v_desc load each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
+        SUMMARY stores the state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot
+        rows in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
@@ -256,6 +330,14 @@ if HAS_GLUON:
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], v_desc.layout)
+        if D1 > 0:
+            q2_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D1], q2_desc.layout)
+            k2_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k2_desc.layout)
+            v2_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v2_desc.layout)
+        else:                                         # never read: the partitions' arguments need a value
+            q2_bufs = q_bufs
+            k2_bufs = k_bufs
+            v2_bufs = v_bufs
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -273,15 +355,17 @@ if HAS_GLUON:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift, qk_scale,
-                         slot, n_slots, 0, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)),
-            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                                Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                                qk_scale, slot, n_slots, BLOCK_N, BLOCK_D, STAGES, CAUSAL, PINGPONG, SUMMARY,
-                                LSE_MODE)),
-            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                       q_row, kv_row, n_tiles, BLOCK_N, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         turn_bars, Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                         qk_scale, slot, n_slots, 0, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY,
+                         LSE_MODE)),
+            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
+                                v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles,
+                                n_unmasked, causal_shift, qk_scale, slot, n_slots, BLOCK_N, BLOCK_D, D1, STAGES,
+                                CAUSAL, PINGPONG, SUMMARY, LSE_MODE)),
+            (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
+                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, BLOCK_N, STAGES,
+                       D1)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -303,14 +387,20 @@ def descriptor_layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
-def _desc(t2d: torch.Tensor, rows: int):
-    d = t2d.shape[1]
-    return TensorDescriptor(t2d, list(t2d.shape), [d, 1], [rows, d], descriptor_layout(rows, d, t2d.dtype))
+def _desc(t2d: torch.Tensor, rows: int, cols: int):
+    """A descriptor over the rows of t2d ([rows of every head, D]) loading [rows, cols] tiles."""
+    return TensorDescriptor(t2d, list(t2d.shape), [t2d.shape[1], 1], [rows, cols],
+                            descriptor_layout(rows, cols, t2d.dtype))
 
 
 def _descriptors(q, k, v, block_n):
+    """(q, k, v, q2, k2, v2) descriptors: each row's first D0 columns, then its next D1 (None when D1 = 0)."""
     d = q.shape[-1]
-    return _desc(q.view(-1, d), ROWS_PER_CONSUMER), _desc(k.view(-1, d), block_n), _desc(v.view(-1, d), block_n)
+    d0, d1 = SPLITS[d]
+    tensors = ((q.view(-1, d), ROWS_PER_CONSUMER), (k.view(-1, d), block_n), (v.view(-1, d), block_n))
+    firsts = tuple(_desc(t, rows, d0) for t, rows in tensors)
+    seconds = tuple(_desc(t, rows, d1) for t, rows in tensors) if d1 else (None, None, None)
+    return firsts + seconds
 
 
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int,
@@ -323,13 +413,12 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n
     launcher). Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
-    q_desc, k_desc, v_desc = _descriptors(q, k, v, block_n)
     heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
     grid = (n_blocks, q.shape[0] * heads, parts)
     return _launch(_gluon_fwd_kernel, grid, (
-        q_desc, k_desc, v_desc, out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
+        *_descriptors(q, k, v, block_n), out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
         q0, n_blocks, width, n_slots), dict(
-        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary, LSE_MODE=lse_mode,
+        BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary, LSE_MODE=lse_mode,
         CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

@@ -348,10 +348,17 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     jobs = []
     for dtype, d in itertools.product([x for x in dtypes if x != "fp32"], [x for x in dims if x in gc.HEAD_DIMS]):
         block_n, stages = gc.TILES[d]
-        descs = {name: f"tensordesc<{dtype}[{rows}, {d}],{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
-                 for name, rows in (("q_desc", gc.ROWS_PER_CONSUMER), ("k_desc", block_n), ("v_desc", block_n))}
+        d0, d1 = gc.SPLITS[d]
+        descs, nones = {}, {}
+        for suffix, cols in (("_desc", d0), ("2_desc", d1)):
+            for name, rows in (("q", gc.ROWS_PER_CONSUMER), ("k", block_n), ("v", block_n)):
+                if cols:
+                    layout = gc.descriptor_layout(rows, cols, TORCH_DTYPES[dtype])
+                    descs[name + suffix] = f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
+                else:                  # no second column tile: the launch passes None (a constexpr)
+                    nones[name + suffix] = None
         for causal, summary in itertools.product((False, True), (False, True)):
-            meta = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
+            meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True, SUMMARY=summary,
                         LSE_MODE=0 if summary else 2, CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
             jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
                             floats={"qk_scale"}, descs=descs, gluon=True,

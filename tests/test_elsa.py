@@ -443,15 +443,35 @@ def test_plan_partitions_keys_and_chunks_queries():
     assert prefill.parts == 1 and prefill.final and prefill.q_chunk >= 8192
     long = plan_forward(16384, 16384, 8, 64, torch.float16, 132)
     assert long.parts >= 2 and long.q_chunk < 16384 and long.q_chunk % long.block_m == 0
-    # O(N) extra memory: one q-chunk of summaries, the larger of the budget's rows and CHUNK_MIN_WAVES waves
+    # O(N) extra memory: one q-chunk of summaries, the larger of the budget's rows and CHUNK_MIN_WAVES waves, fitted
+    # to whole waves within CHUNK_FIT_GROWTH x that
     waves_rows = long.block_m * -(-elsa_config.CHUNK_MIN_WAVES["16"] * 132 // (8 * long.parts))
     budget_rows = elsa_config.SUMMARY_BUDGET["16"] * 16384 * 64 * 2 / elsa_config.summary_row_bytes(
         long.parts, 64, torch.float16)
-    assert long.q_chunk <= max(waves_rows, budget_rows) + long.block_m
+    assert long.q_chunk <= elsa_config.CHUNK_FIT_GROWTH["16"] * (max(waves_rows, budget_rows) + long.block_m)
     tiny = plan_forward(128, 128, 1, 64, torch.float16, 132)
     assert tiny.final                                                   # the host-cost shape: one launch
     vit = plan_forward(197, 197, 8 * 3, 64, torch.float16, 132)         # ViT-T/224's attention: one launch
     assert vit.final and not plan_forward(257, 257, 8 * 3, 64, torch.float16, 132).final
+
+
+def test_q_chunks_fill_whole_waves():
+    """fit_chunk on 132 SMs. 8K queries of 16 heads in two partitions (32 programs per 128-row block): chunks of the
+    minimum 17 blocks launch 544 programs (4.1 waves: 5 slots each, 19 in all); 32 blocks launch 1024 (7.8 waves: 8
+    slots, 16 in all), the fewest within twice the minimum. float32 (growth 1) keeps the minimum; a chunk that
+    holds every block stays; a tie goes to the smaller chunk (less memory)."""
+    fit = elsa_config.fit_chunk
+    assert fit(17, 2, 64, 32, 132) == 32
+    assert fit(17, 1, 64, 32, 132) == 17
+    assert fit(64, 2, 64, 32, 132) == 64
+    # 16K queries of 8 heads, two partitions: 33 blocks are 4 whole waves, but four chunks (33, 33, 33, 29) take 16
+    # slots + 4 chunk costs; two of 64 blocks (7.8 waves each) 16 slots + 2
+    assert fit(33, 2, 128, 16, 132) == 64
+    plan = plan_forward(8192, 8192, 16, 128, torch.float16, 132, "", False, False, True, True)
+    assert plan.gluon and plan.parts == 2 and plan.q_chunk == 32 * plan.block_m
+    for blocks, total, per in [(5, 100, 7), (33, 128, 16), (17, 64, 32), (9, 40, 132), (3, 1000, 1)]:
+        got = fit(blocks, 2, total, per, 132)
+        assert blocks <= got <= 2 * blocks
 
 
 @pytest.mark.parametrize("D", [64, 128])

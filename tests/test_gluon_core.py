@@ -5,9 +5,9 @@ in one line, and ELSA's plan takes the core only where the host says it can (16-
 rows, enough work, no tile override), with its 128-row CTA and its key tile. ELSA's host wiring around the core's
 launch (grid, q-chunks, partitions, slot counts, phase 2, the single-partition output and lse) runs with the launch
 replaced by a float64 emulation of what the kernel writes.
-GPU (`-m gpu`, sm_90 with triton 3.6): the standalone forward against float64 -- float16 and bfloat16, D 64 and
-128, causal (bottom-right for Nq != Nk) and not, ragged lengths, grouped-query and multi-query K/V, ping-pong on
-and off, the natural-log LSE -- and ELSA with phase 1 on the core: several partitions merged by phase 2 and the
+GPU (`-m gpu`, sm_90 with triton 3.6): the standalone forward against float64 -- float16 and bfloat16, every head
+dim the core takes (the split ones included), causal (bottom-right for Nq != Nk) and not, ragged lengths, grouped-query and multi-query K/V, ping-pong on
+and off, the natural-log LSE -- and ELSA with phase 1 on the core: several partitions merged by phase 2 (at every head dim) and the
 single-partition forward that writes out and lse itself, forward and gradients.
 
 Tolerances (relative RMS against float64 on the same rounded inputs): float16 1.5e-3, bfloat16 4e-3, as the
@@ -68,7 +68,7 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
                  (512, 8192, 8, d, torch.float16, 132, "", False, False, True, True),     # short rows
-                 (4096, 2048, 8, d, torch.float16, 132, "", False, False, True, True),    # too little work
+                 (2048, 2**19 // d, 8, d, torch.float16, 132, "", False, False, True, True),  # 2^33 of work
                  (8192, 8192, 8, d, torch.float16, 132, "", False, False, True, False)]:  # the host says no
         assert not elsa_config.plan_forward(*args).gluon, args
     override = elsa_config.canonical_config({"fwd": {"BLOCK_N": 64}}, torch.float16, d)
@@ -86,6 +86,14 @@ GPU_CASES = [
     (1, 8, 1, 300, 2000, 128, True),
     (1, 2, 2, 1000, 300, 64, True),
     (1, 2, 2, 130, 4000, 128, False),
+    # the split head dims (two column tiles: 80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32, 192 = 128 + 64) and 256
+    (1, 4, 2, 1000, 1000, 80, True),
+    (2, 4, 4, 777, 777, 80, False),
+    (1, 4, 1, 300, 1000, 96, True),
+    (1, 2, 2, 1000, 1000, 96, False),
+    (1, 4, 2, 1000, 300, 160, True),
+    (1, 2, 2, 1000, 1000, 192, False),
+    (1, 4, 4, 1000, 1000, 256, True),
 ]
 
 
@@ -137,6 +145,27 @@ def test_gpu_elsa_phase1_on_the_core(batch, n, causal, dtype):
     assert (plan.plan.parts >= 2) == (n >= elsa_config.LONG_N)
     out = elsa_attention(q, k, v, causal=causal)
     ref = reference_attention(q, k, v, causal=causal)
+    assert _rel_rms(out, ref) <= TOL[dtype]
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g.double())
+    for name, got, want in zip("qkv", grads, ref_grads):
+        err = _rel_rms(got, want)
+        assert err <= 2 * TOL[dtype], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", gc.HEAD_DIMS)
+def test_gpu_elsa_on_the_core_at_every_head_dim(d, dtype):
+    """ELSA with phase 1 on the core at each of its head dims, several partitions (phase 2 reads the split head
+    dims' partials by their row stride D), grouped-query, forward and gradients against float64."""
+    _need_core("cuda")
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, 8192, 8192, d, dtype, "cuda"))
+    plan = elsa_host.forward_plan(q, k, v, None, False, d ** -0.5, "tf32x3", "", True)
+    assert plan.plan.gluon and plan.plan.parts >= 2
+    out = elsa_attention(q, k, v)
+    ref = reference_attention(q, k, v)
     assert _rel_rms(out, ref) <= TOL[dtype]
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)

@@ -393,7 +393,8 @@ def test_inputs_fit_check_counts_grouped_k_v_and_both_lengths(tmp_path):
 
 def test_full_matrix_holds_the_issue_17_cells():
     """Llama-3-8B attention for every kernel vs flash and cuDNN, ViT-H/14 for ELSA vs flash and efficient, and each
-    kernel at D = 80 and 96 beside 64 and 128 on one shape: selectable by prefix (`--only`)."""
+    kernel at D = 80 and 96 beside 64 and 128 on one shape (ELSA also at 160, 192, 256: `widehead_*`): selectable by
+    prefix (`--only`)."""
     full = REPO / "matrices" / "full.yaml"
     kernels = {"elsa", "cqsa", "pasa", "cron_root"}
     llama = load_matrix(full).select("llama3_*").cells
@@ -409,3 +410,4 @@ def test_full_matrix_holds_the_issue_17_cells():
     for c in load_matrix(full).select("headdim_*").cells:
         dims.setdefault(c.kernel, set()).add(c.head_dim)
     assert dims == {k: {64, 80, 96, 128} for k in kernels}
+    assert {c.head_dim for c in load_matrix(full).select("*head*_elsa_*").cells} == {64, 80, 96, 128, 160, 192, 256}

@@ -2,7 +2,8 @@
 and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
 No per-call autotuning: a new sequence length must not re-run a tuning sweep. Phase 1 of 16-bit inputs without a
-bias runs the Gluon core at D = 64 / 128 on sm_90 from GLUON_MIN_WORK (FwdPlan.gluon: its CTA and key tile), else
+bias runs the Gluon core at its head dims (64-256: kernels/_gluon_core.SPLITS) on sm_90 from GLUON_MIN_WORK
+(FwdPlan.gluon: its CTA and key tile), else
 the flash core's loop with the core's tiles (kernels/_flash_core.py's PLAIN_TILES, and WS_TILES where
 the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
 float32 and the 16-bit bias path (this package's own loop), the backward table every backward. Their 64- and
@@ -129,6 +130,13 @@ MAX_P = 16
 # anyway; 16-bit: speed first, 4 waves of 128-row programs per chunk.
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
+# ... and then fit the chunks to whole waves: a chunk of QB query blocks launches QB x bh x P programs, and a
+# chunk whose last wave is part-full leaves SMs idle until the next chunk's launch (at 8K, bh=16, P=2 chunks of 17
+# blocks ran 4.1 waves each: ELSA's forward at 80 % of the core's TFLOP/s on the H100, dev/gluon_core/). Up to
+# CHUNK_FIT_GROWTH x the chunk above is searched for the fewest wave slots (+ CHUNK_COST_WAVES per chunk: its
+# phase-2 launch and pipeline ramp), the smallest chunk on a tie; float32 keeps its memory target (no growth).
+CHUNK_FIT_GROWTH = {"32": 1, "16": 2}
+CHUNK_COST_WAVES = 0.25
 # Phase 2: rows per program, per dtype class and BLOCK_D, and partitions reduced per slab (slab = KBT x ROWS x
 # BLOCK_D values). 16-bit (partials in 16 bits): 64 rows at D=64 and 32 at D=128 took 10-16 % less phase-2 time on
 # the H100 than 32 and 16 (4K-16K, and Llama-3's causal GQA at 8K; results/dev/elsa/phase2_16bit_partials_h100.json).
@@ -297,11 +305,25 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qc_budget = int(SUMMARY_BUDGET[cls] * out_bytes) // max(1, row_bytes)
         qc_parallel = bm * -(-CHUNK_MIN_WAVES[cls] * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
-        qc = -(-qc // bm) * bm
+        qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms) * bm
     qc = min(qc, all_rows)
     rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT, _next_pow2(parts))
     return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
+
+
+def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms: int) -> int:
+    """Query blocks per q-chunk: from `blocks` to growth x blocks, the count whose chunks (the last one holding the
+    rest of `total`) take the fewest wave slots of `sms` programs, counting CHUNK_COST_WAVES per chunk; the
+    smallest count on a tie."""
+    def cost(per_chunk):
+        full, rest = divmod(total, per_chunk)
+        slots = full * -(-per_chunk * programs_per_block // sms) + -(-rest * programs_per_block // sms)
+        return slots + CHUNK_COST_WAVES * (full + (rest > 0))
+
+    if blocks >= total:
+        return blocks
+    return min(range(blocks, min(blocks * growth, total) + 1), key=lambda c: (cost(c), c))
 
 
 @dataclass(frozen=True)
