@@ -23,7 +23,9 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
           time moved past it. Both runs on one GPU model only (absolute times compare there). A launch-bound
           baseline feels the host of the lent machine (SDPA math at 1K: 0.25 ms on one host, 0.22 on another,
           the efficient kernel beside it 0.049 on both): that is not a change of the kernel, so it does not fail
-          the gate; the row says which side moved and by how much.
+          the gate; the row says which side moved and by how much. Where the kernel's own time lies inside the
+          band but the baseline's interval crosses a band edge (it moved by about the tolerance), the row is NOISY:
+          the kernel did not change, and which side moved cannot be said with confidence.
 
 On a SLOWER or FASTER row the detail gives both sides' own change too.
 
@@ -195,6 +197,12 @@ def _attribute(row: GateRow, own: dict, tolerance: float) -> None:
     if kernel_same and baseline_moved:
         row.detail = f"{row.verdict} by the ratio, but the baseline moved, not the kernel: {sides}"
         row.verdict = "BASELINE"
+    elif kernel_same:
+        # the kernel's own time is known to be inside the band, so the ratio's move is the baseline's, whose own
+        # interval crosses a band edge: not a change of the kernel, and not attributable with confidence either
+        row.detail = (f"{row.verdict} by the ratio, but the kernel's own time stayed inside the band and the "
+                      f"baseline's crosses its edge: {sides}")
+        row.verdict = "NOISY"
     else:
         row.detail = sides
 
@@ -271,8 +279,10 @@ def gate_markdown(rows: list[GateRow], *, baseline: str | None = None, current: 
     lines.append(f"Compared: the paired lat_ratio (kernel / baseline) of each point; change = median(current) / "
                  f"median(baseline) with a 95 % bootstrap interval ({n_boot} resamples); tolerance ±{tolerance:.0%}. "
                  "Every measured point is judged by its interval: SLOWER only when the whole interval is above the "
-                 "band; NOISY when it crosses a band edge or either run's window was disturbed; BASELINE when the "
-                 "ratio moved but the kernel's own time stayed inside the band and the baseline's did not.\n")
+                 "band; NOISY when it crosses a band edge or either run's window was disturbed, or when the ratio "
+                 "moved but the kernel's own time stayed inside the band and the baseline's crosses its edge; "
+                 "BASELINE when the ratio moved but the kernel's own time stayed inside the band and the "
+                 "baseline's did not.\n")
     verdict = "FAIL" if failed else "PASS"
     summary = " · ".join(f"{v} {counts[v]}" for v in VERDICTS if counts[v])
     lines.append(f"**Gate: {verdict}** ({summary or 'no points'})\n")

@@ -83,6 +83,26 @@ def test_a_ratio_moved_by_the_baseline_alone_is_baseline_not_slower(tmp_path):
     assert "(SLOWER 1 · BASELINE 2)" in md
 
 
+def test_a_ratio_moved_while_the_kernel_stayed_is_never_slower():
+    """The H100 nightly's SDPA efficient-vs-math cell at 1K: the ratio rose 11.8 % [10.6, 13.1] while the kernel's own
+    time moved +2.3 % [1.9, 2.8] (inside the band) and the baseline's -10.2 % [-10.9, -0.7] (across its edge): the
+    kernel did not change, so NOISY (which does not fail the gate), not SLOWER. The kernel's own time outside the
+    band or across its edge keeps the row SLOWER."""
+    from attnbench.gate import GateRow, _attribute
+
+    def attributed(kernel, baseline):
+        row = GateRow("p@1024", "c", 1024, "SLOWER", change=1.118, ci_low=1.106, ci_high=1.131)
+        _attribute(row, {"kernel": kernel, "baseline": baseline}, 0.07)
+        return row
+
+    row = attributed((1.023, 1.019, 1.028), (0.898, 0.891, 0.993))
+    assert row.verdict == "NOISY" and "kernel's own time stayed inside the band" in row.detail
+    assert gate_exit_code([row]) == 0
+    assert attributed((1.023, 1.019, 1.028), (0.898, 0.891, 0.92)).verdict == "BASELINE"
+    assert attributed((1.06, 1.04, 1.08), (0.95, 0.93, 0.99)).verdict == "SLOWER"       # kernel's edge crossed
+    assert attributed((1.10, 1.08, 1.12), (0.98, 0.97, 0.99)).verdict == "SLOWER"
+
+
 def test_a_ratio_moved_by_the_baseline_on_another_gpu_model_stays_slower(tmp_path):
     """Absolute times compare only on one GPU model: across models (--allow-other-gpu) the ratio decides."""
     from test_analysis import H100

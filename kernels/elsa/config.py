@@ -131,8 +131,9 @@ MAX_P = 16
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
 # ... and then fit the chunks to whole waves: a chunk of QB query blocks launches QB x bh x P programs, and a
-# chunk whose last wave is part-full leaves SMs idle until the next chunk's launch (at 8K, bh=16, P=2 chunks of 17
-# blocks ran 4.1 waves each: ELSA's forward at 80 % of the core's TFLOP/s on the H100, dev/gluon_core/). Up to
+# chunk whose last wave is part-full leaves SMs idle until the next chunk's launch. On the H100 at 8K, bh=16, P=2,
+# D=128, chunks of 17 blocks (4.1 waves each) held ELSA's forward to 480 TFLOP/s against the Gluon core's 605 alone
+# (results/dev/gluon_core/head_dims_h100.json); two chunks of 32 blocks: 580 (runs/20261125T062122Z_full). Up to
 # CHUNK_FIT_GROWTH x the chunk above is searched for the fewest wave slots (+ CHUNK_COST_WAVES per chunk: its
 # phase-2 launch and pipeline ramp), the smallest chunk on a tie; float32 keeps its memory target (no growth).
 CHUNK_FIT_GROWTH = {"32": 1, "16": 2}
