@@ -72,10 +72,12 @@ except ImportError:            # a triton without Gluon: available() says no
 
 ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
 CTA_ROWS = 2 * ROWS_PER_CONSUMER
-# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles (<= 227 KB); from
-# D = 160 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240 registers
-# (sm_90 compile check, scripts/compile_check.py --kernel gluon_core: no spills but 16 bytes at D=256)
-TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (64, 2), 192: (64, 2), 256: (64, 2)}
+# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles (<= 227 KB). From
+# D = 192 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240 registers
+# (sm_90 compile check, scripts/compile_check.py --kernel gluon_core); D = 160 spills 72-192 bytes with 128-key tiles
+# and still ran 7-8 % faster than with 64 on the H100 (results/dev/gluon_core/head_dims_h100.json, "tiles", where the
+# other head dims' candidates lost)
+TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2), 192: (64, 2), 256: (64, 2)}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
