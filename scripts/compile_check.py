@@ -196,10 +196,11 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         if not tiles:
             # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse
             rows = config.PHASE2_ROWS[key[0]][block_d(d)]
-            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=128, ROWS=rows, KBT=config.PHASE2_KBT, CAUSAL=False,
+            kbt = config.PHASE2_KBT[key[0]][block_d(d)]
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=128, ROWS=rows, KBT=kbt, CAUSAL=False,
                         STORE_LSE=True)
             jobs.append(Job("elsa", "phase2", K._elsa_phase2, dtype, meta, config.PHASE2_WARPS, 2, ptrs, fp32_ptrs,
-                            div16=stride, label=dict(D=d, rows=rows, kbt=config.PHASE2_KBT)))
+                            div16=stride, label=dict(D=d, rows=rows, kbt=kbt)))
     return jobs
 
 

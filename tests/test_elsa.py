@@ -83,6 +83,20 @@ def test_head_dims_padded_and_unpadded(device, D, dtype):
         _assert_exact(*_qkv(1, 2, 1, 37, 45, D, dtype, device), causal)
 
 
+@pytest.mark.parametrize("D", [136, 256])
+def test_wide_head_dims_merge_one_partition_per_slab(device, D):
+    """16-bit at BLOCK_D 256: phase 2 reduces one partition per slab (config.PHASE2_KBT; two were ~5x slower on the
+    H100), float32 two; three partitions merged exactly either way, fwd (grads: the backward does not merge)."""
+    assert plan_forward(4096, 4096, 8, D, torch.float16, 132).p2_kbt == 1
+    assert plan_forward(4096, 4096, 8, D, torch.float32, 132).p2_kbt == 2
+    config = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 16}, "plan": {"partition_width": 16}}
+    for dtype in (torch.float16, torch.float32):
+        plan = plan_forward(37, 45, 2, D, dtype, 132, elsa_config.canonical_config(config, dtype, D))
+        assert plan.parts == 3 and plan.p2_kbt == (1 if dtype == torch.float16 else 2)
+        for causal in (False, True):
+            _assert_exact(*_qkv(1, 2, 1, 37, 45, D, dtype, device, grad=False), causal, grad=False, config=config)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("Hkv", [4, 2, 1])
 def test_grouped_query_and_multi_query(device, Hkv, dtype):

@@ -144,7 +144,12 @@ CHUNK_COST_WAVES = 0.25
 # float32 keeps the smaller slabs: 64 rows at D=64 spill there (sm_90 compile check, scripts/compile_check.py).
 PHASE2_ROWS = {"16": {16: 64, 32: 64, 64: 64, 128: 32, 256: 16},
                "32": {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}}
-PHASE2_KBT = 2   # 4 spilled at D=64, BM=128 (255 regs); phase 2 is memory-bound anyway
+# Partitions per slab, the same way: 2 (4 spilled at D=64, BM=128: 255 regs; phase 2 is memory-bound anyway), but
+# 1 for 16-bit at BLOCK_D = 256 (D = 136-256): with 2 there phase 2 took 0.33-0.44 ms at D = 160 and 256 (B=1, H=16,
+# 8K) against 0.06-0.08 with 1, whatever the rows and warps (results/dev/elsa/phase2_wide_h100.json). float32 keeps
+# 2 (not timed there).
+PHASE2_KBT = {"16": {16: 2, 32: 2, 64: 2, 128: 2, 256: 1},
+              "32": {16: 2, 32: 2, 64: 2, 128: 2, 256: 2}}
 PHASE2_WARPS = 4
 DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there is no SM count
 
@@ -309,7 +314,7 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms) * bm
     qc = min(qc, all_rows)
     rows = min(PHASE2_ROWS[cls][bd], bm)
-    kbt = min(PHASE2_KBT, _next_pow2(parts))
+    kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
     return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
 
 
