@@ -103,21 +103,20 @@ if HAS_GLUON:
             s = i % STAGES
             phase = (i // STAGES) & 1
             row = kv_row + i * BLOCK_N
-            # a buffer starts empty: its first wait (phase 1) passes at once
-            mbarrier.wait(k_empty.index(s), phase ^ 1)
-            if D1 > 0:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k2_desc, [row, D0], k_ready.index(s), k2_bufs.index(s))
-            else:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_bufs.index(s))
-            mbarrier.wait(v_empty.index(s), phase ^ 1)
-            if D1 > 0:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v2_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v2_desc, [row, D0], v_ready.index(s), v2_bufs.index(s))
-            else:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_bufs.index(s))
+            _load_ring_slot(k_desc, k2_desc, k_bufs, k2_bufs, k_ready, k_empty, s, phase, row, D1)
+            _load_ring_slot(v_desc, v2_desc, v_bufs, v2_bufs, v_ready, v_empty, s, phase, row, D1)
+
+    @gluon.jit
+    def _load_ring_slot(desc, desc2, bufs, bufs2, ready, empty, s, phase, row, D1: gl.constexpr):
+        """One K or V tile into ring slot s once both consumers released it: each row's first D0 columns and (D1 > 0)
+        its next D1, both onto the slot's ready barrier. A slot starts empty: its first wait (phase 1) passes at once."""
+        mbarrier.wait(empty.index(s), phase ^ 1)
+        if D1 > 0:
+            mbarrier.expect(ready.index(s), desc.block_type.nbytes + desc2.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc2, [row, desc.block_type.shape[1]], ready.index(s), bufs2.index(s))
+        else:
+            mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 0], ready.index(s), bufs.index(s))
 
     @gluon.jit
     def _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
