@@ -137,6 +137,19 @@ if HAS_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _softmax_tile(qk, m_i, l_i, masked, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """_softmax with the mask only where the tile needs it (`masked`, decided per tile at run time): a tile wholly
+        inside the keys and seen by every row skips building and applying it."""
+        if masked:
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
+                                          BLOCK_N, True, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
+                                          BLOCK_N, False, CAUSAL)
+        return p, m_i, l_i, alpha
+
+    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -184,12 +197,8 @@ if HAS_GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
         mbarrier.arrive(k_empty.index(0), count=1)
-        if n_unmasked == 0:
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo, my_row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
-                                          BLOCK_N, True, CAUSAL)
-        else:
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo, my_row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
-                                          BLOCK_N, False, CAUSAL)
+        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, n_unmasked == 0, lo, my_row0, n_k, causal_shift, qk_scale,
+                                           s_layout, BLOCK_M, BLOCK_N, CAUSAL)
 
         for j in range(1, n_tiles):
             s = j % STAGES
@@ -212,12 +221,8 @@ if HAS_GLUON:
             # the older groups (S_j) done; O += P V stays in flight through the softmax
             qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
-            if j >= n_unmasked:
-                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
-                                              s_layout, BLOCK_M, BLOCK_N, True, CAUSAL)
-            else:
-                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, lo + j * BLOCK_N, my_row0, n_k, causal_shift, qk_scale,
-                                              s_layout, BLOCK_M, BLOCK_N, False, CAUSAL)
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j >= n_unmasked, lo + j * BLOCK_N, my_row0, n_k,
+                                               causal_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             if D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
                 acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
