@@ -33,8 +33,9 @@ What this file needs and where it runs: triton 3.6's Gluon API (`gl.warp_special
 worker_num_warps, worker_num_regs)`; later versions changed it), an sm_90 device, a head dim of SPLITS, contiguous
 [B, H, N, D] inputs of 16 bits. `available(q, k, v)` is the one test; nothing here runs on the CPU (Gluon has no
 interpreter), so the CPU and exactness reference stays the plain core. `gluon_fwd` is the standalone forward, for
-tests and timing. A launch builds three host-side descriptors (six for a split head dim); their TMA maps cost ~100-160 us of CPU per ELSA
-forward (results/dev/gluon_core/elsa_host_time_h100.json), which is why ELSA takes this core only for enough work.
+tests and timing. A launch builds three host-side descriptors (six for a split head dim); their TMA maps cost
+~100-160 us of CPU per ELSA forward (results/dev/gluon_core/elsa_host_time_h100.json), which is why ELSA takes this
+core only for enough work.
 Making the descriptors in the kernel instead (pointers only at launch, ~35-65 us of CPU per ELSA forward, as on the
 Triton core) was measured and not taken: every CTA then builds three TMA maps, and ELSA's phase 1 took 2-7 % longer
 at every shape where ELSA uses the core (the same file) -- more than the host time it saves, hidden there.
@@ -108,8 +109,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_ring_slot(desc, desc2, bufs, bufs2, ready, empty, s, phase, row, D1: gl.constexpr):
-        """One K or V tile into ring slot s once both consumers released it: each row's first D0 columns and (D1 > 0)
-        its next D1, both onto the slot's ready barrier. A slot starts empty: its first wait (phase 1) passes at once."""
+        """One K or V tile into ring slot s once both consumers released it: each row's first D0 columns and
+        (D1 > 0) its next D1, both onto the slot's ready barrier. A slot starts empty: its first wait (phase 1)
+        passes at once."""
         mbarrier.wait(empty.index(s), phase ^ 1)
         if D1 > 0:
             mbarrier.expect(ready.index(s), desc.block_type.nbytes + desc2.block_type.nbytes)
@@ -424,7 +426,8 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n
     return _launch(_gluon_fwd_kernel, grid, (
         *_descriptors(q, k, v, block_n), out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
         q0, n_blocks, width, n_slots), dict(
-        BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary, LSE_MODE=lse_mode,
+        BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
+        LSE_MODE=lse_mode,
         CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

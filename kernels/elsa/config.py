@@ -3,9 +3,8 @@ and the tile-config override (``config=``) in the canonical string form the torc
 
 No per-call autotuning: a new sequence length must not re-run a tuning sweep. Phase 1 of 16-bit inputs without a
 bias runs the Gluon core at its head dims (64-256: kernels/_gluon_core.SPLITS) on sm_90 from GLUON_MIN_WORK
-(FwdPlan.gluon: its CTA and key tile), else
-the flash core's loop with the core's tiles (kernels/_flash_core.py's PLAIN_TILES, and WS_TILES where
-the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
+(FwdPlan.gluon: its CTA and key tile), else the flash core's loop with the core's tiles (kernels/_flash_core.py's
+PLAIN_TILES, and WS_TILES where the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
 float32 and the 16-bit bias path (this package's own loop), the backward table every backward. Their 64- and
 128-wide entries come from H100 sweeps or, where a comment says so, an sm_90 compile check (NOTES.md,
 results/dev/elsa/); the 16- and 32-wide entries reuse the 64-wide ones; the 256-wide ones come from the compile
