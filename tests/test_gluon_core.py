@@ -60,6 +60,19 @@ def test_not_available_on_the_cpu():
     assert "\n" not in str(err.value)
 
 
+def test_head_dim_splits_are_whole_wgmma_tiles():
+    """What SPLITS and TILES must hold for the kernel to compile and fit, checked without a GPU: each head dim is
+    D0 + D1 with power-of-two column tiles (Gluon's register shapes), D1 a multiple of wgmma's K step (16) and
+    narrower than D0, every head dim has tiles, and Q (CTA_ROWS rows) plus the STAGES K and V tiles fit sm_90's
+    227 KB of shared memory."""
+    assert set(gc.TILES) == set(gc.SPLITS) == set(gc.HEAD_DIMS)
+    for d, (d0, d1) in gc.SPLITS.items():
+        assert d0 + d1 == d and d0 & (d0 - 1) == 0 and d0 >= 64, d
+        assert d1 == 0 or (d1 & (d1 - 1) == 0 and d1 % 16 == 0 and d1 < d0), d
+        block_n, stages = gc.TILES[d]
+        assert 2 * (gc.CTA_ROWS * d + stages * 2 * block_n * d) <= 227 * 1024, d
+
+
 @pytest.mark.parametrize("d", gc.HEAD_DIMS)
 def test_elsa_plan_takes_the_core_only_where_it_can(d):
     plan = elsa_config.plan_forward(8192, 8192, 8, d, torch.float16, 132, "", False, False, True, True)
