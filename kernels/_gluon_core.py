@@ -48,7 +48,7 @@ import torch
 import triton
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
-from ._flash_core import _capability
+from ._flash_core import _capability, _tma_layout_ok
 from ._launch import launch as _launch
 
 NAME = "gluon_core"
@@ -152,6 +152,25 @@ if HAS_GLUON:
         return p, m_i, l_i, alpha
 
     @gluon.jit
+    def _normalised(acc, l_i):
+        """acc / l in acc's layout (0 for a row that sees no key: acc is 0 there)."""
+        l_r = gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))
+        return acc / gl.where(l_r > 0, l_r, 1.0)[:, None]
+
+    @gluon.jit
+    def _store_cols(dst, out, row, col0, row0, n_q, HEAD_DIM: gl.constexpr, MASK_ROWS: gl.constexpr):
+        """One column tile of a consumer's output in dst's dtype at rows row + r, columns col0 + c of a
+        [*, HEAD_DIM] slab; MASK_ROWS stores only the query rows row0 + r < n_q."""
+        layout: gl.constexpr = out.type.layout
+        rows = gl.arange(0, out.type.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, out.type.shape[1], layout=gl.SliceLayout(0, layout))
+        offs = (row + rows).to(gl.int64)[:, None] * HEAD_DIM + (col0 + cols)[None, :]
+        if MASK_ROWS:
+            gl.store(dst + offs, out.to(dst.dtype.element_ty), mask=(row0 + rows < n_q)[:, None])
+        else:
+            gl.store(dst + offs, out.to(dst.dtype.element_ty))
+
+    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -246,16 +265,10 @@ if HAS_GLUON:
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
         mbarrier.arrive(v_empty.index(last), count=1)
 
-        rows_o = gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         rows_s = gl.arange(0, BLOCK_M, layout=row_s)
-        l_o = gl.convert_layout(l_i, row_o)
-        out = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]     # 0 for a row that sees no key (acc is 0 there)
+        out = _normalised(acc, l_i)
         if D1 > 0:
-            rows_o2 = gl.arange(0, BLOCK_M, layout=row_o2)
-            cols_o2 = gl.arange(0, D1, layout=gl.SliceLayout(0, o2_layout))
-            l_o2 = gl.convert_layout(l_i, row_o2)
-            out2 = acc2 / gl.where(l_o2 > 0, l_o2, 1.0)[:, None]
+            out2 = _normalised(acc2, l_i)
         if SUMMARY:
             # ELSA's phase-1 slots: fp32 m and l at [slot + r] and [n_slots + slot + r], the normalised output in
             # the inputs' dtype at row slot + r of the [*, HEAD_DIM] slab after them (kernels/elsa/kernel.py's
@@ -265,19 +278,14 @@ if HAS_GLUON:
                 gl.store(Sbuf + base + rows_s, m_i)
                 gl.store(Sbuf + n_slots + base + rows_s, l_i)
                 partials = (Sbuf + 2 * n_slots.to(gl.int64)).to(gl.pointer_type(dtype))
-                offs = (base + rows_o)[:, None] * HEAD_DIM + cols_o[None, :]
-                gl.store(partials + offs, out.to(dtype))
+                _store_cols(partials, out, base, 0, 0, 0, HEAD_DIM, False)
                 if D1 > 0:
-                    offs2 = (base + rows_o2)[:, None] * HEAD_DIM + (BLOCK_D + cols_o2)[None, :]
-                    gl.store(partials + offs2, out2.to(dtype))
+                    _store_cols(partials, out2, base, BLOCK_D, 0, 0, HEAD_DIM, False)
         else:
-            in_rows = my_row0 + rows_o < n_q
-            offs = (o_row + WG * BLOCK_M + rows_o).to(gl.int64)[:, None] * HEAD_DIM + cols_o[None, :]
-            gl.store(Out + offs, out.to(dtype), mask=in_rows[:, None])
+            out_row = o_row + WG * BLOCK_M
+            _store_cols(Out, out, out_row, 0, my_row0, n_q, HEAD_DIM, True)
             if D1 > 0:
-                rows2 = (o_row + WG * BLOCK_M + rows_o2).to(gl.int64)
-                offs2 = rows2[:, None] * HEAD_DIM + (BLOCK_D + cols_o2)[None, :]
-                gl.store(Out + offs2, out2.to(dtype), mask=(my_row0 + rows_o2 < n_q)[:, None])
+                _store_cols(Out, out2, out_row, BLOCK_D, my_row0, n_q, HEAD_DIM, True)
             if LSE_MODE != 0:
                 has = l_i > 0
                 lse = m_i + gl.log2(gl.where(has, l_i, 1.0))
@@ -379,13 +387,13 @@ if HAS_GLUON:
 
 def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether gluon_fwd can run these inputs: triton 3.6's Gluon, an sm_90 device (Hopper: wgmma), 16-bit,
-    a head dim of HEAD_DIMS, contiguous tensors."""
+    a head dim of HEAD_DIMS, contiguous tensors whose layout TMA can read (16-byte aligned bases and rows)."""
     if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or q.device.type != "cuda":
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] == 9 and all(t.is_contiguous() for t in (q, k, v))
+    return _capability(index)[0] == 9 and all(t.is_contiguous() and _tma_layout_ok(t) for t in (q, k, v))
 
 
 @functools.lru_cache(maxsize=32)
@@ -440,7 +448,7 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = Tru
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not available(q, k, v):
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim "
-                         f"in {HEAD_DIMS} and contiguous inputs (got {q.dtype}, D={shape.head_dim}, "
+                         f"in {HEAD_DIMS} and contiguous, 16-byte aligned inputs (got {q.dtype}, D={shape.head_dim}, "
                          f"{q.device}, triton {triton.__version__})")
     scale = default_scale(scale, shape.head_dim)
     out = torch.empty_like(q)

@@ -113,14 +113,14 @@ class _FwdPlan(LaunchPlan):
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough
-        read = tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
-        use_desc = c.scale_in_exp and core.use_descriptors(*read, min_rows=DESC_MIN_ROWS)
+        use_desc = c.scale_in_exp and core.use_descriptors(
+            *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
         # the Gluon core's descriptors are made on the host, not by each program: DESC_MIN_ROWS (the Triton core's
         # in-kernel descriptors against its pointer loads) does not apply; GLUON_MIN_WORK does (plan_forward). At
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
-        gluon_ok = c.scale_in_exp and gluon_core.available(q, k, v) and core.use_descriptors(*read)
+        gluon_ok = c.scale_in_exp and gluon_core.available(q, k, v)
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc), gluon_ok)
         bm, W, P = plan.block_m, plan.width, plan.parts
