@@ -81,14 +81,19 @@ CTA_ROWS = 2 * ROWS_PER_CONSUMER
 TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2), 192: (64, 2), 256: (64, 2)}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
+# A caller takes this core only from this much work (B*Hq * Nq * Nk * D): a launch builds its host-side descriptors
+# (three, six at a split head dim) and their TMA maps, ~100-160 us of CPU per ELSA forward against ~40-50 on the
+# Triton core (results/dev/gluon_core/elsa_host_time_h100.json); below it that host time is the call's time and the
+# Triton core is about as fast on the GPU too (kernels/elsa/config.py has the measurements)
+MIN_WORK = 2**34
 
 
 if HAS_GLUON:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
-                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, D1: gl.constexpr):
+                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, Ranges, r0, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, D1: gl.constexpr, RANGES: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         D0: gl.constexpr = q_desc.block_type.shape[1]
         # a split head dim: each row's columns [D0, D0 + D1) come by a second copy onto the same barrier
@@ -100,12 +105,22 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(q_desc, [q_row + wg * BLOCK_M, 0], q_bar, q_bufs.index(wg))
             if D1 > 0:
                 tma.async_copy_global_to_shared(q2_desc, [q_row + wg * BLOCK_M, D0], q_bar, q2_bufs.index(wg))
+        if RANGES:
+            r = r0
+            t = 0
+            r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
         for i in range(n_tiles):
             s = i % STAGES
             phase = (i // STAGES) & 1
-            row = kv_row + i * BLOCK_N
+            if RANGES:
+                row = kv_row + r_lo + t * BLOCK_N
+            else:
+                row = kv_row + i * BLOCK_N
             _load_ring_slot(k_desc, k2_desc, k_bufs, k2_bufs, k_ready, k_empty, s, phase, row, D1)
             _load_ring_slot(v_desc, v2_desc, v_bufs, v2_bufs, v_ready, v_empty, s, phase, row, D1)
+            if RANGES:
+                r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
+                                                                             r_tiles, r_unmasked)
 
     @gluon.jit
     def _load_ring_slot(desc, desc2, bufs, bufs2, ready, empty, s, phase, row, D1: gl.constexpr):
@@ -119,6 +134,24 @@ if HAS_GLUON:
         else:
             mbarrier.expect(ready.index(s), desc.block_type.nbytes)
         tma.async_copy_global_to_shared(desc, [row, 0], ready.index(s), bufs.index(s))
+
+    @gluon.jit
+    def _range_at(Ranges, r):
+        """Key range r of a tile walk (RANGES): its first key, its key bound, its causal shift (key n visible from
+        query m iff n <= m + shift), its tile count and how many of its first tiles need no mask."""
+        entry = Ranges + 5 * r
+        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), gl.load(entry + 4)
+
+    @gluon.jit
+    def _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked):
+        """The walk's cursor one tile on: tile t + 1 of range r, or tile 0 of range r + 1 (after the last tile it
+        reads the table's sentinel row, never used)."""
+        t += 1
+        if t == r_tiles:
+            r += 1
+            t = 0
+            r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
+        return r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked
 
     @gluon.jit
     def _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
@@ -173,9 +206,9 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, slot, n_slots, WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                  D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                  SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr):
+                  qk_scale, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
         dtype: gl.constexpr = q_bufs.dtype
@@ -218,8 +251,18 @@ if HAS_GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, n_unmasked == 0, lo, my_row0, n_k, causal_shift, qk_scale,
-                                           s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+        if RANGES:
+            # the tile walk: tile t of range r, masked from its r_unmasked-th tile, keys bounded by the range's end
+            r = r0
+            t = 0
+            r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, r_unmasked == 0, r_lo, my_row0, r_hi, r_shift, qk_scale,
+                                               s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+            r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles,
+                                                                         r_unmasked)
+        else:
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, n_unmasked == 0, lo, my_row0, n_k, causal_shift,
+                                               qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
 
         for j in range(1, n_tiles):
             s = j % STAGES
@@ -242,8 +285,14 @@ if HAS_GLUON:
             # the older groups (S_j) done; O += P V stays in flight through the softmax
             qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j >= n_unmasked, lo + j * BLOCK_N, my_row0, n_k,
-                                               causal_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+            if RANGES:
+                p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi,
+                                                   r_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+                r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
+                                                                             r_tiles, r_unmasked)
+            else:
+                p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j >= n_unmasked, lo + j * BLOCK_N, my_row0, n_k,
+                                                   causal_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             if D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
                 acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
@@ -298,50 +347,72 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                          v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, slot, n_slots, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                         D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr):
+                         causal_shift, qk_scale, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
+                         BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
         _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, slot, n_slots, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE)
+                  qk_scale, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY,
+                  LSE_MODE, RANGES)
 
     @gluon.jit
-    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, heads, group, n_q, n_k,
-                          causal_shift, qk_scale, q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr,
+    def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, Items, Ranges, heads,
+                          group, n_q, n_k, causal_shift, qk_scale, q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr,
                           STAGES: gl.constexpr, D1: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                          SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr):
+                          SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
         [part * width, part * width + width) (one partition holding every key: width >= n_k). The descriptors
         q/k/v_desc load each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
         SUMMARY stores the state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot
-        rows in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written."""
+        rows in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
+        RANGES (a tile walk, `launch(walk=...)`): program (item, bh) takes the rows [start, end) of Items[item]
+        ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges of the Ranges
+        table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows below end."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
-        qb = gl.program_id(0)
-        if CAUSAL:
-            qb = gl.num_programs(0) - 1 - qb          # the longest rows first
-        bh = gl.program_id(1)
-        part = gl.program_id(2)
-        b = bh // heads
-        hk = (bh % heads) // group
-        row0 = q0 + qb * (2 * BLOCK_M)                # the CTA's first query row within its head
-        q_row = bh * n_q + row0
-        lo = part * width
-        hi = gl.minimum(lo + width, n_k)
-        if CAUSAL:
-            # keys past the CTA's last row's horizon are future for all its rows
-            hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
-            seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the CTA sees
+        if RANGES:
+            item = Items + 4 * gl.program_id(0)
+            row0 = gl.load(item)
+            row_end = gl.load(item + 1)               # the rows stored: [row0, row_end)
+            r0 = gl.load(item + 2)
+            n_tiles = gl.load(item + 3)               # >= 1 (tile_walk)
+            bh = gl.program_id(1)
+            b = bh // heads
+            hk = (bh % heads) // group
+            q_row = bh * n_q + row0
+            kv_row = (b * (heads // group) + hk) * n_k     # the kv head's key 0: a range's tile adds its key
+            lo = 0                                    # ELSA's partition bounds and slot: not used by a walk
+            hi = 0
+            n_unmasked = 0
+            slot = 0
         else:
-            seen = n_k
-        kv_row = (b * (heads // group) + hk) * n_k + lo
-        # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
-        # partition with hi <= lo computes one masked tile and stores nothing)
-        n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
-        n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
-        slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
+            qb = gl.program_id(0)
+            if CAUSAL:
+                qb = gl.num_programs(0) - 1 - qb          # the longest rows first
+            bh = gl.program_id(1)
+            part = gl.program_id(2)
+            b = bh // heads
+            hk = (bh % heads) // group
+            row0 = q0 + qb * (2 * BLOCK_M)                # the CTA's first query row within its head
+            q_row = bh * n_q + row0
+            lo = part * width
+            hi = gl.minimum(lo + width, n_k)
+            if CAUSAL:
+                # keys past the CTA's last row's horizon are future for all its rows
+                hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
+                seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the CTA sees
+            else:
+                seen = n_k
+            kv_row = (b * (heads // group) + hk) * n_k + lo
+            # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
+            # partition with hi <= lo computes one masked tile and stores nothing)
+            n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+            n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
+            slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
+            row_end = n_q
+            r0 = 0
 
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -372,16 +443,16 @@ if HAS_GLUON:
 
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                         qk_scale, slot, n_slots, 0, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY,
-                         LSE_MODE)),
+                         turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
+                         causal_shift, qk_scale, slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL,
+                         PINGPONG, SUMMARY, LSE_MODE, RANGES)),
             (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
-                                v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, n_q, n_k, lo, hi, n_tiles,
-                                n_unmasked, causal_shift, qk_scale, slot, n_slots, BLOCK_N, BLOCK_D, D1, STAGES,
-                                CAUSAL, PINGPONG, SUMMARY, LSE_MODE)),
+                                v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles,
+                                n_unmasked, causal_shift, qk_scale, slot, n_slots, Ranges, r0, BLOCK_N, BLOCK_D, D1,
+                                STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES)),
             (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
-                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, BLOCK_N, STAGES,
-                       D1)),
+                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, Ranges, r0,
+                       BLOCK_N, STAGES, D1, RANGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -419,23 +490,31 @@ def _descriptors(q, k, v, block_n):
     return firsts + seconds
 
 
-def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int, n_blocks: int, parts: int,
-           width: int, n_slots: int, summary: bool, lse_mode: int, pingpong: bool = True, tiles=None,
-           regs=(CONSUMER_REGS, LOADER_REGS)):
+def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
+           parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
+           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None):
     """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
     partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), on q's device made
-    current by the caller. The caller checked available(q, k, v). Through kernels/_launch.py: after the first
-    call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
-    launcher). Returns the CompiledKernel."""
+    current by the caller; or, with walk=(items, ranges) (int32 tables on q's device, built by a tile walk such as
+    kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per item and head (grid
+    (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its rows. The caller
+    checked available(q, k, v). Through kernels/_launch.py: after the first call of a signature the compiled
+    kernel is launched directly (the descriptors' TMA maps are built by its launcher). Returns the
+    CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
-    grid = (n_blocks, q.shape[0] * heads, parts)
+    if walk is None:
+        items = ranges = out                          # never read
+        grid = (n_blocks, q.shape[0] * heads, parts)
+    else:
+        items, ranges = walk
+        grid = (items.shape[0], q.shape[0] * heads, 1)
     return _launch(_gluon_fwd_kernel, grid, (
-        *_descriptors(q, k, v, block_n), out, lse, sbuf, heads, heads // k.shape[1], n_q, n_k, n_k - n_q, qk_scale,
-        q0, n_blocks, width, n_slots), dict(
+        *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], n_q, n_k,
+        n_k - n_q, qk_scale, q0, n_blocks, width, n_slots), dict(
         BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-        LSE_MODE=lse_mode,
+        LSE_MODE=lse_mode, RANGES=walk is not None,
         CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

@@ -16,6 +16,7 @@ Triton core's tests (tests/test_flash_core.py): a 1 % error in the softmax scale
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,11 +220,43 @@ def test_gpu_elsa_on_the_core_compiled_and_graphed():
 
 # --- ELSA's host wiring of the core, on the CPU: the core's launch replaced by a float64 emulation of what it writes ---
 
-def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0, n_blocks, parts, width, n_slots, summary,
-                     lse_mode, **_):
+def _walk_visits(items, ranges, item, n_q, n_k, block_n, causal):
+    """The (row, key) pairs program `item` of a tile walk scores, as the kernel walks them: [CTA_ROWS, n_k] visit
+    counts for its rows row_start + [0, 128) (rows past n_q count nothing). Each tile t of range r is keys
+    start + t * block_n + [0, block_n), all of them where t is below the range's unmasked tiles, else those below
+    the range's end (and, causal, within the range's shift of the row). A key the kernel would read past the head's
+    keys is an error."""
+    rs, _, r, n_tiles = (int(x) for x in items[item])
+    rows = torch.arange(rs, rs + gc.CTA_ROWS)
+    counts = torch.zeros(gc.CTA_ROWS, n_k, dtype=torch.int64)
+    t = 0
+    for _ in range(n_tiles):
+        lo, hi, shift, tiles, unmasked = (int(x) for x in ranges[r])
+        cols = lo + t * block_n + torch.arange(block_n)
+        keep = torch.ones(gc.CTA_ROWS, block_n, dtype=torch.bool)
+        if t >= unmasked:
+            keep = (cols[None, :] < hi).expand(gc.CTA_ROWS, -1).clone()
+            if causal:
+                keep &= cols[None, :] <= rows[:, None] + shift
+        keep &= (rows < n_q)[:, None]
+        assert not (keep & (cols >= n_k)[None, :]).any(), f"item {item} scores keys past the head's end"
+        r_idx, c_idx = keep.nonzero(as_tuple=True)
+        counts.index_put_((r_idx, cols[c_idx]), torch.ones_like(r_idx), accumulate=True)
+        t += 1
+        if t == tiles:
+            r, t = r + 1, 0
+    return counts
+
+
+def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0=0, n_blocks=0, parts=1, width=0, n_slots=0,
+                     summary=False, lse_mode, walk=None, tiles=None, **_):
     """What _gluon_fwd_kernel writes, computed in float64: per (row block, head, partition) the state of 128 rows
     over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in q's dtype), or out
-    and the base-2 lse (+inf for a row that sees no key)."""
+    and the base-2 lse (+inf for a row that sees no key); with a tile walk, per (item, head) out and the natural-log
+    lse (-inf) of the item's rows over the keys its walk scores (_walk_visits)."""
+    if walk is not None:
+        _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, (tiles or gc.TILES[q.shape[-1]])[0])
+        return
     b_, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     rows_per_block = gc.CTA_ROWS
@@ -258,6 +291,26 @@ def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0, n_blocks,
                                                     float("inf"))[keep].float()
 
 
+def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n):
+    items, ranges = walk
+    b_, hq, n_q, _ = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    for item in range(items.shape[0]):
+        rs, re = int(items[item, 0]), int(items[item, 1])
+        seen = _walk_visits(items, ranges, item, n_q, n_k, block_n, causal)[:re - rs] > 0
+        for bh in range(b_ * hq):
+            b, h = divmod(bh, hq)
+            x = (q[b, h, rs:re].double() @ k[b, h // (hq // hkv)].double().T) * qk_scale
+            x = x.masked_fill(~seen, float("-inf"))
+            m = x.max(1).values
+            p = torch.exp2(x - torch.where(torch.isinf(m), 0.0, m)[:, None])
+            l_ = p.sum(1)
+            o = p @ v[b, h // (hq // hkv)].double()
+            out[b, h, rs:re] = torch.where(l_[:, None] > 0, o / l_.clamp_min(1e-300)[:, None], 0.0).to(out.dtype)
+            lse[b, h, rs:re] = torch.where(l_ > 0, (m + torch.log2(l_.clamp_min(1e-300))) * math.log(2.0),
+                                           float("-inf")).float()
+
+
 @pytest.mark.parametrize("case", [
     dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config=None),              # several partitions: phase 2 merges
     dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config=None),               # GQA, bottom-right causal
@@ -272,7 +325,7 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
     monkeypatch.setattr(gc, "available", lambda *a: True)
     monkeypatch.setattr(gc, "launch", _emulated_launch)
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
-    monkeypatch.setattr(elsa_config, "GLUON_MIN_WORK", 0)
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
     monkeypatch.setattr(elsa_config, "SHORT_N", 0)
     elsa_config.plan_forward.cache_clear()
     elsa_host.clear_plans()
@@ -293,3 +346,144 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
     finally:
         elsa_config.plan_forward.cache_clear()
         elsa_host.clear_plans()
+
+
+# --- CQSA's resident forward on the core: its slot waves as a tile walk, on the CPU through the emulated launch ---
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_walk_masks_exactly_the_keys_a_row_cannot_see(causal):
+    """schedule.tile_walk on hand-made tables, every row start against a tile's edges: per block, each key of its
+    ranges a row sees is scored once, no other key is (the unmasked tiles end exactly where the block's first row
+    stops seeing keys, the tiles at its last row's horizon), ranges no row sees are left out."""
+    from kernels.cqsa.schedule import tile_walk
+    block_n, n = 16, 200
+    ranges = np.array([[0, 37, 0], [37, 120, -5], [150, 200, 3]], np.int32)      # ragged ends, shifted deltas
+    blocks = [(rs, min(rs + rows, n)) for rs in range(0, 90) for rows in (1, 17, 128)]
+    joined = np.array([[[rs, re, 0, 2, 0], [rs, re, 2, 1, 0]] for rs, re in blocks], np.int32)    # two waves
+    causal_off = 7
+    items, walk = tile_walk(joined, ranges, block_n, causal, causal_off)
+    for item, (rs, re) in enumerate(blocks):
+        counts = _walk_visits(items, walk, item, n, n, block_n, causal)[:re - rs]
+        expect = torch.zeros(re - rs, n, dtype=torch.int64)
+        for lo, hi, delta in ranges:
+            keys = torch.arange(lo, hi)
+            sees = torch.ones(re - rs, hi - lo, dtype=torch.bool)
+            if causal:
+                sees = keys[None, :] <= torch.arange(rs, re)[:, None] + delta + causal_off
+            expect[:, lo:hi] = sees.long()
+        assert torch.equal(counts, expect), f"rows {rs}-{re}"
+        r, left = int(items[item, 2]), int(items[item, 3])
+        while left:
+            lo, hi, _, tiles, _ = (int(x) for x in walk[r])
+            assert tiles > 0 and (hi == lo == 0 or expect[:, lo:hi].any()), f"rows {rs}-{re}: range {lo}-{hi}"
+            left, r = left - tiles, r + 1
+
+
+@pytest.mark.parametrize("nq,nk,hq,hkv,c,causal,d", [
+    (300, 300, 2, 2, 7, False, 64),          # pieces of ~43 rows: items shorter than a CTA, ragged tiles
+    (300, 300, 2, 1, 7, True, 80),           # causal: ranges past a block's horizon left out; split head dim
+    (1000, 1000, 1, 1, 3, True, 128),        # several tiles per range, unmasked ones among them
+    (260, 390, 4, 2, 7, True, 96),           # GQA, bottom-right causal
+    (390, 260, 2, 1, 3, True, 64),           # rows that see no key: an empty masked range
+    (200, 700, 2, 2, 13, False, 256),        # Nq != Nk, another chunk count
+])
+def test_cqsa_resident_forward_walks_every_visible_key_once(monkeypatch, nq, nk, hq, hkv, c, causal, d):
+    """The tile walk of CQSA's joined slot waves (schedule.tile_walk) scores every (row, key) pair a row sees
+    exactly once and no other (each row in one item), and CQSA's resident forward on it (the core's launch
+    emulated) matches float64 in out and lse."""
+    from kernels.cqsa import attention as cqsa_host
+    from kernels.cqsa import cqsa_attention
+    monkeypatch.setattr(gc, "available", lambda *a: True)
+    monkeypatch.setattr(gc, "launch", _emulated_launch)
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
+    q, k, v = (t.half() for t in _inputs(1, hq, hkv, nq, nk, d, torch.float32, "cpu", seed=nq + d))
+    block_n = gc.TILES[d][0]
+    items, ranges = cqsa_host._walk(nq, nk, c, causal, d, q.device)
+    assert ranges[-1].eq(0).all() and (items[:, 3] >= 1).all()
+    rows_seen = torch.zeros(nq, dtype=torch.int64)
+    for item in range(items.shape[0]):
+        rs, re = int(items[item, 0]), int(items[item, 1])
+        assert 0 < re - rs <= gc.CTA_ROWS
+        rows_seen[rs:re] += 1
+        counts = _walk_visits(items, ranges, item, nq, nk, block_n, causal)[:re - rs]
+        expect = torch.ones(re - rs, nk, dtype=torch.int64)
+        if causal:
+            expect = (torch.arange(nk)[None, :] <= torch.arange(rs, re)[:, None] + nk - nq).long()
+        assert torch.equal(counts, expect), f"item {item}: rows {rs}-{re}"
+    assert torch.equal(rows_seen, torch.ones(nq, dtype=torch.int64))
+    cqsa_host._fwd_plans.clear()
+    try:
+        plan = cqsa_host.forward_plan(q, k, v, causal, d ** -0.5, c, 1, "ieee",
+                                      cqsa_host.default_tiles(d, q.dtype, "cpu"))
+        assert plan.walk is not None
+        out, lse = plan(q, k, v)
+        assert _rel_rms(out, reference_attention(q, k, v, causal=causal)) <= TOL[torch.float16]
+        ref_lse = _reference_lse(q, k, causal)
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isinf(lse) & (lse < 0), ~seen)
+        assert (lse.double() - ref_lse)[seen].abs().max().item() <= LSE_TOL
+        # the public function takes the same plan; a tile override keeps CQSA's own kernel
+        assert _rel_rms(cqsa_attention(q, k, v, causal=causal, c=c), out) == 0
+        overridden = cqsa_host.forward_plan(q, k, v, causal, d ** -0.5, c, 1, "ieee",
+                                            (16, 16, 4, 1) + cqsa_host.default_tiles(d, q.dtype, "cpu")[4:])
+        assert overridden.walk is None
+    finally:
+        cqsa_host._fwd_plans.clear()
+
+
+def _cqsa_on_the_core_matches_float64(q, k, v, causal, c, dtype):
+    """CQSA's resident forward planned on the core's tile walk: out and the natural-log lse its backward reads
+    against float64, then its gradients (CQSA's own backward on that lse) within twice the output's tolerance."""
+    from kernels.cqsa import attention as cqsa_host
+    cqsa_host._fwd_plans.clear()          # plans made under another MIN_WORK
+    try:
+        _cqsa_checks(q, k, v, causal, c, dtype)
+    finally:
+        cqsa_host._fwd_plans.clear()
+
+
+def _cqsa_checks(q, k, v, causal, c, dtype):
+    from kernels.cqsa import attention as cqsa_host
+    from kernels.cqsa import cqsa_attention
+    scale, precision, tiles = cqsa_host._resolve(q, k, v, causal, None, c, 1, "tf32x3", None)
+    plan = cqsa_host.forward_plan(q, k, v, causal, scale, c, 1, precision, tiles)
+    assert plan.walk is not None
+    out, lse = plan(q, k, v)
+    ref = reference_attention(q, k, v, causal=causal)
+    err = _rel_rms(out, ref)
+    assert err <= TOL[dtype], f"rel RMS {err:.2e} > {TOL[dtype]:.1e}"
+    ref_lse = _reference_lse(q, k, causal)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse.double() - ref_lse)[seen].abs().max().item() <= LSE_TOL
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = cqsa_attention(q, k, v, causal=causal, c=c)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(reference_attention(q, k, v, causal=causal), (q, k, v), g.double())
+    for name, got, want in zip("qkv", grads, ref_grads):
+        err = _rel_rms(got, want)
+        assert err <= 2 * TOL[dtype], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", gc.HEAD_DIMS)
+def test_gpu_cqsa_on_the_core_at_every_head_dim(monkeypatch, d, dtype):
+    """CQSA's resident forward on the core at each of its head dims: causal, grouped-query, N = 1531 (ragged pieces,
+    items shorter than a CTA, ranges ending inside a tile)."""
+    _need_core("cuda")
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
+    _cqsa_on_the_core_matches_float64(*_inputs(2, 4, 2, 1531, 1531, d, dtype, "cuda"), True, 7, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq, nk, causal, c", [(700, 2900, True, 7), (2900, 700, True, 7), (1000, 3001, False, 13),
+                                               (4096, 4096, False, 3), (8192 + 77, 8192 + 77, True, 7)])
+def test_gpu_cqsa_on_the_core_shapes(monkeypatch, nq, nk, causal, c):
+    """CQSA on the core with Nq != Nk (bottom-right causal; rows that see no key), other chunk counts, and a long
+    causal sequence (many tiles per range, unmasked ones among them); bf16, 8 query heads on 2 K/V heads."""
+    _need_core("cuda")
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
+    _cqsa_on_the_core_matches_float64(*_inputs(1, 8, 2, nq, nk, 128, torch.bfloat16, "cuda"), causal, c,
+                                      torch.bfloat16)

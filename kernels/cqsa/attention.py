@@ -27,12 +27,14 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_core as gluon_core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
                        in_place, layout, signature)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
-from .kernel import constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, resolve_tiles
-from .schedule import resident_schedule
+from .kernel import (constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, default_tiles,
+                     resolve_tiles)
+from .schedule import resident_schedule, tile_walk
 from .stream import stream_attention
 
 # --- the slot-wave tables of one problem shape, shared by every signature of that shape ----------------
@@ -79,6 +81,21 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
+def _walk(n, n_kv, c, causal, head_dim, device):
+    """The joined slot waves of 128-row blocks as the Gluon core's tile walk on the device ((items, ranges):
+    schedule.tile_walk with the core's key tile at this head dim), or None where the waves do not join."""
+    block_n = gluon_core.TILES[head_dim][0]
+    key = ("walk", n, n_kv, c, causal, block_n, device)
+    if key not in _tables:
+        sched = resident_schedule(n, c, 1, gluon_core.CTA_ROWS, causal, n_kv, "q")
+        walk = None
+        if sched.joined is not None:
+            walk = tuple(torch.from_numpy(t).to(device) for t in tile_walk(sched.joined, sched.ranges, block_n, causal,
+                                                                          n_kv - n))
+        _tables.put(key, walk)
+    return _tables[key]
+
+
 def _launches(kernel, tables, programs: int, fixed: tuple, consts: dict) -> list:
     """One Prepared launch per entry of _device_tables' list: grid (its items, programs), the fixed arguments then
     its wave count and (first, last) flags; each is called with the kernel's tensors and its items and ranges last.
@@ -102,7 +119,12 @@ DESC_MIN_KEYS = 8192
 class _Forward(LaunchPlan):
     """A resident forward signature (kernels._launch.layout of q, k, v and the options): out and lse, then one
     launch of the joined slot waves; where they do not join (itr > 1), one fp32 state buffer (acc | m | l) and one
-    launch per slot wave (l**itr)."""
+    launch per slot wave (l**itr).
+
+    Joined waves of 16-bit inputs run on the Gluon Hopper core (kernels/_gluon_core.py) where it takes them (sm_90,
+    contiguous inputs, its head dims), from its MIN_WORK and with the default tiles (a ``config`` override keeps
+    this package's kernel): one program per 128-row block walks the block's column ranges of every wave
+    (schedule.tile_walk), merging them in registers as the Triton kernel's joined waves do."""
 
     def __init__(self, q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
@@ -114,6 +136,13 @@ class _Forward(LaunchPlan):
             return
         (cq, sq), (ck, sk), (cv, sv) = in_place("cqsa", q), in_place("cqsa", k), in_place("cqsa", v)
         self.copy = (cq, ck, cv) if cq or ck or cv else None
+        self.walk = None
+        if (itr == 1 and gluon_core.available(q, k, v) and B * H * N * Nk * D >= gluon_core.MIN_WORK
+                and tiles == default_tiles(D, q.dtype, q.device.type)):
+            self.walk = _walk(N, Nk, c, causal, D, q.device)
+            self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1)
+            if self.walk is not None:
+                return
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
         self.ranges, tables = t.fwd
@@ -136,6 +165,9 @@ class _Forward(LaunchPlan):
         out = q.new_empty(self.out_shape)
         lse = q.new_empty(self.lse_shape, dtype=_f32)
         if self.empty:
+            return out, lse
+        if self.walk is not None:
+            gluon_core.launch(q, k, v, out, lse, out, walk=self.walk, **self.gluon_options)
             return out, lse
         if self.copy is not None:
             cq, ck, cv = self.copy

@@ -196,3 +196,34 @@ def task_schedule(task: Task, block_rows: int, causal: bool, inputs_global: bool
                               rows=rows, causal_off=causal_off)
     return build_schedule([task], "local", block_rows, causal, by_slot=False, out_global=out_global, rows=rows,
                           causal_off=causal_off)
+
+
+def tile_walk(joined: np.ndarray, ranges: np.ndarray, block_n: int, causal: bool,
+              causal_off: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The joined waves as the Gluon core's tile walk (kernels/_gluon_core.py, ``launch(walk=...)``): one row block
+    of joined [I, W, 5] per item, its waves' column ranges walked in turn, ``block_n`` keys per tile.
+
+    Returns (items [I, 4]: row_start, row_end, first range, tiles; ranges [R + 1, 5]: start, end, shift, tiles,
+    unmasked tiles), int32. A range's shift is its delta + causal_off (key n visible from query m iff
+    n <= m + shift). Causal, a range's tiles stop at the block's last row's horizon, its unmasked tiles (whole,
+    seen by every row of the block) at its first row's, and a range no row of the block sees is left out; a block
+    that sees no key at all gets one masked tile of an empty range (its rows: out 0, lse -inf). The last row is a
+    sentinel of zeros: the walk's cursor reads one range past a block's last tile."""
+    items, walk = [], []
+    for blk in joined:
+        rs, re = int(blk[0, 0]), int(blk[0, 1])
+        first, tiles = len(walk), 0
+        for _, _, roff, rcnt, _ in blk:
+            for lo, hi, delta in ranges[roff:roff + rcnt]:
+                lo, hi, shift = int(lo), int(hi), int(delta) + causal_off
+                end, seen = (min(hi, re + shift), min(hi, rs + shift + 1)) if causal else (hi, hi)
+                n = -(-(end - lo) // block_n) if end > lo else 0
+                if n:
+                    walk.append((lo, hi, shift, n, max(seen - lo, 0) // block_n))
+                    tiles += n
+        if not tiles:
+            walk.append((0, 0, 0, 1, 0))
+            tiles = 1
+        items.append((rs, re, first, tiles))
+    walk.append((0, 0, 0, 0, 0))
+    return np.array(items, np.int32).reshape(-1, 4), np.array(walk, np.int32).reshape(-1, 5)

@@ -2,7 +2,7 @@
 and the tile-config override (``config=``) in the canonical string form the torch.library ops take.
 
 No per-call autotuning: a new sequence length must not re-run a tuning sweep. Phase 1 of 16-bit inputs without a
-bias runs the Gluon core at its head dims (64-256: kernels/_gluon_core.SPLITS) on sm_90 from GLUON_MIN_WORK
+bias runs the Gluon core at its head dims (64-256: kernels/_gluon_core.SPLITS) on sm_90 from its MIN_WORK
 (FwdPlan.gluon: its CTA and key tile), else the flash core's loop with the core's tiles (kernels/_flash_core.py's
 PLAIN_TILES, and WS_TILES where the warp-specialized loop is taken; ``core_tiles``). The built-in tables below serve the rest: the forward table
 float32 and the 16-bit bias path (this package's own loop), the backward table every backward. Their 64- and
@@ -50,15 +50,14 @@ BUILTIN_FWD_TABLE = {
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
-# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from this much work (B*Hq * Nq * Nk * D): its launch
-# builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
+# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from its MIN_WORK (2^34 of B*Hq * Nq * Nk * D): its
+# launch builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
 # the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
 # the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
 # (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
 # (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full). Below it the Triton core is about as fast on the GPU
 # too: at D=64 4K ELSA took 0.101 ms on it against 0.112 on the core with in-kernel descriptors (the same file,
 # "rows"; those descriptors cost the core ~6 % there, "gpu_time_per_descriptor_kind").
-GLUON_MIN_WORK = 2**34
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
@@ -268,13 +267,13 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
     blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
     gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
-    descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least GLUON_MIN_WORK,
+    descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least its MIN_WORK,
     unless the caller overrides the forward tiles (its CTA is 128 query rows, its key tile gluon_core.TILES')."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
     gluon = (gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
-             and bh * nq * nk * d >= GLUON_MIN_WORK)
+             and bh * nq * nk * d >= gluon_core.MIN_WORK)
     ws_tiles = core_tiles(dtype, d, bias, True)
     ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N
           and core.ws_proven(causal, nk % ws_tiles[1] == 0))

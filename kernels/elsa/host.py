@@ -117,7 +117,7 @@ class _FwdPlan(LaunchPlan):
             *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
         # the Gluon core's descriptors are made on the host, not by each program: DESC_MIN_ROWS (the Triton core's
-        # in-kernel descriptors against its pointer loads) does not apply; GLUON_MIN_WORK does (plan_forward). At
+        # in-kernel descriptors against its pointer loads) does not apply; the core's MIN_WORK does (plan_forward). At
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and gluon_core.available(q, k, v)
