@@ -20,7 +20,10 @@ score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); 
 A program takes 128 query rows and one key partition (grid (row blocks, B*Hq, partitions)); it writes the
 normalised output (and an LSE), or with SUMMARY its state into ELSA's phase-1 summary slots (fp32 m and l, the
 normalised partial output in the inputs' dtype), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
-with the same phase 2 as the Triton phase 1. The TMA descriptors span the
+with the same phase 2 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows
+of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves:
+kernels/cqsa/schedule.py's tile_walk), the loader and both consumers stepping one cursor tile by tile. The TMA
+descriptors span the
 flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past
 the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end
 are computed and never stored.
