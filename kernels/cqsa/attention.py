@@ -6,10 +6,10 @@ slot × all (batch, head) pairs. At one division level (itr = 1, the default) ev
 same blocks, so the waves are joined: one launch, where each program runs its row block's item of every wave in
 turn and merges them in registers with the log-sum-exp rule, then writes O and the global lse (no state between
 waves). Where they do not join (itr > 1), l**itr launches fold into shared fp32 (m, l, acc) state, the last
-writing O and lse. Joined waves of 16-bit inputs on sm_90 run on the Gluon Hopper core instead (kernels/_gluon_core.py,
-from its MIN_WORK, default tiles): the same row blocks' ranges, walked as one tile sequence per 128-row block
-(schedule.tile_walk), no padded columns at D = 80 / 96 / 160 / 192. The backward runs the same way for dQ (its first wave also computes δ = rowsum(dO ⊙ O)) and
-for dK/dV: two launches when joined.
+writing O and lse. The backward runs the same way for dQ (its first wave also computes δ = rowsum(dO ⊙ O)) and
+for dK/dV: two launches when joined. Joined forward waves of 16-bit inputs on sm_90 run on the Gluon Hopper core
+instead (kernels/_gluon_core.py, from its MIN_WORK, default tiles): each 128-row block's ranges of every wave, walked
+as one tile sequence (schedule.tile_walk), with no padded columns at D = 80 / 96 / 160 / 192.
 
 The resident forward and backward are ops in the ``attnbench`` namespace (``attnbench::cqsa_fwd`` returns
 (out, lse), ``attnbench::cqsa_bwd`` returns (dq, dk, dv)) with a registered autograd formula and fake
