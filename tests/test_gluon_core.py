@@ -487,3 +487,47 @@ def test_gpu_cqsa_on_the_core_shapes(monkeypatch, nq, nk, causal, c):
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     _cqsa_on_the_core_matches_float64(*_inputs(1, 8, 2, nq, nk, 128, torch.bfloat16, "cuda"), causal, c,
                                       torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cqsa_on_the_core_compiled_and_graphed():
+    """CQSA with its forward on the core's tile walk under torch.compile(fullgraph=True), forward and backward,
+    equal to eager; and a CUDA graph of its forward and backward replays on new inputs copied into the captured
+    ones, equal to an eager call on them."""
+    from kernels.cqsa import attention as cqsa_host
+    from kernels.cqsa import cqsa_attention
+    _need_core("cuda")
+    torch._dynamo.reset()
+    cqsa_host._fwd_plans.clear()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 2, 8192, 8192, 128, torch.bfloat16, "cuda"))
+    scale, precision, tiles = cqsa_host._resolve(q, k, v, True, None, 7, 1, "tf32x3", None)
+    assert cqsa_host.forward_plan(q, k, v, True, scale, 7, 1, precision, tiles).walk is not None
+
+    def loss(q, k, v):
+        return cqsa_attention(q, k, v, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(got, eager):
+        assert _rel_rms(a, b) <= 1e-3
+    do = torch.randn_like(q)
+
+    def step():
+        out = cqsa_attention(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                     # warm-up: the backward's kernels compile, its plan is made
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for dst, src in zip((q, k, v), _inputs(1, 8, 2, 8192, 8192, 128, torch.bfloat16, "cuda", seed=1)):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, step()):
+        assert _rel_rms(a, b) <= 1e-6
