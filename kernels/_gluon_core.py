@@ -194,21 +194,21 @@ if HAS_GLUON:
         return acc / gl.where(l_r > 0, l_r, 1.0)[:, None]
 
     @gluon.jit
-    def _store_cols(dst, out, row, col0, row0, n_q, HEAD_DIM: gl.constexpr, MASK_ROWS: gl.constexpr):
+    def _store_cols(dst, out, row, col0, row0, row_end, HEAD_DIM: gl.constexpr, MASK_ROWS: gl.constexpr):
         """One column tile of a consumer's output in dst's dtype at rows row + r, columns col0 + c of a
-        [*, HEAD_DIM] slab; MASK_ROWS stores only the query rows row0 + r < n_q."""
+        [*, HEAD_DIM] slab; MASK_ROWS stores only the query rows row0 + r < row_end."""
         layout: gl.constexpr = out.type.layout
         rows = gl.arange(0, out.type.shape[0], layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, out.type.shape[1], layout=gl.SliceLayout(0, layout))
         offs = (row + rows).to(gl.int64)[:, None] * HEAD_DIM + (col0 + cols)[None, :]
         if MASK_ROWS:
-            gl.store(dst + offs, out.to(dst.dtype.element_ty), mask=(row0 + rows < n_q)[:, None])
+            gl.store(dst + offs, out.to(dst.dtype.element_ty), mask=(row0 + rows < row_end)[:, None])
         else:
             gl.store(dst + offs, out.to(dst.dtype.element_ty))
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                  turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
@@ -335,9 +335,9 @@ if HAS_GLUON:
                     _store_cols(partials, out2, base, BLOCK_D, 0, 0, HEAD_DIM, False)
         else:
             out_row = o_row + WG * BLOCK_M
-            _store_cols(Out, out, out_row, 0, my_row0, n_q, HEAD_DIM, True)
+            _store_cols(Out, out, out_row, 0, my_row0, row_end, HEAD_DIM, True)
             if D1 > 0:
-                _store_cols(Out, out2, out_row, BLOCK_D, my_row0, n_q, HEAD_DIM, True)
+                _store_cols(Out, out2, out_row, BLOCK_D, my_row0, row_end, HEAD_DIM, True)
             if LSE_MODE != 0:
                 has = l_i > 0
                 lse = m_i + gl.log2(gl.where(has, l_i, 1.0))
@@ -345,16 +345,16 @@ if HAS_GLUON:
                     lse = lse / 1.4426950408889634      # natural log; -inf for a row that sees no key
                 else:
                     lse = gl.where(has, lse, float("inf"))   # ELSA's: base 2, +inf (its backward's zero weight)
-                gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < n_q)
+                gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < row_end)
 
     @gluon.jit
     def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked,
+                         v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
                          causal_shift, qk_scale, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
                          BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
         _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  turn_bars, Out, Lse, Sbuf, o_row, row0, n_q, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
+                  turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY,
                   LSE_MODE, RANGES)
 
