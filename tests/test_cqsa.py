@@ -907,10 +907,13 @@ def test_gpu_compile_inductor_forward_and_backward_like_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_replays_forward_and_backward():
-    q = torch.randn(1, 4, 2000, 128, device="cuda", dtype=torch.float16, requires_grad=True)
-    k, v = (torch.randn(1, 2, 2000, 128, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
-    do = torch.randn(1, 4, 2000, 128, device="cuda", dtype=torch.float16)
+@pytest.mark.parametrize("n", [2000, 8192])
+def test_gpu_cuda_graph_capture_replays_forward_and_backward(n):
+    """At 2000 tokens the forward is this package's kernel; at 8192 (from the Gluon core's MIN_WORK) it is the
+    core's tile walk on sm_90 (tests/test_gluon_core.py)."""
+    q = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 128, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    do = torch.randn(1, 4, n, 128, device="cuda", dtype=torch.float16)
 
     def step():
         out = cqsa_attention(q, k, v, causal=True)
