@@ -50,6 +50,19 @@ def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
     return configs
 
 
+def width_entries(path, table: str, entries: dict, widths) -> list[tuple[int, object]]:
+    """A table keyed by head-dim tile width ({"64": value, ...}) as [(width, value)]; a key that is not one of
+    `widths` is a TuningFileError naming the file, the table, the key and its value."""
+    out = []
+    for key, value in entries.items():
+        width = int(key) if str(key).isdigit() else None
+        if width not in widths:
+            raise TuningFileError(f"{path}: {table}[{key!r}] = {value!r}: need a head-dim tile width "
+                                  f"({', '.join(map(str, widths))})")
+        out.append((width, value))
+    return out
+
+
 def dim_key(dtype_class: str, head_dim: int) -> str:
     """The key of a (dtype class, head dim) entry: "16,64" (16-bit inputs, D=64) or "32,128"."""
     return f"{dtype_class},{head_dim}"

@@ -18,8 +18,9 @@ Stages, in order, each only while the time budget lasts (what is left out is lis
   2. lengths: the best 2 of each (dtype, D, causal) at 16K, plus the shipped tiles, at N=4K and 64K;
   3. no cliff: D 80, 96, 256 (padded head dims) at N=16K, fp16, non-causal.
 Each variant's output is first checked against SDPA flash on the same inputs (relative RMS of the difference
-<= 2e-3 fp16, 6e-3 bf16: both round their outputs); a wrong variant is a row, never timed. Times: triton.testing.
-do_bench medians with the L2 flushed before each call (20th/80th percentiles kept). TFLOP/s counts 4*B*H*N^2*D,
+<= 2e-3 fp16, 6e-3 bf16: both round their outputs); a wrong variant is a row, never timed. Times: the harness's
+own timer (attnbench.measure.measure_pair, one side, L2 flushed before each call; TIMING: a shorter budget than a
+matrix point's), medians with the 20th/80th percentiles of its samples. TFLOP/s counts 4*B*H*N^2*D,
 halved for causal. The sweep writes DIR/flash_core_sweep.jsonl (one row per variant and point, an env row first)
 and DIR/flash_core_sweep.md (per point: the best of each variant beside cuDNN and flash, ratios to cuDNN's time),
 and prints the markdown summary last.
@@ -42,6 +43,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
+from attnbench.measure import measure_pair  # noqa: E402
+from attnbench.workload import Workload  # noqa: E402
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 # (variant, BLOCK_M, BLOCK_N, num_warps, num_stages). Warp specialization only at 4 warps (on triton 3.6 / sm_90 an
@@ -67,6 +72,9 @@ BATCH, HEADS = 1, 8
 DEVICE = "cuda"          # a name, so the control flow can be exercised on the CPU (interpreter) with tiny shapes
 CHECK_TOL = {"fp16": 2e-3, "bf16": 6e-3}
 TOP_K = 2
+# the harness timer's settings per timing: a matrix point's warm-up and L2 flush, a shorter time budget (~130 timings
+# share the sweep's budget)
+TIMING = dict(TIMING_DEFAULTS, rep_ms=100.0, max_ms=300.0, ci_half_width=0.02)
 
 
 def attention_flops(n: int, d: int, causal: bool) -> float:
@@ -136,9 +144,8 @@ def _rel_rms(a, b) -> float:
 class Sweep:
     def __init__(self, out_dir: Path, budget_s: float):
         import torch
-        import triton
 
-        self.torch, self.triton = torch, triton
+        self.torch = torch
         from kernels import _flash_core as core
         self.core = core
         self.t0 = time.monotonic()
@@ -159,9 +166,17 @@ class Sweep:
         self.jsonl.flush()
 
     def time_ms(self, fn) -> tuple[float, float, float]:
-        """(median, q20, q80) ms of fn, L2 flushed before each call (triton.testing.do_bench)."""
-        q20, med, q80 = self.triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
-        return med, q20, q80
+        """(median, q20, q80) ms of fn by the harness's timer (measure_pair with fn as its one side)."""
+        res = measure_pair(Workload(run=fn), None, kernel_name="sweep", baseline_name=None, timing=TIMING,
+                           device=DEVICE)
+        if res.kernel.status != "ok":
+            raise RuntimeError(f"timing failed: {res.kernel.message}")
+        samples = sorted(res.kernel.samples_ms)
+
+        def quantile(f):
+            return samples[round(f * (len(samples) - 1))]
+
+        return quantile(0.5), quantile(0.2), quantile(0.8)
 
     def inputs(self, dtype, d, n):
         torch = self.torch
@@ -272,7 +287,7 @@ def summary(rows: list[dict], left_out: list[str]) -> str:
     env = next((r for r in rows if r.get("stage") == "env"), {})
     lines = [f"# flash_core sweep: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, triton "
              f"{env.get('triton', '?')}", "",
-             f"B={BATCH}, H={HEADS}, self-attention; do_bench medians, L2 flushed; TFLOP/s = 4*B*H*N^2*D (/2 causal); "
+             f"B={BATCH}, H={HEADS}, self-attention; medians of the harness timer, L2 flushed; TFLOP/s = 4*B*H*N^2*D (/2 causal); "
              "ratio = our time / cuDNN's (< 1: faster). ws* = warp specialization requested but compiled to a "
              "plain loop.", "",
              "| dtype | D | N | causal | variant | best cfg (BM,BN,w,s) | TFLOP/s | cuDNN | flash | / cuDNN | "

@@ -55,6 +55,24 @@ def test_sweep_summary_shows_the_best_of_each_variant_and_what_was_not_timed():
     assert "| ws* |" in sweep.summary(rows, [])                                  # asked for, compiled without
 
 
+def test_sweep_times_through_the_harness_timer(tmp_path, monkeypatch):
+    """The sweep's timings are the harness's (attnbench.measure.measure_pair): q20 <= median <= q80 of its samples,
+    and a call that fails is an error, not a time."""
+    import torch
+    monkeypatch.setattr(sweep, "DEVICE", "cpu")
+    monkeypatch.setattr(sweep, "TIMING", dict(sweep.TIMING, flush_l2=False, warmup_ms=0.0, rep_ms=5.0, max_ms=5.0))
+    s = sweep.Sweep(tmp_path, budget_s=60)
+    x = torch.randn(64, 64)
+    med, q20, q80 = s.time_ms(lambda: x @ x)
+    assert 0 < q20 <= med <= q80
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(RuntimeError, match="timing failed: .*no kernel"):
+        s.time_ms(broken)
+
+
 def test_sweep_refuses_to_run_without_a_gpu(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts/flash_core_sweep.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

@@ -175,9 +175,10 @@ def test_pasa_reads_its_shift_rule(tmp_path):
     rule = ops.tuned_shift_rule(path)
     assert rule == {**ops.BUILTIN_SHIFT_INLINE_MAX_KEYS, 16: 256, 32: 256, 64: 256, 128: 0}
     assert ops.BUILTIN_SHIFT_INLINE_MAX_KEYS[64] != 256                   # the built-in table is not changed
-    for bad in ({"96": 128}, {"64": -1}, {"64": "512"}):
+    for bad, why in (({"96": 128}, "head-dim tile width"), ({"64": -1}, "key count >= 0"),
+                     ({"64": "512"}, "key count >= 0")):
         path.write_text(json.dumps({"configs": {"shift_inline_max_keys": bad}}))
-        with pytest.raises(ValueError, match=r"shift_inline_max_keys\[.*key count >= 0"):
+        with pytest.raises(ValueError, match=rf"shift_inline_max_keys\[.*{why}"):
             ops.tuned_shift_rule(path)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kernels._common import (FLOAT_DTYPES, SignatureCache, block_d, check_inputs, default_scale, signature,
                              tile_config)
-from kernels._tuning import TuningFileError, read_configs
+from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa import ops
 
 STATE_DTYPES = ("fp16", "fp32")   # the softmax state: the paper's full fp16, or its hybrid fp32 mode
@@ -54,11 +54,9 @@ def tuned_defaults(path=TUNING_FILE) -> tuple[dict, str]:
     stored = read_configs(path)
     configs = {name: dict(per_d) for name, per_d in BUILTIN_CONFIGS.items()}
     for name, per_d in configs.items():
-        for key, tiles in stored.get(name, {}).items():
-            bd = int(key) if str(key).isdigit() else None
-            if bd not in per_d or not isinstance(tiles, list) or len(tiles) != len(TILE_PARAMS):
-                raise TuningFileError(f"{path}: {name}[{key!r}] = {tiles!r}: need a head-dim tile width "
-                                      f"({', '.join(map(str, per_d))}) and [{', '.join(TILE_PARAMS)}]")
+        for bd, tiles in width_entries(path, name, stored.get(name, {}), per_d):
+            if not isinstance(tiles, list) or len(tiles) != len(TILE_PARAMS):
+                raise TuningFileError(f"{path}: {name}[{str(bd)!r}] = {tiles!r}: need [{', '.join(TILE_PARAMS)}]")
             try:
                 per_d[bd] = tile_config(name, per_d[bd], {"fwd": dict(zip(TILE_PARAMS, tiles))})
             except ValueError as exc:

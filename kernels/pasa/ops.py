@@ -34,7 +34,7 @@ from torch import Tensor
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
                              layout)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
-from kernels._tuning import TuningFileError, read_configs
+from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
 
@@ -63,11 +63,9 @@ def tuned_shift_rule(path=TUNING_FILE) -> dict:
     """SHIFT_INLINE_MAX_KEYS: the built-in rule with a tuning file's "shift_inline_max_keys" entries in its place."""
     stored = read_configs(path).get("shift_inline_max_keys", {})
     rule = dict(BUILTIN_SHIFT_INLINE_MAX_KEYS)
-    for key, keys in stored.items():
-        bd = int(key) if str(key).isdigit() else None
-        if bd not in rule or isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
-            raise TuningFileError(f"{path}: shift_inline_max_keys[{key!r}] = {keys!r}: need a head-dim tile width "
-                                  f"({', '.join(map(str, rule))}) and a key count >= 0")
+    for bd, keys in width_entries(path, "shift_inline_max_keys", stored, rule):
+        if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
+            raise TuningFileError(f"{path}: shift_inline_max_keys[{str(bd)!r}] = {keys!r}: need a key count >= 0")
         rule[bd] = keys
     for bd in (16, 32):
         if "64" in stored and str(bd) not in stored:
