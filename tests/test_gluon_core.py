@@ -1,15 +1,17 @@
-"""The Gluon Hopper core (kernels/_gluon_core.py) and ELSA's phase 1 on it.
+"""The Gluon Hopper core (kernels/_gluon_core.py), ELSA's phase 1 on it and CQSA's resident forward on its tile walk.
 
 CPU: the core is never taken there (Gluon has no interpreter): available() says no, the standalone forward refuses
 in one line, and ELSA's plan takes the core only where the host says it can (16-bit, no bias, more than SHORT_N
 rows, enough work, no tile override), with its 128-row CTA and its key tile. ELSA's host wiring around the core's
 launch (grid, q-chunks, partitions, slot counts, phase 2, the single-partition output and lse) runs with the launch
-replaced by a float64 emulation of what the kernel writes.
+replaced by a float64 emulation of what the kernel writes; so does CQSA's, whose tile walk (cqsa/schedule.py's
+tile_walk) is also checked to score every (row, key) pair a row sees exactly once, on hand-made and real tables.
 GPU (`-m gpu`, sm_90 with triton 3.6): the standalone forward against float64 -- float16 and bfloat16, every head
 dim the core takes (the split ones included), causal (bottom-right for Nq != Nk) and not, ragged lengths,
 grouped-query and multi-query K/V, ping-pong on and off, the natural-log LSE -- and ELSA with phase 1 on the core:
 several partitions merged by phase 2 (at every head dim) and the single-partition forward that writes out and lse
-itself, forward and gradients.
+itself, forward and gradients; CQSA on the walk at every head dim, with GQA, Nq != Nk, other chunk counts and 8K
+causal (out and LSE against float64, gradients through CQSA's backward), and under torch.compile.
 
 Tolerances (relative RMS against float64 on the same rounded inputs): float16 1.5e-3, bfloat16 4e-3, as the
 Triton core's tests (tests/test_flash_core.py): a 1 % error in the softmax scale moves the output by 0.7-1.2 %.

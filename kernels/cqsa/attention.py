@@ -142,9 +142,9 @@ class _Forward(LaunchPlan):
         if (itr == 1 and gluon_core.available(q, k, v) and B * H * N * Nk * D >= gluon_core.MIN_WORK
                 and tiles == default_tiles(D, q.dtype, q.device.type)):
             self.walk = _walk(N, Nk, c, causal, D, q.device)
+        if self.walk is not None:
             self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1)
-            if self.walk is not None:
-                return
+            return
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
         self.ranges, tables = t.fwd
