@@ -41,7 +41,8 @@ MEM_LOSS_ABOVE = 1.10
 
 MEASURED = MEASURED_STATUSES                    # statuses that carry a ratio (attnbench.measure.noise)
 NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
-# When several runs hold the same point, the best status wins, then the later run.
+# When several runs hold the same point, the best status wins, then the later run; a superseding run's point
+# (runs.read_run_list's "!") first drops every earlier run's.
 _STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
 
 CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim"]
@@ -51,7 +52,9 @@ CELL_KEY = ["cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch",
 
 def select_final(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point when several runs measured it: best status first (clean > oom > disturbed/noisy > error >
-    skipped), then the later run. The result is sorted by cell, then N."""
+    skipped), then the later run. A point of a superseding run (column ``supersedes``) first drops the same point
+    of every earlier run, so it wins whatever its status unless a later run measured it too. The result is sorted
+    by cell, then N."""
     if df.empty:
         return df
     df = df.copy()
@@ -59,6 +62,10 @@ def select_final(df: pd.DataFrame) -> pd.DataFrame:
     df["_key"] = df["_cell"] + "@" + df["n"].astype("int64").astype(str)
     df["_rank"] = df["status"].map(_STATUS_RANK).fillna(9)
     df["_order"] = range(len(df))
+    if "supersedes" in df.columns and df["supersedes"].any():
+        run_pos = pd.Series(pd.factorize(df["run_path"])[0], index=df.index)     # load_runs: runs in start order
+        since = run_pos[df["supersedes"].astype(bool)].groupby(df["_key"]).max()
+        df = df[run_pos >= df["_key"].map(since).fillna(-1)]
     df = df.sort_values(["_key", "_rank", "_order"], ascending=[True, True, False], kind="mergesort")
     df = df.drop_duplicates("_key", keep="first")
     df = df.sort_values(["kernel", "cell_id", "_cell", "n"], kind="mergesort")

@@ -546,7 +546,8 @@ def verify_2pass(device: str = DeviceOpt):
 @app.command("report")
 def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run directories (one GPU model)"),
            runs_file: Optional[Path] = typer.Option(None, "--runs", help="a text file listing the run directories, one "
-                                                    "per line, relative to the file (e.g. results/H100_runs.txt)"),
+                                                    "per line, relative to the file (e.g. results/H100_runs.txt); a "
+                                                    "line starting with ! supersedes earlier runs' points"),
            out: Optional[Path] = typer.Option(None, "--out", help="markdown path (default results/RESULTS_<GPU>.md)"),
            plots_dir: Optional[Path] = typer.Option(None, "--plots-dir", help="where the PNGs go"),
            no_plots: bool = typer.Option(False, "--no-plots", help="tables only")):
@@ -555,10 +556,12 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
     from attnbench.runs import read_run_list
 
     try:
-        dirs = list(run_dirs or []) + (read_run_list(runs_file) if runs_file is not None else [])
+        listed = read_run_list(runs_file) if runs_file is not None else []
+        dirs = list(run_dirs or []) + [run_dir for run_dir, _ in listed]
         if not dirs:
             fail("name the run directories, or a file listing them with --runs (e.g. results/H100_runs.txt)", 2)
-        path = build_report(dirs, out, plots_dir, plots=not no_plots)
+        path = build_report(dirs, out, plots_dir, plots=not no_plots,
+                            superseding=[run_dir for run_dir, supersedes in listed if supersedes])
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
     except OSError as exc:

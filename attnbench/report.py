@@ -34,11 +34,12 @@ def _v(value) -> str:
 
 
 def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results", plots: bool = True,
-                 spread: str = "column") -> Path:
+                 spread: str = "column", superseding=()) -> Path:
     """Write the RESULTS markdown for `run_dirs` (all from one GPU model) and its plots; return the markdown path.
 
     out_md: default ``<results_root>/RESULTS_<GPU>.md`` (GPU short name from the manifests, "CPU" for cpu runs).
     plots_dir: default ``<out_md's folder>/plots/<GPU>/``. plots=False skips the figures (links are still written).
+    superseding: the run directories whose points supersede earlier runs' (runs.read_run_list's marked lines).
     Raises ValueError (one line) when the runs come from different GPU models.
     """
     runs = sorted_runs(run_dirs)
@@ -53,7 +54,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     plots_dir = Path(plots_dir) if plots_dir else out_md.parent / "plots" / gpu
     base = out_md.parent
 
-    df = load_runs(runs)
+    df = load_runs(runs, superseding)
     summaries = summarize_cells(df)
     from attnbench.plots import plot_file_names, safe_name  # matplotlib only when a report is built
 

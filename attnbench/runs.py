@@ -38,13 +38,15 @@ def sorted_runs(run_dirs) -> list[Run]:
     return sorted(runs, key=lambda r: (str(r.manifest.get("started_utc") or ""), r.path.name))
 
 
-def load_runs(run_dirs) -> pd.DataFrame:
+def load_runs(run_dirs, superseding=()) -> pd.DataFrame:
     """The points of several runs in one DataFrame, each row tagged with its run's manifest fields.
 
     Added columns: run (directory name), run_path, matrix_name, started_utc, device, gpu_name,
-    gpu_short, git_commit, and is_model (heads and head_dim empty: n is an image size).
+    gpu_short, git_commit, supersedes (the run is one of `superseding`: read_run_list's marked runs), and
+    is_model (heads and head_dim empty: n is an image size).
     Runs are ordered by start time, rows keep their order inside a run.
     """
+    superseding = {Path(p).resolve() for p in superseding}
     frames = []
     for run in sorted_runs(run_dirs):
         df = run.points.copy()
@@ -54,6 +56,7 @@ def load_runs(run_dirs) -> pd.DataFrame:
             "started_utc": m.get("started_utc"), "device": m.get("device"),
             "gpu_name": (m.get("gpu") or {}).get("name") if m.get("gpu") else None,
             "gpu_short": gpu_short_name(m), "git_commit": m.get("git_commit"),
+            "supersedes": run.path.resolve() in superseding,
         }
         for key, value in tags.items():
             df[key] = value
@@ -82,12 +85,15 @@ def resolve_run_dir(path) -> Path:
     raise RunDirError(f"{path}: not a run directory and holds none")
 
 
-def read_run_list(path) -> list[Path]:
-    """The run directories a report is built from, one per line of a text file (e.g. results/H100_runs.txt).
+def read_run_list(path) -> list[tuple[Path, bool]]:
+    """The run directories a report is built from, one per line of a text file (e.g. results/H100_runs.txt), each
+    with whether it supersedes: (run_dir, supersedes).
 
-    Paths are relative to the file's folder; blank lines and text after ``#`` are ignored. RunDirError (one
-    line, naming the file and line) when the file is missing, lists nothing, or names a folder that is not a
-    run directory.
+    Paths are relative to the file's folder; blank lines and text after ``#`` are ignored. A line that starts
+    with ``!`` names a run whose points supersede the same points of every earlier run, whatever their status
+    (select_final): a run measuring a kernel that changed, whose disturbed points say more about the kernel now
+    than an earlier run's clean ones. RunDirError (one line, naming the file and line) when the file is missing,
+    lists nothing, or names a folder that is not a run directory.
     """
     path = Path(path)
     try:
@@ -99,10 +105,12 @@ def read_run_list(path) -> list[Path]:
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
+        supersedes = entry.startswith("!")
+        entry = entry.lstrip("!").strip()
         run_dir = path.parent / entry
         if not (run_dir / "manifest.json").is_file():
             raise RunDirError(f"{path}:{lineno}: {entry}: not a run directory (no manifest.json in {run_dir})")
-        out.append(run_dir)
+        out.append((run_dir, supersedes))
     if not out:
         raise RunDirError(f"{path}: lists no run directory")
     return out

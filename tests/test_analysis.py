@@ -261,6 +261,24 @@ def test_select_final_prefers_clean_then_latest(tmp_path):
     assert round(final[final.n == 1024].lat_ratio.iloc[0], 2) == 0.4  # both clean: the later run wins
 
 
+def test_a_superseding_run_replaces_earlier_points_whatever_their_status(tmp_path):
+    """A run marked as superseding (the kernel changed): its disturbed point replaces an earlier run's clean one,
+    points it did not measure keep the earlier run's, and a later run competes with it as usual."""
+    def run(points, hour):
+        return make_run(tmp_path, points, started=f"2026-11-22T0{hour}:00:00Z",
+                        when=datetime(2026, 11, 22, hour, tzinfo=timezone.utc))
+
+    old = run([dict(cell_id="c", n=1024, ratio=2.1), dict(cell_id="c", n=2048, ratio=2.0)], 1)
+    new = run([dict(cell_id="c", n=1024, ratio=1.2, status="disturbed")], 3)
+    got = {int(r.n): (round(r.lat_ratio, 2), r.status) for r in select_final(load_runs([old, new], [new])).itertuples()}
+    assert got == {1024: (1.2, "disturbed"), 2048: (2.0, "clean")}
+    plain = {int(r.n): round(r.lat_ratio, 2) for r in select_final(load_runs([old, new])).itertuples()}
+    assert plain == {1024: 2.1, 2048: 2.0}                                   # unmarked: clean beats disturbed
+    later = run([dict(cell_id="c", n=1024, ratio=1.1)], 5)
+    final = select_final(load_runs([old, new, later], [new]))
+    assert round(final[final.n == 1024].lat_ratio.iloc[0], 2) == 1.1
+
+
 def test_no_nan_leaks_into_text(seed_run):
     table = sweep_table(summarize_cells(load_runs([seed_run])))
     assert "nan" not in table.lower() and "None" not in table

@@ -37,10 +37,13 @@ def test_resolve_run_dir(tmp_path, seed_run):
 
 
 def test_read_run_list(tmp_path, seed_run):
-    """Paths relative to the list's folder, comments and blank lines ignored; a bad line is named by number."""
+    """Paths relative to the list's folder, comments and blank lines ignored, a leading ! marks a superseding run;
+    a bad line is named by number."""
     listing = seed_run.parent.parent / "GPU_runs.txt"
     listing.write_text(f"# the runs behind RESULTS_GPU.md\n\n{seed_run.parent.name}/{seed_run.name}   # seed cells\n")
-    assert [p.resolve() for p in read_run_list(listing)] == [seed_run.resolve()]
+    assert [(p.resolve(), sup) for p, sup in read_run_list(listing)] == [(seed_run.resolve(), False)]
+    listing.write_text(f"! {seed_run.parent.name}/{seed_run.name}   # the kernel changed\n")
+    assert [(p.resolve(), sup) for p, sup in read_run_list(listing)] == [(seed_run.resolve(), True)]
     listing.write_text(f"{seed_run.parent.name}/{seed_run.name}\nruns/nowhere\n")
     with pytest.raises(RunDirError, match=r"GPU_runs.txt:2: runs/nowhere: not a run directory"):
         read_run_list(listing)
