@@ -287,7 +287,8 @@ def summary(rows: list[dict], left_out: list[str]) -> str:
     env = next((r for r in rows if r.get("stage") == "env"), {})
     lines = [f"# flash_core sweep: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, triton "
              f"{env.get('triton', '?')}", "",
-             f"B={BATCH}, H={HEADS}, self-attention; medians of the harness timer, L2 flushed; TFLOP/s = 4*B*H*N^2*D (/2 causal); "
+             f"B={BATCH}, H={HEADS}, self-attention; medians of the harness timer, L2 flushed; "
+             "TFLOP/s = 4*B*H*N^2*D (/2 causal); "
              "ratio = our time / cuDNN's (< 1: faster). ws* = warp specialization requested but compiled to a "
              "plain loop.", "",
              "| dtype | D | N | causal | variant | best cfg (BM,BN,w,s) | TFLOP/s | cuDNN | flash | / cuDNN | "
