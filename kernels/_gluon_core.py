@@ -112,13 +112,14 @@ if HAS_GLUON:
             r = r0
             t = 0
             r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
+        else:
+            r_lo = 0                                  # one range from the partition's first key: tile i
         for i in range(n_tiles):
             s = i % STAGES
             phase = (i // STAGES) & 1
-            if RANGES:
-                row = kv_row + r_lo + t * BLOCK_N
-            else:
-                row = kv_row + i * BLOCK_N
+            if not RANGES:
+                t = i
+            row = kv_row + r_lo + t * BLOCK_N
             _load_ring_slot(k_desc, k2_desc, k_bufs, k2_bufs, k_ready, k_empty, s, phase, row, D1)
             _load_ring_slot(v_desc, v2_desc, v_bufs, v2_bufs, v_ready, v_empty, s, phase, row, D1)
             if RANGES:
@@ -254,18 +255,20 @@ if HAS_GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
         mbarrier.arrive(k_empty.index(0), count=1)
+        # tile t of key range r: keys from r_lo + t * BLOCK_N, bounded by r_hi, causal shift r_shift, masked from
+        # its r_unmasked-th tile. A walk (RANGES) steps the cursor through its table; otherwise the partition is
+        # the one range and t the tile index
+        t = 0
         if RANGES:
-            # the tile walk: tile t of range r, masked from its r_unmasked-th tile, keys bounded by the range's end
             r = r0
-            t = 0
             r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
-            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, r_unmasked == 0, r_lo, my_row0, r_hi, r_shift, qk_scale,
-                                               s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+        else:
+            r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
+        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi, r_shift,
+                                           qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+        if RANGES:
             r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles,
                                                                          r_unmasked)
-        else:
-            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, n_unmasked == 0, lo, my_row0, n_k, causal_shift,
-                                               qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
 
         for j in range(1, n_tiles):
             s = j % STAGES
@@ -288,14 +291,13 @@ if HAS_GLUON:
             # the older groups (S_j) done; O += P V stays in flight through the softmax
             qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
+            if not RANGES:
+                t = j
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi,
+                                               r_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             if RANGES:
-                p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi,
-                                                   r_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
                 r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
                                                                              r_tiles, r_unmasked)
-            else:
-                p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j >= n_unmasked, lo + j * BLOCK_N, my_row0, n_k,
-                                                   causal_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
             if D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
                 acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
@@ -375,16 +377,15 @@ if HAS_GLUON:
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
+        bh = gl.program_id(1)
+        b = bh // heads
+        hk = (bh % heads) // group
         if RANGES:
             item = Items + 4 * gl.program_id(0)
             row0 = gl.load(item)
             row_end = gl.load(item + 1)               # the rows stored: [row0, row_end)
             r0 = gl.load(item + 2)
             n_tiles = gl.load(item + 3)               # >= 1 (tile_walk)
-            bh = gl.program_id(1)
-            b = bh // heads
-            hk = (bh % heads) // group
-            q_row = bh * n_q + row0
             kv_row = (b * (heads // group) + hk) * n_k     # the kv head's key 0: a range's tile adds its key
             lo = 0                                    # ELSA's partition bounds and slot: not used by a walk
             hi = 0
@@ -394,12 +395,8 @@ if HAS_GLUON:
             qb = gl.program_id(0)
             if CAUSAL:
                 qb = gl.num_programs(0) - 1 - qb          # the longest rows first
-            bh = gl.program_id(1)
             part = gl.program_id(2)
-            b = bh // heads
-            hk = (bh % heads) // group
             row0 = q0 + qb * (2 * BLOCK_M)                # the CTA's first query row within its head
-            q_row = bh * n_q + row0
             lo = part * width
             hi = gl.minimum(lo + width, n_k)
             if CAUSAL:
@@ -416,6 +413,7 @@ if HAS_GLUON:
             slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
             row_end = n_q
             r0 = 0
+        q_row = bh * n_q + row0
 
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
