@@ -26,6 +26,9 @@ from ._launch import LaunchPlan, Prepared, SignatureCache, launch, layout  # noq
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# PASA's initial running max (spec pitfall 3): finite in float16, so inf - inf never happens; its Triton kernel, its
+# Gluon step and its emulation start from it
+PASA_M_INIT = -60000.0
 # float32 dot products: "tf32x3" (~fp32 accuracy on tensor cores), "ieee" (strict FMA, slow), "tf32" (~1e-3,
 # only when asked). 16-bit operands always take the tensor-core MMA with fp32 accumulation.
 PRECISIONS = ("tf32x3", "ieee", "tf32")

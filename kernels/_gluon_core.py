@@ -50,7 +50,7 @@ import functools
 import torch
 import triton
 
-from ._common import LOG2E, check_inputs, default_scale, on_device
+from ._common import LOG2E, PASA_M_INIT, check_inputs, default_scale, on_device
 from ._flash_core import _capability, _tma_layout_ok
 from ._launch import launch as _launch
 
@@ -92,11 +92,13 @@ MIN_WORK = 2**34
 
 
 if HAS_GLUON:
+    M_INIT = gl.constexpr(PASA_M_INIT)      # (a Gluon kernel reads globals only as constexprs)
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
-                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, Ranges, r0, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, D1: gl.constexpr, RANGES: gl.constexpr):
+                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges, r0,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr, RANGES: gl.constexpr,
+                PASA: gl.constexpr):
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         D0: gl.constexpr = q_desc.block_type.shape[1]
         # a split head dim: each row's columns [D0, D0 + D1) come by a second copy onto the same barrier
@@ -119,9 +121,12 @@ if HAS_GLUON:
             phase = (i // STAGES) & 1
             if not RANGES:
                 t = i
-            row = kv_row + r_lo + t * BLOCK_N
-            _load_ring_slot(k_desc, k2_desc, k_bufs, k2_bufs, k_ready, k_empty, s, phase, row, D1)
-            _load_ring_slot(v_desc, v2_desc, v_bufs, v2_bufs, v_ready, v_empty, s, phase, row, D1)
+            # PASA: K̃'s windows lie one after another in its buffer, V's window t is the keys it shifted
+            row = r_lo + t * BLOCK_N
+            _load_ring_slot(k_desc, k2_desc, k_bufs, k2_bufs, k_ready, k_empty, s, phase, k_row + row, D1)
+            if PASA:
+                row = _window_start(t, n_k, BLOCK_N)
+            _load_ring_slot(v_desc, v2_desc, v_bufs, v2_bufs, v_ready, v_empty, s, phase, v_row + row, D1)
             if RANGES:
                 r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
                                                                              r_tiles, r_unmasked)
@@ -158,6 +163,21 @@ if HAS_GLUON:
         return r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked
 
     @gluon.jit
+    def _window_start(t, n_k, BLOCK_N: gl.constexpr):
+        """PASA's KV window t: keys from t * BLOCK_N, but the last, ragged one is [n_k - BLOCK_N, n_k) (n real keys
+        whenever n_k >= BLOCK_N; kernels/pasa/kernel.py's _window_start)."""
+        return gl.minimum(t * BLOCK_N, gl.maximum(n_k - BLOCK_N, 0))
+
+    @gluon.jit
+    def _first_key(r_lo, t, r_hi, BLOCK_N: gl.constexpr, PASA: gl.constexpr):
+        """The key of tile t's first column: r_lo + t * BLOCK_N, or PASA's window start (its range: every key)."""
+        if PASA:
+            key = _window_start(t, r_hi, BLOCK_N)
+        else:
+            key = r_lo + t * BLOCK_N
+        return key
+
+    @gluon.jit
     def _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """One tile's online-softmax step: (p, m, l, alpha), p unnormalised in fp32, alpha the factor for acc."""
@@ -176,17 +196,66 @@ if HAS_GLUON:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _softmax_tile(qk, m_i, l_i, masked, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """_softmax with the mask only where the tile needs it (`masked`, decided per tile at run time): a tile wholly
-        inside the keys and seen by every row skips building and applying it."""
-        if masked:
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
-                                          BLOCK_N, True, CAUSAL)
+    def _round16(x):
+        """x rounded to float16, held in float32: PASA's state format (kernels/pasa/emulate.py's rounding)."""
+        return x.to(gl.float16).to(gl.float32)
+
+    @gluon.jit
+    def _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, log2e, s_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """PASA's step for KV window t (kernels/pasa/kernel.py's _pasa_block_fused, rounding where
+        kernels/pasa/emulate.py's "fused" variant rounds): qk holds the shifted, scaled scores in fp32; the state
+        (m, l, the global pseudo-average g) holds float16 values in float32. Returns (p, m, l, g, alpha): p rounded
+        to float16 with the frame correction folded into its exponent, alpha the factor for the rounded acc."""
+        ybar = gl.sum(qk, 1) / BLOCK_N                       # the local pseudo-average: every column, pre-mask
+        s = _round16(qk)                                      # the fp16 score tile
+        if MASK:
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            # the last window's keys below t * BLOCK_N belong to the window before it
+            keep = ((cols >= t * BLOCK_N) & (cols < n_k))[None, :]
+            if CAUSAL:
+                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                keep = keep & (cols[None, :] <= rows[:, None] + causal_shift)
+            s = gl.where(keep, s, float("-inf"))
+        mu = gl.maximum(gl.max(s, 1), M_INIT)                 # a max of fp16 values: exact
+        if t == 0:
+            g_old = _round16(ybar)
         else:
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
-                                          BLOCK_N, False, CAUSAL)
-        return p, m_i, l_i, alpha
+            g_old = g_i
+        g_new = _round16(g_old + _round16((ybar - g_old) / (t + 1.0)))
+        d_cur = _round16(c * _round16(ybar - g_new))          # this window's statistics into frame g_new
+        d_prev = _round16(c * _round16(g_old - g_new))        # the running state from frame g_old to g_new
+        cand_old = _round16(m_i + d_prev)
+        m_new = gl.maximum(_round16(mu + d_cur), cand_old)
+        alpha = _round16(gl.exp2((cand_old - m_new) * log2e))
+        # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of this
+        # window finite (its -inf scores give p = 0)
+        frame = gl.maximum(m_new - d_cur, M_INIT)
+        p = _round16(gl.exp2(s * log2e - (frame * log2e)[:, None]))
+        l_i = _round16(alpha * l_i + gl.sum(p, 1))
+        return p, m_new, l_i, g_new, alpha
+
+    @gluon.jit
+    def _tile_step(qk, m_i, l_i, g_i, masked, t, c, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PASA: gl.constexpr):
+        """One tile's softmax step, (p, m, l, g, alpha): the online softmax (g unused), or PASA's (qk_scale is
+        log2 e then: the scale is in K̃); the mask only where the tile needs it (`masked`, decided per tile at run
+        time): a tile wholly inside the keys and seen by every row skips building and applying it."""
+        if PASA:
+            if masked:
+                p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift,
+                                                        qk_scale, s_layout, BLOCK_M, BLOCK_N, True, CAUSAL)
+            else:
+                p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift,
+                                                        qk_scale, s_layout, BLOCK_M, BLOCK_N, False, CAUSAL)
+        else:
+            if masked:
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout,
+                                              BLOCK_M, BLOCK_N, True, CAUSAL)
+            else:
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout,
+                                              BLOCK_M, BLOCK_N, False, CAUSAL)
+        return p, m_i, l_i, g_i, alpha
 
     @gluon.jit
     def _normalised(acc, l_i):
@@ -210,9 +279,10 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                  qk_scale, pasa_c, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
+                  PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
+                  PASA: gl.constexpr):
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
         dtype: gl.constexpr = q_bufs.dtype
@@ -237,8 +307,9 @@ if HAS_GLUON:
 
         q_smem = q_bufs.index(WG)
         my_row0 = row0 + WG * BLOCK_M
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        m_i = gl.full([BLOCK_M], M_INIT if PASA else float("-inf"), gl.float32, row_s)
         l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
+        g_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)      # PASA's global pseudo-average (else unused)
         acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_bar, 0)
@@ -255,17 +326,18 @@ if HAS_GLUON:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
         mbarrier.arrive(k_empty.index(0), count=1)
-        # tile t of key range r: keys from r_lo + t * BLOCK_N, bounded by r_hi, causal shift r_shift, masked from
-        # its r_unmasked-th tile. A walk (RANGES) steps the cursor through its table; otherwise the partition is
-        # the one range and t the tile index
+        # tile t of key range r: keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi,
+        # causal shift r_shift, masked from its r_unmasked-th tile. A walk (RANGES) steps the cursor through its
+        # table; otherwise the partition is the one range and t the tile index
         t = 0
         if RANGES:
             r = r0
             r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
         else:
             r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
-        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi, r_shift,
-                                           qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+        p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
+                                             _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
+                                             qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
         if RANGES:
             r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles,
                                                                          r_unmasked)
@@ -293,17 +365,23 @@ if HAS_GLUON:
             mbarrier.arrive(k_empty.index(s), count=1)
             if not RANGES:
                 t = j
-            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, t >= r_unmasked, r_lo + t * BLOCK_N, my_row0, r_hi,
-                                               r_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL)
+            p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
+                                                 _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
+                                                 qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
             if RANGES:
                 r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
                                                                              r_tiles, r_unmasked)
+            # PASA keeps acc in float16 values: rounded once per window, before the (then exact) alpha product
             if D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
+                if PASA:
+                    acc2 = _round16(acc2)
                 acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
+            if PASA:
+                acc = _round16(acc)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
         last = (n_tiles - 1) % STAGES
@@ -320,6 +398,10 @@ if HAS_GLUON:
         mbarrier.arrive(v_empty.index(last), count=1)
 
         rows_s = gl.arange(0, BLOCK_M, layout=row_s)
+        if PASA:
+            acc = _round16(acc)
+            if D1 > 0:
+                acc2 = _round16(acc2)
         out = _normalised(acc, l_i)
         if D1 > 0:
             out2 = _normalised(acc2, l_i)
@@ -352,20 +434,22 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                          v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
+                         causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
                          BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr):
+                         PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
+                         PASA: gl.constexpr):
         _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY,
-                  LSE_MODE, RANGES)
+                  qk_scale, pasa_c, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG,
+                  SUMMARY, LSE_MODE, RANGES, PASA)
 
     @gluon.jit
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, Items, Ranges, heads,
-                          group, n_q, n_k, causal_shift, qk_scale, q0, n_blocks, width, n_slots, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, D1: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                          SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                          group, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, n_slots,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr, CAUSAL: gl.constexpr,
+                          PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
+                          RANGES: gl.constexpr, PASA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr):
         """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
         [part * width, part * width + width) (one partition holding every key: width >= n_k). The descriptors
         q/k/v_desc load each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
@@ -373,20 +457,23 @@ if HAS_GLUON:
         rows in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
         RANGES (a tile walk, `launch(walk=...)`): program (item, bh) takes the rows [start, end) of Items[item]
         ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges of the Ranges
-        table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows below end."""
+        table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows below end.
+        PASA (one partition, out only): k_desc reads PASA's shifted keys K̃ (k_rows rows per kv head: whole windows
+        of BLOCK_N, which is PASA's window n), v_desc V at each window's start, and the consumers take PASA's step
+        with its recovery constant pasa_c, qk_scale being log2 e. Otherwise k_rows is n_k and pasa_c unused."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
         bh = gl.program_id(1)
         b = bh // heads
         hk = (bh % heads) // group
+        kv_head = b * (heads // group) + hk
         if RANGES:
             item = Items + 4 * gl.program_id(0)
             row0 = gl.load(item)
             row_end = gl.load(item + 1)               # the rows stored: [row0, row_end)
             r0 = gl.load(item + 2)
             n_tiles = gl.load(item + 3)               # >= 1 (tile_walk)
-            kv_row = (b * (heads // group) + hk) * n_k     # the kv head's key 0: a range's tile adds its key
             lo = 0                                    # ELSA's partition bounds and slot: not used by a walk
             hi = 0
             n_unmasked = 0
@@ -405,7 +492,6 @@ if HAS_GLUON:
                 seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the CTA sees
             else:
                 seen = n_k
-            kv_row = (b * (heads // group) + hk) * n_k + lo
             # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
             # partition with hi <= lo computes one masked tile and stores nothing)
             n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
@@ -414,6 +500,9 @@ if HAS_GLUON:
             row_end = n_q
             r0 = 0
         q_row = bh * n_q + row0
+        # the partition's first key (a walk's tiles add their range's first key)
+        k_row = kv_head * k_rows + lo
+        v_row = kv_head * n_k + lo
 
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -445,15 +534,15 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL,
-                         PINGPONG, SUMMARY, LSE_MODE, RANGES)),
+                         causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1, STAGES,
+                         CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
             (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                                 v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles,
-                                n_unmasked, causal_shift, qk_scale, slot, n_slots, Ranges, r0, BLOCK_N, BLOCK_D, D1,
-                                STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES)),
+                                n_unmasked, causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N,
+                                BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
             (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
-                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row, n_tiles, Ranges, r0,
-                       BLOCK_N, STAGES, D1, RANGES)),
+                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges,
+                       r0, BLOCK_N, STAGES, D1, RANGES, PASA)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -476,8 +565,9 @@ def descriptor_layout(rows: int, d: int, dtype: torch.dtype):
 
 
 def _desc(t2d: torch.Tensor, rows: int, cols: int):
-    """A descriptor over the rows of t2d ([rows of every head, D]) loading [rows, cols] tiles."""
-    return TensorDescriptor(t2d, list(t2d.shape), [t2d.shape[1], 1], [rows, cols],
+    """A descriptor over the rows of t2d ([rows of every head, D], unit column stride; its rows may be longer, as
+    PASA's K̃ rows padded to a power of two are) loading [rows, cols] tiles."""
+    return TensorDescriptor(t2d, list(t2d.shape), [t2d.stride(0), 1], [rows, cols],
                             descriptor_layout(rows, cols, t2d.dtype))
 
 
@@ -493,18 +583,20 @@ def _descriptors(q, k, v, block_n):
 
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
            parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
-           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None):
+           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None):
     """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
     partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), on q's device made
     current by the caller; or, with walk=(items, ranges) (int32 tables on q's device, built by a tile walk such as
     kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per item and head (grid
     (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its rows. The caller
-    checked available(q, k, v). Through kernels/_launch.py: after the first call of a signature the compiled
-    kernel is launched directly (the descriptors' TMA maps are built by its launcher). Returns the
-    CompiledKernel."""
+    checked available(q, k, v). With pasa_c (PASA's recovery constant, a float16 value) the programs take PASA's
+    step: k is then PASA's K̃ [B, Hkv, whole windows of BLOCK_N keys, D] (rows may be padded: only the row stride
+    counts), qk_scale is log2 e, one partition, out only. Through kernels/_launch.py: after the first call of a
+    signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its launcher).
+    Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
-    heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+    heads, n_q, n_k = q.shape[1], q.shape[2], v.shape[2]
     if walk is None:
         items = ranges = out                          # never read
         grid = (n_blocks, q.shape[0] * heads, parts)
@@ -513,9 +605,9 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         grid = (items.shape[0], q.shape[0] * heads, 1)
     return _launch(_gluon_fwd_kernel, grid, (
         *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], n_q, n_k,
-        n_k - n_q, qk_scale, q0, n_blocks, width, n_slots), dict(
+        k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, n_slots), dict(
         BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-        LSE_MODE=lse_mode, RANGES=walk is not None,
+        LSE_MODE=lse_mode, RANGES=walk is not None, PASA=pasa_c is not None,
         CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

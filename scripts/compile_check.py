@@ -336,7 +336,7 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
-    ELSA's summary mode and the tile walk (CQSA), causal and not. Its Gluon API is triton 3.6's: with another triton
+    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not. Its Gluon API is triton 3.6's: with another triton
     nothing is compiled (a line says so)."""
     from kernels import _gluon_core as gc
 
@@ -358,13 +358,16 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                     descs[name + suffix] = f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
                 else:                  # no second column tile: the launch passes None (a constexpr)
                     nones[name + suffix] = None
-        # ELSA's partitions (summary or out), and a tile walk over key ranges (CQSA's resident forward: out, lse)
-        for causal, mode in itertools.product((False, True), ("out", "summary", "walk")):
+        # ELSA's partitions (summary or out), a tile walk over key ranges (CQSA's resident forward: out, lse) and
+        # PASA's step (float16 only)
+        modes = ("out", "summary", "walk", "pasa") if dtype == "fp16" else ("out", "summary", "walk")
+        for causal, mode in itertools.product((False, True), modes):
             meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
-                        SUMMARY=mode == "summary", LSE_MODE={"out": 2, "summary": 0, "walk": 1}[mode],
-                        RANGES=mode == "walk", CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
+                        SUMMARY=mode == "summary", LSE_MODE={"out": 2, "summary": 0, "walk": 1, "pasa": 0}[mode],
+                        RANGES=mode == "walk", PASA=mode == "pasa", CONSUMER_REGS=gc.CONSUMER_REGS,
+                        LOADER_REGS=gc.LOADER_REGS)
             jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
-                            i32_ptrs={"Items", "Ranges"}, floats={"qk_scale"}, descs=descs, gluon=True,
+                            i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"}, descs=descs, gluon=True,
                             label=dict(D=d, causal=causal, mode=mode, cfg=[block_n, stages])))
     return jobs
 

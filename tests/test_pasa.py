@@ -10,13 +10,19 @@ the wrapper before any kernel runs, so they are testable here too). Tolerances, 
   identity (the fp32 summation order differs between CPUs, and on the GPU), see ``assert_matches_model``.
 K̃ = fp16(λM·K) is computed by the main kernel itself up to ops.SHIFT_INLINE_MAX_KEYS keys and by a pre-pass
 beyond: the exactness tests run both ways (the ``shift_path`` fixture), whatever the constant.
+On an sm_90 GPU a default call with enough work runs the "fused" loop on the Gluon core (ops.py, "The Hopper
+path"): on the CPU its routing and the pre-pass and constants it hands the core are checked; on the GPU its output
+against the emulation of that loop with the core's windows (the same model bound) at every head dim the core takes,
+and a 2 % error in c against that bound.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from kernels._common import ForwardOnlyError
+from kernels import _gluon_core as gluon_core
+from kernels import _launch
+from kernels._common import LOG2E, ForwardOnlyError
 from kernels.pasa import fa16_attention, pasa_attention
 from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
                                solve_beta)
@@ -419,6 +425,78 @@ def test_backward_raises_the_forward_only_error(device):
 
 # ------------------------------------------------------ shapes: GQA, Nq != Nk, head dims 16..256 ---
 
+def _pasa_plans():
+    from kernels.pasa import ops
+    return [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
+
+
+def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton():
+    # only a call that names no loop, tiles, K̃ path or state may run on the Gluon core (core=auto)
+    from kernels.pasa import attention
+    cores = {}
+
+    def record(q, k, v, causal, scale, options):
+        cores[len(cores)] = dict(item.split("=", 1) for item in options.split())["core"]
+        return q
+
+    q, k, v = _randn_inputs(2, 1, 8, 8, 64, "cpu", seed=0)
+    real = attention.ops.pasa_call
+    attention.ops.pasa_call = record
+    try:
+        pasa_attention(q, k, v)
+        pasa_attention(q, k, v, beta=0.9375)
+        pasa_attention(q, k, v, variant="fused")
+        pasa_attention(q, k, v, config=window(32))
+        pasa_attention(q, k, v, shift="prepass")
+        pasa_attention(q, k, v, state_dtype="fp32")
+    finally:
+        attention.ops.pasa_call = real
+    assert list(cores.values()) == ["auto", "auto", "triton", "triton", "triton", "triton"]
+
+
+@pytest.mark.parametrize("nq, nk, d, causal", [(300, 333, 80, True), (130, 260, 64, False), (70, 200, 192, False)])
+def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal):
+    # the Hopper path's host side on the CPU: the core (never run here) is replaced by a recorder. What it is
+    # handed must be PASA at the core's window n: K̃ = fp16(λM·K) per window of n keys (the last one [Nk − n, Nk)),
+    # λM and c for β solved at that n, qk_scale log2 e, one partition of every key, the CTA's row blocks.
+    monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
+    monkeypatch.setattr(gluon_core, "MIN_WORK", 0)
+    seen = {}
+
+    def record(q, k, v, out, lse, sbuf, **kw):
+        seen.update(kw, k_shift=k.clone(), v=v)
+        out.zero_()
+
+    monkeypatch.setattr(gluon_core, "launch", record)
+    _launch.clear()
+    q, k, v = _randn_inputs(4, 2, nq, nk, d, "cpu", seed=nq)
+    pasa_attention(q, k, v, causal=causal)
+    (plan,) = _pasa_plans()
+    _launch.clear()
+    assert plan.gluon is not None
+    n = gluon_core.TILES[d][0]
+    scale = d ** -0.5
+    beta = default_beta(n, scale)
+    assert seen["pasa_c"] == float(np.float16(ideal_invariance(beta)))
+    assert seen["qk_scale"] == LOG2E and seen["causal"] == causal and seen["lse_mode"] == 0
+    assert seen["width"] == nk and seen["n_blocks"] == -(-nq // gluon_core.CTA_ROWS)
+    assert seen["v"] is v
+    windows = -(-nk // n)
+    k_shift = seen["k_shift"]
+    assert k_shift.shape == (1, 2, windows * n, d)
+    diag, off = shift_entries(beta, n, scale, "fp16")
+    shift = torch.full((n, n), off, dtype=torch.float64) + torch.eye(n, dtype=torch.float64) * (diag - off)
+    for j in range(windows):
+        start = min(j * n, max(nk - n, 0))
+        win = torch.zeros(1, 2, n, d, dtype=torch.float64)
+        real = min(n, nk - start)
+        win[:, :, :real] = k[:, :, start:start + real].double()
+        expect = (shift @ win).half().double()
+        got = k_shift[:, :, j * n:(j + 1) * n].double()
+        # fp32 accumulation in the interpreter: at most one fp16 ulp from the float64 product rounded once
+        assert ((got - expect).abs() <= ulp16(expect)).all(), f"window {j}"
+
+
 def _randn_inputs(hq, hkv, nq, nk, d, device, seed, dtype=torch.float16):
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(1, hq, nq, d, generator=gen, device=device).to(dtype)
@@ -727,3 +805,102 @@ def test_gpu_inline_and_prepass_shift_agree(dtype, d, causal, nq, nk):
         assert rel_rmse(outs[path], ref) <= tol, (path, rel_rmse(outs[path], ref))
         assert (outs[path].double() - ref).abs().max().item() <= 3e-2, path
     assert_matches_model(outs["inline"], outs["prepass"], ref, unit, f"{dtype} D={d} causal={causal} N={nq},{nk}")
+
+
+# --------------------------------------------------------------------------- GPU: PASA on the Gluon core ----
+
+@pytest.fixture
+def on_the_core(monkeypatch):
+    """Default PASA calls take the Gluon core at any size (MIN_WORK 0), plans made afresh; on teardown, every PASA
+    plan the test made must have taken it."""
+    probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
+    if not gluon_core.available(probe, probe, probe):
+        pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
+    monkeypatch.setattr(gluon_core, "MIN_WORK", 0)
+    _launch.clear()
+    yield
+    made = _pasa_plans()
+    _launch.clear()
+    assert made and all(plan.gluon is not None for plan in made), "a PASA call did not take the core"
+
+
+def _core_model(q, k, v, causal, d, **kw):
+    """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA."""
+    return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=gluon_core.CTA_ROWS,
+                        variant="fused", **kw)
+
+
+CORE_CASES = [   # (Hq, Hkv, Nq, Nk, causal, x0)
+    (8, 2, 1000, 1107, False, 0.0),     # grouped K/V, ragged: the last window overlaps the one before
+    (8, 2, 1000, 1107, True, 3.0),      # biased (c ≈ 64 amplifies ȳ), bottom-right causal
+    (4, 1, 700, 300, True, 0.0),        # more queries than keys: rows that see no key give 0
+    (4, 4, 100, 90, False, 1.0),        # fewer keys than a window: one zero-padded window
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CORE_CASES, ids=lambda c: "h{}-{}n{}-{}{}x{}".format(c[0], c[1], c[2], c[3],
+                                                                                      "c" if c[4] else "", c[5]))
+@pytest.mark.parametrize("d", gluon_core.HEAD_DIMS)
+def test_gpu_pasa_on_the_core_is_its_emulation(on_the_core, d, case):
+    hq, hkv, nq, nk, causal, x0 = case
+    q, k, v = _emulation_case("cuda", hq, hkv, nq, nk, d, x0)
+    out = pasa_attention(q, k, v, causal=causal)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    ref = reference_attention(q, k, v, causal=causal)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
+    assert_matches_model(out, _core_model(q, k, v, causal, d), ref, unit, f"D={d}")
+    if x0 == 0:        # PASA's own tolerance on ordinary inputs (biased ones: the model bound above)
+        assert rel_rmse(out, ref) <= 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_core):
+    # sparse_low_blocks: a 2 % error in the recovery constant c moves these outputs by several percent; the core
+    # must match its model with the exact c and be outside the model bound of the models with c·1.02 and c·0.98
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    d, n = 128, 1024
+    q, k, v = sparse_low_blocks(n, d, gluon_core.TILES[d][0], 16.0, gen, "cuda", heads=4)
+    out = pasa_attention(q, k, v)
+    ref = reference_attention(q, k, v)
+    unit = ulp16(reference_attention(q, k, v.abs()))
+    assert_matches_model(out, _core_model(q, k, v, False, d), ref, unit, "exact c")
+    c = ideal_invariance(default_beta(gluon_core.TILES[d][0], d ** -0.5))
+    for wrong in (1.02, 0.98):
+        with pytest.raises(AssertionError):
+            assert_matches_model(out, _core_model(q, k, v, False, d, invariance=c * wrong), ref, unit)
+
+
+@pytest.mark.gpu
+def test_gpu_pasa_on_the_core_does_not_overflow_where_fa16_does(on_the_core):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 8, 1407, 128)
+    q, k, v = (biased(shape, 30.0, 0.5, gen, "cuda") for _ in range(3))
+    assert not torch.isfinite(fa16_attention(q, k, v)).any()
+    out = pasa_attention(q, k, v)
+    ref = reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    emu = _core_model(q, k, v, False, 128)
+    assert rms(out.double() - ref) <= 2 * rms(emu.double() - ref) + 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_pasa_on_the_core_bfloat16_compiled_and_graphed(on_the_core):
+    # bfloat16 in (converted to float16 first) and out; under torch.compile(fullgraph) and in a CUDA graph the
+    # same launches as eager
+    torch._dynamo.reset()
+    q, k, v = _randn_inputs(8, 2, 1000, 1000, 96, "cuda", seed=5, dtype=torch.bfloat16)
+    eager = pasa_attention(q, k, v, causal=True)
+    assert eager.dtype == torch.bfloat16
+    assert rel_rmse(eager, reference_attention(q, k, v, causal=True)) <= 8e-3
+    compiled = torch.compile(lambda q, k, v: pasa_attention(q, k, v, causal=True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = pasa_attention(q, k, v, causal=True)
+    for t in (q, k, v):                 # new inputs in place: the replay must read them
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, pasa_attention(q, k, v, causal=True))

@@ -71,7 +71,7 @@ DEFAULT_CONFIGS, DEFAULT_VARIANT = tuned_defaults()
 _DEFAULT_TILES = {name: {bd: tuple(cfg["fwd"][p] for p in TILE_PARAMS) for bd, cfg in per_d.items()}
                   for name, per_d in DEFAULT_CONFIGS.items()}
 # the ops' options strings of the default call, per tile width, kept ready (ops.py, "Host cost")
-_DEFAULT_OPTIONS = {"pasa": {bd: ops.pasa_options(None, "fp16", DEFAULT_VARIANT, t)
+_DEFAULT_OPTIONS = {"pasa": {bd: ops.pasa_options(None, "fp16", DEFAULT_VARIANT, t, core="auto")
                              for bd, t in _DEFAULT_TILES["pasa"].items()},
                     "fa16": {bd: ops.fa16_options(t) for bd, t in _DEFAULT_TILES["fa16"].items()}}
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -129,6 +129,10 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     main kernel up to ``ops.SHIFT_INLINE_MAX_KEYS`` keys, by a pre-pass beyond), "inline" or "prepass" (both
     exact alike; for tuning and tests). Returns the input dtype. Forward only: a backward raises
     kernels._common.ForwardOnlyError.
+
+    On an sm_90 GPU with enough work, a call that leaves ``state_dtype``, ``variant``, ``config`` and ``shift`` at
+    their defaults runs on the Gluon Hopper core: the "fused" loop with windows of the core's key tile (n = 128 up
+    to D = 160, the spec's n; 64 beyond), β solved for that n (ops.py, "The Hopper path").
     """
     scale, bd = _check("pasa", q, k, v, causal, scale)
     if beta is None and state_dtype == "fp16" and variant is None and config is None and shift == "auto":
@@ -138,16 +142,18 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
             raise ValueError(f"pasa: shift must be one of {', '.join(ops.SHIFTS)}, got {shift!r}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"pasa: state_dtype must be 'fp16' or 'fp32', got {state_dtype!r}")
-        if variant is None:
-            variant = DEFAULT_VARIANT
-        elif variant not in VARIANTS:
+        if variant is not None and variant not in VARIANTS:
             raise ValueError(f"pasa: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
         if beta is not None:
             if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
                 raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix "
                                  f"singular), got {beta!r}")
             beta = float(beta)
-        options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config), shift)
+        # a loop, tiles, K̃ path or state of the caller's own are the Triton kernel's: the Gluon core takes only the rest
+        core = "auto" if variant is None and config is None and shift == "auto" and state_dtype == "fp16" else "triton"
+        if variant is None:
+            variant = DEFAULT_VARIANT
+        options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config), shift, core)
     return ops.pasa_call(q, k, v, causal, scale, options)
 
 

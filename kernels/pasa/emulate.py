@@ -20,11 +20,10 @@ import math
 
 import torch
 
-from kernels._common import LOG2E, block_d
+from kernels._common import LOG2E, PASA_M_INIT as M_INIT, block_d
 from kernels.pasa.attention import DEFAULT_CONFIGS, DEFAULT_VARIANT, VARIANTS
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 
-M_INIT = -60000.0   # initial running max (spec pitfall 3): finite, so inf − inf never happens
 
 
 def _rounder(state_dtype: str):

@@ -34,12 +34,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._common import LOG2E as _LOG2E
+from kernels._common import LOG2E as _LOG2E, PASA_M_INIT as _M_INIT
 from kernels._flash_core import load_tile
 
 # constexprs: triton 3.6 refuses plain globals inside kernels
 LOG2E = tl.constexpr(_LOG2E)
-M_INIT = tl.constexpr(-60000.0)   # the initial running max: finite in fp16, so inf − inf never happens (pitfall 3)
+M_INIT = tl.constexpr(_M_INIT)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
     attnbench::pasa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "beta=<float|None> state=<fp16|fp32> loop=<ref|fused> tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>
-                  shift=<auto|inline|prepass>"
+                  shift=<auto|inline|prepass> core=<auto|triton>"
     attnbench::fa16_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
     attnbench::pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name)
@@ -24,6 +24,13 @@ and one launch (the main kernel shifts K inline), beyond them two allocations (o
 pre-pass, then the main kernel). The choice is made once per signature, in the plan ("auto"; a call can force
 either path with shift="inline" / "prepass", which is how scripts/tune.py times one against the other). The autograd layer is
 kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
+
+The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gluon_core.py) takes the inputs (sm_90,
+contiguous, its head dims) and from its MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
+the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
+used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
+in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n = block_m = 128).
+A call that names a loop, tiles, a K̃ path or the fp32 state keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
 from typing import Optional
@@ -31,6 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kernels import _gluon_core as gluon_core
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
                              layout)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
@@ -56,6 +64,7 @@ SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memo
 # 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
+CORES = ("auto", "triton")   # the main loop: the Gluon core where it takes the call (module docstring), or Triton
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
 
 
@@ -79,9 +88,11 @@ SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
 # --- options -----------------------------------------------------------------------------------------------
 
 def pasa_options(beta: Optional[float], state_dtype: str, variant: str, tiles: tuple,
-                 shift: str = "auto") -> str:
-    """The canonical options string of attnbench::pasa_fwd (beta as repr: exact)."""
-    return f"beta={beta!r} state={state_dtype} loop={variant} tiles={','.join(map(str, tiles))} shift={shift}"
+                 shift: str = "auto", core: str = "triton") -> str:
+    """The canonical options string of attnbench::pasa_fwd (beta as repr: exact). ``variant``, ``tiles`` and
+    ``shift`` are the Triton kernel's, used wherever the Gluon core does not take the call (core="auto")."""
+    return (f"beta={beta!r} state={state_dtype} loop={variant} tiles={','.join(map(str, tiles))} shift={shift} "
+            f"core={core}")
 
 
 def fa16_options(tiles: tuple) -> str:
@@ -171,10 +182,13 @@ class _Forward(LaunchPlan):
         self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
         (sq, sk, sv), so = (st for _, st in ins), (heads_q * len_q * d, len_q * d, d)
         self.empty = len_k == 0 or bsz * heads_q * len_q * d == 0      # no key: every row gives 0 (the contract)
-        self.shift = None
+        self.shift = self.gluon = None
         if self.empty:
             return
-        if name == "pasa":
+        if (name == "pasa" and _parse(options)["core"] == "auto" and gluon_core.available(q, k, v)
+                and bsz * heads_q * len_q * len_k * d >= gluon_core.MIN_WORK):
+            self._plan_gluon(_parse(options)["beta"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
+        elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
                          len_k, c)
@@ -198,10 +212,34 @@ class _Forward(LaunchPlan):
                                  (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
                                   heads_q, heads_kv, len_q, len_k, scale * LOG2E), meta)
 
+    def _plan_gluon(self, beta: str, sk: tuple, sizes: tuple, causal: bool, scale: float) -> None:
+        """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
+        the core in its PASA mode. K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
+        descriptors read its first D columns through the row stride."""
+        bsz, heads_kv, len_q, len_k, d = sizes
+        block_n = gluon_core.TILES[d][0]
+        beta = default_beta(block_n, scale) if beta == "None" else float(beta)
+        diag, off = shift_entries(beta, block_n, scale, "fp16")
+        windows, bd = -(-len_k // block_n), block_d(d)
+        self.k_shift_shape, self.head_dim = (bsz, heads_kv, windows * block_n, bd), d
+        # the pre-pass's fp32 result tile, block_n x bd: at most 128 values a thread (8 warps from 128 x 256)
+        warps = SHIFT_WARPS if block_n * bd <= 128 * 128 else 2 * SHIFT_WARPS
+        self.shift = Prepared(_shift_k_kernel, (windows, bsz * heads_kv), (sk[0], sk[1], sk[2], heads_kv, len_k,
+                                                                            diag, off),
+                              dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, num_warps=warps, num_stages=1))
+        c16 = torch.tensor(ideal_invariance(beta), dtype=_f16).item()    # the state format's c, as the kernels use
+        self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // gluon_core.CTA_ROWS), width=len_k,
+                          lse_mode=0, pasa_c=c16)
+
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
         if self.empty:
             return out.zero_()
+        if self.gluon is not None:
+            k_shift = q.new_empty(self.k_shift_shape, dtype=_f16)
+            self.shift(k, k_shift)
+            gluon_core.launch(q, k_shift[..., :self.head_dim], v, out, out, out, **self.gluon)
+            return out
         if self.copy is not None:
             cq, ck, cv = self.copy
             q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
