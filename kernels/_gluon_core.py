@@ -197,8 +197,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _round16(x):
-        """x rounded to float16, held in float32: PASA's state format (kernels/pasa/emulate.py's rounding)."""
-        return x.to(gl.float16).to(gl.float32)
+        """x rounded to float16 (to nearest, ties to even), held in float32: PASA's state format
+        (kernels/pasa/emulate.py's rounding). Two elements per packed conversion, in one asm block: written as
+        x.to(float16).to(float32), the 16-bit values make ptxas (triton 3.6) serialize every wgmma of the kernel
+        ("non wgmma instructions reading accumulator registers", C7514), which cost PASA its GEMM/softmax overlap."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; cvt.rn.f16x2.f32 t, $3, $2; mov.b32 {lo, hi}, t; "
+            "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }", "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
 
     @gluon.jit
     def _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, log2e, s_layout: gl.constexpr,
