@@ -93,9 +93,7 @@ MIN_WORK = 2**34
 
 if HAS_GLUON:
     M_INIT = gl.constexpr(PASA_M_INIT)      # (a Gluon kernel reads globals only as constexprs)
-    # PASA's row sums: P times a tile of ones this wide. 16, not wgmma's least N (8): a [BLOCK_N, 8] tile takes the
-    # unswizzled shared layout, with which the wgmma faulted on the H100 (illegal address); 16 is the D1 = 16 split's
-    ROW_SUM_COLS = gl.constexpr(16)
+    ROW_SUM_COLS = gl.constexpr(8)          # PASA's row sums: P times a tile of ones this wide (wgmma's least N)
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
