@@ -93,7 +93,6 @@ MIN_WORK = 2**34
 
 if HAS_GLUON:
     M_INIT = gl.constexpr(PASA_M_INIT)      # (a Gluon kernel reads globals only as constexprs)
-    ROW_SUM_COLS = gl.constexpr(8)          # PASA's row sums: P times a tile of ones this wide (wgmma's least N)
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
@@ -211,9 +210,8 @@ if HAS_GLUON:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """PASA's step for KV window t (kernels/pasa/kernel.py's _pasa_block_fused, rounding where
         kernels/pasa/emulate.py's "fused" variant rounds): qk holds the shifted, scaled scores in fp32; the state
-        (m, the global pseudo-average g) holds float16 values in float32. Returns (p, m, l, g, alpha): p in float32
-        (rounded to float16 as the P.V operand) with the frame correction folded into its exponent, l unchanged (its
-        row sums ride the P.V GEMMs, _consumer), alpha the factor for the rounded acc and l."""
+        (m, l, the global pseudo-average g) holds float16 values in float32. Returns (p, m, l, g, alpha): p rounded
+        to float16 with the frame correction folded into its exponent, alpha the factor for the rounded acc."""
         ybar = gl.sum(qk, 1) / BLOCK_N                       # the local pseudo-average: every column, pre-mask
         s = _round16(qk)                                      # the fp16 score tile
         if MASK:
@@ -238,7 +236,8 @@ if HAS_GLUON:
         # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of this
         # window finite (its -inf scores give p = 0)
         frame = gl.maximum(m_new - d_cur, M_INIT)
-        p = gl.exp2(s * log2e - (frame * log2e)[:, None])
+        p = _round16(gl.exp2(s * log2e - (frame * log2e)[:, None]))
+        l_i = _round16(alpha * l_i + gl.sum(p, 1))
         return p, m_new, l_i, g_new, alpha
 
     @gluon.jit
@@ -283,7 +282,7 @@ if HAS_GLUON:
             gl.store(dst + offs, out.to(dst.dtype.element_ty))
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, ones_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, pasa_c, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -310,17 +309,6 @@ if HAS_GLUON:
             acc2 = gl.zeros([BLOCK_M, D1], gl.float32, o2_layout)
         else:
             PV_GROUPS: gl.constexpr = 1
-        if PASA:
-            # PASA's l = round16(alpha * l + rowsum(P)) rides the P.V GEMMs as P times a tile of ones (ones_smem),
-            # accumulated in float32 and rounded where acc is: P never comes back from float16 for its row sum
-            l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, ROW_SUM_COLS, 16])
-            pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
-            row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
-            acc_l = gl.zeros([BLOCK_M, ROW_SUM_COLS], gl.float32, l_layout)
-            SUM_GROUPS: gl.constexpr = 1
-        else:
-            SUM_GROUPS: gl.constexpr = 0
 
         q_smem = q_bufs.index(WG)
         my_row0 = row0 + WG * BLOCK_M
@@ -375,13 +363,10 @@ if HAS_GLUON:
             if D1 > 0:
                 p2_op = gl.convert_layout(p16, p2_layout)
                 acc2 = warpgroup_mma(p2_op, v2_bufs.index(prev), acc2, is_async=True)
-            if PASA:
-                pl_op = gl.convert_layout(p16, pl_layout)
-                acc_l = warpgroup_mma(pl_op, ones_smem, acc_l, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
             # the older groups (S_j) done; O += P V stays in flight through the softmax
-            qk = warpgroup_mma_wait(PV_GROUPS + SUM_GROUPS, deps=[qk])
+            qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
             if not RANGES:
                 t = j
@@ -402,8 +387,6 @@ if HAS_GLUON:
             mbarrier.arrive(v_empty.index(prev), count=1)
             if PASA:
                 acc = _round16(acc)
-                acc_l, pl_op = warpgroup_mma_wait(0, deps=[acc_l, pl_op])
-                acc_l = _round16(acc_l) * gl.convert_layout(alpha, row_l)[:, None]
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
         last = (n_tiles - 1) % STAGES
@@ -414,12 +397,6 @@ if HAS_GLUON:
         if D1 > 0:
             p2_op = gl.convert_layout(p16, p2_layout)
             acc2 = warpgroup_mma(p2_op, v2_bufs.index(last), acc2, is_async=True)
-        if PASA:
-            pl_op = gl.convert_layout(p16, pl_layout)
-            acc_l = warpgroup_mma(pl_op, ones_smem, acc_l, is_async=True)
-            acc_l, pl_op = warpgroup_mma_wait(0, deps=[acc_l, pl_op])
-            l_i = gl.convert_layout(gl.max(_round16(acc_l), 1), row_s)     # its columns are equal
-        if D1 > 0:
             acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
         else:
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
@@ -460,13 +437,13 @@ if HAS_GLUON:
                 gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < row_end)
 
     @gluon.jit
-    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, ones_smem, q_bar, k_ready, v_ready, k_empty,
+    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                          v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
                          causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
                          BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
                          PASA: gl.constexpr):
-        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, ones_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
                   qk_scale, pasa_c, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG,
                   SUMMARY, LSE_MODE, RANGES, PASA)
@@ -543,13 +520,6 @@ if HAS_GLUON:
             q2_bufs = q_bufs
             k2_bufs = k_bufs
             v2_bufs = v_bufs
-        if PASA:                                      # the B operand of PASA's row sums (_consumer)
-            ones_layout: gl.constexpr = gl.BlockedLayout([1, ROW_SUM_COLS], [32, 1], [4, 1], [1, 0])
-            ones_smem = gl.allocate_shared_memory(
-                dtype, [BLOCK_N, ROW_SUM_COLS], gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROW_SUM_COLS], dtype),
-                gl.full([BLOCK_N, ROW_SUM_COLS], 1.0, dtype, ones_layout))
-        else:
-            ones_smem = q_bufs
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -567,11 +537,11 @@ if HAS_GLUON:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, ones_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
                          causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1, STAGES,
                          CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
-            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, ones_smem, q_bar, k_ready, v_ready, k_empty,
+            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                                 v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles,
                                 n_unmasked, causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N,
                                 BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
