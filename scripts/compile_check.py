@@ -2,7 +2,8 @@
 """Compile a kernel package's Triton code for sm_90 without a GPU and report, per kernel and tile config:
 registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and the wgmma / cp.async
 instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
-spill or cannot launch, before any device time is spent.
+spill or cannot launch, before any device time is spent. A Gluon kernel whose wgmmas ptxas serialized (a wait
+after each one in the SASS) fails: its hand-written overlap of the GEMMs with the softmax is gone.
 
     python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|gluon_core|all [--json OUT] [--tiles]
         [--ws-only] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
@@ -141,11 +142,16 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     usage.update({key: sum(ptx.count(p) for p in pats) for key, pats in PTX_COUNTS.items()})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cc.asm["cubin"])
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     try:
-        out = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
-                              "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
+    # ptxas serializes a kernel's wgmmas (a wait after every one: C7514) when it sees a non-wgmma instruction touch an
+    # in-flight accumulator, or believes it does; in a Gluon kernel that undoes the hand-written GEMM/softmax overlap
+    hgmma = sass.count("HGMMA.")
+    usage["wgmma_serialized"] = hgmma > 1 and sass.count("WARPGROUP.DEPBAR") >= hgmma
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m:
         usage.update(regs=int(m.group(1)), spill_stack=int(m.group(2)))
@@ -418,6 +424,9 @@ def main(argv=None) -> int:
                 for hazard in row["ws_hazards"]:
                     failures += 1
                     print(f"  warp-specialization row double offset: {hazard}", flush=True)
+                if row["wgmma_serialized"] and job.gluon:
+                    failures += 1
+                    print("  every wgmma waited on: ptxas serialized them (C7514)", flush=True)
     spilled = sum(1 for r in rows if r.get("spill_stack"))
     print(f"{len(rows)} compiled for {a.target}: {failures} failed, {spilled} spill", flush=True)
     if a.json:
