@@ -3,7 +3,9 @@
 registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and the wgmma / cp.async
 instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
 spill or cannot launch, before any device time is spent. A Gluon kernel whose wgmmas ptxas serialized (a wait
-after each one in the SASS) fails: its hand-written overlap of the GEMMs with the softmax is gone.
+after each one in the SASS) fails: its hand-written overlap of the GEMMs with the softmax is gone; a Triton kernel's
+line says so (PASA's fused loop with the fp16 state is one: its roundings through 16-bit values, as the Gluon
+core's PASA step had them before kernels/_gluon_core.py's _round16).
 
     python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|gluon_core|all [--json OUT] [--tiles]
         [--ws-only] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
@@ -419,8 +421,8 @@ def main(argv=None) -> int:
             else:
                 print(f"{job.kernel} {job.name} {job.dtype} {what}: regs={row.get('regs')} "
                       f"spill_stack={row.get('spill_stack')} shared={row['shared']} warps={row['warps']} wgmma={row['wgmma']} "
-                      f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)"),
-                      flush=True)
+                      f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)")
+                      + (" (wgmma serialized by ptxas)" if row["wgmma_serialized"] and not job.gluon else ""), flush=True)
                 for hazard in row["ws_hazards"]:
                     failures += 1
                     print(f"  warp-specialization row double offset: {hazard}", flush=True)
