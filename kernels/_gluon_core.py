@@ -22,7 +22,9 @@ normalised output (and an LSE), or with SUMMARY its state into ELSA's phase-1 su
 normalised partial output in the inputs' dtype), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
 with the same phase 2 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows
 of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves:
-kernels/cqsa/schedule.py's tile_walk), the loader and both consumers stepping one cursor tile by tile. The TMA
+kernels/cqsa/schedule.py's tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA
+(`launch(pasa_c=...)`) the consumers take PASA's step instead of the online softmax, on the shifted keys of its
+pre-pass (kernels/pasa/ops.py, "The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA
 descriptors span the
 flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past
 the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end

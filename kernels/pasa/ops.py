@@ -29,7 +29,8 @@ The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gl
 contiguous, its head dims) and from its MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
 the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
 used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
-in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n = block_m = 128).
+in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile
+and block_m = 128, the core's query rows per program).
 A call that names a loop, tiles, a K̃ path or the fp32 state keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
@@ -64,7 +65,6 @@ SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memo
 # 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
-CORES = ("auto", "triton")   # the main loop: the Gluon core where it takes the call (module docstring), or Triton
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
 
 
@@ -185,9 +185,10 @@ class _Forward(LaunchPlan):
         self.shift = self.gluon = None
         if self.empty:
             return
-        if (name == "pasa" and _parse(options)["core"] == "auto" and gluon_core.available(q, k, v)
+        opts = _parse(options) if name == "pasa" else None
+        if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= gluon_core.MIN_WORK):
-            self._plan_gluon(_parse(options)["beta"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
+            self._plan_gluon(opts["beta"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
