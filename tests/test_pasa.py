@@ -430,28 +430,24 @@ def _pasa_plans():
     return [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
 
 
-def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton():
+def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton(monkeypatch):
     # only a call that names no loop, tiles, K̃ path or state may run on the Gluon core (core=auto)
     from kernels.pasa import attention
-    cores = {}
+    cores = []
 
     def record(q, k, v, causal, scale, options):
-        cores[len(cores)] = dict(item.split("=", 1) for item in options.split())["core"]
+        cores.append(dict(item.split("=", 1) for item in options.split())["core"])
         return q
 
+    monkeypatch.setattr(attention.ops, "pasa_call", record)
     q, k, v = _randn_inputs(2, 1, 8, 8, 64, "cpu", seed=0)
-    real = attention.ops.pasa_call
-    attention.ops.pasa_call = record
-    try:
-        pasa_attention(q, k, v)
-        pasa_attention(q, k, v, beta=0.9375)
-        pasa_attention(q, k, v, variant="fused")
-        pasa_attention(q, k, v, config=window(32))
-        pasa_attention(q, k, v, shift="prepass")
-        pasa_attention(q, k, v, state_dtype="fp32")
-    finally:
-        attention.ops.pasa_call = real
-    assert list(cores.values()) == ["auto", "auto", "triton", "triton", "triton", "triton"]
+    pasa_attention(q, k, v)
+    pasa_attention(q, k, v, beta=0.9375)
+    pasa_attention(q, k, v, variant="fused")
+    pasa_attention(q, k, v, config=window(32))
+    pasa_attention(q, k, v, shift="prepass")
+    pasa_attention(q, k, v, state_dtype="fp32")
+    assert cores == ["auto", "auto", "triton", "triton", "triton", "triton"]
 
 
 @pytest.mark.parametrize("nq, nk, d, causal", [(300, 333, 80, True), (130, 260, 64, False), (70, 200, 192, False)])
