@@ -243,25 +243,30 @@ if HAS_GLUON:
         return p, m_new, l_i, g_new, alpha
 
     @gluon.jit
+    def _step(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+              PASA: gl.constexpr):
+        """One tile's softmax step, (p, m, l, g, alpha): the online softmax (g unused), or PASA's (qk_scale is
+        log2 e then: the scale is in K̃)."""
+        if PASA:
+            p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, qk_scale,
+                                                    s_layout, BLOCK_M, BLOCK_N, MASK, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
+                                          BLOCK_N, MASK, CAUSAL)
+        return p, m_i, l_i, g_i, alpha
+
+    @gluon.jit
     def _tile_step(qk, m_i, l_i, g_i, masked, t, c, col0, row0, n_k, causal_shift, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PASA: gl.constexpr):
-        """One tile's softmax step, (p, m, l, g, alpha): the online softmax (g unused), or PASA's (qk_scale is
-        log2 e then: the scale is in K̃); the mask only where the tile needs it (`masked`, decided per tile at run
-        time): a tile wholly inside the keys and seen by every row skips building and applying it."""
-        if PASA:
-            if masked:
-                p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift,
-                                                        qk_scale, s_layout, BLOCK_M, BLOCK_N, True, CAUSAL)
-            else:
-                p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift,
-                                                        qk_scale, s_layout, BLOCK_M, BLOCK_N, False, CAUSAL)
+        """_step with the mask only where the tile needs it (`masked`, decided per tile at run time): a tile wholly
+        inside the keys and seen by every row skips building and applying it."""
+        if masked:
+            p, m_i, l_i, g_i, alpha = _step(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, qk_scale,
+                                            s_layout, BLOCK_M, BLOCK_N, True, CAUSAL, PASA)
         else:
-            if masked:
-                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout,
-                                              BLOCK_M, BLOCK_N, True, CAUSAL)
-            else:
-                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout,
-                                              BLOCK_M, BLOCK_N, False, CAUSAL)
+            p, m_i, l_i, g_i, alpha = _step(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, qk_scale,
+                                            s_layout, BLOCK_M, BLOCK_N, False, CAUSAL, PASA)
         return p, m_i, l_i, g_i, alpha
 
     @gluon.jit

@@ -23,7 +23,7 @@ import torch
 from kernels import _gluon_core as gluon_core
 from kernels import _launch
 from kernels._common import LOG2E, ForwardOnlyError
-from kernels.pasa import fa16_attention, pasa_attention
+from kernels.pasa import fa16_attention, ops, pasa_attention
 from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
                                solve_beta)
 from kernels.pasa.emulate import pasa_emulate
@@ -76,14 +76,11 @@ def shift_path(request, monkeypatch):
     """Runs a test with K̃ computed inline by the main kernel (one launch) and by the pre-pass (two launches), at
     every length: ops.SHIFT_INLINE_MAX_KEYS set above / below all of them, the cached plans dropped before and
     after. On teardown, every PASA plan the test made must have taken that path."""
-    from kernels import _launch
-    from kernels.pasa import ops
-
     monkeypatch.setattr(ops, "SHIFT_INLINE_MAX_KEYS",
                         dict.fromkeys(ops.SHIFT_INLINE_MAX_KEYS, 1 << 30 if request.param == "inline" else 0))
     _launch.clear()
     yield request.param
-    made = [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
+    made = _pasa_plans()
     _launch.clear()
     assert made, "the test made no PASA plan"
     assert all((plan.shift is None) == (request.param == "inline") for plan in made), request.param
@@ -426,7 +423,7 @@ def test_backward_raises_the_forward_only_error(device):
 # ------------------------------------------------------ shapes: GQA, Nq != Nk, head dims 16..256 ---
 
 def _pasa_plans():
-    from kernels.pasa import ops
+    """The PASA forward plans the tests have made since the last _launch.clear() (an empty call makes none)."""
     return [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
 
 
@@ -573,7 +570,6 @@ def test_config_overrides_tiles(device):
 
 def test_fp16_path_never_reads_values_back(device, monkeypatch):
     # the bfloat16 range check syncs with the device; float16 inputs must not pay for it
-    from kernels.pasa import ops
 
     def refuse(*args):
         raise AssertionError("the float16 path converted or checked its inputs")
@@ -612,7 +608,6 @@ def test_plan_shifts_inline_up_to_the_rule_or_as_asked(device, monkeypatch):
     # the shipped rule: Nk <= SHIFT_INLINE_MAX_KEYS is one launch (the main kernel shifts K itself, no K̃ buffer),
     # one key more is the pre-pass and the main kernel on its buffer. Counted by the launches kernels._launch makes.
     from kernels import _launch
-    from kernels.pasa import ops
     from kernels.pasa.kernel import _pasa_fwd_kernel, _shift_k_kernel
 
     launched = []
@@ -638,7 +633,6 @@ def test_plan_shifts_inline_up_to_the_rule_or_as_asked(device, monkeypatch):
 
 
 def test_opcheck():
-    from kernels.pasa import ops
 
     q, k, v = _randn_inputs(4, 2, 9, 21, 24, "cpu", seed=9)
     torch.library.opcheck(ops.pasa_fwd, (q, k, v, True, 0.2, ops.pasa_options(None, "fp16", "ref", (16, 16, 4, 1))))

@@ -121,21 +121,29 @@ _pasa_plans = SignatureCache()
 _fa16_plans = SignatureCache()
 
 
+def _window_plan(beta: str, block_n: int, d: int, scale: float) -> tuple:
+    """(diag, off, c, the K̃ pre-pass's constexprs) for windows of block_n keys: β as the options give it ("None":
+    solved for block_n and scale), λM's two distinct entries rounded to fp16 (①), the recovery's c = β/(1 − β)."""
+    beta = default_beta(block_n, scale) if beta == "None" else float(beta)
+    diag, off = shift_entries(beta, block_n, scale, "fp16")
+    bd = block_d(d)
+    # the pre-pass's fp32 result tile, block_n x bd: at most 128 values a thread (8 warps from 128 x 256)
+    warps = SHIFT_WARPS if block_n * bd <= 128 * 128 else 2 * SHIFT_WARPS
+    return diag, off, ideal_invariance(beta), dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, num_warps=warps, num_stages=1)
+
+
 def _pasa_plan(options: str, d: int, causal: bool, scale: float) -> tuple:
     key = (options, d, causal, scale)
     plan = _pasa_plans.get(key)
     if plan is None:
         opts = _parse(options)
         block_m, block_n, num_warps, num_stages = opts["tiles"]
-        beta = default_beta(block_n, scale) if opts["beta"] == "None" else float(opts["beta"])
-        diag, off = shift_entries(beta, block_n, scale, "fp16")
+        diag, off, c, shift = _window_plan(opts["beta"], block_n, d, scale)
         bd = block_d(d)
-        shift = dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, num_warps=SHIFT_WARPS, num_stages=1)
         main = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=d, BLOCK_D=bd, CAUSAL=causal,
                     STATE_FP32=opts["state"] == "fp32", FUSED=opts["loop"] == "fused", num_warps=num_warps,
                     num_stages=num_stages)
-        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, ideal_invariance(beta), shift, main,
-                                     opts["shift"]))
+        plan = _pasa_plans.put(key, (block_m, block_n, bd, diag, off, c, shift, main, opts["shift"]))
     return plan
 
 
@@ -199,11 +207,7 @@ class _Forward(LaunchPlan):
                 self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (sk[0], sk[1], sk[2], diag, off),
                                      dict(main_meta, SHIFT_INLINE=True))
             else:
-                n_blocks = -(-len_k // block_n)
-                # K̃ belongs to the kv head (spec pitfall 10): Hkv heads, shared by the query heads of a group
-                self.k_shift_shape = (bsz, heads_kv, n_blocks * block_n, bd)
-                self.shift = Prepared(_shift_k_kernel, (n_blocks, bsz * heads_kv),
-                                      (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
+                self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
                 # K's strides and λM's entries are the pre-pass's: unused by this launch (zeros keep its key plain)
                 self.main = Prepared(_pasa_fwd_kernel, grid, main_args + (0, 0, 0, 0.0, 0.0),
                                      dict(main_meta, SHIFT_INLINE=False))
@@ -213,22 +217,24 @@ class _Forward(LaunchPlan):
                                  (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2],
                                   heads_q, heads_kv, len_q, len_k, scale * LOG2E), meta)
 
+    def _plan_prepass(self, sk: tuple, bsz: int, heads_kv: int, len_k: int, diag: float, off: float,
+                      shift_meta: dict) -> None:
+        """The K̃ pre-pass launch and its buffer: K̃ belongs to the kv head (spec pitfall 10: Hkv heads, shared by
+        the query heads of a group), whole windows of BLOCK_N rows, each of BLOCK_D columns."""
+        block_n, windows = shift_meta["BLOCK_N"], -(-len_k // shift_meta["BLOCK_N"])
+        self.k_shift_shape = (bsz, heads_kv, windows * block_n, shift_meta["BLOCK_D"])
+        self.shift = Prepared(_shift_k_kernel, (windows, bsz * heads_kv),
+                              (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
+
     def _plan_gluon(self, beta: str, sk: tuple, sizes: tuple, causal: bool, scale: float) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
         the core in its PASA mode. K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
         descriptors read its first D columns through the row stride."""
         bsz, heads_kv, len_q, len_k, d = sizes
-        block_n = gluon_core.TILES[d][0]
-        beta = default_beta(block_n, scale) if beta == "None" else float(beta)
-        diag, off = shift_entries(beta, block_n, scale, "fp16")
-        windows, bd = -(-len_k // block_n), block_d(d)
-        self.k_shift_shape, self.head_dim = (bsz, heads_kv, windows * block_n, bd), d
-        # the pre-pass's fp32 result tile, block_n x bd: at most 128 values a thread (8 warps from 128 x 256)
-        warps = SHIFT_WARPS if block_n * bd <= 128 * 128 else 2 * SHIFT_WARPS
-        self.shift = Prepared(_shift_k_kernel, (windows, bsz * heads_kv), (sk[0], sk[1], sk[2], heads_kv, len_k,
-                                                                            diag, off),
-                              dict(BLOCK_N=block_n, D=d, BLOCK_D=bd, num_warps=warps, num_stages=1))
-        c16 = torch.tensor(ideal_invariance(beta), dtype=_f16).item()    # the state format's c, as the kernels use
+        diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
+        self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
+        self.head_dim = d
+        c16 = torch.tensor(c, dtype=_f16).item()    # the state format's c, as the kernels use it
         self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // gluon_core.CTA_ROWS), width=len_k,
                           lse_mode=0, pasa_c=c16)
 
@@ -236,20 +242,18 @@ class _Forward(LaunchPlan):
         out = q.new_empty(self.out_shape, dtype=_f16)
         if self.empty:
             return out.zero_()
-        if self.gluon is not None:
-            k_shift = q.new_empty(self.k_shift_shape, dtype=_f16)
-            self.shift(k, k_shift)
-            gluon_core.launch(q, k_shift[..., :self.head_dim], v, out, out, out, **self.gluon)
-            return out
         if self.copy is not None:
             cq, ck, cv = self.copy
             q, k, v = q.contiguous() if cq else q, k.contiguous() if ck else k, v.contiguous() if cv else v
         if self.shift is None:
             self.main(q, k, v, out)
-        else:
-            k_shift = q.new_empty(self.k_shift_shape, dtype=_f16)
-            self.shift(k, k_shift)
+            return out
+        k_shift = q.new_empty(self.k_shift_shape, dtype=_f16)
+        self.shift(k, k_shift)
+        if self.gluon is None:
             self.main(q, k_shift, v, out)
+        else:
+            gluon_core.launch(q, k_shift[..., :self.head_dim], v, out, out, out, **self.gluon)
         return out
 
 
