@@ -22,16 +22,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-    # The files marked slow first (a stable sort: each file's tests stay in order). Under the README's
-    # `-n 2 --dist loadfile` each worker takes the next whole file as it frees up, so the long files are spread over
-    # both workers before the many short ones fill in, and the two finish together (pytest_configure keeps xdist
-    # from reordering the files by their test counts, which would put a long file of few tests last).
-    items.sort(key=lambda item: "slow" not in item.keywords)
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):      # pytest-xdist present: schedule files in collection order
-        config.option.loadscopereorder = False
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ from attnbench.backends import KERNEL_PACKAGES, get_backend
 from kernels._common import ForwardOnlyError, HEAD_DIMS, block_d, check_inputs, tile_config
 from kernels.reference import reference_attention
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = [get_backend(name) for name in KERNEL_PACKAGES]

@@ -24,8 +24,6 @@ from kernels.cqsa.schedule import build_schedule, resident_schedule, task_schedu
 from kernels.cqsa.stream import STREAM_EAGER_ONLY, MergeError, StableAccumulator, stream_backward, stream_forward
 from kernels.reference import reference_attention
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 F32_TOL, F16_FWD_TOL, F16_GRAD_TOL = 1e-5, 2e-3, 5e-3
 
 

@@ -29,8 +29,6 @@ from kernels.cqsa import distributed as D
 from kernels.cqsa.divide import build_tasks, coverage_counts
 from kernels.reference import reference_attention
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 SAME_TOL, F64_TOL = 2e-6, 1e-5
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = (1, 1, 128, 32)                  # B, H, N, D

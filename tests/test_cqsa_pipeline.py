@@ -16,8 +16,6 @@ from kernels.cqsa.schedule import task_schedule
 from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_forward
 from kernels.reference import reference_attention
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 F32_TOL = 1e-5
 
 

@@ -19,8 +19,6 @@ from kernels.cron_root import (
 )
 from kernels.reference import reference_attention
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 # max |err| <= ATOL + RTOL * max |ref|, per dtype: (out atol, out rtol, grad atol, grad rtol)
 TOL = {
     torch.float32: (2e-5, 1e-5, 1e-4, 2e-5),       # interpreter dots are exact fp32; GPU tf32x3 is ~fp32

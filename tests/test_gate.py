@@ -9,8 +9,6 @@ import pytest
 from attnbench.gate import bootstrap_change, compare_runs, gate_exit_code, gate_markdown
 from test_analysis import make_run
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 LATER = datetime(2026, 11, 23, 1, tzinfo=timezone.utc)
 
 

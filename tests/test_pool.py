@@ -27,8 +27,6 @@ from attnbench.store import TORN_FILE, RunDirError, RunStore, load_run
 from fakes import FakeReader, gpu_state
 from test_faults import REPO, TINY, _env, assert_one_line, cli, cli_process, data_lines, sigint_default
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 IDS = ["a@16", "a@32", "a@48"]
 LONG = TINY.replace("seq_lens: [16, 32, 48]", f"seq_lens: {list(range(16, 28))}")   # 12 points
 LONG_IDS = [f"a@{n}" for n in range(16, 28)]

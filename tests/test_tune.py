@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow     # a long file: scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parent.parent
 
 
