@@ -120,11 +120,13 @@ def test_default_scale_is_one_over_sqrt_d(backend):
 
 
 def _shapes(backend):
-    """(Hq, Hkv, Nq, Nk, D) cases: grouped-query and multi-query K/V, a padded head dim, and for kernels that
-    are not self-attention a query length different from the key length (both ways)."""
-    cases = [(4, 2, 48, 48, 40), (3, 1, 37, 37, 24)]
+    """(B, Hq, Hkv, Nq, Nk, D) cases: grouped-query and multi-query K/V, a padded head dim, and for kernels that
+    are not self-attention a query length different from the key length (both ways). The first case has two batch
+    entries (a K/V head's offset counts the batch with Hkv heads, not Hq); the others one, which halves their
+    interpreted work."""
+    cases = [(2, 4, 2, 48, 48, 40), (1, 3, 1, 37, 37, 24)]
     if not _self_attention(backend):
-        cases += [(4, 2, 19, 53, 40), (2, 2, 53, 19, 32)]
+        cases += [(1, 4, 2, 19, 53, 40), (1, 2, 2, 53, 19, 32)]
     return cases
 
 
@@ -133,12 +135,12 @@ def test_gqa_cross_lengths_and_padded_head_dims_match_float64(backend):
     dtype = _dtype(backend)
     causal_modes = backend.causal
     train = "bwd" in backend.modes
-    for i, (hq, hkv, nq, nk, d) in enumerate(_shapes(backend)):
+    for i, (b, hq, hkv, nq, nk, d) in enumerate(_shapes(backend)):
         for causal in causal_modes:
-            q, k, v = _inputs(2, hq, hkv, nq, nk, d, dtype, grad=train, seed=i)
+            q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, grad=train, seed=i)
             out = backend.fn(q, k, v, causal=causal)
             ref = _reference(backend, q, k, v, causal)
-            where = f"{backend.name} Hq={hq} Hkv={hkv} Nq={nq} Nk={nk} D={d} causal={causal}"
+            where = f"{backend.name} B={b} Hq={hq} Hkv={hkv} Nq={nq} Nk={nk} D={d} causal={causal}"
             assert out.shape == q.shape and out.dtype == q.dtype, where
             err = _rel_rms(out, ref)
             assert err <= _tol(dtype), f"{where}: forward rel. RMS error {err:.2e}"

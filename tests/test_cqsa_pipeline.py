@@ -69,24 +69,26 @@ def test_global_output_tables_map_local_rows_to_global_ids():
                 assert np.array_equal(rows - shift, want)
 
 
-# (merge, finalize, host_out, causal, gather): every merge and every finaliser both causal (gathered) and not, each
-# output path once (the full product, twice as many interpreted runs, adds no pairing these miss)
-MODES = [("torch", "legacy", "auto", False, "auto"), ("torch", "rows", "auto", True, "always"),
-         ("torch", "rows", "pageable", False, "auto"), ("torch", "end", "auto", True, "always"),
-         ("kernel", "rows", "auto", False, "auto"), ("kernel", "rows", "pinned", True, "always"),
-         ("kernel", "rows", "pageable", True, "always"), ("kernel", "end", "pageable", False, "auto"),
-         ("kernel", "legacy", "auto", True, "always")]
+# (merge, finalize, host_out, causal, gather, itr): every merge and every finaliser both causal (gathered) and not,
+# each output path once (the full product, twice as many interpreted runs, adds no pairing these miss); a first-level
+# divide (7 tasks) has rows finished early as well as late, and one mode runs the next level (49 tasks, ~10x the
+# interpreted work) so that the merges also see a row's pieces from sub-tasks
+MODES = [("torch", "legacy", "auto", False, "auto", 1), ("torch", "rows", "auto", True, "always", 1),
+         ("torch", "rows", "pageable", False, "auto", 1), ("torch", "end", "auto", True, "always", 1),
+         ("kernel", "rows", "auto", False, "auto", 1), ("kernel", "rows", "pinned", True, "always", 2),
+         ("kernel", "rows", "pageable", True, "always", 1), ("kernel", "end", "pageable", False, "auto", 1),
+         ("kernel", "legacy", "auto", True, "always", 1)]
 
 
-@pytest.mark.parametrize("merge,finalize,host_out,causal,gather", MODES)
-def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather):
+@pytest.mark.parametrize("merge,finalize,host_out,causal,gather,itr", MODES)
+def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather, itr):
     n, h = 83, 2
     torch.manual_seed(3)
     q, k, v = (rand((1, h, n, 32)) for _ in range(3))
-    out, lse, st = stream_forward(q, k, v, causal=causal, c=7, itr=2, merge=merge, finalize=finalize,
+    out, lse, st = stream_forward(q, k, v, causal=causal, c=7, itr=itr, merge=merge, finalize=finalize,
                                   host_out=host_out, final_chunk=9, gather=gather, precision="ieee")
     ref = reference_attention(q, k, v, causal=causal)
-    assert max_err(out, ref) <= F32_TOL and st.pairs_covered == n * n
+    assert max_err(out, ref) <= F32_TOL and st.pairs_covered == n * n and st.itr_final == itr
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
     if causal:
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
