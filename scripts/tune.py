@@ -12,7 +12,8 @@ against the float64 reference (relative RMS error of the output, and of dQ, dK, 
 within a per-dtype tolerance); then it is timed against an SDPA baseline with
 ``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median
 ratio is within ±1 % or the budget ends). Two sections measure a crossover over lengths instead of a list of
-candidates: Cron Root's "cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root) and PASA's
+candidates: Cron Root's "cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root; on a GPU in
+device time, the harness's graph mode, unless --cross-timing eager: see Tuner.crossover) and PASA's
 "shift" (PASA's K̃ made inline against its pre-pass, pasa_attention(shift=...): up to which key length the main
 kernel shifts K itself). Otherwise a candidate's score is the geometric mean of its median ratios over the
 section's lengths (and causal settings); the current entry is candidate 0, and it is replaced only when the
@@ -359,16 +360,17 @@ def accuracy(s: Sweep, options: dict, d: int, device: str, n: int) -> float:
     return max([_rel_rmse(out, ref)] + [_rel_rmse(g, r) for g, r in zip(grads, ref_grads)])
 
 
-def time_ratio(s: Sweep, options: dict, d: int, n: int, causal: bool, device: str, timing: dict) -> dict:
+def time_ratio(s: Sweep, options: dict, d: int, n: int, causal: bool, device: str, timing: dict,
+               timing_mode: str = "eager") -> dict:
     """One (head dim, length, causal) measurement of a candidate: kernel ⇄ baseline, interleaved, by the harness's
-    timer."""
+    timer (timing_mode "graph": CUDA-graph replays, device time only)."""
     common = dict(batch=1, heads=s.heads, n=n, head_dim=d, dtype=s.dtype, mode=s.mode, causal=causal,
                   device=device)
     kernel = make_attention_workload(get_backend(s.kernel), options=options, **common)
     baseline = make_attention_workload(get_backend(s.baseline), options=s.baseline_options, **common)
     try:
         res = measure_pair(kernel, baseline, kernel_name=s.kernel, baseline_name=s.baseline, timing=timing,
-                           device=device)
+                           device=device, mode=timing_mode)
     finally:
         for wl in (kernel, baseline):
             wl.release()
@@ -408,8 +410,11 @@ def _pct(x) -> str:
 
 
 class Tuner:
-    def __init__(self, kernel: str, device: str, budget_s: float, out_dir: Path | None, log=print):
+    def __init__(self, kernel: str, device: str, budget_s: float, out_dir: Path | None, log=print,
+                 cross_timing: str | None = None):
         self.kernel, self.device, self.log = kernel, device, log
+        # Cron Root's crossover: device time on a GPU (see crossover), the only timing the CPU has otherwise
+        self.cross_timing = cross_timing or ("graph" if device == "cuda" else "eager")
         self.ctx = Context(device)
         self.deadline = time.monotonic() + budget_s
         self.timing = CPU_TIMING if device == "cpu" else GPU_TIMING
@@ -487,7 +492,8 @@ class Tuner:
                 self.run_sweep(s)
         return self.decisions
 
-    def timed_point(self, s: Sweep, options: dict, d: int, n: int, causal: bool, label: str, **row) -> dict | None:
+    def timed_point(self, s: Sweep, options: dict, d: int, n: int, causal: bool, label: str, timing_mode: str = "eager",
+                    **row) -> dict | None:
         """One paired measurement of a crossover section (time_ratio), kept in the log with `row`'s fields; a
         failure is a point with its error; None when the budget ends first."""
         if not self._time_left():
@@ -495,7 +501,7 @@ class Tuner:
             return None
         t0 = time.monotonic()
         try:
-            p = time_ratio(s, options, d, n, causal, self.device, self.timing)
+            p = time_ratio(s, options, d, n, causal, self.device, self.timing, timing_mode)
         except Exception as exc:
             p = {"head_dim": d, "n": n, "error": f"{type(exc).__name__}: {exc}"}
         self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
@@ -508,14 +514,21 @@ class Tuner:
 
     def crossover(self) -> None:
         """Cron Root vs SDPA flash, causal, B=1 H=8 D=64 fp16: per mode the first N from which Cron Root is faster
-        at every larger measured N (the hybrid uses SDPA below it)."""
+        at every larger measured N (the hybrid uses SDPA below it).
+
+        Timed in device time (self.cross_timing "graph": CUDA-graph replays) on a GPU. At this small shape an eager
+        call below ~3K tokens costs the host more than the GPU on both sides (results/README.md, "Host cost"), so an
+        eager sweep there compares Python and C++ host paths, not the kernels, and says nothing about a call whose
+        host time is hidden behind queued GPU work (larger batches, a model's other layers, CUDA graphs,
+        torch.compile's reduce-overhead). --cross-timing eager measures that host-bound case."""
         ns = (32, 64) if self.device == "cpu" else CRON_ROOT_CROSS_NS
         for mode in ("fwd", "fwdbwd"):
             s = Sweep("cross", "cron_root", "crossover", mode, "float16", mode, (64,), self.ctx.heads(8), ns, [None],
                       lambda v, _d: {}, causal=(True,), baseline=self.ctx.baseline("flash"))
             points = []
             for n in ns:
-                p = self.timed_point(s, {}, 64, n, True, f"cross {mode} N={n}", mode=mode)
+                p = self.timed_point(s, {}, 64, n, True, f"cross {mode} N={n} ({self.cross_timing})",
+                                     timing_mode=self.cross_timing, mode=mode, timing=self.cross_timing)
                 if p is None:
                     break
                 points.append(p)
@@ -527,6 +540,7 @@ class Tuner:
                     break
             complete = len(points) == len(ns)
             decision = {"section": "cross", "table": "crossover", "key": mode, "value": cross, "complete": complete,
+                        "timing": self.cross_timing,
                         "changed": cross is not None,
                         "why": "first N from which Cron Root is at least as fast at every larger measured N"
                         if cross is not None else "Cron Root never won at the longest measured lengths"}
@@ -641,7 +655,10 @@ def _write_cron_root(decisions: list[dict], path: Path, device: str) -> dict:
     cross = {d["key"]: d["value"] for d in decisions if d["table"] == "crossover" and d["value"] is not None}
     for mode, n in cross.items():
         entry[f"crossover_{mode}"] = n
-        entry["crossover_workload"] = "B=1 H=8 D=64 float16 vs SDPA flash causal"
+        timing = next(d.get("timing", "eager") for d in decisions if d["table"] == "crossover")
+        entry["crossover_workload"] = ("B=1 H=8 D=64 float16 vs SDPA flash causal, "
+                                       + ("device time (CUDA-graph replays)" if timing == "graph"
+                                          else "eager calls (host time included)"))
     if "fwd" in cross and "fwdbwd" in cross:
         entry["crossover"] = max(cross["fwd"], cross["fwdbwd"])
     configs = entry.setdefault("configs", {})
@@ -669,6 +686,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for tune_<kernel>.json (every measurement)")
     ap.add_argument("--write", type=Path, default=None, help="tuning file to write (default: the kernel's own, GPU only)")
     ap.add_argument("--no-write", action="store_true", help="measure and report only")
+    ap.add_argument("--cross-timing", choices=("graph", "eager"), default=None,
+                    help="Cron Root's crossover: device time (graph, the GPU's default) or eager calls (the CPU's)")
     args = ap.parse_args(argv)
     _, known, default = SECTIONS[args.kernel]
     sections = (args.sections or default).split(",")
@@ -680,8 +699,11 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; use --device cpu (tiny sizes, meaningless times)", file=sys.stderr)
         return 3
+    if args.cross_timing == "graph" and args.device == "cpu":
+        print("error: --cross-timing graph needs a GPU (CUDA graphs)", file=sys.stderr)
+        return 2
     tuner = Tuner(args.kernel, args.device, args.budget_s, args.out,
-                  log=lambda msg: print(msg, flush=True))
+                  log=lambda msg: print(msg, flush=True), cross_timing=args.cross_timing)
     decisions = tuner.run(sections)
     print("\n== chosen ==")
     for d in decisions:
