@@ -466,7 +466,11 @@ def test_plan_partitions_keys_and_chunks_queries():
     tiny = plan_forward(128, 128, 1, 64, torch.float16, 132)
     assert tiny.final                                                   # the host-cost shape: one launch
     vit = plan_forward(197, 197, 8 * 3, 64, torch.float16, 132)         # ViT-T/224's attention: one launch
-    assert vit.final and not plan_forward(257, 257, 8 * 3, 64, torch.float16, 132).final
+    assert vit.final
+    # below LONG_N keys one partition whatever the programs (a split measured slower there); from it at least two
+    for n, bh in ((1025, 8 * 3), (2048, 8), (4095, 1)):
+        assert plan_forward(n, n, bh, 64, torch.float16, 132).final, (n, bh)
+    assert plan_forward(4096, 4096, 8, 64, torch.float16, 132).parts == elsa_config.MIN_P_LONG
 
 
 def test_q_chunks_fill_whole_waves():

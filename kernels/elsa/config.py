@@ -110,12 +110,15 @@ FWD_TABLE, BWD_TABLE = tuned_tables()
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
 FWD_TUNED = frozenset(parse_dim_key(k) for k in read_configs(TUNING_FILE).get("fwd", {}))
 
-# Partition plan: enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU,
-# at least MIN_P_LONG partitions from LONG_N keys on (a real multi-partition scan), partitions at
-# least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P). Below MIN_SPLIT_N keys one
-# partition: a program's scan is a few tiles, and the split's second launch and summary buffer would cost more
-# host and device time than its parallelism gains (a ViT's 197 tokens: one launch instead of two).
-MIN_SPLIT_N = 256
+# Partition plan: below LONG_N keys one partition (phase 1 writes the output, no phase 2). From LONG_N on enough
+# (query block, bh, partition) programs for TARGET_WAVES waves of the GPU and at least MIN_P_LONG partitions (a
+# real multi-partition scan), partitions at least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows
+# with P). Below LONG_N a split measured slower on the H100 wherever the old rule made one (up to 2 waves of
+# programs, from 256 keys): in device time (CUDA graphs) one partition took 3-35 % less at all 14 such shapes of
+# 512-2048 tokens, D = 64 and 128, e.g. ViT-T's 1025-token layer (B=8, H=3, D=64) 29.9 us against 37.2 split in
+# two (flash: 34.6), B=1 H=8 N=2048 D=128 34.4 against 53.0 split in three (results/dev/elsa/key_split_h100.json):
+# the second launch, the summaries and phase 2 cost more than the extra programs gain, and eagerly called the split
+# is one more launch of host time too.
 TARGET_WAVES = 2
 LONG_N = 4096
 MIN_P_LONG = 2
@@ -291,7 +294,7 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qblocks = -(-nq // bm)
         parts = -(-TARGET_WAVES * sms // max(1, qblocks * bh))
         parts = min(parts, MAX_P, -(-nk // max(MIN_W, bn)))
-        if nk < MIN_SPLIT_N:
+        if nk < LONG_N:
             parts = 1
         if nk >= LONG_N:
             parts = max(parts, MIN_P_LONG)
