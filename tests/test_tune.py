@@ -64,6 +64,8 @@ def test_tune_runs_on_the_cpu_and_writes_only_where_asked(tmp_path, kernel, sect
 def test_tune_refuses_unknown_sections_and_a_missing_gpu():
     proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "fwd99")
     assert proc.returncode == 2 and "fwd99" in proc.stderr and "known: fwd16" in proc.stderr
+    proc = run_tune("--kernel", "cron_root", "--device", "cpu", "--sections", "cross", "--cross-timing", "graph")
+    assert proc.returncode == 2 and "--cross-timing graph needs a GPU" in proc.stderr
     if not torch.cuda.is_available():
         proc = run_tune("--kernel", "elsa", "--sections", "fwd16")
         assert proc.returncode == 3 and "--device cpu" in proc.stderr
@@ -208,7 +210,7 @@ def test_cron_root_reads_its_tuning_file(tmp_path, monkeypatch):
         decision("configs", "64:glob", {"BLOCK_G": 32, "BLOCK_Q": 64, "num_warps": 4, "num_stages": 2}),
         decision("configs", "64:glob", {"programs_per_sm": 4}),
     ], path, "cpu")
-    assert entry["crossover"] == 8192
+    assert entry["crossover"] == 8192 and entry["crossover_workload"].endswith("eager calls (host time included)")
     monkeypatch.setattr(tuning, "TUNING_FILE", path)
     for fn in (tuning.table, tuning.gpu_entry):
         fn.cache_clear()

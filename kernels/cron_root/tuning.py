@@ -34,7 +34,8 @@ def crossover_for(name: str | None, train: bool | None = None) -> int:
     """The hybrid's crossover for a GPU name (None or not listed: the default).
 
     train=False / True picks the forward-only / fwd+bwd crossover where the GPU's entry stores one
-    ("crossover_fwd", "crossover_fwdbwd": they differ because the backward adds three launches of host cost);
+    ("crossover_fwd", "crossover_fwdbwd": they differ because the backward's three launches cost Cron Root more at
+    short lengths than flash's);
     otherwise, and for train=None, the entry's "crossover" (the larger of the two).
     """
     entry = gpu_entry(name)
