@@ -653,9 +653,9 @@ def _write_cron_root(decisions: list[dict], path: Path, device: str) -> dict:
     name = _gpu_name() if device == "cuda" else "cpu (Triton interpreter)"
     entry = dict(data.setdefault("gpus", {}).get(name, {}))
     cross = {d["key"]: d["value"] for d in decisions if d["table"] == "crossover" and d["value"] is not None}
+    timing = next((d.get("timing", "eager") for d in decisions if d["table"] == "crossover"), "eager")
     for mode, n in cross.items():
         entry[f"crossover_{mode}"] = n
-        timing = next(d.get("timing", "eager") for d in decisions if d["table"] == "crossover")
         entry["crossover_workload"] = ("B=1 H=8 D=64 float16 vs SDPA flash causal, "
                                        + ("device time (CUDA-graph replays)" if timing == "graph"
                                           else "eager calls (host time included)"))

@@ -290,15 +290,12 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     plan_given = overrides.get("plan", {})
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
+    elif nk < LONG_N:
+        width = max(bn, -(-nk // bn) * bn)                 # one partition
     else:
         qblocks = -(-nq // bm)
         parts = -(-TARGET_WAVES * sms // max(1, qblocks * bh))
-        parts = min(parts, MAX_P, -(-nk // max(MIN_W, bn)))
-        if nk < LONG_N:
-            parts = 1
-        if nk >= LONG_N:
-            parts = max(parts, MIN_P_LONG)
-        parts = max(parts, 1)
+        parts = max(min(parts, MAX_P, -(-nk // max(MIN_W, bn))), MIN_P_LONG)
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
