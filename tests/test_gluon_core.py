@@ -81,7 +81,9 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
     plan = elsa_config.plan_forward(8192, 8192, 8, d, torch.float16, 132, "", False, False, True, True)
     assert plan.gluon and not plan.warp_specialize
     assert (plan.block_m, plan.block_n, plan.num_stages) == (gc.CTA_ROWS, *gc.TILES[d])
-    assert plan.width % plan.block_n == 0 and plan.parts >= 2
+    assert plan.final                     # 64 row blocks x 8 heads fill the GPU: one partition, the core writes out
+    split = elsa_config.plan_forward(1, 8192, 8, d, torch.float16, 132, "", False, False, True, True)   # a decode step
+    assert not split.gluon and split.parts >= 2     # (too few rows for the core: its keys split over the Triton core)
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
                  (512, 8192, 8, d, torch.float16, 132, "", False, False, True, True),     # short rows
@@ -114,9 +116,9 @@ GPU_CASES = [
 ]
 
 
-def _assert_elsa_matches_float64(q, k, v, causal, dtype):
+def _assert_elsa_matches_float64(q, k, v, causal, dtype, config=None):
     """ELSA's output against float64 within TOL, its gradients within twice that."""
-    out = elsa_attention(q, k, v, causal=causal)
+    out = elsa_attention(q, k, v, causal=causal, config=config)
     ref = reference_attention(q, k, v, causal=causal)
     assert _rel_rms(out, ref) <= TOL[dtype]
     g = torch.randn_like(out)
@@ -167,17 +169,21 @@ def test_gpu_rejects_a_one_percent_scale_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, n, causal", [(1, 8192, False), (1, 8192, True), (4, 2048, False), (4, 3000, True)])
+@pytest.mark.parametrize("batch, n, causal, width", [(1, 8192, False, 2048), (1, 8192, True, 3072),
+                                                     (1, 8192, False, 0), (4, 2048, False, 0), (4, 3000, True, 0)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_elsa_phase1_on_the_core(batch, n, causal, dtype):
-    """ELSA through the core: partitions merged by phase 2 (8192) or, with enough row blocks to fill the GPU,
-    one partition written by phase 1 itself (2048, 3000), forward and gradients against float64."""
+def test_gpu_elsa_phase1_on_the_core(batch, n, causal, width, dtype):
+    """ELSA through the core: partitions of `width` keys merged by phase 2 (the plan splits 16-bit keys only where
+    the row blocks do not fill the GPU, so these force it) or one partition written by phase 1 itself (width 0: the
+    plan's own choice, which fills the GPU with row blocks here), forward and gradients against float64."""
     _need_core("cuda")
     q, k, v = (t.requires_grad_() for t in _inputs(batch, 8, 2, n, n, 128, dtype, "cuda"))
-    plan = elsa_host.forward_plan(q, k, v, None, causal, 128 ** -0.5, "tf32x3", "", True)
+    config = {"plan": {"partition_width": width}} if width else None
+    canonical = elsa_config.canonical_config(config, dtype, 128)
+    plan = elsa_host.forward_plan(q, k, v, None, causal, 128 ** -0.5, "tf32x3", canonical, True)
     assert plan.plan.gluon
-    assert (plan.plan.parts >= 2) == (n >= elsa_config.LONG_N)
-    _assert_elsa_matches_float64(q, k, v, causal, dtype)
+    assert plan.plan.parts == (-(-n // width) if width else 1)
+    _assert_elsa_matches_float64(q, k, v, causal, dtype, config)
 
 
 @pytest.mark.gpu
@@ -317,11 +323,14 @@ def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n):
                                            float("-inf")).float()
 
 
+# the plan no longer splits keys this short by itself (one partition below kernels/elsa/config.py's LONG_N): every
+# case names its partition width
 @pytest.mark.parametrize("case", [
-    dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config=None),              # several partitions: phase 2 merges
-    dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config=None),               # GQA, bottom-right causal
-    dict(nq=390, nk=260, hq=2, hkv=1, causal=True, config=None),               # rows that see no key
-    dict(nq=300, nk=300, hq=2, hkv=2, causal=True, config={"plan": {"q_chunk": 128}}),   # three q-chunks
+    dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config={"plan": {"partition_width": 128}}),   # phase 2 merges
+    dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config={"plan": {"partition_width": 128}}),    # GQA, bottom-right
+    dict(nq=390, nk=260, hq=2, hkv=1, causal=True, config={"plan": {"partition_width": 128}}),    # rows see no key
+    dict(nq=300, nk=300, hq=2, hkv=2, causal=True,
+         config={"plan": {"q_chunk": 128, "partition_width": 128}}),                             # three q-chunks
     dict(nq=300, nk=300, hq=2, hkv=2, causal=True,
          config={"plan": {"partition_width": 4096}}),                           # one partition: the core writes out
 ], ids=["parts", "gqa-causal", "no-key-rows", "q-chunks", "final"])
@@ -338,10 +347,10 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
     try:
         q, k, v = _inputs(1, case["hq"], case["hkv"], case["nq"], case["nk"], 64, torch.float32, "cpu")
         q, k, v = q.half(), k.half(), v.half()
-        config = elsa_config.canonical_config(case["config"], q.dtype, 64) if case["config"] else ""
+        config = elsa_config.canonical_config(case["config"], q.dtype, 64)
         plan = elsa_host.forward_plan(q, k, v, None, case["causal"], 64 ** -0.5, "tf32x3", config, True)
-        assert plan.plan.gluon and plan.plan.final == ("partition_width" in (case["config"] or {}).get("plan", {}))
-        assert len(plan.chunks) == (3 if "q_chunk" in (case["config"] or {}).get("plan", {}) else 1)
+        assert plan.plan.gluon and plan.plan.final == (case["config"]["plan"]["partition_width"] >= case["nk"])
+        assert len(plan.chunks) == (3 if "q_chunk" in case["config"]["plan"] else 1)
         out, lse = plan(q, k, v, None)
         ref = reference_attention(q, k, v, causal=case["causal"])
         assert _rel_rms(out, ref) <= TOL[torch.float16]
