@@ -81,9 +81,7 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
     plan = elsa_config.plan_forward(8192, 8192, 8, d, torch.float16, 132, "", False, False, True, True)
     assert plan.gluon and not plan.warp_specialize
     assert (plan.block_m, plan.block_n, plan.num_stages) == (gc.CTA_ROWS, *gc.TILES[d])
-    assert plan.final                     # 64 row blocks x 8 heads fill the GPU: one partition, the core writes out
-    split = elsa_config.plan_forward(1, 8192, 8, d, torch.float16, 132, "", False, False, True, True)   # a decode step
-    assert not split.gluon and split.parts >= 2     # (too few rows for the core: its keys split over the Triton core)
+    assert plan.width % plan.block_n == 0 and plan.parts >= 2
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
                  (512, 8192, 8, d, torch.float16, 132, "", False, False, True, True),     # short rows
@@ -116,9 +114,9 @@ GPU_CASES = [
 ]
 
 
-def _assert_elsa_matches_float64(q, k, v, causal, dtype, config=None):
+def _assert_elsa_matches_float64(q, k, v, causal, dtype):
     """ELSA's output against float64 within TOL, its gradients within twice that."""
-    out = elsa_attention(q, k, v, causal=causal, config=config)
+    out = elsa_attention(q, k, v, causal=causal)
     ref = reference_attention(q, k, v, causal=causal)
     assert _rel_rms(out, ref) <= TOL[dtype]
     g = torch.randn_like(out)
@@ -169,21 +167,17 @@ def test_gpu_rejects_a_one_percent_scale_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, n, causal, width", [(1, 8192, False, 2048), (1, 8192, True, 3072),
-                                                     (1, 8192, False, 0), (4, 2048, False, 0), (4, 3000, True, 0)])
+@pytest.mark.parametrize("batch, n, causal", [(1, 8192, False), (1, 8192, True), (4, 2048, False), (4, 3000, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_elsa_phase1_on_the_core(batch, n, causal, width, dtype):
-    """ELSA through the core: partitions of `width` keys merged by phase 2 (the plan splits 16-bit keys only where
-    the row blocks do not fill the GPU, so these force it) or one partition written by phase 1 itself (width 0: the
-    plan's own choice, which fills the GPU with row blocks here), forward and gradients against float64."""
+def test_gpu_elsa_phase1_on_the_core(batch, n, causal, dtype):
+    """ELSA through the core: partitions merged by phase 2 (8192: from LONG_N keys at least two) or one partition
+    written by phase 1 itself (2048, 3000), forward and gradients against float64."""
     _need_core("cuda")
     q, k, v = (t.requires_grad_() for t in _inputs(batch, 8, 2, n, n, 128, dtype, "cuda"))
-    config = {"plan": {"partition_width": width}} if width else None
-    canonical = elsa_config.canonical_config(config, dtype, 128)
-    plan = elsa_host.forward_plan(q, k, v, None, causal, 128 ** -0.5, "tf32x3", canonical, True)
+    plan = elsa_host.forward_plan(q, k, v, None, causal, 128 ** -0.5, "tf32x3", "", True)
     assert plan.plan.gluon
-    assert plan.plan.parts == (-(-n // width) if width else 1)
-    _assert_elsa_matches_float64(q, k, v, causal, dtype, config)
+    assert (plan.plan.parts >= 2) == (n >= elsa_config.LONG_N)
+    _assert_elsa_matches_float64(q, k, v, causal, dtype)
 
 
 @pytest.mark.gpu

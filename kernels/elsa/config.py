@@ -110,20 +110,19 @@ FWD_TABLE, BWD_TABLE = tuned_tables()
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
 FWD_TUNED = frozenset(parse_dim_key(k) for k in read_configs(TUNING_FILE).get("fwd", {}))
 
-# Partition plan: below LONG_N keys one partition (phase 1 writes the output, no phase 2). From LONG_N on, per dtype
-# class, enough (query block, bh, partition) programs for TARGET_WAVES waves of the GPU and at least MIN_P_LONG
-# partitions, partitions at least MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P).
-# 16-bit: a split only where the programs do not fill one wave (a decode step, few heads): wherever they do, one
-# partition measured faster on the H100 in device time (CUDA graphs), from 512 to 16384 tokens, D = 64 and 128,
-# Triton and Gluon core alike (results/dev/elsa/key_split_h100.json): below 4096 keys by 3-35 % at all 14 shapes where
-# the earlier rule (2 waves, from 256 keys) split (e.g. ViT-T's 1025-token layer, B=8 H=3 D=64: 29.9 us against 37.2
-# in two partitions), and from 4096 keys against its two partitions by 4-15 % (B=1 H=8: 4K D=64 82.1 against 94.4 us,
-# cuDNN 74.4; 16K D=128 1875 against 1962, cuDNN 1893): the second launch, the summaries and phase 2 cost more than
-# the extra programs gain, and called eagerly the split is one more launch of host time too. float32 keeps two waves
-# and two partitions from LONG_N (its smaller tiles, and its summaries' memory plan, were not re-measured).
-TARGET_WAVES = {"16": 1, "32": 2}
+# Partition plan: below LONG_N keys one partition (phase 1 writes the output, no phase 2). From LONG_N on enough
+# (query block, bh, partition) programs for TARGET_WAVES waves of the GPU and at least MIN_P_LONG partitions: ELSA
+# is a two-pass parallel scan there (`attnbench verify-2pass` checks it from real launches), with partitions at least
+# MIN_W keys wide, at most MAX_P of them (phase-2 traffic grows with P). Below LONG_N a split measured slower on the
+# H100 wherever the old rule made one (up to 2 waves of programs, from 256 keys): in device time (CUDA graphs) one
+# partition took 3-35 % less at all 14 such shapes of 512-2048 tokens, D = 64 and 128, e.g. ViT-T's 1025-token layer
+# (B=8, H=3, D=64) 29.9 us against 37.2 split in two (flash: 34.6), B=1 H=8 N=2048 D=128 34.4 against 53.0 split in
+# three (results/dev/elsa/key_split_h100.json): the second launch, the summaries and phase 2 cost more than the extra
+# programs gain, and called eagerly the split is one more launch of host time too. From 4096 keys one partition was
+# faster too (4-15 % at 4K-16K, 16-bit, the same file) but would no longer be the scan.
+TARGET_WAVES = 2
 LONG_N = 4096
-MIN_P_LONG = {"16": 1, "32": 2}
+MIN_P_LONG = 2
 MIN_W = 128
 MAX_P = 16
 # Q-chunking, per dtype class: chunk the query rows so the summary buffer stays within SUMMARY_BUDGET x the
@@ -296,8 +295,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         width = max(bn, -(-nk // bn) * bn)                 # one partition
     else:
         qblocks = -(-nq // bm)
-        parts = -(-TARGET_WAVES[cls] * sms // max(1, qblocks * bh))
-        parts = max(min(parts, MAX_P, -(-nk // max(MIN_W, bn))), MIN_P_LONG[cls])
+        parts = -(-TARGET_WAVES * sms // max(1, qblocks * bh))
+        parts = max(min(parts, MAX_P, -(-nk // max(MIN_W, bn))), MIN_P_LONG)
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
