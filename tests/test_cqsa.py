@@ -323,7 +323,7 @@ CASES = [
     (1, 3, 1, 37, 37, 80, 7, 1, True, torch.float32, "ieee"),             # MQA 3, D = 80 -> 128
     (1, 2, 1, 21, 57, 96, 7, 1, True, torch.float16, "ieee"),             # Nq < Nk, D = 96 -> 128
     (1, 2, 2, 50, 17, 256, 7, 1, True, torch.float32, "ieee"),            # Nq > Nk: leading rows see no key
-    (1, 1, 1, 20, 50, 24, 7, 2, False, torch.float32, "ieee"),            # itr 2 with Nq != Nk, D = 24 -> 32
+    (1, 1, 1, 20, 50, 24, 3, 2, False, torch.float32, "ieee"),            # itr 2 (c = 3: 9 tasks) with Nq != Nk
 ]
 
 

@@ -161,8 +161,10 @@ def _elsa_is_an_op() -> bool:
 @pytest.mark.parametrize("name", [VIT, SWIN])
 def test_compiled_model_with_real_elsa_in_one_graph(name):
     """The real drop-in: ELSA's torch.library ops inside the compiled timm model, fwd and a training step, no graph
-    break (fullgraph), same logits and loss as the eager patched model (float32 interpreter: 1e-5)."""
-    for mode in ("fwd", "train"):
+    break (fullgraph), same logits and loss as the eager patched model (float32 interpreter: 1e-5). Swin-T takes
+    the training step only: its forward graph compiles there too, and its inference graph on the GPU (the compiled
+    cells of matrices/models.yaml); compiling both on the CPU was the longest test of the timm job (64 s)."""
+    for mode in ("fwd", "train") if name == VIT else ("train",):
         eager = make_model_workload(name, 32, 1, "float32", mode, "elsa", "cpu")
         compiled = make_model_workload(name, 32, 1, "float32", mode, "elsa", "cpu", compile=True)
         for wl in (eager, compiled):
