@@ -317,8 +317,8 @@ def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n):
                                            float("-inf")).float()
 
 
-# the plan no longer splits keys this short by itself (one partition below kernels/elsa/config.py's LONG_N): every
-# case names its partition width
+# the plan keeps keys this short in one partition (below kernels/elsa/config.py's LONG_N): every case names its
+# partition width
 @pytest.mark.parametrize("case", [
     dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config={"plan": {"partition_width": 128}}),   # phase 2 merges
     dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config={"plan": {"partition_width": 128}}),    # GQA, bottom-right
