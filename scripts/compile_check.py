@@ -215,7 +215,7 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
 def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels._common import block_d
     from kernels.cron_root import kernel as K
-    from kernels.cron_root.configs import default_gpu_configs
+    from kernels.cron_root.configs import default_gpu_configs, forward_tiles
 
     if tiles:
         raise SystemExit("--tiles: Cron Root has no candidate grid here; its tiles are swept on the GPU")
@@ -226,11 +226,16 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     for d, dtype in itertools.product(dims, dtypes):
         for prec in (("tf32x3", "ieee") if dtype == "fp32" else ("tf32",)):
             configs = default_gpu_configs(d, TORCH_DTYPES[dtype], prec if dtype == "fp32" else "tf32x3")
+            # the forward's column tiles, with its first tile's bucket's tiles where it splits the head dim
+            tile_d, tile_d2 = forward_tiles(d, TORCH_DTYPES[dtype])
+            fwd_configs = default_gpu_configs(tile_d, TORCH_DTYPES[dtype], "tf32x3") if tile_d2 else configs
             for name, fn in fns.items():
-                cfg = configs[name]
+                cfg = (fwd_configs if fn is K._fwd else configs)[name]
                 for grouped in ((False, True) if name in ("glob", "loc") else (None,)):
                     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
                     meta.update(HEAD_DIM=d, BLOCK_D=block_d(d), PREC=prec)
+                    if fn is K._fwd:
+                        meta.update(BLOCK_D=tile_d, BLOCK_D2=tile_d2)
                     if grouped is not None:
                         meta["GROUPED"] = grouped
                     jobs.append(Job("cron_root", name, fn, dtype, meta, cfg.get("num_warps", 4),

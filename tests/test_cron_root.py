@@ -131,13 +131,67 @@ def test_kernel_fwd_bwd_d128(n, dtype, relay, device):
                    relay_threshold=0 if relay else 8192)
 
 
-@pytest.mark.parametrize("d,n,dtype", [(16, 77, torch.float32), (40, 130, torch.float16), (80, 101, torch.float32),
-                                       (96, 53, torch.float16), (256, 61, torch.float32), (256, 37, torch.float16),
-                                       (136, 29, torch.float32)])
-def test_kernel_head_dims_padded_inside(d, n, dtype, device):
-    # every multiple of 8 from 16 to 256: tiles are padded to the next power of two and masked at D
-    q, k, v = _inputs((1, 2, n, d), dtype, device)
+# (D, N, dtype, query heads, key/value heads). The 16-bit forward splits D into two column tiles where that is
+# narrower than one padded tile of at most 128 (configs.forward_tiles: 40 -> 32+16, 72 and 80 -> 64+16, 96 -> 64+32);
+# float32, D > 128 and powers of two keep one padded tile. The backward always runs one block_d(D) tile over the
+# split forward's O and LSE. Odd N, relay on (all three phases), grouped K/V (4 query heads over 2).
+HEAD_DIM_CASES = [(16, 77, torch.float32, 2, 2), (40, 130, torch.float16, 2, 2), (72, 77, torch.float16, 4, 2),
+                  (80, 101, torch.float32, 2, 2), (80, 129, torch.float16, 4, 2), (96, 53, torch.float16, 2, 2),
+                  (136, 29, torch.float32, 2, 2), (160, 77, torch.float16, 4, 2), (256, 61, torch.float32, 2, 2),
+                  (256, 37, torch.float16, 2, 2)]
+
+
+@pytest.mark.parametrize("d,n,dtype,heads,heads_kv", HEAD_DIM_CASES)
+def test_kernel_head_dims(d, n, dtype, heads, heads_kv, device):
+    # every multiple of 8 from 16 to 256: one tile padded to the next power of two and masked at D, or (the 16-bit
+    # forward) a full tile plus a narrower one masked at D
+    q = torch.randn(1, heads, n, d, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(1, heads_kv, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
     _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, dtype, relay_threshold=0)
+
+
+@pytest.mark.parametrize("d,n,heads,heads_kv", [(80, 77, 4, 2), (72, 400, 2, 1), (96, 77, 4, 1), (40, 77, 4, 2)])
+def test_kernel_never_reads_columns_past_d(d, n, heads, heads_kv, device):
+    # q, k, v are views of rows 16 columns longer than D whose extra columns hold NaN: a tile column past D loaded
+    # without its mask (into a 0 * NaN product, or into a value row) would turn outputs or gradients NaN (the
+    # forward's second tile ends past D at D = 72 and 40, the backward's one tile at every D here). N=400 (W=20):
+    # unmasked anchor and relay chunks in the forward's split tiles
+    def padded(h):
+        rows = torch.full((1, h, n, d + 16), float("nan"), dtype=torch.float16, device=device)
+        rows[..., :d] = torch.randn(1, h, n, d, dtype=torch.float16, device=device)
+        return rows[..., :d].requires_grad_()
+
+    q, k, v = padded(heads), padded(heads_kv), padded(heads_kv)
+    assert q.stride(2) == d + 16
+    _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, torch.float16, relay_threshold=0)
+
+
+@pytest.mark.parametrize("d,dtype,tiles,fwd_bucket", [
+    (80, torch.float16, (64, 16), 64), (96, torch.bfloat16, (64, 32), 64), (40, torch.float16, (32, 16), 64),
+    (72, torch.float16, (64, 16), 64), (104, torch.float16, (128, 0), 128), (160, torch.float16, (256, 0), 256),
+    (80, torch.float32, (128, 0), 128), (64, torch.float16, (64, 0), 64), (128, torch.float16, (128, 0), 128),
+    (16, torch.float16, (16, 0), 64)])
+def test_forward_splits_the_head_dim_and_backward_keeps_one_tile(d, dtype, tiles, fwd_bucket, monkeypatch):
+    # what the launches get on the GPU (planned here with the CPU's device replaced; nothing is launched): the
+    # forward configs.forward_tiles(D) and its first tile's bucket's tiles, the three backward kernels one
+    # block_d(D) tile (they take no BLOCK_D2) and the padded tile's bucket's tiles; the numbers are checked by
+    # test_kernel_head_dims
+    from kernels._common import block_d
+    from kernels.cron_root import attention, configs
+
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 1)        # the big tiles (no small-grid switch)
+    monkeypatch.setattr(configs, "tuned_configs", lambda name, bucket: {})
+    monkeypatch.setattr(configs, "device_name", lambda device: "none")
+    monkeypatch.setattr(configs, "_resolved", {})                      # resolve's cache: not this test's entries
+    cuda = torch.device("cuda", 0)
+    problem = attention._Problem((1, 1, 4096, d), 1, dtype, cuda, 0, "tf32x3", "")
+    assert (problem.fwd[1]["BLOCK_D"], problem.fwd[1]["BLOCK_D2"]) == tiles
+    gpu = configs.default_gpu_configs
+    assert problem.fwd[1]["num_warps"] == gpu(fwd_bucket, dtype, "tf32x3")["fwd"]["num_warps"]
+    assert problem.fwd[1]["num_stages"] == gpu(fwd_bucket, dtype, "tf32x3")["fwd"]["num_stages"]
+    for part in (problem.dq, problem.glob, problem.loc):
+        assert part[1]["BLOCK_D"] == block_d(d) and "BLOCK_D2" not in part[1]
+    assert problem.dq[1]["num_warps"] == gpu(d, dtype, "tf32x3")["dq"]["num_warps"]
 
 
 @pytest.mark.parametrize("heads,heads_kv,n,dtype", [(4, 2, 100, torch.float32), (4, 1, 100, torch.float32),
@@ -198,11 +252,13 @@ def test_kernel_multi_chunk_gathers_and_segments(device):
                    config={"glob": {"segments": 3}})
 
 
-@pytest.mark.parametrize("n,dtype,relay", [(1100, torch.float32, True), (600, torch.float16, False)])
-def test_kernel_unmasked_interior_chunks(n, dtype, relay, device):
-    # W=34 / 25 > the 16-row CPU tiles: interior band chunks, early anchors/relays and the middle query rows of
-    # each key tile take the unmasked (MASKED=False) paths of all four kernels
-    q, k, v = _inputs((1, 1, n, 64), dtype, device)
+@pytest.mark.parametrize("n,dtype,relay,d", [(1100, torch.float32, True, 64), (600, torch.float16, False, 64),
+                                             (400, torch.float16, True, 80)])
+def test_kernel_unmasked_interior_chunks(n, dtype, relay, d, device):
+    # W=34 / 25 / 20 > the 16-row CPU tiles: interior band chunks, early anchors/relays and the middle query rows
+    # of each key tile take the unmasked (MASKED=False) paths of all four kernels; D = 80 takes them with the
+    # forward's two column tiles (N=400: the last query tiles see 16 anchors and 16 relays whole)
+    q, k, v = _inputs((1, 1, n, d), dtype, device)
     _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, dtype, relay_threshold=0 if relay else 8192)
 
 
@@ -635,6 +691,33 @@ def test_gpu_head_dims_and_grouped_kv(d, dtype, heads_kv):
     # 53 relay means), so the group sums cover all three kinds of slot
     q = torch.randn(2, 4, 3001, d, dtype=dtype, device="cuda", requires_grad=True)
     k, v = (torch.randn(2, heads_kv, 3001, d, dtype=dtype, device="cuda", requires_grad=True) for _ in range(2))
+    _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, dtype, relay_threshold=0)
+
+
+@gpu
+@pytest.mark.parametrize("d", [80, 96])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_split_head_dim_forward(d, dtype):
+    # the forward runs two column tiles (64 + 16, 64 + 32; on the GPU the only place its wgmma shapes and masked
+    # 16/32-wide loads are compiled), the backward one 128-wide tile over their O and LSE. Relay off (N = 4096 <=
+    # the default threshold): the function is SDPA math with the pattern's mask, computed in float32; relay on:
+    # outputs and gradients against the float64 pattern reference. Grouped K/V, 4 query heads over 2.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.cron_root.attention import forward_plan
+
+    q = torch.randn(1, 4, 4096, d, dtype=dtype, device="cuda", requires_grad=True)
+    k, v = (torch.randn(1, 2, 4096, d, dtype=dtype, device="cuda", requires_grad=True) for _ in range(2))
+    plan = forward_plan(q, k, v, d ** -0.5, 8192, "tf32x3", "")
+    assert plan.launch.constexprs["BLOCK_D"] == 64 and plan.launch.constexprs["BLOCK_D2"] == d - 64
+    with torch.no_grad():
+        out = cron_root_attention(q, k, v)
+        visible = cron_root_mask(4096, relay=False, device="cuda")      # True: the key takes part
+        q32, k32, v32 = (t.float() for t in (q, k, v))
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=visible, enable_gqa=True)
+    oa, orl, _, _ = TOL[dtype]
+    _assert_close(out, ref, oa, orl, "out vs SDPA math fp32")
     _check_fwd_bwd(cron_root_attention, q, k, v, cron_root_reference, dtype, relay_threshold=0)
 
 

@@ -52,10 +52,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _split(cfg: dict, grid: tuple, head_dim: int, prec: str, **constexprs) -> tuple:
     """(grid, constexprs + launch options) of one launch: the BLOCK_* sizes and num_warps/num_stages of a
-    config (other keys, e.g. glob's ``segments``, are read by the planner), the head-dim constexprs and any
-    others given."""
+    config (other keys, e.g. glob's ``segments``, are read by the planner), the head-dim constexprs (one tile
+    block_d(D) wide unless ``constexprs`` says otherwise) and any others given."""
     meta = {k: v for k, v in cfg.items() if k.startswith("BLOCK_") or k in ("num_warps", "num_stages")}
-    meta.update(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PREC=prec, **constexprs)
+    meta.update(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PREC=prec)
+    meta.update(constexprs)
     return grid, meta
 
 
@@ -79,11 +80,15 @@ class _Problem:
         self.lse_shape = (b * h, n)
         cfgs = configs.resolve(device, dtype, d, precision, config)
         prec = dot_precision(dtype, precision)
+        # the forward's head-dim columns: one padded tile, or two (16-bit D = 80 as 64 + 16) whose tiles are the
+        # first column tile's bucket's (configs.forward_tiles)
+        tile_d, tile_d2 = configs.forward_tiles(d, dtype)
+        fwd_cfgs = cfgs if tile_d2 == 0 else configs.resolve(device, dtype, tile_d, precision, config)
         # small grids leave SMs idle with the big query tiles: use the small ones then
-        fwd = cfgs["fwd"]
+        fwd = fwd_cfgs["fwd"]
         if device.type == "cuda" and _cdiv(n, fwd["BLOCK_M"]) * b * h < 2 * _num_sms(device):
-            fwd = cfgs["fwd_small"]
-        self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec)
+            fwd = fwd_cfgs["fwd_small"]
+        self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec, BLOCK_D=tile_d, BLOCK_D2=tile_d2)
         self.dq = _split(cfgs["dq"], (_cdiv(n, cfgs["dq"]["BLOCK_M"]), b * h), d, prec)
         # the dK/dV kernels run per key/value head and loop over its query heads when there are several
         grouped = self.g > 1

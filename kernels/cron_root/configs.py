@@ -110,6 +110,23 @@ def bucket(head_dim: int) -> int:
     return max(64, block_d(head_dim))
 
 
+def forward_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D2): the forward's head-dim columns. One tile block_d(D) wide, masked past D (BLOCK_D2 = 0),
+    or for 16-bit inputs whose padded tile is at most 128 wide, a full power-of-two tile [0, BLOCK_D) inside D and
+    a narrower one [BLOCK_D, BLOCK_D + BLOCK_D2) masked past D, where the two are narrower than the padded tile:
+    D = 40 and 48 -> 32 + 16, 72 and 80 -> 64 + 16, 88 and 96 -> 64 + 32 (80 columns of MMA work, not 128). The
+    split forward takes the tiles of its first tile's bucket (64): on the H100 at B=1, H=16, N=8192 it ran D = 80
+    in 0.085 ms with them, 0.104 with the 128 bucket's and 0.114 padded (results/dev/cron_root/h100/
+    head_dim_two_tiles.json). Not split: float32 (its tf32x3 split forward made an illegal memory access on the H100
+    with triton 3.6, not traced: results/dev/head_dim_two_tiles) and D > 128 (not measured on the GPU)."""
+    full = block_d(head_dim)
+    first = full // 2
+    if dtype == torch.float32 or full > 128 or head_dim == full or first < 16:
+        return full, 0
+    second = block_d(head_dim - first)
+    return (first, second) if first + second < full else (full, 0)
+
+
 def default_gpu_configs(head_dim: int, dtype: torch.dtype, precision: str) -> dict:
     """The built-in GPU tile configs for a head dim, dtype and float32 dot precision (before tuning.json)."""
     b = bucket(head_dim)

@@ -30,8 +30,9 @@ Rows past N are loaded as zeros (q, dO, LSE, Delta = 0), which makes their gradi
 so unmasked chunks may include them.
 
 N, W, H, G and the slot counts are runtime ints (and not specialised), so a new length never recompiles; only
-tile sizes, the head dim, the dot precision and GROUPED (G > 1: the dK/dV kernels loop over query heads) are
-constexpr.
+tile sizes, the head dim and its column tiles, the dot precision and GROUPED (G > 1: the dK/dV kernels loop over
+query heads) are constexpr. The forward covers the head dim with one column tile or two (BLOCK_D2 > 0: D = 80 as
+64 + 16 columns, see below); the backward kernels with one block_d(D)-wide tile masked at D.
 """
 import triton
 import triton.language as tl
@@ -41,10 +42,57 @@ _ZERO_BLOCK = tl.constexpr(1024)
 
 
 # --- forward -------------------------------------------------------------------------------------------------
+#
+# The head dim is one column tile [0, BLOCK_D) masked at HEAD_DIM (BLOCK_D2 = 0), or two (configs.forward_tiles):
+# a full power-of-two tile [0, BLOCK_D) inside D and a narrower one [BLOCK_D, BLOCK_D + BLOCK_D2) masked at
+# HEAD_DIM, so D = 80 does 64 + 16 columns of MMA work instead of 128. SPLIT = BLOCK_D2 > 0 is a
+# constexpr: with one tile the second tile's values (q2, k2, v2, acc2, offs_d2, d2_ok) are stand-ins that
+# nothing reads, and the compiled one-tile kernel is the same as before the split existed.
 
 @triton.jit
-def _fwd_update(acc, m_i, l_i, s, v, PREC: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step for scores s (log2 domain, masked entries -inf)."""
+def _kv_chunk(row_ok, offs_r, k_base, v_base, k_step, v_step, offs_d, d_ok, offs_d2, d2_ok, MASKED: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """One chunk of K and V rows (row r at k_base + r*k_step, masked at row_ok if MASKED): (k, v) over columns
+    offs_d and, with SPLIT, (k2, v2) over offs_d2 (else k, v again). One tile: the columns are masked at d_ok;
+    two: the first tile lies inside D (no column mask), the second is masked at d2_ok."""
+    if SPLIT:
+        if MASKED:
+            ld = row_ok[:, None]
+            ld2 = row_ok[:, None] & d2_ok[None, :]
+            k = tl.load(k_base + offs_r[:, None] * k_step + offs_d[None, :], mask=ld, other=0.0)
+            v = tl.load(v_base + offs_r[:, None] * v_step + offs_d[None, :], mask=ld, other=0.0)
+        else:
+            ld2 = d2_ok[None, :]
+            k = tl.load(k_base + offs_r[:, None] * k_step + offs_d[None, :])
+            v = tl.load(v_base + offs_r[:, None] * v_step + offs_d[None, :])
+        k2 = tl.load(k_base + offs_r[:, None] * k_step + offs_d2[None, :], mask=ld2, other=0.0)
+        v2 = tl.load(v_base + offs_r[:, None] * v_step + offs_d2[None, :], mask=ld2, other=0.0)
+    else:
+        if MASKED:
+            ld = row_ok[:, None] & d_ok[None, :]
+        else:
+            ld = d_ok[None, :]
+        k = tl.load(k_base + offs_r[:, None] * k_step + offs_d[None, :], mask=ld, other=0.0)
+        v = tl.load(v_base + offs_r[:, None] * v_step + offs_d[None, :], mask=ld, other=0.0)
+        k2 = k
+        v2 = v
+    return k, v, k2, v2
+
+
+@triton.jit
+def _scores(q, q2, k, k2, qk_scale, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """Scores (log2 domain) of a query tile against a key chunk: q·kᵀ, plus q2·k2ᵀ accumulated into it with
+    SPLIT (the second column tile's share of the dot product)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if SPLIT:
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=PREC)
+    return s * qk_scale
+
+
+@triton.jit
+def _fwd_update(acc, acc2, m_i, l_i, s, v, v2, PREC: tl.constexpr, MASKED: tl.constexpr, SPLIT: tl.constexpr):
+    """One online-softmax step for scores s (log2 domain, masked entries -inf); with SPLIT the second column
+    tile's accumulator acc2 takes the same P and the same rescaling."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED:
         # a row with no visible slot yet keeps m = -inf; shift by 0 then, so exp2 never sees (-inf) - (-inf)
@@ -56,49 +104,44 @@ def _fwd_update(acc, m_i, l_i, s, v, PREC: tl.constexpr, MASKED: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     # P is rounded to the value dtype before the PV product, as in FlashAttention
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return acc, m_new, l_i
+    if SPLIT:
+        acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=PREC)
+    return acc, acc2, m_new, l_i
 
 
 @triton.jit
-def _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, c_lo, c_hi, i_last, W, qk_scale,
-              BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+def _fwd_band(acc, acc2, m_i, l_i, q, q2, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, offs_d2, d2_ok, c_lo, c_hi,
+              i_last, W, qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+              SPLIT: tl.constexpr):
     """Local keys c_lo .. c_hi-1 (contiguous rows of K/V)."""
     for start in range(c_lo, c_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            ld = (offs_n <= i_last)[:, None] & d_ok[None, :]
-        else:
-            ld = d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=ld, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=ld, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        k, v, k2, v2 = _kv_chunk(offs_n <= i_last, offs_n, k_base, v_base, skn, svn, offs_d, d_ok, offs_d2, d2_ok,
+                                 MASKED, SPLIT)
+        s = _scores(q, q2, k, k2, qk_scale, PREC, SPLIT)
         if MASKED:
             vis = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] + W > offs_m[:, None])
             s = tl.where(vis, s, float("-inf"))
-        acc, m_i, l_i = _fwd_update(acc, m_i, l_i, s, v, PREC, MASKED)
-    return acc, m_i, l_i
+        acc, acc2, m_i, l_i = _fwd_update(acc, acc2, m_i, l_i, s, v, v2, PREC, MASKED, SPLIT)
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
-def _fwd_gather(acc, m_i, l_i, q, k_base, v_base, k_step, v_step, c_lo, c_hi, n_valid, offs_m, offs_d, d_ok, W,
-                qk_scale, A: tl.constexpr, B: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr,
-                MASKED: tl.constexpr):
+def _fwd_gather(acc, acc2, m_i, l_i, q, q2, k_base, v_base, k_step, v_step, c_lo, c_hi, n_valid, offs_m, offs_d, d_ok,
+                offs_d2, d2_ok, W, qk_scale, A: tl.constexpr, B: tl.constexpr, BLOCK_S: tl.constexpr,
+                PREC: tl.constexpr, MASKED: tl.constexpr, SPLIT: tl.constexpr):
     """Gathered slots s in [c_lo, c_hi): key row at k_base + s*k_step, visible iff (s + A) * W <= i + B
     (anchors: A=1, B=0, rows s*W of K; relay: A=2, B=1, rows s of the relay buffer)."""
     for start in range(c_lo, c_hi, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
-        if MASKED:
-            ld = (offs_s < n_valid)[:, None] & d_ok[None, :]
-        else:
-            ld = d_ok[None, :]
-        k = tl.load(k_base + offs_s[:, None] * k_step + offs_d[None, :], mask=ld, other=0.0)
-        v = tl.load(v_base + offs_s[:, None] * v_step + offs_d[None, :], mask=ld, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        k, v, k2, v2 = _kv_chunk(offs_s < n_valid, offs_s, k_base, v_base, k_step, v_step, offs_d, d_ok, offs_d2,
+                                 d2_ok, MASKED, SPLIT)
+        s = _scores(q, q2, k, k2, qk_scale, PREC, SPLIT)
         if MASKED:
             vis = (offs_s[None, :] + A) * W <= offs_m[:, None] + B
             s = tl.where(vis, s, float("-inf"))
-        acc, m_i, l_i = _fwd_update(acc, m_i, l_i, s, v, PREC, MASKED)
-    return acc, m_i, l_i
+        acc, acc2, m_i, l_i = _fwd_update(acc, acc2, m_i, l_i, s, v, v2, PREC, MASKED, SPLIT)
+    return acc, acc2, m_i, l_i
 
 
 @triton.jit
@@ -127,8 +170,9 @@ def _kv_bases(bh, K, V, RK, RV, skb, skh, svb, svh, H, G, n_relay, HEAD_DIM: tl.
 def _fwd(Q, K, V, RK, RV, O, LSE,
          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
          H, G, N, W, n_relay, qk_scale,
-         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-         BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PREC: tl.constexpr):
+    SPLIT: tl.constexpr = BLOCK_D2 > 0
     # later query tiles see more anchors/relays: launch them first so the tail of the grid is short
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -138,46 +182,65 @@ def _fwd(Q, K, V, RK, RV, O, LSE,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :],
-                mask=(offs_m < N)[:, None] & d_ok[None, :], other=0.0)
+    row_ok = offs_m < N
+    q_rows = Q + b * sqb + h * sqh + offs_m[:, None] * sqn
+    if SPLIT:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        d2_ok = offs_d2 < HEAD_DIM
+        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(q_rows + offs_d2[None, :], mask=row_ok[:, None] & d2_ok[None, :], other=0.0)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_D2], tl.float32)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        offs_d2, d2_ok, q2 = offs_d, d_ok, q          # stand-ins, never read
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if not SPLIT:
+        acc2 = acc                                    # a stand-in, never read
     i_first = pid_m * BLOCK_M
     i_last = tl.minimum(i_first + BLOCK_M, N) - 1
 
     # Phase 1, local band: keys ls(i_first) .. i_last, one contiguous run of <= W + BLOCK_M - 1 keys
     lo, mid_lo, mid_hi = _band_split(i_first, i_last, W, BLOCK_N)
-    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, lo, mid_lo,
-                              i_last, W, qk_scale, BLOCK_N, PREC, True)
-    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_lo, mid_hi,
-                              i_last, W, qk_scale, BLOCK_N, PREC, False)
-    acc, m_i, l_i = _fwd_band(acc, m_i, l_i, q, k_base, v_base, skn, svn, offs_m, offs_d, d_ok, mid_hi, i_last + 1,
-                              i_last, W, qk_scale, BLOCK_N, PREC, True)
+    acc, acc2, m_i, l_i = _fwd_band(acc, acc2, m_i, l_i, q, q2, k_base, v_base, skn, svn, offs_m, offs_d, d_ok,
+                                    offs_d2, d2_ok, lo, mid_lo, i_last, W, qk_scale, BLOCK_N, PREC, True, SPLIT)
+    acc, acc2, m_i, l_i = _fwd_band(acc, acc2, m_i, l_i, q, q2, k_base, v_base, skn, svn, offs_m, offs_d, d_ok,
+                                    offs_d2, d2_ok, mid_lo, mid_hi, i_last, W, qk_scale, BLOCK_N, PREC, False, SPLIT)
+    acc, acc2, m_i, l_i = _fwd_band(acc, acc2, m_i, l_i, q, q2, k_base, v_base, skn, svn, offs_m, offs_d, d_ok,
+                                    offs_d2, d2_ok, mid_hi, i_last + 1, i_last, W, qk_scale, BLOCK_N, PREC, True, SPLIT)
 
     # Phase 2, strided anchors s*W: the tile's LAST row bounds the count, its FIRST row the unmasked part
     n_anc = i_last // W
     n_full = (i_first // W) // BLOCK_S * BLOCK_S
-    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, k_base, v_base, W * skn, W * svn, 0, n_full, n_anc, offs_m,
-                                offs_d, d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, False)
-    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, k_base, v_base, W * skn, W * svn, n_full, n_anc, n_anc, offs_m,
-                                offs_d, d_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, True)
+    acc, acc2, m_i, l_i = _fwd_gather(acc, acc2, m_i, l_i, q, q2, k_base, v_base, W * skn, W * svn, 0, n_full, n_anc,
+                                      offs_m, offs_d, d_ok, offs_d2, d2_ok, W, qk_scale, 1, 0, BLOCK_S, PREC, False,
+                                      SPLIT)
+    acc, acc2, m_i, l_i = _fwd_gather(acc, acc2, m_i, l_i, q, q2, k_base, v_base, W * skn, W * svn, n_full, n_anc,
+                                      n_anc, offs_m, offs_d, d_ok, offs_d2, d2_ok, W, qk_scale, 1, 0, BLOCK_S, PREC,
+                                      True, SPLIT)
 
     # Phase 3, relay block means (n_relay == 0 when relay is off: both loops are empty)
     n_rel = tl.minimum(tl.maximum((i_last + 1) // W - 1, 0), n_relay)
     n_full = tl.minimum(tl.maximum((i_first + 1) // W - 1, 0), n_relay) // BLOCK_S * BLOCK_S
-    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, rk_base, rv_base, HEAD_DIM, HEAD_DIM, 0, n_full, n_rel, offs_m,
-                                offs_d, d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, False)
-    acc, m_i, l_i = _fwd_gather(acc, m_i, l_i, q, rk_base, rv_base, HEAD_DIM, HEAD_DIM, n_full, n_rel, n_rel,
-                                offs_m, offs_d, d_ok, W, qk_scale, 2, 1, BLOCK_S, PREC, True)
+    acc, acc2, m_i, l_i = _fwd_gather(acc, acc2, m_i, l_i, q, q2, rk_base, rv_base, HEAD_DIM, HEAD_DIM, 0, n_full,
+                                      n_rel, offs_m, offs_d, d_ok, offs_d2, d2_ok, W, qk_scale, 2, 1, BLOCK_S, PREC,
+                                      False, SPLIT)
+    acc, acc2, m_i, l_i = _fwd_gather(acc, acc2, m_i, l_i, q, q2, rk_base, rv_base, HEAD_DIM, HEAD_DIM, n_full, n_rel,
+                                      n_rel, offs_m, offs_d, d_ok, offs_d2, d2_ok, W, qk_scale, 2, 1, BLOCK_S, PREC,
+                                      True, SPLIT)
 
     # every real row sees its own diagonal, so l >= 1 there; rows past N may have l == 0 and are not stored
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    row_ok = offs_m < N
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    o_rows = O + b * sob + h * soh + offs_m[:, None] * son
+    if SPLIT:
+        tl.store(o_rows + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        o2 = acc2 / l_safe[:, None]
+        tl.store(o_rows + offs_d2[None, :], o2.to(O.dtype.element_ty), mask=row_ok[:, None] & d2_ok[None, :])
+    else:
+        tl.store(o_rows + offs_d[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + tl.log2(l_safe), mask=row_ok)
 
 
