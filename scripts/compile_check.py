@@ -189,6 +189,8 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             if not fp32 and key in core.WS_TILES:
                 phase1 += [(config.core_tiles(torch_dtype, d, warp_specialize=True), True, final)
                            for final in (False, True)]
+            if fp32:       # and as the single partition (FINAL: out and lse stored), which needs more registers
+                phase1.append((config.core_tiles(torch_dtype, d), False, True))
             configs = {"phase1": phase1, "dq": [(dq, False, False)], "dkdv": [(dkdv, False, False)]}
         for name, fn in fns.items():
             for (bm, bn, w, st), ws, final in configs[name]:
@@ -198,7 +200,8 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
                             DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
                             KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
-                label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True, "final": final} if ws else {}))
+                label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True} if ws else {}),
+                             **({"final": final} if ws or final else {}))
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
         if not tiles:

@@ -582,6 +582,15 @@ def test_gpu_decode_and_prefill_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_float32_d128_backward_tiles(causal):
+    # the fp32 D=128 backward's shipped tiles (config.BUILTIN_BWD_TABLE: dQ 32 x 128 at 8 warps, one stage; dK/dV
+    # 32 x 32), chosen by time on the GPU where every candidate spills: gradients against float64, grouped K/V,
+    # odd lengths that leave partial tiles on both axes
+    _assert_exact(*_qkv(2, 4, 2, 700, 1100, 128, torch.float32, torch.device("cuda")), causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_backward_vit_length(dtype):
     _assert_exact(*_qkv(2, 3, 3, 1025, 1025, 64, dtype, torch.device("cuda")), False)
@@ -635,9 +644,15 @@ def test_gpu_compile_inductor_and_cuda_graph(dtype):
         assert torch.equal(a, b)
 
 
-# (kernel, dtype class, D) -> spilled registers (Triton's n_spills) accepted: the 16-bit D=64 dK/dV tile spills
-# 2 with triton 3.6 and runs the N=8K backward 12 % faster than the best tile that does not (kernels/elsa/config.py)
-SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2}
+# (kernel, dtype class, D) -> spilled registers (Triton's n_spills) accepted, each a measured trade:
+# - the 16-bit D=64 dK/dV tile spills 2 with triton 3.6 and runs the N=8K backward 12 % faster than the best tile
+#   that does not (kernels/elsa/config.py);
+# - float32 phase 1 at D <= 64 as the single partition (below LONG_N keys: it normalises and stores out and lse
+#   itself) spills 6 with triton 3.6 (255 registers; with summaries it spills none). On the H200, at 7 shapes of
+#   197-4000 tokens, the five tiles tried that do not spill took 1.12-1.99x its time (geometric means); the one
+#   that beat it at two shapes (32 x 32: 0.87x at ViT-T's 197 tokens) took up to 1.65x elsewhere
+#   (results/dev/elsa/fp32_single_partition_tiles_h200.json)
+SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6}
 
 
 @pytest.mark.gpu

@@ -116,9 +116,11 @@ def forward_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     a narrower one [BLOCK_D, BLOCK_D + BLOCK_D2) masked past D, where the two are narrower than the padded tile:
     D = 40 and 48 -> 32 + 16, 72 and 80 -> 64 + 16, 88 and 96 -> 64 + 32 (80 columns of MMA work, not 128). The
     split forward takes the tiles of its first tile's bucket (64): on the H100 at B=1, H=16, N=8192 it ran D = 80
-    in 0.085 ms with them, 0.104 with the 128 bucket's and 0.114 padded (results/dev/cron_root/h100/
-    head_dim_two_tiles.json). Not split: float32 (its tf32x3 split forward made an illegal memory access on the H100
-    with triton 3.6, not traced: results/dev/head_dim_two_tiles) and D > 128 (not measured on the GPU)."""
+    in 0.085 ms with them, 0.104 with the 128 bucket's and 0.114 padded (timed when it was made; that sweep's file
+    was not kept). The harness on the H200 (results/runs/20261128T112215Z_full, headdim_cron_root_*): D = 64 / 80 /
+    96 / 128 in 0.080 / 0.096 / 0.111 / 0.127 ms, each head dim's dense-equivalent TFLOP/s between its neighbours'.
+    Not split: float32 (its tf32x3 split forward made an illegal memory access on the H100 with triton 3.6, not
+    traced: results/dev/head_dim_two_tiles) and D > 128 (not measured on the GPU)."""
     full = block_d(head_dim)
     first = full // 2
     if dtype == torch.float32 or full > 128 or head_dim == full or first < 16:
