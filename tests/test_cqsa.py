@@ -805,7 +805,9 @@ def _flash_error_bound(q, k, v, causal, do):
                                                        (torch.float16, 2, True, 128, 4, 1),
                                                        (torch.bfloat16, 1, True, 80, 4, 2),
                                                        (torch.float16, 1, False, 96, 6, 3),
-                                                       (torch.bfloat16, 1, True, 256, 2, 1)])
+                                                       (torch.bfloat16, 1, True, 256, 2, 1),
+                                                       (torch.bfloat16, 1, False, 40, 4, 2),
+                                                       (torch.bfloat16, 1, True, 96, 4, 4)])
 def test_gpu_half_precision_within_flash_error(dtype, itr, causal, d, hq, hkv):
     n = 1531                                                   # odd: ragged pieces and tiles everywhere
     q = torch.randn(2, hq, n, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -707,7 +707,7 @@ def test_registered_with_the_harness():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("d", [40, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_large_n(dtype, d, causal):
     # ragged lengths (the last window overlaps), grouped K/V (Hq 8, Hkv 2), fewer queries than keys
