@@ -263,7 +263,7 @@ def _committed_runs():
 
 @pytest.mark.parametrize("run_dir", _committed_runs(), ids=lambda p: p.name)
 def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(tmp_path, run_dir):
-    """Every committed run (results/runs and the H100 baseline), with the cells its command line selects today, has
+    """Every committed run (results/runs and each GPU's baseline), with the cells its command line selects today, has
     nothing left to measure (or, where it was interrupted, resumes with today's matrix): `attnbench runs` calls it complete, and `--resume` of a copy accepts it, measures
     nothing and rewrites nothing. Their fingerprints (where they recorded one) also covered the sampling policy
     that has changed since, so completeness is what keeps them resumable; the fingerprint's own rule is
@@ -292,7 +292,11 @@ def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(
         assert info["measured"] < info["planned"], info
         return
     assert (info["state"], info["resume"]) == ("complete", None), info
-    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+
+    def contents():      # every file, in subfolders too (a run that nightly.sh reported on holds plots/)
+        return {str(p.relative_to(copy)): p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+
+    before = contents()
     events = []
     runner = Runner(m, RunOptions(device=device, results_root=tmp_path / "runs"), reader=None,
                     on_event=lambda kind, **data: events.append(kind))
@@ -301,11 +305,11 @@ def test_committed_runs_are_complete_and_resume_as_a_no_op_with_todays_matrices(
         # it is refused in one line that says so, and nothing is written
         with pytest.raises(RunDirError, match=r"started with --replicate .*resume it with --replicate and --gpus"):
             runner.run(resume=copy)
-        assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+        assert contents() == before
         return
     assert runner.run(resume=copy) == copy
     assert events == ["complete"]
-    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert contents() == before
 
 
 @pytest.mark.parametrize("cells, expected", [
