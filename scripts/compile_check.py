@@ -200,8 +200,11 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             BIAS_GRAD=False, FOLD_Q=fp32, SCALE_IN_EXP=not fp32,
                             DOT_PREC="tf32x3" if fp32 else "tf32", FINAL=final, STORE_LSE=True, GROUPED=False,
                             KEYS_EVEN=True, USE_DESC=not fp32, WARP_SPECIALIZE=ws)
-                label = dict(D=d, cfg=[bm, bn, w, st], **({"ws": True} if ws else {}),
-                             **({"final": final} if ws or final else {}))
+                label = dict(D=d, cfg=[bm, bn, w, st])
+                if ws:
+                    label["ws"] = True
+                if final:
+                    label["final"] = True
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
         if not tiles:

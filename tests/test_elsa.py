@@ -647,11 +647,8 @@ def test_gpu_compile_inductor_and_cuda_graph(dtype):
 # (kernel, dtype class, D) -> spilled registers (Triton's n_spills) accepted, each a measured trade:
 # - the 16-bit D=64 dK/dV tile spills 2 with triton 3.6 and runs the N=8K backward 12 % faster than the best tile
 #   that does not (kernels/elsa/config.py);
-# - float32 phase 1 at D <= 64 as the single partition (below LONG_N keys: it normalises and stores out and lse
-#   itself) spills 6 with triton 3.6 (255 registers; with summaries it spills none). On the H200, at 7 shapes of
-#   197-4000 tokens, the five tiles tried that do not spill took 1.12-1.99x its time (geometric means); the one
-#   that beat it at two shapes (32 x 32: 0.87x at ViT-T's 197 tokens) took up to 1.65x elsewhere
-#   (results/dev/elsa/fp32_single_partition_tiles_h200.json)
+# - float32 phase 1 at D <= 64 as the only partition (below LONG_N keys) spills 6 with triton 3.6 and is faster than
+#   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE)
 SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6}
 
 

@@ -43,8 +43,9 @@ BUILTIN_FWD_TABLE = {
     ("32", 16): (64, 64, 4, 2),       # D=64's tiles
     ("32", 32): (64, 64, 4, 2),       # not swept; D=64's tiles
     # tf32x3 4K 0.756 ms (0.58 x efficient), 249 regs, no spills; as the only partition (below LONG_N: out and lse
-    # stored by phase 1) 255 regs and 6 spilled, and still faster than the five tiles tried that do not spill
-    # (results/dev/elsa/fp32_single_partition_tiles_h200.json)
+    # stored by phase 1) 255 regs and 6 spilled, kept: the five tiles tried that do not spill took 1.12-1.99x its
+    # time over 7 shapes of 197-4000 tokens on the H200 (geometric means; 32 x 32 won at 197 tokens, 0.87x, and took
+    # up to 1.65x elsewhere: results/dev/elsa/fp32_single_partition_tiles_h200.json)
     ("32", 64): (64, 64, 4, 2),
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
     ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
