@@ -69,21 +69,21 @@ class Shape(NamedTuple):
         return self.len_kv - self.len_q
 
 
-_interpreted: bool | None = None
-
-
 @triton.jit
 def _probe():
     pass
 
 
+# decided at import, like the kernels' own @triton.jit: a first call inside torch.compile's trace would make dynamo
+# trace type() of a Triton function, which it cannot (it failed CQSA's compiled call on the H200 when no eager call
+# had come first)
+_INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+
+
 def interpreted() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 set before triton was
     imported): the one test every kernel uses, decided the way the kernels' own @triton.jit was."""
-    global _interpreted
-    if _interpreted is None:
-        _interpreted = type(_probe).__name__ == "InterpretedFunction"
-    return _interpreted
+    return _INTERPRETED
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -559,14 +559,20 @@ if HAS_GLUON:
 
 
 def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether gluon_fwd can run these inputs: triton 3.6's Gluon, an sm_90 device (Hopper: wgmma), 16-bit,
-    a head dim of HEAD_DIMS, contiguous tensors whose layout TMA can read (16-byte aligned bases and rows)."""
+    """Whether gluon_fwd can run these inputs: ``eligible`` and contiguous tensors whose layout TMA can read
+    (16-byte aligned bases and rows)."""
+    return eligible(q) and all(t.is_contiguous() and _tma_layout_ok(t) for t in (q, k, v))
+
+
+def eligible(q: torch.Tensor) -> bool:
+    """What ``available`` asks of the call short of its tensors' layout (a traced call's fake tensors have no data
+    pointer): triton 3.6's Gluon, an sm_90 device (Hopper: wgmma), 16-bit, a head dim of HEAD_DIMS."""
     if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or q.device.type != "cuda":
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
         return False
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] == 9 and all(t.is_contiguous() and _tma_layout_ok(t) for t in (q, k, v))
+    return _capability(index)[0] == 9
 
 
 @functools.lru_cache(maxsize=32)

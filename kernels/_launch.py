@@ -340,6 +340,11 @@ class Prepared:
                     self._ck = ck
         return ck
 
+    def traced(self, *tensors) -> None:
+        """The same launch for torch.compile's trace (kernels/_ops.py, decompose_when_traced): through
+        ``torch.library.wrap_triton``, which records it for inductor to emit, and launches it when not tracing."""
+        torch.library.wrap_triton(self.jit_fn)[self.grid](*tensors, *self.fixed, **self.constexprs)
+
 
 def layout(*tensors) -> tuple:
     """What a plan of Prepared launches depends on in its tensor arguments: each tensor's shape, strides, dtype,

@@ -18,8 +18,9 @@ Wherever the dispatcher, asked again below the autograd layer, would only land i
 tensors, no dispatch mode, no functorch transform, no profiler), the body is called directly: the forward's
 training body, the backward's body. Otherwise the op is called, so fake tensors, torch.compile (its AOTAutograd
 tracing runs under dispatch modes), functorch, tensor subclasses and the profiler see exactly the ops they saw
-before, and a compiled graph holds the training forward and backward ops. The result is the same body either
-way, so eager and compiled agree.
+before, and a compiled graph holds the training forward and backward ops — or, for a kernel that registers
+``decompose_when_traced`` (ELSA), their Triton launches, which inductor emits and launches itself. The kernels are
+the same either way, so eager and compiled agree.
 
 The public function calls the entry op through ``register_autograd``'s returned ``call``: where the dispatcher
 would only route the call to this Autograd kernel (``eager``: ``plain`` tensors, no torch-function mode, no
@@ -43,6 +44,8 @@ when grad mode is off (the engine's default); under create_graph=True it runs it
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -54,6 +57,7 @@ _profiling = torch._C._autograd._profiler_enabled
 _tracing = torch._C._get_tracing_state
 _function_modes = torch._C._is_torch_function_mode_enabled
 _compiling = torch.compiler.is_compiling
+_TRACED_LAUNCHES = os.environ.get("ATTNBENCH_TRACED_LAUNCHES", "1") != "0"     # decompose_when_traced
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
@@ -158,6 +162,53 @@ def register_autograd(lib: torch.library.Library, name: str, function: type[Kern
         return op(*args)
 
     return call
+
+
+def decompose_when_traced(lib: torch.library.Library, name: str, traced_body) -> None:
+    """Let torch.compile see the Triton launches of the op ``lib.ns::name`` instead of one opaque call.
+
+    Under AOTAutograd's functionalization (FunctionalTensorMode: what torch.compile and opcheck's AOT checks trace
+    with) the op runs ``traced_body(*args)`` in the mode, which launches through ``torch.library.wrap_triton``:
+    inductor then emits the kernels into its own generated code and launches them itself, with none of our Python
+    per call (the plan lookup, the dispatcher's trip into the CUDA body). This is what ``torch.library.triton_op``
+    registers; done here on the Library op so that eager calls keep their direct path (``register_autograd``).
+    ``traced_body`` returns None where it cannot be traced (the interpreter, symbolic shapes, launches inductor
+    cannot emit): the op then stays one opaque node, as without this rule. torch.export keeps it opaque too, as
+    it does a triton_op. ATTNBENCH_TRACED_LAUNCHES=0 in the environment (read at import) keeps every op opaque
+    under torch.compile, as before this rule (the way to compare the two, or to step around an inductor that
+    cannot compile a kernel it is handed)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:             # a torch without export's switch: nothing turns the decomposition off
+        def custom_triton_ops_decomposition_disabled():
+            return False
+
+    def rule(mode, func, types, args, kwargs):
+        if _TRACED_LAUNCHES and not custom_triton_ops_decomposition_disabled() and \
+                all(t in (_Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types):
+            with mode:
+                result = traced_body(*args, **kwargs)
+            if result is not None:
+                return result
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    torch.library.register_torch_dispatch(_op(lib, name), FunctionalTensorMode, rule, lib=lib)
+
+
+def traceable(*tensors) -> bool:
+    """Whether a traced call of these tensors (None entries skipped) can become Triton launches for inductor: CUDA
+    tensors (the interpreter's kernels cannot be traced) whose shapes and strides are ints, not symbols (the plans
+    are made from ints; a dynamic-shape trace keeps the op opaque)."""
+    for t in tensors:
+        if t is not None:
+            if t.device.type != "cuda":
+                return False
+            for n in (*t.shape, *t.stride()):
+                if type(n) is not int:
+                    return False
+    return True
 
 
 def not_differentiable(lib: torch.library.Library, *names: str) -> None:

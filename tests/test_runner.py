@@ -149,8 +149,12 @@ def test_power_cap_alone_is_steady_state_but_counts_with_a_clock_sag():
 def test_store_round_trip_and_snapshots_before_after(tmp_path, monkeypatch):
     fake, calls = fake_results(["clean"])
     monkeypatch.setattr(runner_mod, "measure_point", fake)
+    monkeypatch.setenv("ATTNBENCH_TRACED_LAUNCHES", "0")             # a kernel switch: the manifest names it
+    monkeypatch.setenv("ATTNBENCH_GIT_COMMIT", "abc123")              # provenance, recorded as git_commit instead
     run_dir = make_runner(matrix(tmp_path), tmp_path).run()
     run = load_run(run_dir)
+    assert run.manifest["kernel_switches"] == {"ATTNBENCH_TRACED_LAUNCHES": "0"}
+    assert run.manifest["git_commit"] == "abc123"
     assert list(run.points.columns) == POINT_COLUMNS
     assert list(run.points.point_id) == ["a@16", "a@32", "b@24"]
     assert run.points.causal.tolist() == [False, False, True]

@@ -25,6 +25,7 @@ from .. import _flash_core as core
 from .. import _gluon_core as gluon_core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
+from .._ops import traceable
 from . import trace
 from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
@@ -105,22 +106,24 @@ class _Common:
 class _FwdPlan(LaunchPlan):
     """Buffers and prepared launches of the forward of one signature."""
 
-    def __init__(self, q, k, v, bias, causal, scale, precision, config, need_lse):
+    def __init__(self, q, k, v, bias, causal, scale, precision, config, need_lse, traced=False):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
         self.need_lse = need_lse
         self.out_shape = (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
-        # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough
-        use_desc = c.scale_in_exp and core.use_descriptors(
+        # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
+        # A traced plan (traced_forward) takes pointers: its tensors have no data pointer to check, and it is only
+        # used where eager would take pointers too (``traceable``)
+        use_desc = not traced and c.scale_in_exp and core.use_descriptors(
             *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
         # the Gluon core's descriptors are made on the host, not by each program: DESC_MIN_ROWS (the Triton core's
         # in-kernel descriptors against its pointer loads) does not apply; the core's MIN_WORK does (plan_forward). At
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
-        gluon_ok = c.scale_in_exp and gluon_core.available(q, k, v)
+        gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc), gluon_ok)
         bm, W, P = plan.block_m, plan.width, plan.parts
@@ -133,6 +136,9 @@ class _FwdPlan(LaunchPlan):
                         num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
+        # what inductor can be handed (traced_forward): pointer loads and Triton kernels, as eager takes them below
+        # DESC_MIN_ROWS rows (16-bit without bias) and the Gluon core's MIN_WORK
+        self.traceable = not plan.gluon and not (c.scale_in_exp and max(c.NQ, c.NK) >= DESC_MIN_ROWS)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
         if c.BH == 0:
             return
@@ -153,7 +159,10 @@ class _FwdPlan(LaunchPlan):
                               p2_const)
             self.chunks.append((p1, p2, dict(q0=q0, qlen=qlen, QB=QB, grid1=grid1, grid2=grid2)))
 
-    def run(self, q, k, v, bias):
+    def run(self, q, k, v, bias, traced=False):
+        """(out, lse or None). traced: torch.compile's trace (traced_forward): each launch through
+        Prepared.traced, and a pointer the launch leaves unused gets q, which no launch writes: no two arguments
+        of one launch alias a tensor it writes (functionalization could otherwise keep the wrong one's copy)."""
         c = self.c
         if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
@@ -162,9 +171,15 @@ class _FwdPlan(LaunchPlan):
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
         # new_empty: less host time than torch.empty(shape, dtype=, device=) (q has the plan's dtype and device)
         out = q.new_empty(self.out_shape)
-        lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else out
+        lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else (q if traced else out)
         b = q if bias is None else bias
-        if trace.active():
+        if traced:
+            sbuf = q if self.plan.final else q.new_empty(self.sbuf_numel, dtype=_f32)
+            for p1, p2, _ in self.chunks:
+                p1.traced(q, k, v, b, sbuf, out, lse)
+                if p2 is not None:
+                    p2.traced(sbuf, out, lse)
+        elif trace.active():
             self._run_traced(q, k, v, b, out, lse)
         elif self.plan.final:
             for p1, _, _ in self.chunks:
@@ -233,6 +248,16 @@ def forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: s
     return forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)(q, k, v, bias)
 
 
+def traced_forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
+    """forward() as torch.compile traces it (kernels/_ops.py, decompose_when_traced): the same plan's launches
+    through wrap_triton, which inductor emits and launches itself. None, and the op stays opaque, where the
+    launches cannot be handed over (``traceable``; the plan's ``traceable``: descriptors or the Gluon core)."""
+    if not traceable(q, k, v, bias):
+        return None
+    plan = _FwdPlan(q, k, v, bias, causal, scale, precision, config, need_lse, traced=True)
+    return plan.run(q, k, v, bias, traced=True) if plan.traceable else None
+
+
 # ------------------------------------------------------------------------------------------------
 # Backward
 # ------------------------------------------------------------------------------------------------
@@ -272,7 +297,8 @@ class _BwdPlan(LaunchPlan):
         # nothing to launch for empty problems: the gradients of zero rows / keys are empty or zero
         self.empty = c.BH == 0 or c.NQ == 0 or c.NK == 0
 
-    def run(self, do, q, k, v, out, lse, bias):
+    def run(self, do, q, k, v, out, lse, bias, traced=False):
+        """The gradients. traced: torch.compile's trace (traced_backward), as _FwdPlan.run's traced."""
         c = self.c
         cq, ck, cv = c.copy
         if cq or ck or cv:
@@ -288,11 +314,15 @@ class _BwdPlan(LaunchPlan):
         dk = q.new_empty(self.kv_shape)
         dv = q.new_empty(self.kv_shape)
         delta = q.new_empty(self.lse_shape, dtype=_f32)
-        ds = delta
+        ds = q if traced else delta                 # dS unused without bias_grad
         if self.bias_grad:
             # causal: the tiles past the diagonal are never visited, so they must start at zero
             ds = (q.new_zeros if c.causal else q.new_empty)(self.ds_shape, dtype=_f32)
         b = q if bias is None else bias
+        if traced:
+            self.dq.traced(q, k, v, out, do, lse, delta, dq, b, ds)
+            self.dkdv.traced(q, k, v, do, lse, delta, dk, dv, b)
+            return (dq, dk, dv, ds) if self.bias_grad else (dq, dk, dv)
         tracing = trace.active()
         ev = trace.start_event(dev) if tracing else None
         kq = self.dq(q, k, v, out, do, lse, delta, dq, b, ds)
@@ -322,3 +352,13 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision:
     """(dq, dk, dv), and with bias_grad dscores, the fp32 gradient of the natural-log scores [B, Hq, Nq, Nk]
     (what attn_bias's gradient sums); dk, dv summed over each key/value head's query group."""
     return backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)(do, q, k, v, out, lse, bias)
+
+
+def traced_backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
+                    bias_grad: bool):
+    """backward() as torch.compile traces it (traced_forward's counterpart): the backward's launches take no
+    descriptors, so every call ``traceable`` can be handed to inductor."""
+    if not traceable(do, q, k, v, out, lse, bias):
+        return None
+    return _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad).run(
+        do, q, k, v, out, lse, bias, traced=True)

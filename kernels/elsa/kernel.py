@@ -19,9 +19,17 @@ sequence length does not compile a new kernel; only tile sizes, D and feature fl
 import triton
 import triton.language as tl
 
-from .. import _flash_core as core
+# the flash core's helpers by their own names, not as module attributes: torch.compile's inductor re-emits a
+# user kernel's source with the helpers it calls by name, and cannot follow `module.helper` (kernels/_ops.py,
+# decompose_when_traced)
+from .._flash_core import fold_keys, init_state, load_rows, load_tile, normalize, row_source, store_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
+# _FP32_SCALARS: each kernel casts its float arguments to fp32 and uses tl.cast, not .to, on integer arguments.
+# Triton's own launch passes a Python float as fp32; inductor, launching the kernel it was handed by a traced call
+# (host.py, traced_forward), types it fp64 (torch 2.11), which a float32 dot refuses to mix with its fp32 operands;
+# and inductor's analysis of which arguments a kernel writes (a compile of it to Triton IR) hands it integer
+# arguments as Python ints, which have no .to (tl.cast takes either; both seen on the H200, torch 2.11).
 
 
 @triton.jit
@@ -39,7 +47,7 @@ def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
+def _scan_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
                k_base, v_base, skn, svn, b_base, sbi, sbj,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
@@ -54,10 +62,10 @@ def _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
     """
     offs_n = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = core.load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
-                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
-    v = core.load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
-                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    k = load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                  offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    v = load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                  offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if HAS_BIAS:
         if not FOLD_Q:
@@ -86,7 +94,7 @@ def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, row
     """The (m, z, s) summary of keys [lo, hi) for the BLOCK_M query rows `rows` (the identity if lo >= hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
-    q = core.load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], rows < NQ, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], rows < NQ, offs_d, HEAD_DIM, BLOCK_D, True)
     if FOLD_Q:
         # fp32: fold scale*log2(e) into Q once (one rounding of Q, ~6e-8 relative)
         q = q * qk_scale
@@ -99,13 +107,13 @@ def _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, row
         safe_hi = tl.minimum(safe_hi, r0 + 1 + off)
     n_safe = tl.maximum(safe_hi - lo, 0) // BLOCK_N
     for t in range(0, n_safe):
-        m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
+        m_i, z_i, s_i = _scan_tile(m_i, z_i, s_i, q, rows, lo + t * BLOCK_N, NQ, NK, off, qk_scale,
                                    k_base, v_base, skn, svn, b_base, sbi, sbj,
                                    HEAD_DIM, BLOCK_D, BLOCK_N, False, False, HAS_BIAS, FOLD_Q, DOT_PREC)
     # the tail tile past NK and the tiles on the causal diagonal are masked (a fully masked
     # row of a tile contributes the identity)
     for t0 in range(lo + n_safe * BLOCK_N, hi, BLOCK_N):
-        m_i, z_i, s_i = _fold_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
+        m_i, z_i, s_i = _scan_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
                                    k_base, v_base, skn, svn, b_base, sbi, sbj,
                                    HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
     return m_i, z_i, s_i
@@ -119,16 +127,16 @@ def _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, q
     """16-bit without bias: the (m, z, s) summary of keys [lo, hi) for rows r0 .. r0 + BLOCK_M - 1 through the
     shared flash core (kernels/_flash_core.py): the same state in the same base-2 domain (its (m, l, acc)), the scale
     applied inside exp2, tensor descriptors (TMA) and, where the plan says so, the warp-specialized loop -- which
-    must be the kernel's only loop and whose rows must not be indexed by r0 itself (core.row_index)."""
-    q_src = core.row_source(q_base, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
-    k_src = core.row_source(k_base, NK, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
-    v_src = core.row_source(v_base, NK, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+    must be the kernel's only loop and whose rows must not be indexed by r0 itself (the core's row_index)."""
+    q_src = row_source(q_base, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
+    k_src = row_source(k_base, NK, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
+    v_src = row_source(v_base, NK, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
     # rows >= NQ load Q = 0: their summaries are finite and are never written out
-    q = core.load_rows(q_src, r0, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC, True)
-    s_i, m_i, z_i = core.init_state(BLOCK_M, BLOCK_D)
-    s_i, m_i, z_i = core.fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
-                                   BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
-                                   WARP_SPECIALIZE, DOT_PREC)
+    q = load_rows(q_src, r0, NQ, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC, True)
+    s_i, m_i, z_i = init_state(BLOCK_M, BLOCK_D)
+    s_i, m_i, z_i = fold_keys(s_i, m_i, z_i, q, k_src, v_src, skn, svn, lo, hi, r0, NK, off, qk_scale,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, CAUSAL, KEYS_EVEN, USE_DESC,
+                              WARP_SPECIALIZE, DOT_PREC)
     return m_i, z_i, s_i
 
 
@@ -137,11 +145,11 @@ def _write_core_output(Out, Lse, m, z, s, bh, b, h, r0, sob, soh, son, NQ,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        USE_DESC: tl.constexpr, STORE_LSE: tl.constexpr):
     """_write_output for the core's path: out through the same descriptor / pointer helpers as its loads, lse
-    through a pointer offset by r0 (never a vector built on r0: core.row_index)."""
+    through a pointer offset by r0 (never a vector built on r0: the core's row_index)."""
     o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-    o_dst = core.row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
-    core.store_rows(o_dst, r0, core.normalize(s, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D,
-                    USE_DESC)
+    o_dst = row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
+    store_rows(o_dst, r0, normalize(s, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D,
+               USE_DESC)
     if STORE_LSE:
         lse = tl.where(z > 0, m + tl.log2(tl.where(z > 0, z, 1.0)), float("inf"))
         offs_m = tl.arange(0, BLOCK_M)
@@ -167,7 +175,7 @@ def _write_output(Out, Lse, m, z, s, bh, b, h, rows, sob, soh, son, NQ,
 def _partials(Sbuf, NROWS, Out):
     """Where slab S starts, after M and Z: fp32 partial sums for a float32 output, the normalised partial outputs
     in the output's dtype for a 16-bit one (one allocation, typed by this pointer)."""
-    return (Sbuf + 2 * NROWS.to(tl.int64)).to(tl.pointer_type(Out.dtype.element_ty))
+    return (Sbuf + 2 * tl.cast(NROWS, tl.int64)).to(tl.pointer_type(Out.dtype.element_ty))
 
 
 @triton.jit
@@ -182,7 +190,7 @@ def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NRO
     offs_d = tl.arange(0, BLOCK_D)
     base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
     tl.store(Sbuf + base + offs_m, m_i)
-    tl.store(Sbuf + NROWS.to(tl.int64) + base + offs_m, z_i)
+    tl.store(Sbuf + tl.cast(NROWS, tl.int64) + base + offs_m, z_i)
     if Out.dtype.element_ty == tl.float32:
         if part == 0:
             o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
@@ -224,6 +232,7 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     BLOCK_N: no ragged tile), USE_DESC (tensor descriptors) and WARP_SPECIALIZE are its switches (the host's plan
     decides them); fp32 and the bias path keep this file's loop (_scan_partition).
     """
+    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
@@ -305,7 +314,7 @@ def _elsa_phase2(Sbuf, Out, Lse,
     offs_k = tl.arange(0, KBT)
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    z_base = Sbuf + NROWS.to(tl.int64)
+    z_base = Sbuf + tl.cast(NROWS, tl.int64)
     s_base = _partials(Sbuf, NROWS, Out)
     # Slabs of KBT partitions are reduced with tl.max / tl.sum over axis 0 (a tree inside the
     # program); slabs are merged into a running total. Pass 1: the row max M* over partitions.
@@ -368,10 +377,10 @@ def _dq_tile(acc, q, do, l2, delta, rows, t0, NQ, NK, off, qk_scale,
              DOT_PREC: tl.constexpr):
     offs_n = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = core.load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
-                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
-    v = core.load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
-                       offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    k = load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
+                  offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
+    v = load_tile(v_base + offs_n[:, None] * svn + offs_d[None, :],
+                  offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if HAS_BIAS:
         if not FOLD_Q:
@@ -405,6 +414,8 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
                  CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
                  FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
     """Program (qb, bh): dQ of BLOCK_M query rows over all visible keys, and Delta = rowsum(dO * O) of those rows."""
+    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
+    sm_scale = tl.cast(sm_scale, tl.float32)
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -415,12 +426,12 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
     rows = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
-    q = core.load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + offs_d[None, :],
-                       ok, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = core.load_tile(dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows[:, None] * sdn + offs_d[None, :],
-                        ok, offs_d, HEAD_DIM, BLOCK_D, True)
-    o = core.load_tile(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :],
-                       ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + offs_d[None, :],
+                  ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows[:, None] * sdn + offs_d[None, :],
+                   ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    o = load_tile(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :],
+                  ok, offs_d, HEAD_DIM, BLOCK_D, True)
     st = bh.to(tl.int64) * NQ + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + st, delta, mask=ok)
@@ -461,8 +472,8 @@ def _dkdv_tile(dk, dv, k, v, cols, i0, NQ, NK, off, qk_scale,
     rows = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
-    q = core.load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = core.load_tile(do_base + rows[:, None] * sdn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_tile(do_base + rows[:, None] * sdn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
     l2 = tl.load(Lse + st0 + rows, mask=ok, other=float("inf"))
     delta = tl.load(Delta + st0 + rows, mask=ok, other=0.0)
     # transposed scores x^T [BN, BM]; k already carries scale*log2e for fp32 (FOLD_Q), else scale here.
@@ -523,6 +534,8 @@ def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
     query head of its group: dK, dV summed over the group in registers, without atomics or a per-query-head copy.
     GROUPED (GROUP > 1) adds the loop over the group's heads; without it the kernel is the plain multi-head one
     (the loop costs registers: the 16-bit D=64 tile spills more with it)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
+    sm_scale = tl.cast(sm_scale, tl.float32)
     kb = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
@@ -532,10 +545,10 @@ def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
     c0 = kb * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = core.load_tile(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + offs_d[None, :],
-                       cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = core.load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + offs_d[None, :],
-                       cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
+    k = load_tile(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + offs_d[None, :],
+                  cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + offs_d[None, :],
+                  cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
     ks = k
     if FOLD_Q:
         ks = k * qk_scale                              # fp32: fold scale*log2(e) into K once

@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import torch
 
-from .._ops import KernelFunction, define_op, not_differentiable, plain, register_autograd
+from .._ops import KernelFunction, decompose_when_traced, define_op, not_differentiable, plain, register_autograd
 from . import host
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
 _ARGS = "Tensor q, Tensor k, Tensor v, Tensor? attn_bias, bool causal, float scale, str precision, str config"
 _BWD_ARGS = ("Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? attn_bias, bool causal, "
              "float scale, str precision, str config")
+
+
+def _first(pair):
+    return None if pair is None else pair[0]
 
 
 def _elsa_impl(q, k, v, attn_bias, causal, scale, precision, config):
@@ -59,6 +63,13 @@ elsa_bwd_bias = define_op(_lib, f"elsa_bwd_bias({_BWD_ARGS}) -> (Tensor, Tensor,
 # elsa_fwd and the backward ops are the halves of elsa's autograd formula, not differentiable themselves:
 # autograd passes through them (their outputs never require grad; elsa's backward refuses a second derivative)
 not_differentiable(_lib, "elsa_fwd", "elsa_bwd", "elsa_bwd_bias")
+
+# under torch.compile each op becomes its Triton launches, which inductor emits and launches itself (no Python of
+# ours per call in a compiled model), where host.traced_forward / traced_backward can hand them over
+decompose_when_traced(_lib, "elsa", lambda *a: _first(host.traced_forward(*a, False)))
+decompose_when_traced(_lib, "elsa_fwd", lambda *a: host.traced_forward(*a, True))
+decompose_when_traced(_lib, "elsa_bwd", lambda *a: host.traced_backward(*a, False))
+decompose_when_traced(_lib, "elsa_bwd_bias", lambda *a: host.traced_backward(*a, True))
 
 
 @torch.library.register_fake("attnbench::elsa", lib=_lib)
