@@ -287,7 +287,8 @@ class Runner:
                 # stored under "gate", the key every run directory has used for the clean-GPU thresholds
                 "gate": {"max_util_pct": self.opt.clean_check.max_util_pct, "min_free_gb": self.opt.clean_check.min_free_gb,
                          **({"max_cpu_pct": self.opt.clean_check.max_cpu_pct} if self.opt.device == "cpu" else {})},
-                "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown, "python_executable": sys.executable,
+                "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown,
+                "python_executable": sys.executable,
                 # the kernels' environment switches (ATTNBENCH_FAST_LAUNCH, ATTNBENCH_TRACED_LAUNCHES): a run made
                 # with one set measured other code paths than the defaults
                 "kernel_switches": {k: v for k, v in sorted(os.environ.items())

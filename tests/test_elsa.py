@@ -450,21 +450,22 @@ def test_compile_fullgraph_with_bias_groups_and_config_like_eager(device):
 
 def test_traced_launches_compute_what_eager_does(device):
     """The launches torch.compile's trace hands to inductor (host.py, run(traced=True): each through wrap_triton,
-    unused pointers on q) compute what eager's do: forward one partition and several, with lse and without,
-    bias, causal, grouped K/V, a permuted (non-contiguous) q; backward with and without the bias gradient. Outside
-    a trace wrap_triton launches the kernel itself, so this runs the traced path's argument wiring on any device
-    (on the CPU the op stays opaque under compile: the interpreter's kernels cannot be traced)."""
+    unused pointers on q) compute what eager's do: forward one partition and several (two q-chunks), with lse and
+    without, bias, causal, grouped K/V, a permuted (non-contiguous) q; backward with and without the bias gradient.
+    Outside a trace wrap_triton launches the kernel itself, so this runs the traced path's argument wiring on any
+    device (on the CPU the op stays opaque under compile: the interpreter's kernels cannot be traced)."""
     from kernels.elsa import host
     q, k, v, bias = _op_cases(device)
     q = q.detach().transpose(1, 2).contiguous().transpose(1, 2)        # [B, H, N, D] view of [B, N, H, D]
     k, v, bias = k.detach(), v.detach(), bias.detach()
-    split = {"plan": {"partition_width": 16}, "fwd": {"BLOCK_N": 16, "BLOCK_M": 16}}
+    split = {"plan": {"partition_width": 16, "q_chunk": 16}, "fwd": {"BLOCK_N": 16, "BLOCK_M": 16}}
     for config in ("", elsa_config.canonical_config(split, q.dtype, q.shape[-1])):
         for b, causal in ((None, True), (bias, False)):
             args = (b, causal, 0.15, "tf32x3", config)
             for need_lse in (False, True):
                 plan = host._FwdPlan(q, k, v, *args, need_lse, traced=True)
                 assert plan.traceable and plan.plan.final == (config == "")
+                assert len(plan.chunks) == (1 if config == "" else 2)        # 19 rows: q-chunks of 16 and 3
                 out, lse = plan.run(q, k, v, b, traced=True)
                 want, want_lse = host.forward(q, k, v, *args, need_lse)
                 assert _max_err(out, want) <= 1e-6
