@@ -296,12 +296,18 @@ def use_descriptors(*tensors: torch.Tensor, force: bool | None = None, min_rows:
             raise ValueError(f"{NAME}: descriptors asked for, but a tensor's base or row strides are not 16-byte "
                              "aligned (TMA needs both)")
         return True
+    return descriptors_eligible(*tensors, min_rows=min_rows) and layout_ok
+
+
+def descriptors_eligible(*tensors: torch.Tensor, min_rows: int = 0) -> bool:
+    """What the automatic ``use_descriptors`` asks of the call short of its tensors' layout (a traced call's fake
+    tensors have no data pointer): a Triton with descriptors, not the interpreter, a CUDA device of compute
+    capability >= 9, and at least ``min_rows`` rows in the longest tensor."""
     t = tensors[0]
     if not _HAS_DESCRIPTORS or interpreted() or t.device.type != "cuda" or \
             max(x.shape[-2] for x in tensors) < min_rows:
         return False
-    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9 \
-        and layout_ok
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 def warp_specialize_ok(device: torch.device, descriptors: bool) -> bool:

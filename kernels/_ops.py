@@ -177,13 +177,9 @@ def decompose_when_traced(lib: torch.library.Library, name: str, traced_body) ->
     it does a triton_op. ATTNBENCH_TRACED_LAUNCHES=0 in the environment (read at import) keeps every op opaque
     under torch.compile, as before this rule (the way to compare the two, or to step around an inductor that
     cannot compile a kernel it is handed)."""
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch._subclasses.fake_tensor import FakeTensor
-    try:
-        from torch.export._trace import custom_triton_ops_decomposition_disabled
-    except ImportError:             # a torch without export's switch: nothing turns the decomposition off
-        def custom_triton_ops_decomposition_disabled():
-            return False
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     def rule(mode, func, types, args, kwargs):
         if _TRACED_LAUNCHES and not custom_triton_ops_decomposition_disabled() and \

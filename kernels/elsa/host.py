@@ -114,10 +114,14 @@ class _FwdPlan(LaunchPlan):
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
-        # A traced plan (traced_forward) takes pointers: its tensors have no data pointer to check, and it is only
-        # used where eager would take pointers too (``traceable``)
-        use_desc = not traced and c.scale_in_exp and core.use_descriptors(
-            *(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy)), min_rows=DESC_MIN_ROWS)
+        # A traced plan (traced_forward: its tensors have no data pointer to check) asks only what the layout does
+        # not decide, and is handed to inductor (``traceable``) only where eager may take pointers: it uses pointers
+        read = tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        if traced:
+            use_desc = False
+            self.traceable = not (c.scale_in_exp and core.descriptors_eligible(*read, min_rows=DESC_MIN_ROWS))
+        else:
+            use_desc = c.scale_in_exp and core.use_descriptors(*read, min_rows=DESC_MIN_ROWS)
         self.use_desc = use_desc
         # the Gluon core's descriptors are made on the host, not by each program: DESC_MIN_ROWS (the Triton core's
         # in-kernel descriptors against its pointer loads) does not apply; the core's MIN_WORK does (plan_forward). At
@@ -126,6 +130,8 @@ class _FwdPlan(LaunchPlan):
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc), gluon_ok)
+        if traced:          # the Gluon core's launch (host-made descriptors) is not a Triton kernel inductor can take
+            self.traceable = self.traceable and not plan.gluon
         bm, W, P = plan.block_m, plan.width, plan.parts
         out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
@@ -136,9 +142,6 @@ class _FwdPlan(LaunchPlan):
                         num_warps=plan.num_warps, num_stages=plan.num_stages)
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
-        # what inductor can be handed (traced_forward): pointer loads and Triton kernels, as eager takes them below
-        # DESC_MIN_ROWS rows (16-bit without bias) and the Gluon core's MIN_WORK
-        self.traceable = not plan.gluon and not (c.scale_in_exp and max(c.NQ, c.NK) >= DESC_MIN_ROWS)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
         if c.BH == 0:
             return
