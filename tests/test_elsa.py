@@ -337,15 +337,57 @@ def test_q_chunks_and_trace_records_every_launch(device):
 
 
 def test_training_forward_then_backward_launches(device):
-    """A short sequence: one phase-1 launch writes out and lse (P = 1); the backward is a dQ launch (which also
-    computes Delta) and a dK/dV launch over the key/value heads."""
+    """A short sequence: one phase-1 launch writes out and lse (P = 1); the backward is one launch (a short call's
+    time is the host's: config.backward_launches) holding the dK/dV programs of the key/value heads and the dQ
+    programs of the query heads; two launches when asked (the long-sequence schedule): a dQ launch (which also
+    computes Delta) then a dK/dV launch."""
     q, k, v = _qkv(2, 4, 2, 100, 100, 64, torch.float16, device)
+    dq_rows, kv_rows = (elsa_config.BWD_TABLE[("16", 64)][part][i] for part, i in ((0, 0), (1, 1)))
     with trace_launches() as events:
         out = elsa_attention(q, k, v)
         out.backward(torch.randn_like(out))
-    assert [e["phase"] for e in events] == [1, "bwd_dq", "bwd_dkdv"]
+    assert [e["phase"] for e in events] == [1, "bwd"]
     assert events[0]["final"] and events[0]["grid"][1] == 8
+    assert events[1]["grid"] == (-(-100 // kv_rows) * 2 * 2 + -(-100 // dq_rows) * 2 * 4,)
+    with trace_launches() as events:
+        out = elsa_attention(q, k, v, config={"plan": {"bwd_launches": 2}})
+        out.backward(torch.randn_like(out))
+    assert [e["phase"] for e in events] == [1, "bwd_dq", "bwd_dkdv"]
     assert events[1]["grid"][1] == 8 and events[2]["grid"][1] == 4      # dK/dV: one program row per K/V head
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_in_one_launch_and_in_two(device, launches, dtype):
+    """Both backward schedules (config.backward_launches), exact against float64: several query and key blocks per
+    head (small tiles), Nq != Nk, causal and not, grouped K/V; a bias of the scores' full shape (its gradient,
+    dscores, stored in its own dtype) and a broadcast one (fp32 dscores, summed)."""
+    cfg = {"plan": {"bwd_launches": launches}, "dq": {"BLOCK_M": 16, "BLOCK_N": 32},
+           "dkdv": {"BLOCK_M": 32, "BLOCK_N": 16}}
+    B, H, HKV, NQ, NK, D = 2, 4, 2, 45, 70, 40
+    with trace_launches() as events:
+        for causal in (False, True):
+            _assert_exact(*_qkv(B, H, HKV, NQ, NK, D, dtype, device), causal, config=cfg)
+        for shape in ((B, H, NQ, NK), (1, H, NQ, NK)):
+            bias = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+            _assert_exact(*_qkv(B, H, HKV, NQ, NK, D, dtype, device), False, bias=bias, config=cfg)
+    bwd = [e["phase"] for e in events if e["phase"] != 1]
+    assert bwd == (["bwd"] * 4 if launches == 1 else ["bwd_dq", "bwd_dkdv"] * 4)
+
+
+def test_dscores_take_the_bias_dtype_only_where_nothing_is_summed(device):
+    """The backward op's dscores: in attn_bias's dtype where attn_bias has their full shape (its gradient is
+    dscores cast, which the kernel's store does), fp32 where the gradient sums over broadcast dimensions; the fake
+    says the same."""
+    from kernels.elsa import host
+    from kernels.elsa.ops import elsa_bwd_bias
+    q, k, v = _qkv(2, 2, 2, 20, 30, 32, torch.float16, device, grad=False)
+    out, lse = host.forward(q, k, v, None, False, 0.2, "tf32x3", "", True)
+    for shape, want in (((2, 2, 20, 30), torch.float16), ((1, 2, 20, 30), torch.float32), ((20, 30), torch.float32)):
+        bias = torch.randn(shape, device=device, dtype=torch.float16)
+        ds = elsa_bwd_bias(torch.randn_like(out), q, k, v, out, lse, bias, False, 0.2, "tf32x3", "")[3]
+        assert ds.dtype == want and ds.shape == (2, 2, 20, 30)
+        assert host.dscores_dtype(q.shape, 30, bias.to("meta")) == want
 
 
 def test_double_backward_raises(device):
@@ -496,7 +538,8 @@ def test_kernels_can_be_emitted_by_inductor():
     import triton
     from kernels.elsa import kernel
     jit_type = type(kernel._elsa_phase1)           # JITFunction, or the interpreter's InterpretedFunction
-    for root in (kernel._elsa_phase1, kernel._elsa_phase2, kernel._elsa_bwd_dq, kernel._elsa_bwd_dkdv):
+    for root in (kernel._elsa_phase1, kernel._elsa_phase2, kernel._elsa_bwd_dq, kernel._elsa_bwd_dkdv,
+                 kernel._elsa_bwd_one_launch):
         functions, todo = {root.fn.__name__: root.fn}, [root]
         while todo:
             for name, value in _named_globals(todo.pop()).items():
@@ -513,6 +556,23 @@ def test_kernels_can_be_emitted_by_inductor():
 
 
 # ---- plan, registry ----------------------------------------------------------------------------------------
+
+def test_backward_launches_one_for_short_16_bit_calls():
+    """The backward's schedule (config.backward_launches): one launch for 16-bit calls up to ONE_LAUNCH_MAX_N rows
+    (the longer of Nq and Nk), two otherwise and for float32; config's plan.bwd_launches decides when given, and is
+    1 or 2."""
+    n = elsa_config.ONE_LAUNCH_MAX_N
+    for dtype in (torch.float16, torch.bfloat16):
+        assert elsa_config.backward_launches(n, 1, dtype) == elsa_config.backward_launches(1, n, dtype) == 1
+        assert elsa_config.backward_launches(n + 1, 1, dtype) == elsa_config.backward_launches(1, n + 1, dtype) == 2
+    assert elsa_config.backward_launches(49, 49, torch.float32) == 2
+    for given in (1, 2):
+        cfg = elsa_config.canonical_config({"plan": {"bwd_launches": given}}, torch.float32, 64)
+        assert elsa_config.backward_launches(49, 49, torch.float32, cfg) == given
+        assert elsa_config.backward_launches(8192, 8192, torch.float16, cfg) == given
+    with pytest.raises(ValueError, match=r"bwd_launches'\] must be 1 or 2, got 3"):
+        elsa_config.canonical_config({"plan": {"bwd_launches": 3}}, torch.float16, 64)
+
 
 def test_plan_partitions_keys_and_chunks_queries():
     """Partitions split the keys (Nk), query blocks and chunks the queries (Nq): a decode step (one query, long
@@ -714,8 +774,8 @@ def test_gpu_compile_inductor_and_cuda_graph(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
     """Under inductor a short call's forward and backward are ELSA's Triton kernels in the generated code, not a
-    call of our op (kernels/_ops.py, decompose_when_traced); a long 16-bit call (tensor descriptors, the Gluon
-    core) stays the opaque op. Both equal to eager, gradients too."""
+    call of our op (kernels/_ops.py, decompose_when_traced); a long 16-bit call's forward (tensor descriptors, the
+    Gluon core) stays the opaque op, its backward is the two-launch one. Both equal to eager, gradients too."""
     from torch._inductor.utils import run_and_get_code
     dev = torch.device("cuda")
     cases = [(197, True, None), (300, True, "bias")] + ([(4096, False, None)] if dtype == torch.float16 else [])
@@ -732,8 +792,10 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
         got, codes = run_and_get_code(lambda: torch.autograd.grad(compiled(q, k, v, bias), inputs))
         code = "\n".join(codes)
         assert len(codes) == 2                                  # the forward's graph and the backward's
-        for name in ("_elsa_phase1", "_elsa_bwd_dq", "_elsa_bwd_dkdv"):
-            assert (name in code) == (inlined or name != "_elsa_phase1"), (n, name)
+        assert ("_elsa_phase1" in code) == inlined, n
+        one = elsa_config.backward_launches(n, n, dtype) == 1
+        for name in ("_elsa_bwd_one_launch", "_elsa_bwd_dq", "_elsa_bwd_dkdv"):
+            assert (name in code) == (one == (name == "_elsa_bwd_one_launch")), (n, name)
         assert ("attnbench.elsa_fwd" in code) != inlined and "attnbench.elsa_bwd" not in code
         want = torch.autograd.grad(loss(q, k, v, bias), inputs)
         for g, w in zip(got, want):
@@ -765,7 +827,7 @@ def test_gpu_registered_configs_do_not_spill(dtype, D):
     spills, but for the allowances in SPILL_ALLOWANCE (a measured trade, not a blanket tolerance)."""
     dev = torch.device("cuda")
     spills = {}
-    for N, grad in ((512, False), (8192, True)):
+    for N, grad in ((512, True), (8192, True)):        # the backward in one launch, and in two
         q, k, v = _qkv(1, 2, 2, N, N, D, dtype, dev, grad)
         with trace_launches() as events:
             out = elsa_attention(q, k, v)

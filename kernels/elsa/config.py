@@ -50,6 +50,12 @@ BUILTIN_FWD_TABLE = {
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
     ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
 }
+# The 16-bit backward in one launch up to this many rows (the longer of Nq and Nk; backward_launches). Its GPU time
+# against two launches on the H200 (scripts/elsa_bwd_launches.py, results/dev/elsa/bwd_one_launch_h200.json): 0.63-0.74x
+# at 197-1024 rows non-causal (the two jobs fill the GPU together), 0.90-1.19x causal, 1.01x for Swin's 49-token
+# windows; from 2048 rows mostly slower (1.1-1.3x non-causal: every dK/dV program reloads O). float32 keeps two
+# launches: its merged kernel was 1.2-1.6x slower (3.3x at Swin's windows; the fp32 jobs' tiles want other warps).
+ONE_LAUNCH_MAX_N = 1024
 # Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
@@ -161,7 +167,7 @@ PHASE2_WARPS = 4
 DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there is no SM count
 
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-PLAN_PARAMS = ("partition_width", "q_chunk")   # 0 in the defaults: chosen by the plan
+PLAN_PARAMS = ("partition_width", "q_chunk", "bwd_launches")   # 0 in the defaults: chosen by the plan
 
 _sm_cache: dict = {}
 
@@ -218,6 +224,8 @@ def canonical_config(override, dtype: torch.dtype, head_dim: int) -> str:
                 raise ValueError(f"elsa: config[{part!r}][{param!r}] must be a power of two >= 16, got {value}")
             if param == "num_warps" and value & (value - 1):
                 raise ValueError(f"elsa: config[{part!r}]['num_warps'] must be a power of two, got {value}")
+            if param == "bwd_launches" and value not in (1, 2):
+                raise ValueError(f"elsa: config['plan']['bwd_launches'] must be 1 or 2, got {value}")
             items.append(f"{part}.{param}={value}")
     return ";".join(sorted(items))
 
@@ -347,6 +355,17 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
     dq, dkdv = BWD_TABLE[(dtype_class(dtype), block_d(d))]
     overrides = parse_config(config)
     return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
+
+
+def backward_launches(nq: int, nk: int, dtype: torch.dtype, config: str = "") -> int:
+    """2: the dQ launch (storing Delta) then the dK/dV launch; 1: both jobs in one launch, each dK/dV program
+    recomputing Delta from O. One launch for 16-bit inputs up to ONE_LAUNCH_MAX_N rows, where a call's time is
+    mostly the host's: it saves a launch and the Delta buffer (host time), and the two jobs' programs share the
+    GPU instead of running one short grid after the other. config's plan.bwd_launches overrides it."""
+    given = parse_config(config).get("plan", {}).get("bwd_launches")
+    if given is not None:
+        return given
+    return 1 if dtype_class(dtype) == "16" and max(nq, nk) <= ONE_LAUNCH_MAX_N else 2
 
 
 def summary_row_bytes(parts: int, d: int, dtype: torch.dtype) -> int:

@@ -10,7 +10,10 @@ Forward, per q-chunk of rows [q0, q0 + q_chunk):
 With a single partition (P = 1, short key lengths) there is nothing to merge: phase 1 writes out and lse
 itself, one launch and no summary buffer.
 Backward: a dQ kernel (which also stores Delta = rowsum(dO * O)) then a dK/dV kernel, both rebuilding every
-softmax weight as 2^(x - lse). Extra memory: the summary buffer of one q-chunk plus O(B*Hq*Nq) row terms.
+softmax weight as 2^(x - lse); for 16-bit calls up to config.ONE_LAUNCH_MAX_N rows, one kernel whose programs do
+either job (its dK/dV programs compute Delta from O themselves): one launch and no Delta buffer where the host
+sets the pace.
+Extra memory: the summary buffer of one q-chunk plus O(B*Hq*Nq) row terms.
 
 Host cost matters at short sequences (a ViT's 197 tokens): everything that depends only on the call's
 signature (shapes, strides, dtypes, devices, options) is computed once and cached — the partition plan, the
@@ -27,8 +30,8 @@ from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precisi
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from .._ops import traceable
 from . import trace
-from .config import PHASE2_WARPS, plan_backward, plan_forward, sm_count, summary_numel
-from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_phase1, _elsa_phase2
+from .config import PHASE2_WARPS, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
+from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
 # Phase 1 reads through tensor descriptors only from this many rows (the longer of Nq and Nk). On the H100
@@ -265,6 +268,15 @@ def traced_forward(q, k, v, bias, causal: bool, scale: float, precision: str, co
 # Backward
 # ------------------------------------------------------------------------------------------------
 
+def dscores_dtype(q_shape, nk: int, bias) -> torch.dtype:
+    """The dtype of the backward's dscores: attn_bias's own where attn_bias has dscores' full shape [B, Hq, Nq, Nk]
+    (its gradient is dscores cast to its dtype: the kernel's store does that cast, and saves a launch); fp32 where
+    the gradient sums dscores over broadcast dimensions."""
+    if bias is not None and tuple(bias.shape) == (*q_shape[:3], nk):
+        return bias.dtype
+    return _f32
+
+
 class _BwdPlan(LaunchPlan):
     """Buffers and prepared launches of the backward of one signature (that of the forward plus dO's layout)."""
 
@@ -282,21 +294,34 @@ class _BwdPlan(LaunchPlan):
         self.q_shape, self.kv_shape = (c.B, c.H, c.NQ, c.D), (c.B, c.HKV, c.NK, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
         self.ds_shape = (c.B, c.H, c.NQ, c.NK)
+        self.ds_dtype = dscores_dtype(self.q_shape, c.NK, bias)
         plan = self.plan = plan_backward(c.D, c.dtype, config)
+        self.launches = backward_launches(c.NQ, c.NK, c.dtype, config)
         out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
-        bm, bn, warps, stages = plan.dq
-        self.dq_grid = (_cdiv(c.NQ, bm), c.BH)
-        self.dq = Prepared(_elsa_bwd_dq, self.dq_grid, (
-            *c.qkv_strides, *out_strides, *do_strides, *out_strides, *c.bias_strides,
-            c.H, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
-            c.flags, BLOCK_M=bm, BLOCK_N=bn, BIAS_GRAD=bias_grad, num_warps=warps, num_stages=stages))
-        bm, bn, warps, stages = plan.dkdv
-        self.dkdv_grid = (_cdiv(c.NK, bn), c.B * c.HKV)
-        self.dkdv = Prepared(_elsa_bwd_dkdv, self.dkdv_grid, (
-            *c.qkv_strides, *do_strides, *kv_strides, *kv_strides, *c.bias_strides,
-            c.HKV, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
-            c.flags, BLOCK_M=bm, BLOCK_N=bn, GROUPED=c.group > 1, num_warps=warps, num_stages=stages))
+        dq_m, dq_n, dq_warps, dq_stages = plan.dq
+        kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
+        q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
+        if self.launches == 1:
+            # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
+            kv_programs = kv_blocks * c.B * c.HKV
+            self.grid = (kv_programs + q_blocks * c.BH,)
+            self.one = Prepared(_elsa_bwd_one_launch, self.grid, (
+                *c.qkv_strides, *out_strides, *do_strides, *out_strides, *kv_strides, *kv_strides, *c.bias_strides,
+                c.H, c.group, c.NQ, c.NK, kv_blocks, q_blocks, kv_programs, c.qk_scale, c.scale), dict(
+                c.flags, DQ_BLOCK_M=dq_m, DQ_BLOCK_N=dq_n, KV_BLOCK_M=kv_m, KV_BLOCK_N=kv_n, BIAS_GRAD=bias_grad,
+                GROUPED=c.group > 1, num_warps=max(dq_warps, kv_warps), num_stages=min(dq_stages, kv_stages)))
+        else:
+            self.dq_grid = (q_blocks, c.BH)
+            self.dq = Prepared(_elsa_bwd_dq, self.dq_grid, (
+                *c.qkv_strides, *out_strides, *do_strides, *out_strides, *c.bias_strides,
+                c.H, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
+                c.flags, BLOCK_M=dq_m, BLOCK_N=dq_n, BIAS_GRAD=bias_grad, num_warps=dq_warps, num_stages=dq_stages))
+            self.dkdv_grid = (kv_blocks, c.B * c.HKV)
+            self.dkdv = Prepared(_elsa_bwd_dkdv, self.dkdv_grid, (
+                *c.qkv_strides, *do_strides, *kv_strides, *kv_strides, *c.bias_strides,
+                c.HKV, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
+                c.flags, BLOCK_M=kv_m, BLOCK_N=kv_n, GROUPED=c.group > 1, num_warps=kv_warps, num_stages=kv_stages))
         # nothing to launch for empty problems: the gradients of zero rows / keys are empty or zero
         self.empty = c.BH == 0 or c.NQ == 0 or c.NK == 0
 
@@ -312,20 +337,31 @@ class _BwdPlan(LaunchPlan):
         if self.empty:
             grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
                      _zeros(self.kv_shape, dtype=c.dtype, device=dev))
-            return grads + (_zeros(self.ds_shape, dtype=_f32, device=dev),) if self.bias_grad else grads
+            return grads + (_zeros(self.ds_shape, dtype=self.ds_dtype, device=dev),) if self.bias_grad else grads
         dq = q.new_empty(self.q_shape)
         dk = q.new_empty(self.kv_shape)
         dv = q.new_empty(self.kv_shape)
-        delta = q.new_empty(self.lse_shape, dtype=_f32)
-        ds = q if traced else delta                 # dS unused without bias_grad
+        ds = q                                      # dS unused without bias_grad
         if self.bias_grad:
             # causal: the tiles past the diagonal are never visited, so they must start at zero
-            ds = (q.new_zeros if c.causal else q.new_empty)(self.ds_shape, dtype=_f32)
+            ds = (q.new_zeros if c.causal else q.new_empty)(self.ds_shape, dtype=self.ds_dtype)
         b = q if bias is None else bias
+        grads = (dq, dk, dv, ds) if self.bias_grad else (dq, dk, dv)
+        if self.launches == 1:
+            launch = self.one.traced if traced else self.one
+            if not traced and trace.active():
+                ev = trace.start_event(dev)
+                k1 = launch(q, k, v, out, do, lse, dq, dk, dv, b, ds)
+                trace.record(start=ev, phase="bwd", kernel=_elsa_bwd_one_launch.__name__, grid=self.grid,
+                             programs=self.grid[0], compiled=k1)
+            else:
+                launch(q, k, v, out, do, lse, dq, dk, dv, b, ds)
+            return grads
+        delta = q.new_empty(self.lse_shape, dtype=_f32)
         if traced:
             self.dq.traced(q, k, v, out, do, lse, delta, dq, b, ds)
             self.dkdv.traced(q, k, v, do, lse, delta, dk, dv, b)
-            return (dq, dk, dv, ds) if self.bias_grad else (dq, dk, dv)
+            return grads
         tracing = trace.active()
         ev = trace.start_event(dev) if tracing else None
         kq = self.dq(q, k, v, out, do, lse, delta, dq, b, ds)
@@ -337,7 +373,7 @@ class _BwdPlan(LaunchPlan):
         if tracing:
             trace.record(start=ev, phase="bwd_dkdv", kernel=_elsa_bwd_dkdv.__name__, grid=self.dkdv_grid,
                          programs=self.dkdv_grid[0] * self.dkdv_grid[1], compiled=kkv)
-        return (dq, dk, dv, ds) if self.bias_grad else (dq, dk, dv)
+        return grads
 
 
 def backward_plan(do, q, k, v, bias, causal: bool, scale: float, precision: str, config: str, bias_grad: bool):
@@ -352,8 +388,9 @@ def backward_plan(do, q, k, v, bias, causal: bool, scale: float, precision: str,
 
 def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
              bias_grad: bool):
-    """(dq, dk, dv), and with bias_grad dscores, the fp32 gradient of the natural-log scores [B, Hq, Nq, Nk]
-    (what attn_bias's gradient sums); dk, dv summed over each key/value head's query group."""
+    """(dq, dk, dv), and with bias_grad dscores, the gradient of the natural-log scores [B, Hq, Nq, Nk] (what
+    attn_bias's gradient sums; fp32, or attn_bias's dtype where it has that full shape: dscores_dtype); dk, dv
+    summed over each key/value head's query group."""
     return backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)(do, q, k, v, out, lse, bias)
 
 

@@ -365,7 +365,8 @@ def _elsa_phase2(Sbuf, Out, Lse,
 
 # ------------------------------------------------------------------------------------------------
 # Backward: exact recompute of every softmax weight from the saved lse. Two launches: dQ (which also
-# computes Delta = rowsum(dO * O) for its rows) and then dK/dV (which reads Delta).
+# computes Delta = rowsum(dO * O) for its rows) and then dK/dV (which reads Delta); or, for launch-bound calls,
+# one launch whose programs do either job, the dK/dV ones computing Delta from O themselves.
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -405,19 +406,16 @@ def _dq_tile(acc, q, do, l2, delta, rows, t0, NQ, NK, off, qk_scale,
     return acc
 
 
-@triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK"])
-def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
-                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sgb, sgh, sgn,
-                 sbb, sbh, sbi, sbj,
-                 H, GROUP, NQ, NK, qk_scale, sm_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                 FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Program (qb, bh): dQ of BLOCK_M query rows over all visible keys, and Delta = rowsum(dO * O) of those rows."""
-    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
+@triton.jit
+def _dq_rows(qb, bh, Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sgb, sgh, sgn,
+             sbb, sbh, sbi, sbj,
+             H, GROUP, NQ, NK, qk_scale, sm_scale,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+             FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, STORE_DELTA: tl.constexpr):
+    """dQ of BLOCK_M query rows (block qb of query head bh) over all visible keys; with STORE_DELTA also
+    Delta = rowsum(dO * O) of those rows, for the dK/dV launch that follows."""
     b = bh // H
     h = bh % H
     hk = h // GROUP
@@ -434,7 +432,8 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
                   ok, offs_d, HEAD_DIM, BLOCK_D, True)
     st = bh.to(tl.int64) * NQ + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + st, delta, mask=ok)
+    if STORE_DELTA:
+        tl.store(Delta + st, delta, mask=ok)
     l2 = tl.load(Lse + st, mask=ok, other=float("inf"))     # rows >= NQ: all weights 0
     qs = q
     if FOLD_Q:
@@ -442,7 +441,7 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
-    ds_base = dS + bh.to(tl.int64) * NQ * NK          # fp32 [B*H, NQ, NK], only when BIAS_GRAD
+    ds_base = dS + bh.to(tl.int64) * NQ * NK          # [B*H, NQ, NK], only when BIAS_GRAD
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = NK
     safe_hi = NK
@@ -463,19 +462,39 @@ def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
                 dq.to(dQ.dtype.element_ty), rows, NQ, offs_d, HEAD_DIM, BLOCK_D)
 
 
+@triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK"])
+def _elsa_bwd_dq(Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
+                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sgb, sgh, sgn,
+                 sbb, sbh, sbi, sbj,
+                 H, GROUP, NQ, NK, qk_scale, sm_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                 FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Program (qb, bh): dQ of BLOCK_M query rows over all visible keys, and Delta = rowsum(dO * O) of those rows."""
+    _dq_rows(tl.program_id(0), tl.program_id(1), Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sgb, sgh, sgn,
+             sbb, sbh, sbi, sbj, H, GROUP, NQ, NK,
+             tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32),     # _FP32_SCALARS
+             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, BIAS_GRAD, FOLD_Q, SCALE_IN_EXP, DOT_PREC, True)
+
+
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, cols, i0, NQ, NK, off, qk_scale,
-               q_base, sqn, do_base, sdn, Lse, Delta, st0, b_base, sbi, sbj,
+               q_base, sqn, do_base, sdn, o_base, son, Lse, Delta, st0, b_base, sbi, sbj,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                MASK_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-               SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
+               SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     rows = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
     q = load_tile(q_base + rows[:, None] * sqn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_tile(do_base + rows[:, None] * sdn + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
     l2 = tl.load(Lse + st0 + rows, mask=ok, other=float("inf"))
-    delta = tl.load(Delta + st0 + rows, mask=ok, other=0.0)
+    if DELTA_FROM_O:        # one-launch backward: no dQ program has stored Delta before this one runs
+        o = load_tile(o_base + rows[:, None] * son + offs_d[None, :], ok, offs_d, HEAD_DIM, BLOCK_D, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = tl.load(Delta + st0 + rows, mask=ok, other=0.0)
     # transposed scores x^T [BN, BM]; k already carries scale*log2e for fp32 (FOLD_Q), else scale here.
     # Keys >= NK need no -inf mask: their dK/dV rows are never stored and nothing else reads them.
     xt = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
@@ -500,44 +519,43 @@ def _dkdv_tile(dk, dv, k, v, cols, i0, NQ, NK, off, qk_scale,
 
 @triton.jit
 def _dkdv_head(dk, dv, ks, v, cols, lo, safe_lo, b, h, H, NQ, NK, off, qk_scale,
-               Q, dOut, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sbb, sbh, sbi, sbj,
+               Q, dOut, Out, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sob, soh, son, sbb, sbh, sbi, sbj,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-               SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr):
+               SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     """dK, dV of one key block += the contributions of query head h (its masked diagonal tiles, then the rest)."""
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     do_base = dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
     b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
     st0 = (b * H + h).to(tl.int64) * NQ
     if CAUSAL:
         for i0 in range(lo, safe_lo, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, ks, v, cols, i0, NQ, NK, off, qk_scale, q_base, sqn, do_base, sdn,
-                                Lse, Delta, st0, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_BIAS,
-                                FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                                o_base, son, Lse, Delta, st0, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, True,
+                                HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC, DELTA_FROM_O)
     for i0 in range(safe_lo, NQ, BLOCK_M):
         dk, dv = _dkdv_tile(dk, dv, ks, v, cols, i0, NQ, NK, off, qk_scale, q_base, sqn, do_base, sdn,
-                            Lse, Delta, st0, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_BIAS,
-                            FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                            o_base, son, Lse, Delta, st0, b_base, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, False,
+                            HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC, DELTA_FROM_O)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["HKV", "GROUP", "NQ", "NK"])
-def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
-                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-                   skgb, skgh, skgn, svgb, svgh, svgn,
-                   sbb, sbh, sbi, sbj,
-                   HKV, GROUP, NQ, NK, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-                   SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPED: tl.constexpr):
-    """Program (kb, b*HKV + hk) owns BLOCK_N keys of one key/value head and loops over the query tiles of every
-    query head of its group: dK, dV summed over the group in registers, without atomics or a per-query-head copy.
+@triton.jit
+def _dkdv_keys(kb, bhk, Q, K, V, Out, dOut, Lse, Delta, dK, dV, Bias,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn,
+               skgb, skgh, skgn, svgb, svgh, svgn,
+               sbb, sbh, sbi, sbj,
+               HKV, GROUP, NQ, NK, qk_scale, sm_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
+               SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPED: tl.constexpr,
+               DELTA_FROM_O: tl.constexpr):
+    """dK, dV of BLOCK_N keys (block kb of key/value head bhk = b*HKV + hk), looping over the query tiles of every
+    query head of its group: summed over the group in registers, without atomics or a per-query-head copy.
     GROUPED (GROUP > 1) adds the loop over the group's heads; without it the kernel is the plain multi-head one
-    (the loop costs registers: the 16-bit D=64 tile spills more with it)."""
-    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    kb = tl.program_id(0)
-    bhk = tl.program_id(1)
+    (the loop costs registers: the 16-bit D=64 tile spills more with it). Delta is read from the dQ launch's
+    buffer, or with DELTA_FROM_O recomputed from O and dO per query tile (Out and its strides: used only then)."""
     b = bhk // HKV
     hk = bhk % HKV
     H = HKV * GROUP
@@ -564,14 +582,67 @@ def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
     if GROUPED:
         for g in range(0, GROUP):
             dk, dv = _dkdv_head(dk, dv, ks, v, cols, lo, safe_lo, b, hk * GROUP + g, H, NQ, NK, off, qk_scale,
-                                Q, dOut, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sbb, sbh, sbi, sbj,
-                                HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                                Q, dOut, Out, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sob, soh, son,
+                                sbb, sbh, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_BIAS, FOLD_Q,
+                                SCALE_IN_EXP, DOT_PREC, DELTA_FROM_O)
     else:
         dk, dv = _dkdv_head(dk, dv, ks, v, cols, lo, safe_lo, b, hk, H, NQ, NK, off, qk_scale,
-                            Q, dOut, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sbb, sbh, sbi, sbj,
-                            HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
+                            Q, dOut, Out, Bias, Lse, Delta, sqb, sqh, sqn, sdb, sdh, sdn, sob, soh, son,
+                            sbb, sbh, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_BIAS, FOLD_Q,
+                            SCALE_IN_EXP, DOT_PREC, DELTA_FROM_O)
     dk = dk * sm_scale
     _store_rows(dK + b.to(tl.int64) * skgb + hk.to(tl.int64) * skgh + cols[:, None] * skgn + offs_d[None, :],
                 dk.to(dK.dtype.element_ty), cols, NK, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(dV + b.to(tl.int64) * svgb + hk.to(tl.int64) * svgh + cols[:, None] * svgn + offs_d[None, :],
                 dv.to(dV.dtype.element_ty), cols, NK, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["HKV", "GROUP", "NQ", "NK"])
+def _elsa_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Bias,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
+                   skgb, skgh, skgn, svgb, svgh, svgn,
+                   sbb, sbh, sbi, sbj,
+                   HKV, GROUP, NQ, NK, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
+                   SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, GROUPED: tl.constexpr):
+    """Program (kb, b*HKV + hk): dK, dV of BLOCK_N keys of one key/value head (_dkdv_keys), after the dQ launch
+    has stored Delta. Out is not read: Q stands in for it."""
+    _dkdv_keys(tl.program_id(0), tl.program_id(1), Q, K, V, Q, dOut, Lse, Delta, dK, dV, Bias,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, 0, 0, 0, sdb, sdh, sdn,
+               skgb, skgh, skgn, svgb, svgh, svgn, sbb, sbh, sbi, sbj, HKV, GROUP, NQ, NK,
+               tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32),     # _FP32_SCALARS
+               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_BIAS, FOLD_Q, SCALE_IN_EXP, DOT_PREC, GROUPED, False)
+
+
+@triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "KV_BLOCKS", "Q_BLOCKS", "KV_PROGRAMS"])
+def _elsa_bwd_one_launch(Q, K, V, Out, dOut, Lse, dQ, dK, dV, Bias, dS,
+                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn,
+                         sgb, sgh, sgn, skgb, skgh, skgn, svgb, svgh, svgn,
+                         sbb, sbh, sbi, sbj,
+                         H, GROUP, NQ, NK, KV_BLOCKS, Q_BLOCKS, KV_PROGRAMS, qk_scale, sm_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
+                         KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                         FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr,
+                         GROUPED: tl.constexpr):
+    """The whole backward in one launch, for calls whose time is the host's (kernels/elsa/config.py,
+    backward_launches): programs [0, KV_PROGRAMS) are _elsa_bwd_dkdv's (kb, b*HKV + hk), computing Delta from O
+    themselves; the rest are _elsa_bwd_dq's (qb, bh), which store no Delta. No program waits on another."""
+    qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    pid = tl.program_id(0)
+    if pid < KV_PROGRAMS:
+        _dkdv_keys(pid % KV_BLOCKS, pid // KV_BLOCKS, Q, K, V, Out, dOut, Lse, Lse, dK, dV, Bias,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn,
+                   skgb, skgh, skgn, svgb, svgh, svgn, sbb, sbh, sbi, sbj, H // GROUP, GROUP, NQ, NK,
+                   qk_scale, sm_scale, HEAD_DIM, BLOCK_D, KV_BLOCK_M, KV_BLOCK_N, CAUSAL, HAS_BIAS, FOLD_Q,
+                   SCALE_IN_EXP, DOT_PREC, GROUPED, True)
+    else:
+        j = pid - KV_PROGRAMS
+        _dq_rows(j % Q_BLOCKS, j // Q_BLOCKS, Q, K, V, Out, dOut, Lse, Lse, dQ, Bias, dS,
+                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdb, sdh, sdn, sgb, sgh, sgn,
+                 sbb, sbh, sbi, sbj, H, GROUP, NQ, NK, qk_scale, sm_scale,
+                 HEAD_DIM, BLOCK_D, DQ_BLOCK_M, DQ_BLOCK_N, CAUSAL, HAS_BIAS, BIAS_GRAD, FOLD_Q, SCALE_IN_EXP,
+                 DOT_PREC, False)

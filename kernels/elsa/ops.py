@@ -8,7 +8,8 @@ CUDA graphs and autograd like a built-in op:
     attnbench::elsa_bwd(grad_out, q, k, v, out, lse, attn_bias, causal, scale, precision, config) -> (dq, dk, dv)
     attnbench::elsa_bwd_bias(...same...) -> (dq, dk, dv, dscores)
         the backward; dk, dv summed over each key/value head's query group; dscores (the gradient of the
-        natural-log scores, fp32 [B, Hq, Nq, Nk]) is what attn_bias's gradient sums, when it needs one.
+        natural-log scores [B, Hq, Nq, Nk]; fp32, or attn_bias's dtype where attn_bias has that full shape:
+        host.dscores_dtype) is what attn_bias's gradient sums, when it needs one.
 
 ``config`` is the canonical tile-override string of config.canonical_config ("" for the defaults). Each op has
 a CPU (Triton interpreter) and a CUDA implementation, the bodies in host.py, and a fake implementation for
@@ -90,7 +91,7 @@ def _elsa_bwd_fake(grad_out, q, k, v, out, lse, attn_bias, causal, scale, precis
 @torch.library.register_fake("attnbench::elsa_bwd_bias", lib=_lib)
 def _elsa_bwd_bias_fake(grad_out, q, k, v, out, lse, attn_bias, causal, scale, precision, config):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            q.new_empty((*q.shape[:3], k.shape[2]), dtype=torch.float32))
+            q.new_empty((*q.shape[:3], k.shape[2]), dtype=host.dscores_dtype(q.shape, k.shape[2], attn_bias)))
 
 
 class _ElsaFunction(KernelFunction):
