@@ -7,6 +7,7 @@ Tolerances (float32, ELSA's default tf32x3 dots): outputs 2e-5 absolute on O(1) 
 relative to each gradient's max. float16 (GPU tests): 2e-2 on outputs.
 """
 import copy
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,11 @@ from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 from kernels.timm_patch import (patch_timm_attention, patch_timm_attention_train, patched_modules,  # noqa: E402
                                 swin_window_bias)
+
+# ELSA on CPU tensors: the Triton interpreter, which tests/conftest.py turns on only where there is no GPU (on a GPU
+# machine the test_gpu_* tests below run the same comparisons on CUDA)
+interpreted_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                         reason="runs ELSA on CPU tensors: needs the Triton interpreter")
 
 FP32_OUT_ATOL = 2e-5
 FP32_GRAD_RTOL = 1e-4
@@ -80,6 +86,7 @@ def _assert_grads_close(g_ref, g_got, rtol):
 
 # --- ViT ------------------------------------------------------------------------------------------
 
+@interpreted_kernels
 def test_vit_forward_matches_native():
     native, patched = _pair(_tiny_vit().eval(), "elsa", train=False)
     assert len(patched_modules(patched)) == 2
@@ -90,6 +97,7 @@ def test_vit_forward_matches_native():
     torch.testing.assert_close(got, ref, atol=FP32_OUT_ATOL, rtol=0)
 
 
+@interpreted_kernels
 def test_vit_other_image_size_and_fp16():
     # img 48 -> N = 37; float16 through the interpreter (bf16 only on the GPU)
     native, patched = _pair(_tiny_vit(img_size=48).eval(), "elsa", train=False)
@@ -100,6 +108,7 @@ def test_vit_other_image_size_and_fp16():
     assert (got.double() - ref).abs().max().item() < 2e-2
 
 
+@interpreted_kernels
 def test_vit_train_gradients_match_native():
     model = _tiny_vit().train()
     native = copy.deepcopy(model)
@@ -108,6 +117,7 @@ def test_vit_train_gradients_match_native():
     _assert_grads_close(_grads(native, x), _grads(patched, x), FP32_GRAD_RTOL)
 
 
+@interpreted_kernels
 def test_vit_attn_mask_and_causal_paths():
     """The caller's attn_mask (bool and additive) and is_causal reach the kernel with timm's semantics."""
     vit = _tiny_vit().eval()
@@ -142,6 +152,7 @@ def test_swin_window_bias_equals_timm():
         swin_window_bias(rel, mask, 17)
 
 
+@interpreted_kernels
 def test_swin_shifted_window_attention_module_exact():
     """One shifted-window module against timm's explicit softmax path, fp32, and against float64."""
     swin = _tiny_swin().eval()
@@ -160,6 +171,7 @@ def test_swin_shifted_window_attention_module_exact():
         assert (patched(x, mask=None) - ref).abs().max().item() > 100 * FP32_OUT_ATOL
 
 
+@interpreted_kernels
 def test_swin_forward_matches_native():
     native, patched = _pair(_tiny_swin().eval(), "elsa", train=False)
     assert len(patched_modules(patched)) == 4
@@ -169,6 +181,7 @@ def test_swin_forward_matches_native():
     torch.testing.assert_close(got, ref, atol=FP32_OUT_ATOL, rtol=0)
 
 
+@interpreted_kernels
 def test_swin_train_gradients_match_native():
     """Gradients to every parameter, the relative-position bias tables included (the bias gradient path)."""
     model = _tiny_swin().train()
