@@ -207,6 +207,15 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                     label["final"] = True
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
+        if not tiles and not fp32:
+            # the 16-bit backward in one launch (config.backward_launches): both jobs' tiles, the larger warp count
+            (dm, dn, dw, dst), (km, kn, kw, kst) = config.BWD_TABLE[key]
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), DQ_BLOCK_M=dm, DQ_BLOCK_N=dn, KV_BLOCK_M=km, KV_BLOCK_N=kn,
+                        CAUSAL=False, HAS_BIAS=False, BIAS_GRAD=False, FOLD_Q=False, SCALE_IN_EXP=True,
+                        DOT_PREC="tf32", GROUPED=False)
+            jobs.append(Job("elsa", "bwd_one_launch", K._elsa_bwd_one_launch, dtype, meta, max(dw, kw), min(dst, kst),
+                            ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"}, div16=stride,
+                            label=dict(D=d, dq=[dm, dn], dkdv=[km, kn])))
         if not tiles:
             # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse
             rows = config.PHASE2_ROWS[key[0]][block_d(d)]
