@@ -361,16 +361,17 @@ def test_training_forward_then_backward_launches(device):
 def test_backward_in_one_launch_and_in_two(device, launches, dtype):
     """Both backward schedules (config.backward_launches), exact against float64: several query and key blocks per
     head (small tiles), Nq != Nk, causal and not, grouped K/V; a bias of the scores' full shape (its gradient,
-    dscores, stored in its own dtype) and a broadcast one (fp32 dscores, summed)."""
+    dscores, stored in its own dtype; causal: the tiles past the diagonal stay zero) and a broadcast one (fp32
+    dscores, summed)."""
     cfg = {"plan": {"bwd_launches": launches}, "dq": {"BLOCK_M": 16, "BLOCK_N": 32},
            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 16}}
     B, H, HKV, NQ, NK, D = 2, 4, 2, 45, 70, 40
     with trace_launches() as events:
         for causal in (False, True):
             _assert_exact(*_qkv(B, H, HKV, NQ, NK, D, dtype, device), causal, config=cfg)
-        for shape in ((B, H, NQ, NK), (1, H, NQ, NK)):
+        for shape, causal in (((B, H, NQ, NK), True), ((1, H, NQ, NK), False)):
             bias = torch.randn(shape, device=device).to(dtype).requires_grad_(True)
-            _assert_exact(*_qkv(B, H, HKV, NQ, NK, D, dtype, device), False, bias=bias, config=cfg)
+            _assert_exact(*_qkv(B, H, HKV, NQ, NK, D, dtype, device), causal, bias=bias, config=cfg)
     bwd = [e["phase"] for e in events if e["phase"] != 1]
     assert bwd == (["bwd"] * 4 if launches == 1 else ["bwd_dq", "bwd_dkdv"] * 4)
 
@@ -827,7 +828,7 @@ def test_gpu_registered_configs_do_not_spill(dtype, D):
     spills, but for the allowances in SPILL_ALLOWANCE (a measured trade, not a blanket tolerance)."""
     dev = torch.device("cuda")
     spills = {}
-    for N, grad in ((512, True), (8192, True)):        # the backward in one launch, and in two
+    for N, grad in ((512, True), (8192, True)):        # 16-bit: the backward in one launch, then in two
         q, k, v = _qkv(1, 2, 2, N, N, D, dtype, dev, grad)
         with trace_launches() as events:
             out = elsa_attention(q, k, v)

@@ -50,11 +50,12 @@ BUILTIN_FWD_TABLE = {
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
     ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
 }
-# The 16-bit backward in one launch up to this many rows (the longer of Nq and Nk; backward_launches). Its GPU time
-# against two launches on the H200 (scripts/elsa_bwd_launches.py, results/dev/elsa/bwd_one_launch_h200.json): 0.63-0.74x
-# at 197-1024 rows non-causal (the two jobs fill the GPU together), 0.90-1.19x causal, 1.01x for Swin's 49-token
-# windows; from 2048 rows mostly slower (1.1-1.3x non-causal: every dK/dV program reloads O). float32 keeps two
-# launches: its merged kernel was 1.2-1.6x slower (3.3x at Swin's windows; the fp32 jobs' tiles want other warps).
+# The 16-bit backward in one launch up to this many rows (the longer of Nq and Nk; backward_launches). On the H200
+# (scripts/elsa_bwd_launches.py, results/dev/elsa/bwd_one_launch_h200.json) a fwd+bwd call's host time is 0.84-0.99x
+# two launches' up to 2048 rows; the backward's GPU time 0.76-0.94x at D=64 197-1025 rows non-causal (the two jobs
+# fill the GPU together), 1.18x at D=128 1024, 0.77-1.09x causal, 0.92x at Swin's 49-token windows, and from 4096
+# rows non-causal 1.19-1.31x (every dK/dV program reloads O). float32 keeps two launches: its merged kernel took
+# 1.17-1.63x the GPU time non-causal from 577 rows.
 ONE_LAUNCH_MAX_N = 1024
 # Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
 # consumer warpgroups split a 128-row block).
