@@ -225,7 +225,7 @@ def kernel_paths(torch, name, q, k, v, do):
         p.plan_fwd = lambda: host.forward_plan(q, k, v, *opts, True)
         out, lse = p.body_fwd()
         p.body_bwd = lambda: host.backward(do, q, k, v, out, lse, *opts, False)
-        p.plan_bwd = lambda: host.backward_plan(do, q, k, v, *opts, False)
+        p.plan_bwd = lambda: host.backward_plan(do, q, k, v, out, *opts, False)
         p.op_bwd = lambda: ops.elsa_bwd(do, q, k, v, out, lse, *opts)
     elif name == "cron_root":
         from kernels.cron_root import attention

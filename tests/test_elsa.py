@@ -300,6 +300,46 @@ def test_scale_and_noncontiguous_inputs(device):
     assert max(_max_err(g, r) for g, r in zip(grads, refs)) <= GRAD_TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
+    """q sliced from one [B, N, 3, H, D] projection (timm's): the output is allocated [B, N, H, D] and returned as
+    its [B, H, N, D] view, as SDPA's flash and efficient backends do, so transpose(1, 2).reshape(B, N, H * D) is a
+    view, not a copy; exact forward and gradients, in one partition and in several (phase 2 writes through the same
+    strides), and with the backward's two launches. A contiguous q keeps a contiguous output; longer than SHORT_N
+    rows the output is contiguous (the descriptor and Gluon stores)."""
+    from kernels.elsa import host
+    B, N, H, D = 2, 37, 3, 32
+    split = {"plan": {"partition_width": 16, "bwd_launches": 2}, "fwd": {"BLOCK_N": 16}}
+    for config in (None, split):
+        qkv = torch.randn(B, N, 3, H, D, device=device).to(dtype).permute(2, 0, 3, 1, 4)
+        q, k, v = (t.detach().requires_grad_(True) for t in qkv.unbind(0))
+        out = elsa_attention(q, k, v, config=config)
+        assert out.stride() == (N * H * D, D, H * D, 1)
+        flat = out.transpose(1, 2).reshape(B, N, H * D)
+        assert flat.data_ptr() == out.data_ptr() and flat._base is not None          # a view
+        _assert_exact(q, k, v, False, config=config)
+        _assert_exact(q, k, v, True, config=config)
+    q, k, v = _qkv(B, H, H, N, N, D, dtype, device, grad=False)
+    assert elsa_attention(q, k, v).is_contiguous()
+    long_q = torch.empty(1, elsa_config.SHORT_N + 1, 2, 16, device="meta").transpose(1, 2)
+    assert not host.out_heads_inner(long_q, 8) and host.out_heads_inner(long_q[:, :, :8], 8)
+
+
+def test_backward_reads_the_output_in_the_order_it_is_given(device):
+    """The backward op called directly with an output in another memory order than the forward's (a contiguous
+    copy of a heads-inside-rows output, and the reverse): its plan is keyed by the output's strides, the gradients
+    are the same."""
+    qkv = torch.randn(1, 21, 3, 2, 16, device=device).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    out, lse = ops.elsa_fwd(q, k, v, None, False, 0.25, "tf32x3", "")
+    assert not out.is_contiguous()
+    do = torch.randn_like(out)
+    want = ops.elsa_bwd(do, q, k, v, out, lse, None, False, 0.25, "tf32x3", "")
+    got = ops.elsa_bwd(do, q, k, v, out.contiguous(), lse, None, False, 0.25, "tf32x3", "")
+    for g, w in zip(got, want):
+        assert _max_err(g, w) <= 1e-6
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_16_bit_partials_cost_about_one_rounding(device, causal):
     """16-bit inputs keep each partition's normalised output in 16 bits between the phases. That adds about one
@@ -457,14 +497,20 @@ def _op_cases(device):
 
 
 def test_opcheck_every_op(device):
+    """torch.library.opcheck of every op (the fake's shapes, dtypes and strides against the real op's too): for
+    contiguous inputs, and for a q whose heads lie inside its rows (the output then takes that order)."""
     q, k, v, bias = _op_cases(device)
-    for b, causal in ((None, True), (bias, False)):
+    inner = torch.randn(1, 19, 4, 40, device=device).transpose(1, 2)
+    for q, b, causal in ((q, None, True), (q, bias, False), (inner, None, False)):
         args = (q, k, v, b, causal, 0.15, "tf32x3", "")
         for op in (ops.elsa, ops.elsa_fwd):
             result = torch.library.opcheck(op, args)
             assert set(result.values()) == {"SUCCESS"}, (op, result)
         out, lse = ops.elsa_fwd(*args)
         assert not out.requires_grad and lse.shape == (1, 4, 19) and lse.dtype == torch.float32
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake_out = ops.elsa_fwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))[0]
+        assert fake_out.stride() == out.stride()
         bwd_args = (torch.randn_like(out), q, k, v, out, lse, b, causal, 0.15, "tf32x3", "")
         for op in (ops.elsa_bwd, ops.elsa_bwd_bias) if b is not None else (ops.elsa_bwd,):
             result = torch.library.opcheck(op, bwd_args)
@@ -515,7 +561,7 @@ def test_traced_launches_compute_what_eager_does(device):
                 assert (lse is None) == (not need_lse) and (lse is None or _max_err(lse, want_lse) <= 1e-6)
             do = torch.randn_like(out)
             for bias_grad in ((False, True) if b is not None else (False,)):
-                got = host._BwdPlan(do, q, k, v, *args, bias_grad).run(do, q, k, v, out, lse, b, traced=True)
+                got = host._BwdPlan(do, q, k, v, out, *args, bias_grad).run(do, q, k, v, out, lse, b, traced=True)
                 want = host.backward(do, q, k, v, out, lse, *args, bias_grad)
                 assert len(got) == len(want) == 3 + bias_grad
                 for g, w in zip(got, want):

@@ -30,7 +30,7 @@ from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precisi
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from .._ops import traceable
 from . import trace
-from .config import PHASE2_WARPS, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
+from .config import PHASE2_WARPS, SHORT_N, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -57,6 +57,32 @@ def clear_plans() -> None:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def out_heads_inner(q, nk: int) -> bool:
+    """Whether the output is allocated [B, Nq, Hq, D] and returned as its [B, Hq, Nq, D] view: where q itself is
+    such a view (heads inside rows: timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's
+    flash and efficient backends return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and
+    not a copy kernel. Up to SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's
+    strides (the tensor-descriptor and Gluon stores take [B*Hq*Nq, D] rows), and while one head's rows stay within
+    int32 offsets."""
+    _, h, n, d = q.shape
+    return (h > 1 and n > 1 and q.stride(1) < q.stride(2) and max(n, nk) <= SHORT_N
+            and (n - 1) * h * d + d <= _INT32_MAX)
+
+
+def new_output(q, nk: int):
+    """The forward's output [B, Hq, Nq, D] in q's dtype and device, in the memory order out_heads_inner says
+    (the real forward, its traced form and the fake all allocate through here)."""
+    b, h, n, d = q.shape
+    if out_heads_inner(q, nk):
+        return q.new_empty((b, n, h, d)).transpose(1, 2)
+    return q.new_empty((b, h, n, d))
+
+
+def _out_strides(b: int, h: int, n: int, d: int, heads_inner: bool) -> tuple:
+    """(batch, head, row) strides of the output new_output allocates."""
+    return (n * h * d, d, h * d) if heads_inner else (h * n * d, n * d, d)
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
@@ -113,7 +139,8 @@ class _FwdPlan(LaunchPlan):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
         self.need_lse = need_lse
-        self.out_shape = (c.B, c.H, c.NQ, c.D)
+        self.heads_inner = out_heads_inner(q, c.NK)       # decided on the caller's q, as new_output does
+        self.out_alloc = (c.B, c.NQ, c.H, c.D) if self.heads_inner else (c.B, c.H, c.NQ, c.D)
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
@@ -136,7 +163,7 @@ class _FwdPlan(LaunchPlan):
         if traced:          # the Gluon core's launch (host-made descriptors) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not plan.gluon
         bm, W, P = plan.block_m, plan.width, plan.parts
-        out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
+        out_strides = _out_strides(c.B, c.H, c.NQ, c.D, self.heads_inner)
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
         nrows = 0 if plan.final else P * qb_max * c.BH * bm
         self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
@@ -175,8 +202,11 @@ class _FwdPlan(LaunchPlan):
         cq, ck, cv = c.copy
         if cq or ck or cv:
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
-        # new_empty: less host time than torch.empty(shape, dtype=, device=) (q has the plan's dtype and device)
-        out = q.new_empty(self.out_shape)
+        # new_empty: less host time than torch.empty(shape, dtype=, device=) (q has the plan's dtype and device);
+        # the memory order of new_output
+        out = q.new_empty(self.out_alloc)
+        if self.heads_inner:
+            out = out.transpose(1, 2)
         lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else (q if traced else out)
         b = q if bias is None else bias
         if traced:
@@ -278,16 +308,21 @@ def dscores_dtype(q_shape, nk: int, bias) -> torch.dtype:
 
 
 class _BwdPlan(LaunchPlan):
-    """Buffers and prepared launches of the backward of one signature (that of the forward plus dO's layout)."""
+    """Buffers and prepared launches of the backward of one signature (that of the forward plus the layouts of dO
+    and of the forward's output)."""
 
-    def __init__(self, do, q, k, v, bias, causal, scale, precision, config, bias_grad):
+    def __init__(self, do, q, k, v, out, bias, causal, scale, precision, config, bias_grad):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
-        if tuple(do.shape) != (c.B, c.H, c.NQ, c.D) or do.dtype != c.dtype or do.device != c.device:
-            raise ValueError(f"elsa: the output gradient is {tuple(do.shape)} {do.dtype} on {do.device}, expected "
-                             f"{(c.B, c.H, c.NQ, c.D)} {c.dtype} on {c.device}")
+        for name, t in (("output gradient", do), ("output", out)):
+            if tuple(t.shape) != (c.B, c.H, c.NQ, c.D) or t.dtype != c.dtype or t.device != c.device:
+                raise ValueError(f"elsa: the {name} is {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                                 f"{(c.B, c.H, c.NQ, c.D)} {c.dtype} on {c.device}")
+        contiguous = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         self.copy_do = unit_last("elsa", do) is not do
-        do_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D) if self.copy_do else tuple(do.stride()[:3])
+        do_strides = contiguous if self.copy_do else tuple(do.stride()[:3])
+        self.copy_out = unit_last("elsa", out) is not out
+        o_strides = contiguous if self.copy_out else tuple(out.stride()[:3])     # new_output's order, or any
         if bias_grad and c.NQ * c.NK > _INT32_MAX:
             raise ValueError(f"elsa: the attn_bias gradient of one head ({c.NQ} x {c.NK}) exceeds 2^31 elements")
         self.bias_grad = bias_grad
@@ -297,7 +332,6 @@ class _BwdPlan(LaunchPlan):
         self.ds_dtype = dscores_dtype(self.q_shape, c.NK, bias)
         plan = self.plan = plan_backward(c.D, c.dtype, config)
         self.launches = backward_launches(c.NQ, c.NK, c.dtype, config)
-        out_strides = (c.H * c.NQ * c.D, c.NQ * c.D, c.D)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
         dq_m, dq_n, dq_warps, dq_stages = plan.dq
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
@@ -307,14 +341,14 @@ class _BwdPlan(LaunchPlan):
             kv_programs = kv_blocks * c.B * c.HKV
             self.grid = (kv_programs + q_blocks * c.BH,)
             self.one = Prepared(_elsa_bwd_one_launch, self.grid, (
-                *c.qkv_strides, *out_strides, *do_strides, *out_strides, *kv_strides, *kv_strides, *c.bias_strides,
+                *c.qkv_strides, *o_strides, *do_strides, *contiguous, *kv_strides, *kv_strides, *c.bias_strides,
                 c.H, c.group, c.NQ, c.NK, kv_blocks, q_blocks, kv_programs, c.qk_scale, c.scale), dict(
                 c.flags, DQ_BLOCK_M=dq_m, DQ_BLOCK_N=dq_n, KV_BLOCK_M=kv_m, KV_BLOCK_N=kv_n, BIAS_GRAD=bias_grad,
                 GROUPED=c.group > 1, num_warps=max(dq_warps, kv_warps), num_stages=min(dq_stages, kv_stages)))
         else:
             self.dq_grid = (q_blocks, c.BH)
             self.dq = Prepared(_elsa_bwd_dq, self.dq_grid, (
-                *c.qkv_strides, *out_strides, *do_strides, *out_strides, *c.bias_strides,
+                *c.qkv_strides, *o_strides, *do_strides, *contiguous, *c.bias_strides,
                 c.H, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
                 c.flags, BLOCK_M=dq_m, BLOCK_N=dq_n, BIAS_GRAD=bias_grad, num_warps=dq_warps, num_stages=dq_stages))
             self.dkdv_grid = (kv_blocks, c.B * c.HKV)
@@ -333,6 +367,8 @@ class _BwdPlan(LaunchPlan):
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
         if self.copy_do:
             do = do.contiguous()
+        if self.copy_out:
+            out = out.contiguous()
         dev = c.device
         if self.empty:
             grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
@@ -376,13 +412,14 @@ class _BwdPlan(LaunchPlan):
         return grads
 
 
-def backward_plan(do, q, k, v, bias, causal: bool, scale: float, precision: str, config: str, bias_grad: bool):
+def backward_plan(do, q, k, v, out, bias, causal: bool, scale: float, precision: str, config: str,
+                  bias_grad: bool):
     """The cached plan of this backward signature (made on first use)."""
     key = (_signature(q, k, v, bias, causal, scale, precision, config, bias_grad), do.shape, do.stride(),
-           do.dtype, do.data_ptr() & 15 == 0)
+           do.dtype, do.data_ptr() & 15 == 0, out.shape, out.stride(), out.dtype, out.data_ptr() & 15 == 0)
     plan = _bwd_plans.get(key)
     if plan is None:
-        plan = _bwd_plans.put(key, _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad))
+        plan = _bwd_plans.put(key, _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad))
     return plan
 
 
@@ -391,7 +428,8 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision:
     """(dq, dk, dv), and with bias_grad dscores, the gradient of the natural-log scores [B, Hq, Nq, Nk] (what
     attn_bias's gradient sums; fp32, or attn_bias's dtype where it has that full shape: dscores_dtype); dk, dv
     summed over each key/value head's query group."""
-    return backward_plan(do, q, k, v, bias, causal, scale, precision, config, bias_grad)(do, q, k, v, out, lse, bias)
+    return backward_plan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad)(
+        do, q, k, v, out, lse, bias)
 
 
 def traced_backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
@@ -400,5 +438,5 @@ def traced_backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, pre
     descriptors, so every call ``traceable`` can be handed to inductor."""
     if not traceable(do, q, k, v, out, lse, bias):
         return None
-    return _BwdPlan(do, q, k, v, bias, causal, scale, precision, config, bias_grad).run(
+    return _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad).run(
         do, q, k, v, out, lse, bias, traced=True)
