@@ -60,9 +60,9 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
       (that materialises an fp32 [B, Hq, Nq, Nk] buffer: fine for window attention, not for long N).
     config: tile overrides {part: {param: value}} for tests and tuning, parts "fwd", "dq", "dkdv"
       (BLOCK_M, BLOCK_N, num_warps, num_stages) and "plan" (partition_width, q_chunk, bwd_launches); see config.py.
-    Returns [B, Hq, Nq, D]. Where q is a view with its heads inside its rows (sliced from one [B, N, 3, H, D]
-      projection) and no length exceeds 1024, the output is such a view too, as SDPA's flash and efficient
-      backends return theirs: out.transpose(1, 2).reshape(B, Nq, Hq * D) is then free (host.out_heads_inner).
+    Returns [B, Hq, Nq, D]. Where q has its heads inside its rows in memory (sliced from one [B, N, 3, H, D]
+      projection) and no length exceeds 1024, the output is laid out so too, as SDPA's flash and efficient
+      backends lay out theirs: out.transpose(1, 2).reshape(B, Nq, Hq * D) is then free (host.out_heads_inner).
     Rows with no visible key give 0. Differentiable; runs under torch.compile(fullgraph=True) and CUDA graphs.
     """
     if config is not None or _is_compiling():

@@ -60,10 +60,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def out_heads_inner(q, nk: int) -> bool:
-    """Whether the output is allocated [B, Nq, Hq, D] and returned as its [B, Hq, Nq, D] view: where q itself is
-    such a view (heads inside rows: timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's
-    flash and efficient backends return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and
-    not a copy kernel. Up to SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's
+    """Whether the output [B, Hq, Nq, D] is laid out as [B, Nq, Hq, D] in memory: where q is (heads inside rows:
+    timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's flash and efficient backends
+    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Up to SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's
     strides (the tensor-descriptor and Gluon stores take [B*Hq*Nq, D] rows), and while one head's rows stay within
     int32 offsets."""
     _, h, n, d = q.shape
@@ -71,18 +70,16 @@ def out_heads_inner(q, nk: int) -> bool:
             and (n - 1) * h * d + d <= _INT32_MAX)
 
 
-def new_output(q, nk: int):
-    """The forward's output [B, Hq, Nq, D] in q's dtype and device, in the memory order out_heads_inner says
-    (the real forward, its traced form and the fake all allocate through here)."""
-    b, h, n, d = q.shape
-    if out_heads_inner(q, nk):
-        return q.new_empty((b, n, h, d)).transpose(1, 2)
-    return q.new_empty((b, h, n, d))
-
-
 def _out_strides(b: int, h: int, n: int, d: int, heads_inner: bool) -> tuple:
-    """(batch, head, row) strides of the output new_output allocates."""
-    return (n * h * d, d, h * d) if heads_inner else (h * n * d, n * d, d)
+    """The strides of the output [B, Hq, Nq, D] in the memory order out_heads_inner says."""
+    return (n * h * d, d, h * d, 1) if heads_inner else (h * n * d, n * d, d, 1)
+
+
+def new_output(q, nk: int):
+    """The forward's output [B, Hq, Nq, D] in q's dtype and device, in the memory order out_heads_inner says: a
+    tensor of its own with those strides, not a view (autograd refuses in-place changes to a view a custom Function
+    returns). The real forward (once per plan), its traced form and the fake allocate it alike."""
+    return q.new_empty_strided(q.shape, _out_strides(*q.shape, out_heads_inner(q, nk)))
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
@@ -139,8 +136,9 @@ class _FwdPlan(LaunchPlan):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
         self.need_lse = need_lse
-        self.heads_inner = out_heads_inner(q, c.NK)       # decided on the caller's q, as new_output does
-        self.out_alloc = (c.B, c.NQ, c.H, c.D) if self.heads_inner else (c.B, c.H, c.NQ, c.D)
+        # the output's memory order, decided on the caller's q as new_output does (run() may copy q)
+        self.out_shape = (c.B, c.H, c.NQ, c.D)
+        self.out_strides = _out_strides(c.B, c.H, c.NQ, c.D, out_heads_inner(q, c.NK))
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
@@ -163,7 +161,7 @@ class _FwdPlan(LaunchPlan):
         if traced:          # the Gluon core's launch (host-made descriptors) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not plan.gluon
         bm, W, P = plan.block_m, plan.width, plan.parts
-        out_strides = _out_strides(c.B, c.H, c.NQ, c.D, self.heads_inner)
+        out_strides = self.out_strides[:3]
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
         nrows = 0 if plan.final else P * qb_max * c.BH * bm
         self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
@@ -202,11 +200,9 @@ class _FwdPlan(LaunchPlan):
         cq, ck, cv = c.copy
         if cq or ck or cv:
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
-        # new_empty: less host time than torch.empty(shape, dtype=, device=) (q has the plan's dtype and device);
-        # the memory order of new_output
-        out = q.new_empty(self.out_alloc)
-        if self.heads_inner:
-            out = out.transpose(1, 2)
+        # new_empty_strided: less host time than torch.empty_strided(..., dtype=, device=) (q has the plan's dtype
+        # and device); the memory order of new_output
+        out = q.new_empty_strided(self.out_shape, self.out_strides)
         lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else (q if traced else out)
         b = q if bias is None else bias
         if traced:
