@@ -62,16 +62,18 @@ def _cdiv(a: int, b: int) -> int:
 def out_heads_inner(q, nk: int) -> bool:
     """Whether the output [B, Hq, Nq, D] is laid out as [B, Nq, Hq, D] in memory: where q is (heads inside rows:
     timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's flash and efficient backends
-    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Up to SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's
-    strides (the tensor-descriptor and Gluon stores take [B*Hq*Nq, D] rows), and while one head's rows stay within
-    int32 offsets."""
+    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Up to
+    SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's strides (the
+    tensor-descriptor and Gluon stores take [B*Hq*Nq, D] rows), and while one head's rows stay within int32
+    offsets."""
     _, h, n, d = q.shape
     return (h > 1 and n > 1 and q.stride(1) < q.stride(2) and max(n, nk) <= SHORT_N
             and (n - 1) * h * d + d <= _INT32_MAX)
 
 
-def _out_strides(b: int, h: int, n: int, d: int, heads_inner: bool) -> tuple:
-    """The strides of the output [B, Hq, Nq, D] in the memory order out_heads_inner says."""
+def _out_strides(shape, heads_inner: bool) -> tuple:
+    """The strides of the output of this [B, Hq, Nq, D] shape in the memory order out_heads_inner says."""
+    _, h, n, d = shape
     return (n * h * d, d, h * d, 1) if heads_inner else (h * n * d, n * d, d, 1)
 
 
@@ -79,7 +81,7 @@ def new_output(q, nk: int):
     """The forward's output [B, Hq, Nq, D] in q's dtype and device, in the memory order out_heads_inner says: a
     tensor of its own with those strides, not a view (autograd refuses in-place changes to a view a custom Function
     returns). The real forward (once per plan), its traced form and the fake allocate it alike."""
-    return q.new_empty_strided(q.shape, _out_strides(*q.shape, out_heads_inner(q, nk)))
+    return q.new_empty_strided(q.shape, _out_strides(q.shape, out_heads_inner(q, nk)))
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
@@ -138,7 +140,7 @@ class _FwdPlan(LaunchPlan):
         self.need_lse = need_lse
         # the output's memory order, decided on the caller's q as new_output does (run() may copy q)
         self.out_shape = (c.B, c.H, c.NQ, c.D)
-        self.out_strides = _out_strides(c.B, c.H, c.NQ, c.D, out_heads_inner(q, c.NK))
+        self.out_strides = _out_strides(self.out_shape, out_heads_inner(q, c.NK))
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
