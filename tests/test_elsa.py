@@ -536,6 +536,28 @@ def test_compile_fullgraph_with_bias_groups_and_config_like_eager(device):
         assert _max_err(compiled(q, k, v, bias), out_e) <= 1e-6
 
 
+def test_compile_a_timm_style_block_like_eager(device):
+    """A ViT attention block as timm writes it (one qkv projection, permute and unbind into q, k, v whose heads lie
+    inside their rows, the output transposed and reshaped back): compiled (fullgraph; inductor on the GPU, where
+    the launches are traced with the output in that memory order) equals eager, forward and gradients, 16-bit."""
+    torch._dynamo.reset()
+    B, N, H, D = 2, 33, 3, 32
+    dtype = torch.float16
+    x = torch.randn(B, N, H * D, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(3 * H * D, H * D, device=device) / (H * D) ** 0.5).to(dtype).requires_grad_(True)
+
+    def block(x, w):
+        q, k, v = (x @ w.t()).reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        return elsa_attention(q, k, v).transpose(1, 2).reshape(B, N, H * D)
+
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if device.type == "cuda" else "aot_eager")
+    out_c, out_e = compiled(x, w), block(x, w)
+    assert _max_err(out_c, out_e) <= 1e-3
+    do = torch.randn_like(out_e)
+    for gc, ge in zip(torch.autograd.grad(out_c, (x, w), do), torch.autograd.grad(out_e, (x, w), do)):
+        assert _max_err(gc, ge) <= 1e-2 * max(1.0, ge.abs().max().item())
+
+
 def test_traced_launches_compute_what_eager_does(device):
     """The launches torch.compile's trace hands to inductor (host.py, run(traced=True): each through wrap_triton,
     unused pointers on q) compute what eager's do: forward one partition and several (two q-chunks), with lse and
