@@ -11,6 +11,10 @@ replaced, by a copy of timm's forward in which softmax(Q K^T * scale + bias) V i
     and, for shifted windows, the block's (0 / -100) mask [nW, N, N], both additive on the scores.
 The kernel gets the bias through ``attn_bias=`` (broadcastable to [B, H, N, N]); the relative-position
 bias is broadcast over the windows with stride 0, and its gradient flows back to the bias table.
+Where the kernel's module also has ``<name>_qkvpacked`` (ELSA's elsa_attention_qkvpacked), the patched forwards
+hand it the projection's q, k, v packed as [B, N, 3, H, D] (ViT without q/k norms or a mask; Swin) instead of
+slicing them out: in eager mode that spares each layer's autograd graph the slicing's view steps and the stack of
+the three gradients; otherwise it is the kernel on the slices, as before.
 
 Any other module whose class name says "Attention" is refused with a ValueError naming the module:
 patching half a model's attention and timing it as "the model with our kernel" would be a lie.
@@ -67,6 +71,12 @@ def _kernel_head_dims(fn: Callable):
     return tuple(dims) if dims is not None else None
 
 
+def _packed_variant(fn: Callable):
+    """The kernel's packed-q/k/v form, ``<name>_qkvpacked`` in the kernel's module ([B, N, 3, H, D] -> [B, N, H, D],
+    the same keyword arguments), or None."""
+    return getattr(inspect.getmodule(fn), f"{getattr(fn, '__name__', '')}_qkvpacked", None)
+
+
 def _accepts_bias(fn: Callable) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -77,20 +87,23 @@ def _accepts_bias(fn: Callable) -> bool:
 
 # --- the patched forwards ----------------------------------------------------------------------------
 
-def _call_kernel(module, q, k, v, *, causal=False, attn_bias=None):
-    """The kernel call shared by every patched forward, with the checks the swap itself needs."""
+def _call_kernel(module, q, k, v, *, causal=False, attn_bias=None, packed=None):
+    """The kernel call shared by every patched forward, with the checks the swap itself needs. packed: q, k, v as
+    one [B, N, 3, H, D] tensor (q, k, v None) for the kernel's packed form, which returns [B, N, H, D]."""
     patch = getattr(module, _PATCH_ATTR)
     if module.training and module.attn_drop.p > 0:
         raise RuntimeError(f"{patch['path']}: attention dropout p={module.attn_drop.p} in training mode; "
                            "our kernels are exact softmax attention (set attn_drop to 0)")
+    inputs = (packed,) if packed is not None else (q, k, v)
     if not patch["train"] and torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or (attn_bias is not None and attn_bias.requires_grad)):
+            any(t.requires_grad for t in inputs) or (attn_bias is not None and attn_bias.requires_grad)):
         raise RuntimeError(f"{patch['path']}: patched for inference; run it under torch.no_grad() "
                            "or patch with train=True (patch_timm_attention_train) for gradients")
     kwargs = {"causal": causal, "scale": module.scale}
     if attn_bias is not None:
         kwargs["attn_bias"] = attn_bias
+    if packed is not None:
+        return patch["packed"](packed, **kwargs)
     return patch["fn"](q, k, v, **kwargs)
 
 
@@ -109,13 +122,18 @@ def _vit_forward(self, x, attn_mask=None, is_causal=False):
     B, N, _ = x.shape
     gate = getattr(self, "gate", None)
     gate = gate(x).sigmoid() if gate is not None else None
-    qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
-    q, k = self.q_norm(q), self.k_norm(k)
     if is_causal and attn_mask is not None:
         raise ValueError(f"{getattr(self, _PATCH_ATTR)['path']}: pass attn_mask or is_causal, not both")
-    x = _call_kernel(self, q, k, v, causal=bool(is_causal), attn_bias=_mask_to_bias(attn_mask, q.dtype))
-    x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
+    qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
+    if (getattr(self, _PATCH_ATTR)["packed"] is not None and attn_mask is None
+            and isinstance(self.q_norm, torch.nn.Identity) and isinstance(self.k_norm, torch.nn.Identity)):
+        x = _call_kernel(self, None, None, None, causal=bool(is_causal), packed=qkv)
+    else:
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = _call_kernel(self, q, k, v, causal=bool(is_causal), attn_bias=_mask_to_bias(attn_mask, q.dtype))
+        x = x.transpose(1, 2)
+    x = x.reshape(B, N, self.num_heads * self.head_dim)
     norm = getattr(self, "norm", None)
     if norm is not None:
         x = norm(x)
@@ -158,11 +176,14 @@ def swin_window_bias(rel_pos_bias: torch.Tensor, mask: torch.Tensor | None, num_
 def _swin_forward(self, x, mask=None):
     # timm.models.swin_transformer.WindowAttention.forward, with the kernel in place of the softmax.
     B_, N, _ = x.shape
-    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)
     bias = swin_window_bias(_swin_rel_pos_bias(self), mask, B_)
-    x = _call_kernel(self, q, k, v, attn_bias=bias)
-    x = x.transpose(1, 2).reshape(B_, N, -1)
+    if getattr(self, _PATCH_ATTR)["packed"] is not None:
+        x = _call_kernel(self, None, None, None, attn_bias=bias, packed=qkv)
+    else:
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        x = _call_kernel(self, q, k, v, attn_bias=bias).transpose(1, 2)
+    x = x.reshape(B_, N, -1)
     x = self.proj(x)
     x = self.proj_drop(x)
     return x
@@ -238,7 +259,8 @@ def patch_timm_attention(model: torch.nn.Module, kernel: str | Callable = "elsa"
         raise ValueError(f"cannot patch {type(model).__name__}: no timm ViT Attention or Swin WindowAttention "
                          "module found")
     for path, module, forward in targets:
-        setattr(module, _PATCH_ATTR, {"kernel": name, "fn": fn, "train": bool(train), "path": path or "<root>"})
+        setattr(module, _PATCH_ATTR, {"kernel": name, "fn": fn, "packed": _packed_variant(fn), "train": bool(train),
+                                      "path": path or "<root>"})
         module.forward = types.MethodType(forward, module)
     return model
 

@@ -324,6 +324,51 @@ def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
     assert not host.out_heads_inner(long_q, 8) and host.out_heads_inner(long_q[:, :, :8], 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qkvpacked_is_exact_on_both_of_its_paths(device, dtype):
+    """elsa_attention_qkvpacked: [B, N, 3, H, D] -> [B, N, H, D], against float64 on the slices: the forward, the
+    gradient of qkv (written as one tensor by its own autograd step) and of a bias (full-shape and broadcast),
+    causal and not; float32 runs the two-launch backward, 16-bit the one-launch one. Without grad the same output;
+    with one head it takes the path on the slices (elsa_attention), still exact; under torch.compile too."""
+    from kernels.elsa import elsa_attention_qkvpacked
+    B, N, H, D = 2, 37, 3, 32
+    for causal, bias_shape in ((False, None), (True, (B, H, N, N)), (False, (1, H, N, N))):
+        qkv = _rand((B, N, 3, H, D), dtype, device, True)
+        bias = None if bias_shape is None else _rand(bias_shape, dtype, device, True)
+        out = elsa_attention_qkvpacked(qkv, causal=causal, attn_bias=bias)
+        assert out.shape == (B, N, H, D) and type(out.grad_fn).__name__ == "_ElsaPackedFunctionBackward"
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        ref = reference_attention(q, k, v, causal=causal, attn_bias=bias).transpose(1, 2)
+        assert _max_err(out, ref) <= FWD_TOL[dtype]
+        inputs = (qkv,) if bias is None else (qkv, bias)
+        do = _rand(out.shape, dtype, device)
+        for g, r in zip(torch.autograd.grad(out, inputs, do), torch.autograd.grad(ref, inputs, do.double())):
+            assert g.shape == r.shape and _max_err(g, r) <= GRAD_TOL[dtype] * max(1.0, r.abs().max().item())
+        with torch.no_grad():
+            assert _max_err(elsa_attention_qkvpacked(qkv, causal=causal, attn_bias=bias), out) <= 1e-6
+    one_head = _rand((B, N, 3, 1, D), dtype, device, True)
+    out = elsa_attention_qkvpacked(one_head)
+    assert type(out.grad_fn).__name__ != "_ElsaPackedFunctionBackward" and out.shape == (B, N, 1, D)
+    q, k, v = one_head.permute(2, 0, 3, 1, 4).unbind(0)
+    assert _max_err(out, reference_attention(q, k, v).transpose(1, 2)) <= FWD_TOL[dtype]
+    torch._dynamo.reset()
+    qkv = _rand((B, N, 3, H, D), dtype, device, True)
+    compiled = torch.compile(elsa_attention_qkvpacked, fullgraph=True,
+                             backend="inductor" if device.type == "cuda" else "aot_eager")
+    out_c, out_e = compiled(qkv), elsa_attention_qkvpacked(qkv)
+    assert _max_err(out_c, out_e) <= 1e-6
+    do = torch.randn_like(out_e)
+    assert _max_err(torch.autograd.grad(out_c, qkv, do)[0], torch.autograd.grad(out_e, qkv, do)[0]) <= 1e-5
+
+
+def test_qkvpacked_bad_input_is_one_line(device):
+    from kernels.elsa import elsa_attention_qkvpacked
+    with pytest.raises(ValueError, match=r"^elsa: qkv must be a \[B, N, 3, H, D\] tensor, got \(2, 5, 4, 8\)$"):
+        elsa_attention_qkvpacked(torch.randn(2, 5, 4, 8, device=device))
+    with pytest.raises(ValueError, match=r"^elsa: qkv must be a \[B, N, 3, H, D\] tensor, got \(1, 5, 2, 2, 16\)$"):
+        elsa_attention_qkvpacked(torch.randn(1, 5, 2, 2, 16, device=device))
+
+
 def test_backward_reads_the_output_in_the_order_it_is_given(device):
     """The backward op called directly with an output in another memory order than the forward's (a contiguous
     copy of a heads-inside-rows output, and the reverse): its plan is keyed by the output's strides, the gradients

@@ -4,7 +4,7 @@ Phase 1 writes one (m, z, s) monoid summary per (query row, key partition) to gl
 a separate launch, merges them and writes out = s / z. See NOTES.md and shared/specs/elsa.md.
 The public function calls the torch.library ops attnbench::elsa / elsa_fwd / elsa_bwd (ops.py).
 """
-from .attention import HEAD_DIMS, PRECISIONS, elsa_attention
+from .attention import HEAD_DIMS, PRECISIONS, elsa_attention, elsa_attention_qkvpacked
 from .trace import trace_launches
 
 BACKENDS = {
@@ -25,4 +25,4 @@ BACKENDS = {
     ),
 }
 
-__all__ = ["elsa_attention", "trace_launches", "BACKENDS", "PRECISIONS", "HEAD_DIMS"]
+__all__ = ["elsa_attention", "elsa_attention_qkvpacked", "trace_launches", "BACKENDS", "PRECISIONS", "HEAD_DIMS"]

@@ -8,14 +8,16 @@ import torch
 
 from .._common import (HEAD_DIMS, PRECISIONS, SignatureCache, check_inputs, check_precision, default_scale,
                        signature)
-from . import ops
+from .._ops import eager
+from . import host, ops
 from .config import canonical_config
 
-__all__ = ["elsa_attention", "HEAD_DIMS", "PRECISIONS"]
+__all__ = ["elsa_attention", "elsa_attention_qkvpacked", "HEAD_DIMS", "PRECISIONS"]
 
 # Signatures already validated -> the resolved scale (validation is a fixed cost per call that a short
 # sequence feels: it runs once per signature, the cache key holds everything it checks).
 _validated = SignatureCache()
+_packed_validated = SignatureCache()       # elsa_attention_qkvpacked's: (resolved scale, whether it takes its path)
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -77,3 +79,32 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
         if key is not None:
             _validated.put(key, resolved)
     return ops.elsa_call(q, k, v, attn_bias, causal, resolved, precision, "")
+
+
+def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", attn_bias=None):
+    """elsa_attention of q, k, v packed in one tensor as one projection makes them (FlashAttention's qkvpacked
+    form): qkv [B, N, 3, H, D] -> out [B, N, H, D], with q = qkv[:, :, 0].transpose(1, 2), k and v likewise;
+    causal, scale, precision and attn_bias as elsa_attention's.
+
+    In eager mode with plain tensors (up to 1024 tokens, more than one head) the slicing of q, k, v and the
+    output's transpose happen inside the kernel's own autograd step, and the gradient of qkv is written as one
+    tensor: the view steps and the stack of dq, dk, dv that slicing outside would add to every call's autograd
+    graph are not there (host time per call: a timm ViT or Swin layer, kernels/timm_patch.py). Elsewhere
+    (torch.compile, dispatch modes, tensor subclasses, longer sequences) it is elsa_attention on the slices.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"elsa: qkv must be a [B, N, 3, H, D] tensor, got {got}")
+    if not _is_compiling() and eager(qkv, attn_bias):
+        key = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, causal, scale, precision)
+        if attn_bias is not None:
+            key = (key, attn_bias.shape, attn_bias.dtype, attn_bias.device)
+        resolved = _packed_validated.get(key)
+        if resolved is None:
+            q, k, v = ops.qkv_views(qkv.detach())
+            takes = qkv.numel() > 0 and host.out_heads_inner(q, k.shape[2])
+            resolved = _packed_validated.put(key, (_validate(q, k, v, causal, scale, precision, attn_bias), takes))
+        if resolved[1]:
+            return ops.elsa_packed_call(qkv, attn_bias, causal, resolved[0], precision)
+    q, k, v = ops.qkv_views(qkv)
+    return elsa_attention(q, k, v, causal, scale, precision, attn_bias).transpose(1, 2)

@@ -192,10 +192,11 @@ class _FwdPlan(LaunchPlan):
                               p2_const)
             self.chunks.append((p1, p2, dict(q0=q0, qlen=qlen, QB=QB, grid1=grid1, grid2=grid2)))
 
-    def run(self, q, k, v, bias, traced=False):
+    def run(self, q, k, v, bias, traced=False, out=None):
         """(out, lse or None). traced: torch.compile's trace (traced_forward): each launch through
         Prepared.traced, and a pointer the launch leaves unused gets q, which no launch writes: no two arguments
-        of one launch alias a tensor it writes (functionalization could otherwise keep the wrong one's copy)."""
+        of one launch alias a tensor it writes (functionalization could otherwise keep the wrong one's copy).
+        out: the output to write (eager; the packed entry's), with the plan's strides (new_output's order)."""
         c = self.c
         if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
@@ -204,7 +205,10 @@ class _FwdPlan(LaunchPlan):
             q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
         # new_empty_strided: less host time than torch.empty_strided(..., dtype=, device=) (q has the plan's dtype
         # and device); the memory order of new_output
-        out = q.new_empty_strided(self.out_shape, self.out_strides)
+        if out is None:
+            out = q.new_empty_strided(self.out_shape, self.out_strides)
+        elif out.stride() != self.out_strides:
+            raise ValueError(f"elsa: an output buffer with strides {out.stride()}, the plan writes {self.out_strides}")
         lse = q.new_empty(self.lse_shape, dtype=_f32) if self.need_lse else (q if traced else out)
         b = q if bias is None else bias
         if traced:
@@ -277,9 +281,10 @@ def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, conf
     return plan
 
 
-def forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
-    """(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 in log2 units, or None unless need_lse)."""
-    return forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)(q, k, v, bias)
+def forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool, out=None):
+    """(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32 in log2 units, or None unless need_lse); out: written in place
+    when given (new_output's strides)."""
+    return forward_plan(q, k, v, bias, causal, scale, precision, config, need_lse)(q, k, v, bias, False, out)
 
 
 def traced_forward(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
@@ -309,7 +314,7 @@ class _BwdPlan(LaunchPlan):
     """Buffers and prepared launches of the backward of one signature (that of the forward plus the layouts of dO
     and of the forward's output)."""
 
-    def __init__(self, do, q, k, v, out, bias, causal, scale, precision, config, bias_grad):
+    def __init__(self, do, q, k, v, out, bias, causal, scale, precision, config, bias_grad, packed=False):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
         for name, t in (("output gradient", do), ("output", out)):
@@ -331,6 +336,13 @@ class _BwdPlan(LaunchPlan):
         plan = self.plan = plan_backward(c.D, c.dtype, config)
         self.launches = backward_launches(c.NQ, c.NK, c.dtype, config)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
+        dq_strides = contiguous
+        # packed: dq, dk, dv go to the slices of one [B, N, 3, H, D] buffer (run's dqkv), the packed entry's gradient
+        self.packed = packed
+        if packed:
+            if c.group != 1 or c.NQ != c.NK:
+                raise ValueError("elsa: a packed q, k, v gradient needs as many key/value heads and keys as queries")
+            dq_strides = kv_strides = (c.NQ * 3 * c.H * c.D, c.D, 3 * c.H * c.D)
         dq_m, dq_n, dq_warps, dq_stages = plan.dq
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
@@ -339,14 +351,14 @@ class _BwdPlan(LaunchPlan):
             kv_programs = kv_blocks * c.B * c.HKV
             self.grid = (kv_programs + q_blocks * c.BH,)
             self.one = Prepared(_elsa_bwd_one_launch, self.grid, (
-                *c.qkv_strides, *o_strides, *do_strides, *contiguous, *kv_strides, *kv_strides, *c.bias_strides,
+                *c.qkv_strides, *o_strides, *do_strides, *dq_strides, *kv_strides, *kv_strides, *c.bias_strides,
                 c.H, c.group, c.NQ, c.NK, kv_blocks, q_blocks, kv_programs, c.qk_scale, c.scale), dict(
                 c.flags, DQ_BLOCK_M=dq_m, DQ_BLOCK_N=dq_n, KV_BLOCK_M=kv_m, KV_BLOCK_N=kv_n, BIAS_GRAD=bias_grad,
                 GROUPED=c.group > 1, num_warps=max(dq_warps, kv_warps), num_stages=min(dq_stages, kv_stages)))
         else:
             self.dq_grid = (q_blocks, c.BH)
             self.dq = Prepared(_elsa_bwd_dq, self.dq_grid, (
-                *c.qkv_strides, *o_strides, *do_strides, *contiguous, *c.bias_strides,
+                *c.qkv_strides, *o_strides, *do_strides, *dq_strides, *c.bias_strides,
                 c.H, c.group, c.NQ, c.NK, c.qk_scale, c.scale), dict(
                 c.flags, BLOCK_M=dq_m, BLOCK_N=dq_n, BIAS_GRAD=bias_grad, num_warps=dq_warps, num_stages=dq_stages))
             self.dkdv_grid = (kv_blocks, c.B * c.HKV)
@@ -357,8 +369,9 @@ class _BwdPlan(LaunchPlan):
         # nothing to launch for empty problems: the gradients of zero rows / keys are empty or zero
         self.empty = c.BH == 0 or c.NQ == 0 or c.NK == 0
 
-    def run(self, do, q, k, v, out, lse, bias, traced=False):
-        """The gradients. traced: torch.compile's trace (traced_backward), as _FwdPlan.run's traced."""
+    def run(self, do, q, k, v, out, lse, bias, traced=False, dqkv=None):
+        """The gradients. traced: torch.compile's trace (traced_backward), as _FwdPlan.run's traced. dqkv: a
+        packed plan's [B, N, 3, H, D] gradient buffer, which dq, dk, dv are then slices of."""
         c = self.c
         cq, ck, cv = c.copy
         if cq or ck or cv:
@@ -372,9 +385,12 @@ class _BwdPlan(LaunchPlan):
             grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
                      _zeros(self.kv_shape, dtype=c.dtype, device=dev))
             return grads + (_zeros(self.ds_shape, dtype=self.ds_dtype, device=dev),) if self.bias_grad else grads
-        dq = q.new_empty(self.q_shape)
-        dk = q.new_empty(self.kv_shape)
-        dv = q.new_empty(self.kv_shape)
+        if self.packed:
+            dq, dk, dv = dqkv.unbind(2)             # [B, N, H, D] views: the launches take their pointers
+        else:
+            dq = q.new_empty(self.q_shape)
+            dk = q.new_empty(self.kv_shape)
+            dv = q.new_empty(self.kv_shape)
         ds = q                                      # dS unused without bias_grad
         if self.bias_grad:
             # causal: the tiles past the diagonal are never visited, so they must start at zero
@@ -411,23 +427,25 @@ class _BwdPlan(LaunchPlan):
 
 
 def backward_plan(do, q, k, v, out, bias, causal: bool, scale: float, precision: str, config: str,
-                  bias_grad: bool):
+                  bias_grad: bool, packed: bool = False):
     """The cached plan of this backward signature (made on first use)."""
     key = (_signature(q, k, v, bias, causal, scale, precision, config, bias_grad), do.shape, do.stride(),
-           do.dtype, do.data_ptr() & 15 == 0, out.shape, out.stride(), out.dtype, out.data_ptr() & 15 == 0)
+           do.dtype, do.data_ptr() & 15 == 0, out.shape, out.stride(), out.dtype, out.data_ptr() & 15 == 0, packed)
     plan = _bwd_plans.get(key)
     if plan is None:
-        plan = _bwd_plans.put(key, _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad))
+        plan = _bwd_plans.put(key, _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad,
+                                            packed))
     return plan
 
 
 def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
-             bias_grad: bool):
+             bias_grad: bool, dqkv=None):
     """(dq, dk, dv), and with bias_grad dscores, the gradient of the natural-log scores [B, Hq, Nq, Nk] (what
     attn_bias's gradient sums; fp32, or attn_bias's dtype where it has that full shape: dscores_dtype); dk, dv
-    summed over each key/value head's query group."""
-    return backward_plan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad)(
-        do, q, k, v, out, lse, bias)
+    summed over each key/value head's query group. dqkv: a [B, N, 3, H, D] buffer (q, k, v sliced from one such
+    tensor, as many heads and keys as queries) that dq, dk, dv are written to, as its slices."""
+    return backward_plan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad, dqkv is not None)(
+        do, q, k, v, out, lse, bias, False, dqkv)
 
 
 def traced_backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,

@@ -125,3 +125,56 @@ class _ElsaFunction(KernelFunction):
 
 # what elsa_attention calls in eager mode: the Autograd kernel, or the op where a mode or tracer must see it
 elsa_call = register_autograd(_lib, "elsa", _ElsaFunction, _elsa_impl, tensors=4)
+
+
+def qkv_views(qkv):
+    """q, k, v [B, H, N, D] of a packed [B, N, 3, H, D] tensor: views, no copy (their heads lie inside their rows)."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class _ElsaPackedFunction(KernelFunction):
+    """elsa_attention_qkvpacked's autograd formula, eager and plain tensors only (attention.py decides): q, k, v
+    are sliced from qkv inside it, so the graph holds no view steps for them; the forward writes the [B, N, H, D]
+    output in place (host.forward's out, in new_output's order); the backward writes dq, dk, dv as the slices of
+    one [B, N, 3, H, D] gradient (host.backward's dqkv), where slicing outside would stack three."""
+
+    @staticmethod
+    def forward(ctx, qkv, attn_bias, causal, scale, precision):
+        q, k, v = qkv_views(qkv)
+        b, n, _, h, d = qkv.shape
+        out = qkv.new_empty((b, n, h, d))
+        lse = host.forward(q, k, v, attn_bias, causal, scale, precision, "", True, out.transpose(1, 2))[1]
+        ctx.save_for_backward(qkv, out, lse, attn_bias)
+        ctx.options = (causal, scale, precision, "")
+        return out
+
+    @staticmethod
+    def gradients(ctx, grad_out):
+        qkv, out, lse, attn_bias = ctx.saved_tensors
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[1]
+        q, k, v = qkv_views(qkv)
+        do, o = grad_out.transpose(1, 2), out.transpose(1, 2)
+        if plain(grad_out, qkv, out, lse, attn_bias):
+            dqkv = qkv.new_empty(qkv.shape)
+            grads = host.backward(do, q, k, v, o, lse, attn_bias, *ctx.options, bias_grad, dqkv)
+        else:               # a mode or tracer that must see the ops (the forward saw none: see attention.py)
+            grads = (elsa_bwd_bias if bias_grad else elsa_bwd)(do, q, k, v, o, lse, attn_bias, *ctx.options)
+            dqkv = torch.stack([g.transpose(1, 2) for g in grads[:3]], dim=2)
+        ds = grads[3].sum_to_size(attn_bias.shape).to(attn_bias.dtype) if bias_grad else None
+        return dqkv, ds, None, None, None
+
+
+_packed_apply = super(torch.autograd.Function, _ElsaPackedFunction).apply      # Function.apply's C entry
+_grad_enabled = torch.is_grad_enabled
+
+
+def elsa_packed_call(qkv, attn_bias, causal, scale, precision):
+    """elsa_attention_qkvpacked's eager path (validated arguments): the Function when a gradient is needed, else the
+    inference body writing the [B, N, H, D] output in place."""
+    if _grad_enabled() and (qkv.requires_grad or (attn_bias is not None and attn_bias.requires_grad)):
+        return _packed_apply(qkv, attn_bias, causal, scale, precision)
+    b, n, _, h, d = qkv.shape
+    out = qkv.new_empty((b, n, h, d))
+    q, k, v = qkv_views(qkv)
+    host.forward(q, k, v, attn_bias, causal, scale, precision, "", False, out.transpose(1, 2))
+    return out
