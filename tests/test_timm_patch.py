@@ -118,6 +118,37 @@ def test_vit_train_gradients_match_native():
 
 
 @interpreted_kernels
+def test_packed_form_where_the_forward_allows_it(monkeypatch):
+    """ELSA's packed form (elsa_attention_qkvpacked) takes the projection's q, k, v as one tensor in ViT (no q/k
+    norm, no mask) and Swin (with its bias); a ViT with q/k norms, or a mask, slices them for elsa_attention. The
+    training step matches the native model's either way (with q/k norms: its output; the k-norm bias's gradient
+    is 0 up to rounding, the softmax being blind to a shift of every key by one vector)."""
+    import kernels.elsa.attention as attention
+    calls = []
+    packed = attention.elsa_attention_qkvpacked
+    monkeypatch.setattr(attention, "elsa_attention_qkvpacked", lambda qkv, **kw: calls.append(qkv.shape) or
+                        packed(qkv, **kw))
+    x = torch.randn(2, 3, 32, 32)
+    model = _tiny_vit().train()
+    native, patched = copy.deepcopy(model), patch_timm_attention_train(copy.deepcopy(model), "elsa")
+    _assert_grads_close(_grads(native, x), _grads(patched, x), FP32_GRAD_RTOL)
+    assert calls == [(2, 17, 3, 2, 32)] * 2
+    calls.clear()
+    model = _tiny_vit(qk_norm=True).train()
+    native, patched = copy.deepcopy(model), patch_timm_attention_train(copy.deepcopy(model), "elsa")
+    torch.testing.assert_close(patched(x), native(x), atol=FP32_OUT_ATOL, rtol=0)
+    assert calls == []
+    calls.clear()
+    vit = patch_timm_attention(_tiny_vit().eval(), "elsa")
+    with torch.no_grad():
+        vit.blocks[0].attn(torch.randn(2, 17, 64), attn_mask=torch.zeros(1, 2, 17, 17))
+    assert calls == []
+    swin = patch_timm_attention_train(_tiny_swin().train(), "elsa")
+    swin(torch.randn(1, 3, 56, 56)).sum().backward()
+    assert len(calls) == 4 and swin.layers[0].blocks[0].attn.relative_position_bias_table.grad is not None
+
+
+@interpreted_kernels
 def test_vit_attn_mask_and_causal_paths():
     """The caller's attn_mask (bool and additive) and is_causal reach the kernel with timm's semantics."""
     vit = _tiny_vit().eval()

@@ -132,6 +132,15 @@ def qkv_views(qkv):
     return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
+def _packed_forward(qkv, attn_bias, causal, scale, precision, need_lse):
+    """(out [B, N, H, D], lse or None): the forward body on qkv's slices, writing out in place."""
+    q, k, v = qkv_views(qkv)
+    b, n, _, h, d = qkv.shape
+    out = qkv.new_empty((b, n, h, d))
+    lse = host.forward(q, k, v, attn_bias, causal, scale, precision, "", need_lse, out.transpose(1, 2))[1]
+    return out, lse
+
+
 class _ElsaPackedFunction(KernelFunction):
     """elsa_attention_qkvpacked's autograd formula, eager and plain tensors only (attention.py decides): q, k, v
     are sliced from qkv inside it, so the graph holds no view steps for them; the forward writes the [B, N, H, D]
@@ -140,10 +149,7 @@ class _ElsaPackedFunction(KernelFunction):
 
     @staticmethod
     def forward(ctx, qkv, attn_bias, causal, scale, precision):
-        q, k, v = qkv_views(qkv)
-        b, n, _, h, d = qkv.shape
-        out = qkv.new_empty((b, n, h, d))
-        lse = host.forward(q, k, v, attn_bias, causal, scale, precision, "", True, out.transpose(1, 2))[1]
+        out, lse = _packed_forward(qkv, attn_bias, causal, scale, precision, True)
         ctx.save_for_backward(qkv, out, lse, attn_bias)
         ctx.options = (causal, scale, precision, "")
         return out
@@ -173,8 +179,4 @@ def elsa_packed_call(qkv, attn_bias, causal, scale, precision):
     inference body writing the [B, N, H, D] output in place."""
     if _grad_enabled() and (qkv.requires_grad or (attn_bias is not None and attn_bias.requires_grad)):
         return _packed_apply(qkv, attn_bias, causal, scale, precision)
-    b, n, _, h, d = qkv.shape
-    out = qkv.new_empty((b, n, h, d))
-    q, k, v = qkv_views(qkv)
-    host.forward(q, k, v, attn_bias, causal, scale, precision, "", False, out.transpose(1, 2))
-    return out
+    return _packed_forward(qkv, attn_bias, causal, scale, precision, False)[0]
