@@ -13,8 +13,8 @@ CUDA graphs and autograd like a built-in op:
 
 ``config`` is the canonical tile-override string of config.canonical_config ("" for the defaults). Each op has
 a CPU (Triton interpreter) and a CUDA implementation, the bodies in host.py, and a fake implementation for
-tracing. The bodies are opaque to the compiler, so their cached plans and prepared launches work under
-torch.compile as they do in eager mode.
+tracing. Under torch.compile each op becomes its Triton launches where host.traced_forward / traced_backward
+can hand them to inductor (decompose_when_traced below), and stays one opaque call elsewhere.
 
 Autograd is registered on ``attnbench::elsa`` at the Autograd dispatch key by kernels/_ops.py's pattern, the one
 all four kernels share: with grad needed it runs an autograd.Function (``_ElsaFunction``) whose forward is
@@ -22,6 +22,10 @@ elsa_fwd's body and whose backward is elsa_bwd's; otherwise the inference body (
 asked again, would only land in those bodies (plain tensors, no dispatch mode, functorch or profiler) they are
 called directly: one dispatcher trip per forward, none in the backward; otherwise the ops are called, so
 torch.compile, fake tensors and opcheck see them (kernels/_ops.py says why and what each way costs).
+
+elsa_attention_qkvpacked's eager path (``elsa_packed_call``, ``_ElsaPackedFunction``) calls the same bodies on the
+slices of one packed q/k/v tensor, with no op of its own: attention.py takes it only where ``eager`` holds, and
+everywhere else calls elsa_attention on the slices, so modes, tracers and the compiler see the ops above.
 """
 from __future__ import annotations
 
