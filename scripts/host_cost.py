@@ -48,6 +48,13 @@ and the differences that split a call:
   backward_node       bwd - body_bwd: torch.autograd.grad, the engine and the Python node around the body
 Shared pieces (``pieces.shared``): grad_builtin (torch.autograd.grad of a built-in op, q * 1: the engine's own cost,
 which SDPA pays too) and autograd_identity (an identity autograd.Function through torch.autograd.grad).
+Layer figures (``layer``, with the per-call figures; ELSA only): the attention of one timm ViT layer as its
+patched forward runs it, from the qkv projection's output [B, N, 3 * H * D] (requires grad; B=1, H=3 as ViT-T,
+N=--n, D=64) to the [B, N, H * D] input of the output projection, fwd (grad on) and fwdbwd: ``sdpa`` (timm's own
+path: reshape, permute and unbind into q, k, v, SDPA, transpose and reshape back), ``elsa_slices`` (the same
+slicing around elsa_attention) and ``elsa_packed`` (reshape to [B, N, 3, H, D], elsa_attention_qkvpacked,
+reshape: what kernels/timm_patch.py calls); ratios (``ratios["layer.<name>"]``) against ``sdpa``. What a model's
+eager training step pays per layer beside the kernels, the view steps and the stack of three gradients included.
 Registration patterns (``registration``): empty-bodied ops registered four ways, fwd / fwd_nograd / fwdbwd:
 custom_op + register_autograd, a Library op + register_autograd, kernels/_ops.py's pattern (what the kernels use),
 and the autograd.Function alone (no op: the floor).
@@ -184,6 +191,33 @@ def _kernel_entry(name):
     caps = importlib.import_module(KERNELS[name]).BACKENDS[name]
     causal = tuple(caps.get("causal", (False, True))) == (True,)
     return caps["fn"], causal, "bwd" in caps.get("modes", ("fwd", "bwd", "fwdbwd"))
+
+
+LAYER_HEADS, LAYER_DIM = 3, 64       # ViT-T's attention: 3 heads of 64
+
+
+def layer_calls(torch, n: int, dtype, dev, record) -> None:
+    """The layer figures (module docstring): fwd and fwdbwd of each way to run one ViT layer's attention."""
+    import torch.nn.functional as F
+
+    from kernels.elsa import elsa_attention, elsa_attention_qkvpacked
+
+    h, d = LAYER_HEADS, LAYER_DIM
+    g = torch.Generator(device="cpu").manual_seed(1)
+    qkv = torch.randn(1, n, 3 * h * d, generator=g).to(dev, dtype).requires_grad_(True)
+    dx = torch.randn(1, n, h * d, generator=g).to(dev, dtype)
+
+    def sliced(attend):
+        def layer(t):
+            q, k, v = t.reshape(1, n, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+            return attend(q, k, v).transpose(1, 2).reshape(1, n, h * d)
+        return layer
+
+    ways = {"sdpa": sliced(F.scaled_dot_product_attention), "elsa_slices": sliced(elsa_attention),
+            "elsa_packed": lambda t: elsa_attention_qkvpacked(t.reshape(1, n, 3, h, d)).reshape(1, n, h * d)}
+    for name, layer in ways.items():
+        record(f"layer.{name}.fwd", lambda layer=layer: layer(qkv))
+        record(f"layer.{name}.fwdbwd", lambda layer=layer: torch.autograd.grad(layer(qkv), (qkv,), dx))
 
 
 def measure_calls(torch, fn, q, k, v, do, has_backward: bool, record, prefix: str):
@@ -492,7 +526,7 @@ def measure(torch, args) -> dict:
                     "unit": "us of host time per call (median of repeats)",
                     "order": "round-robin: each repeat samples every figure once, in turn",
                     "ratios": "median over rounds of (kernel sample / SDPA sample) within a round"},
-           "kernels": {}, "pieces": {}, "registration": {}, "ratios": {}, "errors": {}}
+           "kernels": {}, "layer": {}, "pieces": {}, "registration": {}, "ratios": {}, "errors": {}}
 
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(1, 1, args.n, 64, generator=g).to(dev, dtype) for _ in range(4))
@@ -514,6 +548,8 @@ def measure(torch, args) -> dict:
         call = (lambda fn, causal: lambda q, k, v: fn(q, k, v, causal=causal))(fn, causal)
         entries[name] = (call, causal, has_backward)
         measure_calls(torch, call, q, k, v, do, has_backward, schedule.add, name)
+    if "elsa" in entries:
+        layer_calls(torch, args.n, dtype, dev, schedule.add)
     backward_pieces = {}
     if not args.no_pieces:
         for name, (call, _, _) in entries.items():
@@ -530,7 +566,7 @@ def measure(torch, args) -> dict:
     res["errors"].update(errors)
     for path, val in values.items():
         parts = path.split(".")        # "sdpa.fwd" -> kernels; "pieces.elsa.body_fwd", "registration.library.fwd"
-        if parts[0] in ("pieces", "registration"):
+        if parts[0] in ("pieces", "registration", "layer"):
             res[parts[0]].setdefault(parts[1], {})[parts[2]] = val
         else:
             res["kernels"].setdefault(parts[0], {})[parts[1]] = val
@@ -546,6 +582,11 @@ def measure(torch, args) -> dict:
                                if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
         res["ratios"][name]["vs"] = "sdpa_causal" if causal else "sdpa"
         res["ratios"][name]["target"] = TARGET[name]
+    base = res["layer"].get("sdpa", {})
+    for name, modes in res["layer"].items():
+        if name != "sdpa":
+            res["ratios"][f"layer.{name}"] = {mode: paired_ratio(modes[mode], base[mode]) for mode in modes
+                                              if mode in base}
     return res
 
 
@@ -571,6 +612,11 @@ def table(res) -> str:
         r = res["ratios"].get(name, {})
         lines.append(f"{name:<12}" + "".join(f"{us(modes.get(h)):>12}" for h in MODES)
                      + "".join(f"{r.get(h, ''):>16}" for h in MODES) + f"{r.get('target', ''):>8}")
+    for name, modes in res["layer"].items():
+        r = res["ratios"].get(f"layer.{name}", {})
+        lines.append(f"layer {name} (B=1 H={LAYER_HEADS} N={m['shape'][2]} D={LAYER_DIM}): "
+                     + ", ".join(f"{mode} {us(val)}" + (f" ({r[mode]} x sdpa)" if mode in r else "")
+                                 for mode, val in modes.items()))
     for name, pieces in res["pieces"].items():
         lines.append(f"{name} pieces: " + ", ".join(f"{k} {us(v)}" for k, v in pieces.items()))
     for name, modes in res["registration"].items():

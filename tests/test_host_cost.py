@@ -39,6 +39,9 @@ def test_host_cost_cpu_writes_every_figure(tmp_path, capsys, device):
     assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "bwd", "vs", "target"}
     assert res["ratios"]["elsa"]["vs"] == "sdpa" and res["ratios"]["cron_root"]["vs"] == "sdpa_causal"
     assert res["pieces"] == {} and res["registration"] == {}
+    assert set(res["layer"]) == {"sdpa", "elsa_slices", "elsa_packed"}
+    assert all(set(modes) == {"fwd", "fwdbwd"} for modes in res["layer"].values())
+    assert set(res["ratios"]["layer.elsa_packed"]) == {"fwd", "fwdbwd"}
     table = capsys.readouterr().out
     assert "host time per call" in table and "\nelsa " in table and "\ncron_root " in table
 
