@@ -87,14 +87,13 @@ def _accepts_bias(fn: Callable) -> bool:
 
 # --- the patched forwards ----------------------------------------------------------------------------
 
-def _call_kernel(module, q, k, v, *, causal=False, attn_bias=None, packed=None):
-    """The kernel call shared by every patched forward, with the checks the swap itself needs. packed: q, k, v as
-    one [B, N, 3, H, D] tensor (q, k, v None) for the kernel's packed form, which returns [B, N, H, D]."""
+def _call_kernel(module, *inputs, causal=False, attn_bias=None):
+    """The kernel call shared by every patched forward, with the checks the swap itself needs. inputs: q, k, v for
+    the kernel, or one [B, N, 3, H, D] tensor for its packed form (which returns [B, N, H, D])."""
     patch = getattr(module, _PATCH_ATTR)
     if module.training and module.attn_drop.p > 0:
         raise RuntimeError(f"{patch['path']}: attention dropout p={module.attn_drop.p} in training mode; "
                            "our kernels are exact softmax attention (set attn_drop to 0)")
-    inputs = (packed,) if packed is not None else (q, k, v)
     if not patch["train"] and torch.is_grad_enabled() and (
             any(t.requires_grad for t in inputs) or (attn_bias is not None and attn_bias.requires_grad)):
         raise RuntimeError(f"{patch['path']}: patched for inference; run it under torch.no_grad() "
@@ -102,9 +101,7 @@ def _call_kernel(module, q, k, v, *, causal=False, attn_bias=None, packed=None):
     kwargs = {"causal": causal, "scale": module.scale}
     if attn_bias is not None:
         kwargs["attn_bias"] = attn_bias
-    if packed is not None:
-        return patch["packed"](packed, **kwargs)
-    return patch["fn"](q, k, v, **kwargs)
+    return (patch["packed"] if len(inputs) == 1 else patch["fn"])(*inputs, **kwargs)
 
 
 def _mask_to_bias(attn_mask, dtype):
@@ -127,7 +124,7 @@ def _vit_forward(self, x, attn_mask=None, is_causal=False):
     qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim)
     if (getattr(self, _PATCH_ATTR)["packed"] is not None and attn_mask is None
             and isinstance(self.q_norm, torch.nn.Identity) and isinstance(self.k_norm, torch.nn.Identity)):
-        x = _call_kernel(self, None, None, None, causal=bool(is_causal), packed=qkv)
+        x = _call_kernel(self, qkv, causal=bool(is_causal))
     else:
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -179,7 +176,7 @@ def _swin_forward(self, x, mask=None):
     qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)
     bias = swin_window_bias(_swin_rel_pos_bias(self), mask, B_)
     if getattr(self, _PATCH_ATTR)["packed"] is not None:
-        x = _call_kernel(self, None, None, None, attn_bias=bias, packed=qkv)
+        x = _call_kernel(self, qkv, attn_bias=bias)
     else:
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         x = _call_kernel(self, q, k, v, attn_bias=bias).transpose(1, 2)

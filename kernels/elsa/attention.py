@@ -38,6 +38,14 @@ def _check_bias(attn_bias, q, k) -> None:
                          f"got {tuple(attn_bias.shape)}")
 
 
+def _with_bias(key, attn_bias):
+    """A validation cache key extended by what the bias's checks read (its shape, dtype and device); None (do not
+    cache) for a bias that is not a plain tensor."""
+    if key is None or attn_bias is None:
+        return key
+    return (key, attn_bias.shape, attn_bias.dtype, attn_bias.device) if type(attn_bias) is torch.Tensor else None
+
+
 def _validate(q, k, v, causal, scale, precision, attn_bias) -> float:
     shape = check_inputs("elsa", q, k, v, causal=causal, scale=scale)
     check_precision("elsa", precision)
@@ -59,7 +67,8 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
       always use fp16/bf16 tensor-core products with fp32 accumulation.
     attn_bias: optional additive bias on the natural-log scores, broadcastable to [B, Hq, Nq, Nk]
       (read through stride-0 broadcast, never copied); its gradient is computed if it requires grad
-      (that materialises an fp32 [B, Hq, Nq, Nk] buffer: fine for window attention, not for long N).
+      (that materialises a [B, Hq, Nq, Nk] buffer, fp32 unless the bias has that shape: fine for window
+      attention, not for long N).
     config: tile overrides {part: {param: value}} for tests and tuning, parts "fwd", "dq", "dkdv"
       (BLOCK_M, BLOCK_N, num_warps, num_stages) and "plan" (partition_width, q_chunk, bwd_launches); see config.py.
     Returns [B, Hq, Nq, D]. Where q has its heads inside its rows in memory (sliced from one [B, N, 3, H, D]
@@ -70,9 +79,7 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
     if config is not None or _is_compiling():
         scale = _validate(q, k, v, causal, scale, precision, attn_bias)
         return ops.elsa(q, k, v, attn_bias, causal, scale, precision, canonical_config(config, q.dtype, q.shape[-1]))
-    key = signature(q, k, v, causal, scale, precision)
-    if key is not None and attn_bias is not None:   # the bias's checks: its shape, dtype and device
-        key = (key, attn_bias.shape, attn_bias.dtype, attn_bias.device) if type(attn_bias) is torch.Tensor else None
+    key = _with_bias(signature(q, k, v, causal, scale, precision), attn_bias)
     resolved = _validated.get(key)
     if resolved is None:
         resolved = _validate(q, k, v, causal, scale, precision, attn_bias)
@@ -96,9 +103,7 @@ def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", 
         got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"elsa: qkv must be a [B, N, 3, H, D] tensor, got {got}")
     if not _is_compiling() and eager(qkv, attn_bias):
-        key = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, causal, scale, precision)
-        if attn_bias is not None:
-            key = (key, attn_bias.shape, attn_bias.dtype, attn_bias.device)
+        key = _with_bias((qkv.shape, qkv.stride(), qkv.dtype, qkv.device, causal, scale, precision), attn_bias)
         resolved = _packed_validated.get(key)
         if resolved is None:
             q, k, v = ops.qkv_views(qkv.detach())

@@ -71,17 +71,17 @@ def out_heads_inner(q, nk: int) -> bool:
             and (n - 1) * h * d + d <= _INT32_MAX)
 
 
-def _out_strides(shape, heads_inner: bool) -> tuple:
-    """The strides of the output of this [B, Hq, Nq, D] shape in the memory order out_heads_inner says."""
-    _, h, n, d = shape
-    return (n * h * d, d, h * d, 1) if heads_inner else (h * n * d, n * d, d, 1)
+def output_strides(q, nk: int) -> tuple:
+    """The strides of the output [B, Hq, Nq, D] of a call with this q and nk keys: the memory order
+    out_heads_inner says. The forward plan (once per signature) and the fake (new_output) take them from here."""
+    _, h, n, d = q.shape
+    return (n * h * d, d, h * d, 1) if out_heads_inner(q, nk) else (h * n * d, n * d, d, 1)
 
 
 def new_output(q, nk: int):
-    """The forward's output [B, Hq, Nq, D] in q's dtype and device, in the memory order out_heads_inner says: a
-    tensor of its own with those strides, not a view (autograd refuses in-place changes to a view a custom Function
-    returns). The real forward (once per plan), its traced form and the fake allocate it alike."""
-    return q.new_empty_strided(q.shape, _out_strides(q.shape, out_heads_inner(q, nk)))
+    """The forward's output [B, Hq, Nq, D] in q's dtype and device with output_strides: a tensor of its own, not a
+    view (autograd refuses in-place changes to a view a custom Function returns)."""
+    return q.new_empty_strided(q.shape, output_strides(q, nk))
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
@@ -140,7 +140,7 @@ class _FwdPlan(LaunchPlan):
         self.need_lse = need_lse
         # the output's memory order, decided on the caller's q as new_output does (run() may copy q)
         self.out_shape = (c.B, c.H, c.NQ, c.D)
-        self.out_strides = _out_strides(self.out_shape, out_heads_inner(q, c.NK))
+        self.out_strides = output_strides(q, c.NK)
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
@@ -340,8 +340,9 @@ class _BwdPlan(LaunchPlan):
         # packed: dq, dk, dv go to the slices of one [B, N, 3, H, D] buffer (run's dqkv), the packed entry's gradient
         self.packed = packed
         if packed:
-            if c.group != 1 or c.NQ != c.NK:
-                raise ValueError("elsa: a packed q, k, v gradient needs as many key/value heads and keys as queries")
+            if c.group != 1 or c.NQ != c.NK or c.BH == 0 or c.NQ == 0:
+                raise ValueError("elsa: a packed q, k, v gradient needs as many key/value heads and keys as queries, "
+                                 "and a non-empty problem")
             dq_strides = kv_strides = (c.NQ * 3 * c.H * c.D, c.D, 3 * c.H * c.D)
         dq_m, dq_n, dq_warps, dq_stages = plan.dq
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv

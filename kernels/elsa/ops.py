@@ -98,6 +98,11 @@ def _elsa_bwd_bias_fake(grad_out, q, k, v, out, lse, attn_bias, causal, scale, p
             q.new_empty((*q.shape[:3], k.shape[2]), dtype=host.dscores_dtype(q.shape, k.shape[2], attn_bias)))
 
 
+def _bias_gradient(ds, attn_bias):
+    """attn_bias's gradient from the backward's dscores: summed over its broadcast dimensions, in its dtype."""
+    return ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype)
+
+
 class _ElsaFunction(KernelFunction):
     """elsa's autograd formula (kernels/_ops.py): the forward is elsa_fwd (out and lse), the backward elsa_bwd, or
     elsa_bwd_bias when attn_bias needs a gradient."""
@@ -124,7 +129,7 @@ class _ElsaFunction(KernelFunction):
             dq, dk, dv = grads
             return None, dq, dk, dv, None, None, None, None, None
         dq, dk, dv, ds = grads
-        return None, dq, dk, dv, ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype), None, None, None, None
+        return None, dq, dk, dv, _bias_gradient(ds, attn_bias), None, None, None, None
 
 
 # what elsa_attention calls in eager mode: the Autograd kernel, or the op where a mode or tracer must see it
@@ -170,8 +175,7 @@ class _ElsaPackedFunction(KernelFunction):
         else:               # a mode or tracer that must see the ops (the forward saw none: see attention.py)
             grads = (elsa_bwd_bias if bias_grad else elsa_bwd)(do, q, k, v, o, lse, attn_bias, *ctx.options)
             dqkv = torch.stack([g.transpose(1, 2) for g in grads[:3]], dim=2)
-        ds = grads[3].sum_to_size(attn_bias.shape).to(attn_bias.dtype) if bias_grad else None
-        return dqkv, ds, None, None, None
+        return dqkv, (_bias_gradient(grads[3], attn_bias) if bias_grad else None), None, None, None
 
 
 _packed_apply = super(torch.autograd.Function, _ElsaPackedFunction).apply      # Function.apply's C entry
