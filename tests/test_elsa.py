@@ -305,12 +305,12 @@ def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
     """q sliced from one [B, N, 3, H, D] projection (timm's): the output [B, H, N, D] is laid out [B, N, H, D] (its
     own tensor, not a view), as SDPA's flash and efficient backends do, so transpose(1, 2).reshape(B, N, H * D) is
     a view, not a copy; exact forward and gradients, in one partition and in several (phase 2 writes through the same
-    strides), and with the backward's two launches. A contiguous q keeps a contiguous output; longer than SHORT_N
-    rows the output is contiguous (the descriptor and Gluon stores)."""
+    strides), and with the backward's two launches. A contiguous q keeps a contiguous output; from DESC_MIN_ROWS
+    rows the output is contiguous (the descriptor stores), below it the order holds with 128-row query blocks too."""
     from kernels.elsa import host
     B, N, H, D = 2, 37, 3, 32
     split = {"plan": {"partition_width": 16, "bwd_launches": 2}, "fwd": {"BLOCK_N": 16}}
-    for config in (None, split):
+    for config in (None, split, {"fwd": {"BLOCK_M": 128}}):
         qkv = torch.randn(B, N, 3, H, D, device=device).to(dtype).permute(2, 0, 3, 1, 4)
         q, k, v = (t.detach().requires_grad_(True) for t in qkv.unbind(0))
         out = elsa_attention(q, k, v, config=config)
@@ -320,8 +320,9 @@ def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
         _assert_exact(q, k, v, True, config=config)
     q, k, v = _qkv(B, H, H, N, N, D, dtype, device, grad=False)
     assert elsa_attention(q, k, v).is_contiguous()
-    long_q = torch.empty(1, elsa_config.SHORT_N + 1, 2, 16, device="meta").transpose(1, 2)
-    assert not host.out_heads_inner(long_q, 8) and host.out_heads_inner(long_q[:, :, :8], 8)
+    long_q = torch.empty(1, host.DESC_MIN_ROWS, 2, 16, device="meta").transpose(1, 2)
+    assert not host.out_heads_inner(long_q, 8) and not host.out_heads_inner(long_q[:, :, :8], host.DESC_MIN_ROWS)
+    assert host.out_heads_inner(long_q[:, :, :-1], host.DESC_MIN_ROWS - 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -671,18 +672,20 @@ def test_kernels_can_be_emitted_by_inductor():
 # ---- plan, registry ----------------------------------------------------------------------------------------
 
 def test_backward_launches_one_for_short_16_bit_calls():
-    """The backward's schedule (config.backward_launches): one launch for 16-bit calls up to ONE_LAUNCH_MAX_N rows
-    (the longer of Nq and Nk), two otherwise and for float32; config's plan.bwd_launches decides when given, and is
-    1 or 2."""
-    n = elsa_config.ONE_LAUNCH_MAX_N
+    """The backward's schedule (config.backward_launches): one launch for 16-bit calls up to ONE_LAUNCH_MAX_WORK
+    (batch x query heads x Nq x Nk), two otherwise and for float32; config's plan.bwd_launches decides when given,
+    and is 1 or 2."""
+    work = elsa_config.ONE_LAUNCH_MAX_WORK
     for dtype in (torch.float16, torch.bfloat16):
-        assert elsa_config.backward_launches(n, 1, dtype) == elsa_config.backward_launches(1, n, dtype) == 1
-        assert elsa_config.backward_launches(n + 1, 1, dtype) == elsa_config.backward_launches(1, n + 1, dtype) == 2
-    assert elsa_config.backward_launches(49, 49, torch.float32) == 2
+        assert elsa_config.backward_launches(1, work, 1, dtype) == elsa_config.backward_launches(work, 1, 1, dtype) == 1
+        assert elsa_config.backward_launches(24, 1025, 1025, dtype) == 1        # ViT-T at 512 pixels, batch 8
+        assert elsa_config.backward_launches(1, work + 1, 1, dtype) == 2
+        assert elsa_config.backward_launches(2, 1, work // 2 + 1, dtype) == 2
+    assert elsa_config.backward_launches(1, 49, 49, torch.float32) == 2
     for given in (1, 2):
         cfg = elsa_config.canonical_config({"plan": {"bwd_launches": given}}, torch.float32, 64)
-        assert elsa_config.backward_launches(49, 49, torch.float32, cfg) == given
-        assert elsa_config.backward_launches(8192, 8192, torch.float16, cfg) == given
+        assert elsa_config.backward_launches(1, 49, 49, torch.float32, cfg) == given
+        assert elsa_config.backward_launches(8, 8192, 8192, torch.float16, cfg) == given
     with pytest.raises(ValueError, match=r"bwd_launches'\] must be 1 or 2, got 3"):
         elsa_config.canonical_config({"plan": {"bwd_launches": 3}}, torch.float16, 64)
 
@@ -906,7 +909,7 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
         code = "\n".join(codes)
         assert len(codes) == 2                                  # the forward's graph and the backward's
         assert ("_elsa_phase1" in code) == inlined, n
-        one = elsa_config.backward_launches(n, n, dtype) == 1
+        one = elsa_config.backward_launches(2 * 4, n, n, dtype) == 1
         for name in ("_elsa_bwd_one_launch", "_elsa_bwd_dq", "_elsa_bwd_dkdv"):
             assert (name in code) == (one == (name == "_elsa_bwd_one_launch")), (n, name)
         assert ("attnbench.elsa_fwd" in code) != inlined and "attnbench.elsa_bwd" not in code

@@ -93,7 +93,7 @@ def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", 
     form): qkv [B, N, 3, H, D] -> out [B, N, H, D], with q = qkv[:, :, 0].transpose(1, 2), k and v likewise;
     causal, scale, precision and attn_bias as elsa_attention's.
 
-    In eager mode with plain tensors (up to 1024 tokens, more than one head) the slicing of q, k, v and the
+    In eager mode with plain tensors (fewer than 2048 tokens, more than one head) the slicing of q, k, v and the
     output's transpose happen inside the kernel's own autograd step, and the gradient of qkv is written as one
     tensor: the view steps and the stack of dq, dk, dv that slicing outside would add to every call's autograd
     graph are not there (host time per call: a timm ViT or Swin layer, kernels/timm_patch.py). Elsewhere

@@ -50,13 +50,14 @@ BUILTIN_FWD_TABLE = {
     ("32", 128): (32, 32, 4, 2),      # tf32x3 4K 1.76 ms; BM=64 spills (24-170 spilled regs) and is slower
     ("32", 256): (16, 32, 8, 2),      # sm_90 compile check (not timed): the only tile tried without spills
 }
-# The 16-bit backward in one launch up to this many rows (the longer of Nq and Nk; backward_launches). On the H200
+# The 16-bit backward in one launch up to this much work (B * Hq * Nq * Nk; backward_launches). On the H200
 # (scripts/elsa_bwd_launches.py, results/dev/elsa/bwd_one_launch_h200.json) a fwd+bwd call's host time is 0.84-0.99x
-# two launches' up to 2048 rows; the backward's GPU time 0.76-0.94x at D=64 197-1025 rows non-causal (the two jobs
-# fill the GPU together), 1.18x at D=128 1024, 0.77-1.09x causal, 0.92x at Swin's 49-token windows, and from 4096
-# rows non-causal 1.19-1.31x (every dK/dV program reloads O). float32 keeps two launches: its merged kernel took
-# 1.17-1.63x the GPU time non-causal from 577 rows.
-ONE_LAUNCH_MAX_N = 1024
+# two launches' up to 2048 rows. The backward's GPU time, one launch over two, follows the work: up to 2^25 (ViT-T's
+# 1025-token layer at batch 8, 2^24.6; B=1 H=8 N=2048, 2^25) 0.76-0.94x at D=64 non-causal (the two jobs fill the
+# GPU together), 0.77-1.09x causal, 0.92x at Swin's 49-token windows, 1.02-1.18x at D=128; from 2^27 (B=1 H=8
+# N=4096; B=4 H=16 N=2048) 1.19-1.39x non-causal (the grid is full and every dK/dV program reloads O). float32 keeps
+# two launches: its merged kernel took 1.17-1.63x the GPU time non-causal from 577 rows.
+ONE_LAUNCH_MAX_WORK = 1 << 25
 # Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
@@ -358,15 +359,16 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
     return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
 
 
-def backward_launches(nq: int, nk: int, dtype: torch.dtype, config: str = "") -> int:
+def backward_launches(bh: int, nq: int, nk: int, dtype: torch.dtype, config: str = "") -> int:
     """2: the dQ launch (storing Delta) then the dK/dV launch; 1: both jobs in one launch, each dK/dV program
-    recomputing Delta from O. One launch for 16-bit inputs up to ONE_LAUNCH_MAX_N rows, where a call's time is
-    mostly the host's: it saves a launch and the Delta buffer (host time), and the two jobs' programs share the
-    GPU instead of running one short grid after the other. config's plan.bwd_launches overrides it."""
+    recomputing Delta from O. One launch for 16-bit inputs up to ONE_LAUNCH_MAX_WORK (bh = batch x query heads,
+    times Nq x Nk), where a call's time is mostly the host's: it saves a launch and the Delta buffer (host time),
+    and the two jobs' programs share the GPU instead of running one short grid after the other. config's
+    plan.bwd_launches overrides it."""
     given = parse_config(config).get("plan", {}).get("bwd_launches")
     if given is not None:
         return given
-    return 1 if dtype_class(dtype) == "16" and max(nq, nk) <= ONE_LAUNCH_MAX_N else 2
+    return 1 if dtype_class(dtype) == "16" and bh * nq * nk <= ONE_LAUNCH_MAX_WORK else 2
 
 
 def summary_row_bytes(parts: int, d: int, dtype: torch.dtype) -> int:

@@ -10,7 +10,7 @@ Forward, per q-chunk of rows [q0, q0 + q_chunk):
 With a single partition (P = 1, short key lengths) there is nothing to merge: phase 1 writes out and lse
 itself, one launch and no summary buffer.
 Backward: a dQ kernel (which also stores Delta = rowsum(dO * O)) then a dK/dV kernel, both rebuilding every
-softmax weight as 2^(x - lse); for 16-bit calls up to config.ONE_LAUNCH_MAX_N rows, one kernel whose programs do
+softmax weight as 2^(x - lse); for 16-bit calls up to config.ONE_LAUNCH_MAX_WORK, one kernel whose programs do
 either job (its dK/dV programs compute Delta from O themselves): one launch and no Delta buffer where the host
 sets the pace.
 Extra memory: the summary buffer of one q-chunk plus O(B*Hq*Nq) row terms.
@@ -30,7 +30,7 @@ from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precisi
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from .._ops import traceable
 from . import trace
-from .config import PHASE2_WARPS, SHORT_N, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
+from .config import PHASE2_WARPS, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -62,12 +62,12 @@ def _cdiv(a: int, b: int) -> int:
 def out_heads_inner(q, nk: int) -> bool:
     """Whether the output [B, Hq, Nq, D] is laid out as [B, Nq, Hq, D] in memory: where q is (heads inside rows:
     timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's flash and efficient backends
-    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Up to
-    SHORT_N rows (Nq and Nk), where phase 1 stores through pointers with the output's strides (the
-    tensor-descriptor and Gluon stores take [B*Hq*Nq, D] rows), and while one head's rows stay within int32
-    offsets."""
+    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Below
+    DESC_MIN_ROWS rows (Nq and Nk), where phase 1 loads and stores through pointers with the output's strides (the
+    tensor-descriptor stores take [B*Hq*Nq, D] rows; the Gluon core's too, and it takes only a contiguous q), and
+    while one head's rows stay within int32 offsets."""
     _, h, n, d = q.shape
-    return (h > 1 and n > 1 and q.stride(1) < q.stride(2) and max(n, nk) <= SHORT_N
+    return (h > 1 and n > 1 and q.stride(1) < q.stride(2) and max(n, nk) < DESC_MIN_ROWS
             and (n - 1) * h * d + d <= _INT32_MAX)
 
 
@@ -334,7 +334,7 @@ class _BwdPlan(LaunchPlan):
         self.ds_shape = (c.B, c.H, c.NQ, c.NK)
         self.ds_dtype = dscores_dtype(self.q_shape, c.NK, bias)
         plan = self.plan = plan_backward(c.D, c.dtype, config)
-        self.launches = backward_launches(c.NQ, c.NK, c.dtype, config)
+        self.launches = backward_launches(c.BH, c.NQ, c.NK, c.dtype, config)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
         dq_strides = contiguous
         # packed: dq, dk, dv go to the slices of one [B, N, 3, H, D] buffer (run's dqkv), the packed entry's gradient
