@@ -156,8 +156,10 @@ def swin_window_bias(rel_pos_bias: torch.Tensor, mask: torch.Tensor | None, num_
     rel_pos_bias: [1, H, N, N]; mask: None or [nW, N, N] (0 / -100 for the shifted windows).
     Without a mask the [1, H, N, N] bias is returned as is (broadcast over the windows, no copy).
     With a mask, the window of row b is b % nW (timm's window_partition orders windows batch-major),
-    which no stride can express over B_, so the [nW, H, N, N] sum is expanded over the batch and
-    materialised as [B_, H, N, N] in the bias dtype, the same tensor timm's fused path builds.
+    which no stride can express over B_, so the mask is expanded over the batch and heads and copied to
+    [B_, H, N, N] before the relative-position bias is added: timm's fused path builds the same tensor the
+    same way. The copy is the mask's, which takes no gradient; expanding the sum instead would put the copy
+    into the autograd graph, and its backward (a sum over the batch) into every shifted layer's backward.
     """
     if mask is None:
         return rel_pos_bias
@@ -165,9 +167,8 @@ def swin_window_bias(rel_pos_bias: torch.Tensor, mask: torch.Tensor | None, num_
     if num_windows_total % nw:
         raise ValueError(f"swin: {num_windows_total} windows is not a multiple of the mask's {nw} windows")
     heads = rel_pos_bias.shape[1]
-    per_window = rel_pos_bias + mask.unsqueeze(1).to(rel_pos_bias.dtype)          # [nW, H, N, N]
-    return per_window.unsqueeze(0).expand(num_windows_total // nw, nw, heads, n, n).reshape(
-        num_windows_total, heads, n, n)
+    per_row = mask.to(rel_pos_bias.dtype).view(1, nw, 1, n, n).expand(num_windows_total // nw, nw, heads, n, n)
+    return rel_pos_bias + per_row.reshape(num_windows_total, heads, n, n)
 
 
 def _swin_forward(self, x, mask=None):

@@ -55,6 +55,11 @@ path: reshape, permute and unbind into q, k, v, SDPA, transpose and reshape back
 slicing around elsa_attention) and ``elsa_packed`` (reshape to [B, N, 3, H, D], elsa_attention_qkvpacked,
 reshape: what kernels/timm_patch.py calls); ratios (``ratios["layer.<name>"]``) against ``sdpa``. What a model's
 eager training step pays per layer beside the kernels, the view steps and the stack of three gradients included.
+Then one Swin-T window-attention layer (2 images of 4 windows of 7 x 7 tokens, H=3, D=32), its relative-position
+bias gathered from a table that takes a gradient, as timm's fused path runs it (``swin_sdpa``: the bias as SDPA's
+attn_mask) and as the patch does (``swin_elsa``: kernels.timm_patch.swin_window_bias, the packed entry), and the
+same for a shifted layer, whose 0 / -100 mask makes the bias full-shape (``swin_shifted_*``); fwdbwd's gradients
+are qkv's and the table's; ratios against the SDPA figure of the same layer.
 Registration patterns (``registration``): empty-bodied ops registered four ways, fwd / fwd_nograd / fwdbwd:
 custom_op + register_autograd, a Library op + register_autograd, kernels/_ops.py's pattern (what the kernels use),
 and the autograd.Function alone (no op: the floor).
@@ -194,13 +199,19 @@ def _kernel_entry(name):
 
 
 LAYER_HEADS, LAYER_DIM = 3, 64       # ViT-T's attention: 3 heads of 64
+SWIN_HEADS, SWIN_DIM, SWIN_WINDOW, SWIN_WINDOWS, SWIN_IMAGES = 3, 32, 7, 4, 2  # Swin-T's stage 1: 3 heads of 32
+# each ELSA layer figure's ratio is against the SDPA figure of its own layer
+LAYER_BASE = {"elsa_slices": "sdpa", "elsa_packed": "sdpa", "swin_elsa": "swin_sdpa",
+              "swin_shifted_elsa": "swin_shifted_sdpa"}
 
 
 def layer_calls(torch, n: int, dtype, dev, record) -> None:
-    """The layer figures (module docstring): fwd and fwdbwd of each way to run one ViT layer's attention."""
+    """The layer figures (module docstring): fwd and fwdbwd of each way to run one ViT layer's attention, then one
+    Swin window-attention layer's, without and with the shifted windows' mask."""
     import torch.nn.functional as F
 
     from kernels.elsa import elsa_attention, elsa_attention_qkvpacked
+    from kernels.timm_patch import swin_window_bias
 
     h, d = LAYER_HEADS, LAYER_DIM
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -218,6 +229,42 @@ def layer_calls(torch, n: int, dtype, dev, record) -> None:
     for name, layer in ways.items():
         record(f"layer.{name}.fwd", lambda layer=layer: layer(qkv))
         record(f"layer.{name}.fwdbwd", lambda layer=layer: torch.autograd.grad(layer(qkv), (qkv,), dx))
+
+    # Swin: SWIN_IMAGES images of SWIN_WINDOWS 7x7 windows (b_ rows), the relative-position bias gathered from its
+    # table each call (it has a gradient), the shifted layer's 0 / -100 mask added: timm's fused path (sdpa) and the
+    # patch's (elsa)
+    sh, sd, nw, w = SWIN_HEADS, SWIN_DIM, SWIN_WINDOWS, SWIN_WINDOW     # not h, d: the ViT layers' closures read those
+    nt, b_ = w * w, nw * SWIN_IMAGES
+    table = torch.randn((2 * w - 1) ** 2, sh, generator=g).to(dev, dtype).requires_grad_(True)
+    index = torch.randint(0, (2 * w - 1) ** 2, (nt * nt,), generator=g).to(dev)
+    mask = torch.where(torch.rand(nw, nt, nt, generator=g) < 0.5, 0.0, -100.0).to(dev, dtype)
+    wqkv = torch.randn(b_, nt, 3 * sh * sd, generator=g).to(dev, dtype).requires_grad_(True)
+    wdx = torch.randn(b_, nt, sh * sd, generator=g).to(dev, dtype)
+
+    def rel_pos_bias():
+        return table[index].view(nt, nt, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+
+    def swin_sdpa(shifted):
+        def layer(t):
+            q, k, v = t.reshape(b_, nt, 3, sh, sd).permute(2, 0, 3, 1, 4).unbind(0)
+            bias = rel_pos_bias()
+            if shifted:
+                bias = bias + mask.view(1, nw, 1, nt, nt).expand(SWIN_IMAGES, -1, sh, -1, -1).reshape(-1, sh, nt, nt)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(b_, nt, sh * sd)
+        return layer
+
+    def swin_elsa(shifted):
+        def layer(t):
+            bias = swin_window_bias(rel_pos_bias(), mask if shifted else None, b_)
+            return elsa_attention_qkvpacked(t.reshape(b_, nt, 3, sh, sd), attn_bias=bias).reshape(b_, nt, sh * sd)
+        return layer
+
+    for shifted in (False, True):
+        prefix = "swin_shifted" if shifted else "swin"
+        for name, layer in ((f"{prefix}_sdpa", swin_sdpa(shifted)), (f"{prefix}_elsa", swin_elsa(shifted))):
+            record(f"layer.{name}.fwd", lambda layer=layer: layer(wqkv))
+            record(f"layer.{name}.fwdbwd",
+                   lambda layer=layer: torch.autograd.grad(layer(wqkv), (wqkv, table), wdx))
 
 
 def measure_calls(torch, fn, q, k, v, do, has_backward: bool, record, prefix: str):
@@ -582,9 +629,9 @@ def measure(torch, args) -> dict:
                                if isinstance(got.get(mode), dict) and isinstance(sdpa.get(mode), dict)}
         res["ratios"][name]["vs"] = "sdpa_causal" if causal else "sdpa"
         res["ratios"][name]["target"] = TARGET[name]
-    base = res["layer"].get("sdpa", {})
     for name, modes in res["layer"].items():
-        if name != "sdpa":
+        if name in LAYER_BASE:
+            base = res["layer"].get(LAYER_BASE[name], {})
             res["ratios"][f"layer.{name}"] = {mode: paired_ratio(modes[mode], base[mode]) for mode in modes
                                               if mode in base}
     return res
@@ -614,8 +661,11 @@ def table(res) -> str:
                      + "".join(f"{r.get(h, ''):>16}" for h in MODES) + f"{r.get('target', ''):>8}")
     for name, modes in res["layer"].items():
         r = res["ratios"].get(f"layer.{name}", {})
-        lines.append(f"layer {name} (B=1 H={LAYER_HEADS} N={m['shape'][2]} D={LAYER_DIM}): "
-                     + ", ".join(f"{mode} {us(val)}" + (f" ({r[mode]} x sdpa)" if mode in r else "")
+        where = (f"{SWIN_IMAGES} x {SWIN_WINDOWS} windows H={SWIN_HEADS} N={SWIN_WINDOW ** 2} D={SWIN_DIM}"
+                 if name.startswith("swin")
+                 else f"B=1 H={LAYER_HEADS} N={m['shape'][2]} D={LAYER_DIM}")
+        lines.append(f"layer {name} ({where}): "
+                     + ", ".join(f"{mode} {us(val)}" + (f" ({r[mode]} x {LAYER_BASE[name]})" if mode in r else "")
                                  for mode, val in modes.items()))
     for name, pieces in res["pieces"].items():
         lines.append(f"{name} pieces: " + ", ".join(f"{k} {us(v)}" for k, v in pieces.items()))

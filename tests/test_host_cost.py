@@ -39,9 +39,13 @@ def test_host_cost_cpu_writes_every_figure(tmp_path, capsys, device):
     assert set(res["ratios"]["elsa"]) == {"fwd", "fwd_nograd", "fwdbwd", "bwd", "vs", "target"}
     assert res["ratios"]["elsa"]["vs"] == "sdpa" and res["ratios"]["cron_root"]["vs"] == "sdpa_causal"
     assert res["pieces"] == {} and res["registration"] == {}
-    assert set(res["layer"]) == {"sdpa", "elsa_slices", "elsa_packed"}
+    assert set(res["layer"]) == {"sdpa", "elsa_slices", "elsa_packed", "swin_sdpa", "swin_elsa",
+                                 "swin_shifted_sdpa", "swin_shifted_elsa"}
     assert all(set(modes) == {"fwd", "fwdbwd"} for modes in res["layer"].values())
-    assert set(res["ratios"]["layer.elsa_packed"]) == {"fwd", "fwdbwd"}
+    mod, layer = _load(), res["layer"]
+    for name, base in (("elsa_packed", "sdpa"), ("swin_elsa", "swin_sdpa"), ("swin_shifted_elsa", "swin_shifted_sdpa")):
+        assert res["ratios"][f"layer.{name}"] == {mode: mod.paired_ratio(layer[name][mode], layer[base][mode])
+                                                  for mode in ("fwd", "fwdbwd")}      # against its own layer's SDPA
     table = capsys.readouterr().out
     assert "host time per call" in table and "\nelsa " in table and "\ncron_root " in table
 

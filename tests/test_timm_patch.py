@@ -178,6 +178,8 @@ def test_swin_window_bias_equals_timm():
     heads = attn.num_heads
     timm_mask = rel + mask.view(1, 16, 1, 49, 49).expand(2, -1, heads, -1, -1).reshape(-1, heads, 49, 49)
     assert torch.equal(ours, timm_mask)
+    # the batch's copy is the mask's (no gradient): in the autograd graph the sum's input is the rel-pos bias itself
+    assert rel.grad_fn is not None and ours.grad_fn.next_functions[0][0] is rel.grad_fn
     assert swin_window_bias(rel, None, b_) is rel         # unshifted: the [1, H, N, N] bias, broadcast
     with pytest.raises(ValueError, match="multiple"):
         swin_window_bias(rel, mask, 17)
