@@ -217,6 +217,11 @@ def test_flash_core_descriptor_path(device, monkeypatch, causal):
             with trace_launches() as events:
                 _assert_exact(*_qkv(1, 4, 2, 70, 150, 40, torch.float16, device), causal, config=config)
             assert max(e["grid"][2] for e in events if e["phase"] == 1) == (1 if config is None else 3)
+            # q, k, v sliced from one projection: the descriptors store the output in q's order, heads inside rows
+            qkv = torch.randn(2, 150, 3, 3, 40, device=device).half().permute(2, 0, 3, 1, 4)
+            q, k, v = (t.detach().requires_grad_(True) for t in qkv.unbind(0))
+            assert elsa_attention(q, k, v, causal=causal, config=config).stride() == (150 * 3 * 40, 40, 3 * 40, 1)
+            _assert_exact(q, k, v, causal, config=config)
     finally:
         host.clear_plans()
 
@@ -305,8 +310,8 @@ def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
     """q sliced from one [B, N, 3, H, D] projection (timm's): the output [B, H, N, D] is laid out [B, N, H, D] (its
     own tensor, not a view), as SDPA's flash and efficient backends do, so transpose(1, 2).reshape(B, N, H * D) is
     a view, not a copy; exact forward and gradients, in one partition and in several (phase 2 writes through the same
-    strides), and with the backward's two launches. A contiguous q keeps a contiguous output; from DESC_MIN_ROWS
-    rows the output is contiguous (the descriptor stores), below it the order holds with 128-row query blocks too."""
+    strides), with 128-row query blocks, and with the backward's two launches. A contiguous q keeps a contiguous
+    output; so does a q whose one head's rows exceed int32 offsets. The descriptor stores: the next test."""
     from kernels.elsa import host
     B, N, H, D = 2, 37, 3, 32
     split = {"plan": {"partition_width": 16, "bwd_launches": 2}, "fwd": {"BLOCK_N": 16}}
@@ -320,9 +325,10 @@ def test_output_takes_the_order_of_heads_inside_rows(device, dtype):
         _assert_exact(q, k, v, True, config=config)
     q, k, v = _qkv(B, H, H, N, N, D, dtype, device, grad=False)
     assert elsa_attention(q, k, v).is_contiguous()
-    long_q = torch.empty(1, host.DESC_MIN_ROWS, 2, 16, device="meta").transpose(1, 2)
-    assert not host.out_heads_inner(long_q, 8) and not host.out_heads_inner(long_q[:, :, :8], host.DESC_MIN_ROWS)
-    assert host.out_heads_inner(long_q[:, :, :-1], host.DESC_MIN_ROWS - 1)
+    long_q = torch.empty(1, 1 << 16, 2, 16, device="meta").transpose(1, 2)
+    huge_q = torch.empty(1, 1 << 27, 2, 16, device="meta").transpose(1, 2)          # (N - 1) * H * D > 2^31
+    assert host.out_heads_inner(long_q) and not host.out_heads_inner(huge_q)
+    assert not host.out_heads_inner(long_q.contiguous()) and not host.out_heads_inner(long_q[:, :1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -884,6 +890,30 @@ def test_gpu_compile_inductor_and_cuda_graph(dtype):
     want = step(*(t.detach().clone().requires_grad_(True) for t in static))
     for a, b in zip(graphed, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_long_heads_inside_rows_through_descriptors():
+    """q, k, v sliced from one projection at 2100 tokens, fp16: phase 1 reads and stores through tensor descriptors
+    (from DESC_MIN_ROWS on sm_90) and the output is laid out [B, N, H, D]; exact against float64, forward and
+    gradients, causal and not. The packed entry gives the slices' output and qkv gradient."""
+    from kernels.elsa import elsa_attention_qkvpacked, host
+    dev = torch.device("cuda")
+    B, N, H, D = 1, 2100, 3, 64
+    for causal in (False, True):
+        qkv = torch.randn(B, N, 3, H, D, device=dev).half().requires_grad_(True)
+        q, k, v = (t.detach().requires_grad_(True) for t in qkv.detach().permute(2, 0, 3, 1, 4).unbind(0))
+        assert host.core.use_descriptors(q, k, v, min_rows=host.DESC_MIN_ROWS)
+        out = elsa_attention(q, k, v, causal=causal)
+        assert out.stride() == (N * H * D, D, H * D, 1)
+        _assert_exact(q, k, v, causal)
+        dout = torch.randn(B, N, H, D, device=dev).half()
+        packed = elsa_attention_qkvpacked(qkv, causal=causal)
+        assert packed.stride() == (N * H * D, H * D, D, 1)
+        assert _max_err(packed, out.transpose(1, 2)) <= FWD_TOL[torch.float16]
+        (got,) = torch.autograd.grad(packed, qkv, dout)
+        want = torch.stack(torch.autograd.grad(out.transpose(1, 2), (q, k, v), dout), 0).permute(1, 3, 0, 2, 4)
+        assert _max_err(got, want) <= GRAD_TOL[torch.float16] * max(1.0, want.abs().max().item())
 
 
 @pytest.mark.gpu

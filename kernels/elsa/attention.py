@@ -72,8 +72,8 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
     config: tile overrides {part: {param: value}} for tests and tuning, parts "fwd", "dq", "dkdv"
       (BLOCK_M, BLOCK_N, num_warps, num_stages) and "plan" (partition_width, q_chunk, bwd_launches); see config.py.
     Returns [B, Hq, Nq, D]. Where q has its heads inside its rows in memory (sliced from one [B, N, 3, H, D]
-      projection) and no length exceeds 1024, the output is laid out so too, as SDPA's flash and efficient
-      backends lay out theirs: out.transpose(1, 2).reshape(B, Nq, Hq * D) is then free (host.out_heads_inner).
+      projection), the output is laid out so too, as SDPA's flash and efficient backends lay out theirs:
+      out.transpose(1, 2).reshape(B, Nq, Hq * D) is then free (host.out_heads_inner).
     Rows with no visible key give 0. Differentiable; runs under torch.compile(fullgraph=True) and CUDA graphs.
     """
     if config is not None or _is_compiling():
@@ -93,11 +93,11 @@ def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", 
     form): qkv [B, N, 3, H, D] -> out [B, N, H, D], with q = qkv[:, :, 0].transpose(1, 2), k and v likewise;
     causal, scale, precision and attn_bias as elsa_attention's.
 
-    In eager mode with plain tensors (fewer than 2048 tokens, more than one head) the slicing of q, k, v and the
-    output's transpose happen inside the kernel's own autograd step, and the gradient of qkv is written as one
-    tensor: the view steps and the stack of dq, dk, dv that slicing outside would add to every call's autograd
-    graph are not there (host time per call: a timm ViT or Swin layer, kernels/timm_patch.py). Elsewhere
-    (torch.compile, dispatch modes, tensor subclasses, longer sequences) it is elsa_attention on the slices.
+    In eager mode with plain tensors and more than one head, the slicing of q, k, v and the output's transpose
+    happen inside the kernel's own autograd step, and the gradient of qkv is written as one tensor: the view steps
+    and the stack of dq, dk, dv that slicing outside would add to every call's autograd graph are not there (host
+    time per call: a timm ViT or Swin layer, kernels/timm_patch.py). Elsewhere (torch.compile, dispatch modes,
+    tensor subclasses, one head or one token) it is elsa_attention on the slices.
     """
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
@@ -107,7 +107,7 @@ def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", 
         resolved = _packed_validated.get(key)
         if resolved is None:
             q, k, v = ops.qkv_views(qkv.detach())
-            takes = qkv.numel() > 0 and host.out_heads_inner(q, k.shape[2])
+            takes = qkv.numel() > 0 and host.out_heads_inner(q)
             resolved = _packed_validated.put(key, (_validate(q, k, v, causal, scale, precision, attn_bias), takes))
         if resolved[1]:
             return ops.elsa_packed_call(qkv, attn_bias, causal, resolved[0], precision)

@@ -59,29 +59,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def out_heads_inner(q, nk: int) -> bool:
+def out_heads_inner(q) -> bool:
     """Whether the output [B, Hq, Nq, D] is laid out as [B, Nq, Hq, D] in memory: where q is (heads inside rows:
     timm's q, k, v, sliced from one [B, N, 3, Hq, D] projection), the order SDPA's flash and efficient backends
-    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Below
-    DESC_MIN_ROWS rows (Nq and Nk), where phase 1 loads and stores through pointers with the output's strides (the
-    tensor-descriptor stores take [B*Hq*Nq, D] rows; the Gluon core's too, and it takes only a contiguous q), and
-    while one head's rows stay within int32 offsets."""
+    return too, so the caller's transpose(1, 2).reshape(B, Nq, Hq * D) is a view and not a copy kernel. Every store
+    of the output goes through its (batch, head, row) strides: phase 1's pointer stores, its per-head tensor
+    descriptors (TMA wants 16-byte multiples for strides; this layout's head and row steps are multiples of D, a
+    multiple of 8, times the element size), phase 2's merge. The Gluon core, whose descriptors span all heads'
+    rows, takes only a contiguous q, so it never meets this layout. While one head's rows stay within int32 offsets
+    (the pointer stores)."""
     _, h, n, d = q.shape
-    return (h > 1 and n > 1 and q.stride(1) < q.stride(2) and max(n, nk) < DESC_MIN_ROWS
-            and (n - 1) * h * d + d <= _INT32_MAX)
+    return h > 1 and n > 1 and q.stride(1) < q.stride(2) and (n - 1) * h * d + d <= _INT32_MAX
 
 
-def output_strides(q, nk: int) -> tuple:
-    """The strides of the output [B, Hq, Nq, D] of a call with this q and nk keys: the memory order
-    out_heads_inner says. The forward plan (once per signature) and the fake (new_output) take them from here."""
+def output_strides(q) -> tuple:
+    """The strides of the output [B, Hq, Nq, D] of a call with this q: the memory order out_heads_inner says. The
+    forward plan (once per signature) and the fake (new_output) take them from here."""
     _, h, n, d = q.shape
-    return (n * h * d, d, h * d, 1) if out_heads_inner(q, nk) else (h * n * d, n * d, d, 1)
+    return (n * h * d, d, h * d, 1) if out_heads_inner(q) else (h * n * d, n * d, d, 1)
 
 
-def new_output(q, nk: int):
+def new_output(q):
     """The forward's output [B, Hq, Nq, D] in q's dtype and device with output_strides: a tensor of its own, not a
     view (autograd refuses in-place changes to a view a custom Function returns)."""
-    return q.new_empty_strided(q.shape, output_strides(q, nk))
+    return q.new_empty_strided(q.shape, output_strides(q))
 
 
 def _signature(q, k, v, bias, causal, scale, precision, config, flag):
@@ -140,7 +141,7 @@ class _FwdPlan(LaunchPlan):
         self.need_lse = need_lse
         # the output's memory order, decided on the caller's q as new_output does (run() may copy q)
         self.out_shape = (c.B, c.H, c.NQ, c.D)
-        self.out_strides = output_strides(q, c.NK)
+        self.out_strides = output_strides(q)
         self.lse_shape = (c.B, c.H, c.NQ)
         # 16-bit without bias: phase 1 is the flash core's loop, through tensor descriptors where the layout allows
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
