@@ -6,7 +6,9 @@ and host time of a forward + backward, per shape, both schedules forced through 
 GPU time: triton.testing.do_bench of torch.autograd.grad over one kept forward graph (L2 flushed, median).
 Host time (shapes up to 2^31 of B*H*N*N*D, where the host sets the pace): 100 forward + backward calls in a row
 without synchronisation, per round one sample of each schedule in turn (the host drifts); the median over 7 rounds
-of the ratio within a round. Writes the JSON list to OUT and one line per shape to stdout.
+of the ratio within a round. The schedule is forced through config=, whose calls are validated each time and go
+through the op rather than the eager entry: that fixed cost is on both sides, so the host ratio understates what
+the one launch saves on the default path. Writes the JSON list to OUT and one line per shape to stdout.
 """
 from __future__ import annotations
 
@@ -71,11 +73,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    names = args.dtypes.split(",")
+    for name in names:
+        if name not in ("float16", "bfloat16", "float32"):
+            print(f"elsa_bwd_launches: --dtypes: {name!r} is not float16, bfloat16 or float32", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("elsa_bwd_launches: needs a CUDA GPU (timing only means something there)", file=sys.stderr)
         return 2
     rows = []
-    for name in args.dtypes.split(","):
+    for name in names:
         dtype = getattr(torch, name)
         for B, H, N, D in SHAPES:
             for causal in ((False, True) if N >= 1024 else (False,)):

@@ -374,6 +374,13 @@ def test_qkvpacked_bad_input_is_one_line(device):
         elsa_attention_qkvpacked(torch.randn(2, 5, 4, 8, device=device))
     with pytest.raises(ValueError, match=r"^elsa: qkv must be a \[B, N, 3, H, D\] tensor, got \(1, 5, 2, 2, 16\)$"):
         elsa_attention_qkvpacked(torch.randn(1, 5, 2, 2, 16, device=device))
+    # the checks are cached per signature, which still tells True from 1 and catches what is not a plain value
+    qkv = torch.randn(1, 8, 3, 2, 32, device=device)
+    elsa_attention_qkvpacked(qkv, causal=True)
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        elsa_attention_qkvpacked(qkv, causal=1)
+    with pytest.raises(ValueError, match="scale"):
+        elsa_attention_qkvpacked(qkv, scale=[1.0])
 
 
 def test_backward_reads_the_output_in_the_order_it_is_given(device):

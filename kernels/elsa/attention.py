@@ -103,12 +103,16 @@ def elsa_attention_qkvpacked(qkv, causal=False, scale=None, precision="tf32x3", 
         got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"elsa: qkv must be a [B, N, 3, H, D] tensor, got {got}")
     if not _is_compiling() and eager(qkv, attn_bias):
-        key = _with_bias((qkv.shape, qkv.stride(), qkv.dtype, qkv.device, causal, scale, precision), attn_bias)
+        # the options keyed as elsa_attention keys them (signature: their types too); qkv's strides decide `takes`
+        key = signature(qkv, qkv, qkv, causal, scale, precision)
+        key = _with_bias(None if key is None else (key, qkv.stride()), attn_bias)
         resolved = _packed_validated.get(key)
         if resolved is None:
             q, k, v = ops.qkv_views(qkv.detach())
             takes = qkv.numel() > 0 and host.out_heads_inner(q)
-            resolved = _packed_validated.put(key, (_validate(q, k, v, causal, scale, precision, attn_bias), takes))
+            resolved = (_validate(q, k, v, causal, scale, precision, attn_bias), takes)
+            if key is not None:
+                _packed_validated.put(key, resolved)
         if resolved[1]:
             return ops.elsa_packed_call(qkv, attn_bias, causal, resolved[0], precision)
     q, k, v = ops.qkv_views(qkv)
