@@ -228,11 +228,8 @@ def test_a_dead_rank_ends_the_group_without_a_hang(tmp_path):
 # --- scripts/cqsa_scaling.py -------------------------------------------------------------------------------
 
 def _scaling_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cqsa_scaling", REPO / "scripts" / "cqsa_scaling.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts_loader import load_script
+    return load_script("cqsa_scaling")
 
 
 def test_scaling_estimate_reproduces_the_papers_gpu_hours():

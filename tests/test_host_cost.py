@@ -1,19 +1,13 @@
 """scripts/host_cost.py on the CPU (Triton interpreter): the plumbing runs end to end, writes every figure to the
 JSON and a table to stdout. The times mean nothing here; the GPU run is the measurement."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "host_cost.py"
+from scripts_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("host_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("host_cost")
 
 
 PIECES = ("validate", "public_fn", "plan_fwd", "body_fwd", "body_fwd_nograd", "body_fwd_nolaunch", "body_fwd_fastoff",

@@ -2,7 +2,6 @@
 tuning files it writes, read back by each kernel."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts_loader import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _tune_module():
-    spec = importlib.util.spec_from_file_location("tune_script", REPO / "scripts" / "tune.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tune")
 
 
 tune = _tune_module()

@@ -1,0 +1,17 @@
+"""The scripts under scripts/ as modules, for their tests: they are files to run, not an importable package."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/<name>.py, executed as the module ``<name>_script``."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
+    spec.loader.exec_module(mod)
+    return mod
