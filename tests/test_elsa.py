@@ -437,10 +437,10 @@ def test_q_chunks_and_trace_records_every_launch(device):
 def test_training_forward_then_backward_launches(device):
     """A short sequence: one phase-1 launch writes out and lse (P = 1); the backward is one launch (a short call's
     time is the host's: config.backward_launches) holding the dK/dV programs of the key/value heads and the dQ
-    programs of the query heads; two launches when asked (the long-sequence schedule): a dQ launch (which also
-    computes Delta) then a dK/dV launch."""
+    programs of the query heads (in the short calls' tiles); two launches when asked (the long-sequence schedule): a
+    dQ launch (which also computes Delta) then a dK/dV launch."""
     q, k, v = _qkv(2, 4, 2, 100, 100, 64, torch.float16, device)
-    dq_rows, kv_rows = (elsa_config.BWD_TABLE[("16", 64)][part][i] for part, i in ((0, 0), (1, 1)))
+    dq_rows, kv_rows = (elsa_config.SHORT_ONE_LAUNCH_BWD[("16", 64)][part][i] for part, i in ((0, 0), (1, 1)))
     with trace_launches() as events:
         out = elsa_attention(q, k, v)
         out.backward(torch.randn_like(out))
@@ -701,6 +701,42 @@ def test_backward_launches_one_for_short_16_bit_calls():
         assert elsa_config.backward_launches(8, 8192, 8192, torch.float16, cfg) == given
     with pytest.raises(ValueError, match=r"bwd_launches'\] must be 1 or 2, got 3"):
         elsa_config.canonical_config({"plan": {"bwd_launches": 3}}, torch.float16, 64)
+
+
+def test_short_calls_take_their_measured_tiles():
+    """Swin's windows (16-bit, a bias, D=32, queries and keys <= WINDOW_N) take WINDOW_FWD_TILES in phase 1; the
+    one-launch backward of a call of <= SHORT_N query rows takes SHORT_ONE_LAUNCH_BWD. Just past either bound, or
+    without the bias, in float32, at a head dim not measured, in two launches, the tables' tiles stay; config= wins
+    over both."""
+    fp16 = torch.float16
+
+    def fwd_tiles(nq, nk, d=32, dtype=fp16, bias=True, config=""):
+        p = elsa_config.plan_forward(nq, nk, 8, d, dtype, 132, config, bias=bias)
+        return p.block_m, p.block_n, p.num_warps, p.num_stages
+
+    window = elsa_config.WINDOW_FWD_TILES[("16", 32)]
+    assert fwd_tiles(49, 49) == fwd_tiles(64, 64) == fwd_tiles(1, 1) == window
+    short = elsa_config.SHORT_BLOCK_M, *elsa_config.FWD_TABLE[("16", 32)][1:]
+    assert fwd_tiles(65, 49) == fwd_tiles(49, 65) == short
+    assert fwd_tiles(49, 49, bias=False) != window
+    assert fwd_tiles(49, 49, dtype=torch.float32) == elsa_config.FWD_TABLE[("32", 32)]
+    assert fwd_tiles(49, 49, d=64) == (elsa_config.SHORT_BLOCK_M, *elsa_config.FWD_TABLE[("16", 64)][1:])
+    cfg = elsa_config.canonical_config({"fwd": {"num_warps": 2}}, fp16, 32)
+    assert fwd_tiles(49, 49, config=cfg) == (*window[:2], 2, window[3])
+
+    short_bwd = elsa_config.BwdPlan(*elsa_config.SHORT_ONE_LAUNCH_BWD[("16", 64)])
+    table_bwd = elsa_config.BwdPlan(*elsa_config.BWD_TABLE[("16", 64)])
+    assert short_bwd != table_bwd
+    for d in (32, 64):
+        assert elsa_config.plan_backward(d, fp16, "", 1024, 1) == short_bwd
+        assert elsa_config.plan_backward(d, fp16, "", 1025, 1) == elsa_config.BwdPlan(
+            *elsa_config.BWD_TABLE[("16", d)])
+        assert elsa_config.plan_backward(d, fp16, "", 49, 2) == elsa_config.BwdPlan(*elsa_config.BWD_TABLE[("16", d)])
+    assert elsa_config.plan_backward(128, fp16, "", 49, 1) == elsa_config.BwdPlan(*elsa_config.BWD_TABLE[("16", 128)])
+    assert elsa_config.plan_backward(64, fp16) == table_bwd
+    cfg = elsa_config.canonical_config({"dkdv": {"BLOCK_N": 128}}, fp16, 64)
+    assert elsa_config.plan_backward(64, fp16, cfg, 197, 1) == elsa_config.BwdPlan(
+        short_bwd.dq, (*short_bwd.dkdv[:1], 128, *short_bwd.dkdv[2:]))
 
 
 def test_plan_partitions_keys_and_chunks_queries():

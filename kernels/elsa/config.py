@@ -58,10 +58,24 @@ BUILTIN_FWD_TABLE = {
 # N=4096; B=4 H=16 N=2048) 1.19-1.39x non-causal (the grid is full and every dK/dV program reloads O). float32 keeps
 # two launches: its merged kernel took 1.17-1.63x the GPU time non-causal from 577 rows.
 ONE_LAUNCH_MAX_WORK = 1 << 25
+# The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage: on the H200
+# (results/dev/elsa/short_tiles_h200.json, fp16, backward kernel time) 38 us against 71 at Swin's windows (B_=512
+# H=3 N=49 D=32, bias gradient), 55 against 72 at N=64, 9.8 against 14.9 at ViT-T's 197 tokens (B=8 H=3 D=64;
+# 13.6 against 25.0 with a bias), 15.4 against 16.9 at 128 and 34 against 37 at 577 tokens; at 1025 tokens 96
+# against 80, hence the bound. As a one-launch kernel takes the larger warp count and the smaller stage count of
+# its two jobs, this is 4 warps and 1 stage. Measured at D=32 and 64 only.
+SHORT_ONE_LAUNCH_BWD = {key: ((64, 32, 4, 1), (32, 64, 4, 1)) for key in (("16", 16), ("16", 32), ("16", 64))}
 # Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
+# Windows (Swin's 7 x 7 = 49 tokens; queries and keys both <= WINDOW_N): the 16-bit bias path's loop in 32 x 32 tiles
+# on one warp. On the H200 (results/dev/elsa/short_tiles_h200.json, fp16, the relative-position bias broadcast over
+# the windows) phase 1 took 16.7 us against 58.9 with the short rule's (64, 64, 4, 3) at B_=512 H=3 N=49 D=32
+# (SDPA's efficient kernel: 27), 6.3 against 19.9 at B_=32 H=12, 22.0 against 58.5 at N=64; at 197 tokens the
+# same tiles took 5x the time, hence the bound. Measured at D=32 (every Swin-v1 head) only.
+WINDOW_N = 64
+WINDOW_FWD_TILES = {("16", 32): (32, 32, 1, 1)}
 # Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from its MIN_WORK (2^34 of B*Hq * Nq * Nk * D): its
 # launch builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
 # the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
@@ -299,6 +313,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = ws_tiles if ws else core_tiles(dtype, d, bias)
     if nq <= SHORT_N and bm > SHORT_BLOCK_M:
         bm = SHORT_BLOCK_M
+    if bias and max(nq, nk) <= WINDOW_N and (cls, bd) in WINDOW_FWD_TILES:
+        bm, bn, warps, stages = WINDOW_FWD_TILES[(cls, bd)]
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
     if gluon:
@@ -353,8 +369,13 @@ class BwdPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_backward(d: int, dtype: torch.dtype, config: str = "") -> BwdPlan:
-    dq, dkdv = BWD_TABLE[(dtype_class(dtype), block_d(d))]
+def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None = None, launches: int = 2) -> BwdPlan:
+    """The dQ and dK/dV tiles: BWD_TABLE's, or SHORT_ONE_LAUNCH_BWD's for a one-launch backward (``launches``,
+    from backward_launches) of at most SHORT_N query rows (``nq``); config's overrides on top."""
+    key = (dtype_class(dtype), block_d(d))
+    dq, dkdv = BWD_TABLE[key]
+    if launches == 1 and nq is not None and nq <= SHORT_N and key in SHORT_ONE_LAUNCH_BWD:
+        dq, dkdv = SHORT_ONE_LAUNCH_BWD[key]
     overrides = parse_config(config)
     return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
 
