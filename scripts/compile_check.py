@@ -208,14 +208,28 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
         if not tiles and not fp32:
-            # the 16-bit backward in one launch (config.backward_launches): both jobs' tiles, the larger warp count
-            (dm, dn, dw, dst), (km, kn, kw, kst) = config.BWD_TABLE[key]
-            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), DQ_BLOCK_M=dm, DQ_BLOCK_N=dn, KV_BLOCK_M=km, KV_BLOCK_N=kn,
-                        CAUSAL=False, HAS_BIAS=False, BIAS_GRAD=False, FOLD_Q=False, SCALE_IN_EXP=True,
-                        DOT_PREC="tf32", GROUPED=False)
-            jobs.append(Job("elsa", "bwd_one_launch", K._elsa_bwd_one_launch, dtype, meta, max(dw, kw), min(dst, kst),
-                            ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"}, div16=stride,
-                            label=dict(D=d, dq=[dm, dn], dkdv=[km, kn])))
+            # the 16-bit backward in one launch (config.backward_launches): both jobs' tiles, the larger warp count,
+            # the smaller stage count; the table's, and the short calls' (config.SHORT_ONE_LAUNCH_BWD) with Swin's
+            # bias gradient
+            one_launch = [(config.BWD_TABLE[key], False, "bwd_one_launch")]
+            if key in config.SHORT_ONE_LAUNCH_BWD:
+                one_launch.append((config.SHORT_ONE_LAUNCH_BWD[key], True, "bwd_one_launch_short"))
+            for ((dm, dn, dw, dst), (km, kn, kw, kst)), bias, name in one_launch:
+                meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), DQ_BLOCK_M=dm, DQ_BLOCK_N=dn, KV_BLOCK_M=km,
+                            KV_BLOCK_N=kn, CAUSAL=False, HAS_BIAS=bias, BIAS_GRAD=bias, FOLD_Q=False,
+                            SCALE_IN_EXP=True, DOT_PREC="tf32", GROUPED=False)
+                jobs.append(Job("elsa", name, K._elsa_bwd_one_launch, dtype, meta, max(dw, kw), min(dst, kst),
+                                ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"}, div16=stride,
+                                label=dict(D=d, dq=[dm, dn], dkdv=[km, kn], bias=bias)))
+        if not tiles and key in config.WINDOW_FWD_TILES:
+            # Swin's windows (config.WINDOW_FWD_TILES): phase 1's bias loop as the single partition
+            bm, bn, w, st = config.WINDOW_FWD_TILES[key]
+            meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=True,
+                        FOLD_Q=False, SCALE_IN_EXP=False, DOT_PREC="tf32", FINAL=True, STORE_LSE=True,
+                        KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False)
+            jobs.append(Job("elsa", "phase1_window", K._elsa_phase1, dtype, meta, w, st, ptrs, fp32_ptrs,
+                            floats={"qk_scale", "sm_scale"}, div16=stride,
+                            label=dict(D=d, cfg=[bm, bn, w, st], final=True, bias=True)))
         if not tiles:
             # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse
             rows = config.PHASE2_ROWS[key[0]][block_d(d)]

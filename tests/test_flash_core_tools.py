@@ -197,6 +197,23 @@ def test_shipped_warp_specialized_kernels_pass_the_audit():
     assert "2 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
 
 
+def test_short_call_tiles_compile_without_spills():
+    """ELSA's short calls' tiles (config.SHORT_ONE_LAUNCH_BWD with Swin's bias gradient, config.WINDOW_FWD_TILES),
+    compiled for sm_90 by the installed triton: they compile and spill nothing."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/compile_check.py"), "--kernel", "elsa", "--dims", "32",
+                           "--dtypes", "fp16"], capture_output=True, text=True, timeout=600,
+                          env=_no_interpreter_env(), cwd=REPO)
+    from kernels.elsa import config
+
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert " 0 failed" in proc.stdout
+    (dm, dn, *_), (km, kn, *_) = config.SHORT_ONE_LAUNCH_BWD[("16", 32)]
+    for job in (f"elsa bwd_one_launch_short fp16 D=32 dq=[{dm}, {dn}] dkdv=[{km}, {kn}] bias=True",
+                f"elsa phase1_window fp16 D=32 cfg={list(config.WINDOW_FWD_TILES[('16', 32)])} final=True bias=True"):
+        line = next((row for row in proc.stdout.splitlines() if row.startswith(job + ":")), None)
+        assert line is not None and " spill_stack=0 " in line, (job, proc.stdout[-2000:])
+
+
 def test_gluon_core_compile_check_compiles_or_says_why_not():
     """scripts/compile_check.py --kernel gluon_core: with triton 3.6 (the H100's; the Gluon API the core is written
     against) every shipped variant compiles for sm_90 and fits its shared memory; with another triton nothing is
