@@ -272,6 +272,24 @@ def test_swin_window_bias_training_float16(device):
         assert _max_err(g, r) <= GRAD_TOL[torch.float16] * max(1.0, r.abs().max().item())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_calls_own_tiles_are_exact(device, causal):
+    """The default plan's tiles for short 16-bit calls, against float64, forward and gradients: windows with a bias
+    taking a gradient (phase 1 in config.WINDOW_FWD_TILES: 49 and 64 tokens, and 17 queries on 30 keys; a broadcast
+    fp16 bias and a full-shape fp32 one) and the one-launch backward in config.SHORT_ONE_LAUNCH_BWD (every case
+    here: up to SHORT_N rows), grouped K/V, D = 32 and 64 (no bias, 70 queries on 90 keys: the flash core's loop)."""
+    windows = ((49, 49, (1, 4, 49, 49), torch.float16), (64, 64, (2, 4, 64, 64), torch.float32),
+               (17, 30, (1, 1, 17, 30), torch.float16))
+    for nq, nk, bias_shape, bias_dtype in windows:
+        bias = torch.randn(bias_shape, device=device).to(bias_dtype).requires_grad_(True)
+        q, k, v = _qkv(2, 4, 2, nq, nk, 32, torch.float16, device)
+        with trace_launches() as events:
+            _assert_exact(q, k, v, causal, bias=bias)
+        assert events[0]["block_m"] == elsa_config.WINDOW_FWD_TILES[("16", 32)][0]
+        assert [e["phase"] for e in events] == [1, "bwd"]
+    _assert_exact(*_qkv(2, 4, 2, 70, 90, 64, torch.float16, device), causal)
+
+
 def test_attn_bias_without_grad_and_float16(device):
     bias = torch.randn(3, 49, 49, device=device, dtype=torch.float16)     # Swin-like [H, N, N], fp16
     _assert_exact(*_qkv(2, 3, 3, 49, 49, 32, torch.float16, device), False, bias=bias)
