@@ -1030,14 +1030,18 @@ SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 
     (torch.float16, 64), (torch.float16, 128), (torch.bfloat16, 64), (torch.float16, 32), (torch.float16, 16),
     (torch.float16, 256)])
 def test_gpu_registered_configs_do_not_spill(dtype, D):
-    """Every kernel of the shipped table (short-N and long-N forward tiles, phase 2, backward) compiles without
-    spills, but for the allowances in SPILL_ALLOWANCE (a measured trade, not a blanket tolerance)."""
+    """Every kernel of the shipped table (short-N and long-N forward tiles, phase 2, backward; Swin's windows with
+    a bias) compiles without spills, but for the allowances in SPILL_ALLOWANCE (a measured trade, not a blanket
+    tolerance)."""
     dev = torch.device("cuda")
     spills = {}
-    for N, grad in ((512, True), (8192, True)):        # 16-bit: the backward in one launch, then in two
+    # 16-bit: a window with a bias (config.WINDOW_FWD_TILES at D=32, the short one-launch backward with the bias
+    # gradient), the backward in one launch, then in two
+    for N, grad, bias in ((49, True, True), (512, True, False), (8192, True, False)):
         q, k, v = _qkv(1, 2, 2, N, N, D, dtype, dev, grad)
+        b = torch.randn(1, 2, N, N, device=dev, dtype=dtype).requires_grad_(True) if bias else None
         with trace_launches() as events:
-            out = elsa_attention(q, k, v)
+            out = elsa_attention(q, k, v, attn_bias=b)
             if grad:
                 out.backward(torch.randn_like(out))
         for e in events:
