@@ -50,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds, one step of each side each (default 20)")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps of each side profiled (default 5)")
     args = ap.parse_args(argv)
+    if args.kernel == "native":
+        ap.error("--kernel native: the native model is the other side already; name a kernel (elsa)")
     for name in ("img_size", "batch", "warmup", "rounds", "profile_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

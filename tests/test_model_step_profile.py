@@ -30,6 +30,7 @@ def test_kernel_summary_keeps_the_slowest_kernels():
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--kernel", "native"], "--kernel native: the native model is the other side already"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
