@@ -100,8 +100,12 @@ def _sdpa_forced(sdpa_backend_name: str) -> Callable:
     forced = [getattr(SDPBackend, sdpa_backend_name)]   # resolved once, not on the timed path
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def attn(q, k, v, causal=False, scale=None):
+    def attn(q, k, v, causal=False, scale=None, attn_bias=None):
         extra = {}
+        if attn_bias is not None:
+            if causal:
+                raise ValueError(f"sdpa_{sdpa_backend_name.lower()}: a bias with causal is not a baseline here")
+            extra["attn_mask"] = attn_bias
         if q.shape[1] != k.shape[1]:
             extra["enable_gqa"] = True      # only when needed: MHA calls stay valid on a torch without the argument
         nq, nk = q.shape[-2], k.shape[-2]
@@ -301,10 +305,13 @@ def attention_inputs(*, batch: int, heads: int, q_len: int, head_dim: int, dtype
 
 def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int, head_dim: int, dtype: str,
                             mode: str, causal: bool, device: str, options: dict | None = None,
-                            seed: int = 0, kv_heads: int | None = None, kv_len: int | None = None) -> Workload:
+                            seed: int = 0, kv_heads: int | None = None, kv_len: int | None = None,
+                            bias: bool = False) -> Workload:
     """Allocate q, k, v (and dO) once, on fresh random data, and return the timed call for `mode`.
 
-    n is the query length; k and v have `kv_heads` heads and `kv_len` keys (default: heads and n)."""
+    n is the query length; k and v have `kv_heads` heads and `kv_len` keys (default: heads and n). bias: an
+    additive bias [1, H, Nq, Nk] broadcast over the batch (Swin's relative-position bias), passed as attn_bias=
+    (SDPA's attn_mask); it takes a gradient in the backward modes."""
     kv_heads = heads if kv_heads is None else kv_heads
     kv_len = n if kv_len is None else kv_len
     needs_grad = mode != "fwd"
@@ -315,6 +322,13 @@ def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int,
     kwargs.update(options or {})
     fn = backend.fn
     tensors = [q, k, v]
+    grad_inputs = (q, k, v)
+    if bias:
+        attn_bias = torch.randn((1, heads, n, kv_len), generator=gen, device=device,
+                                dtype=q.dtype).requires_grad_(needs_grad)
+        kwargs["attn_bias"] = attn_bias
+        tensors.append(attn_bias)
+        grad_inputs += (attn_bias,)
 
     if mode == "fwd":
         def run():
@@ -332,13 +346,13 @@ def make_attention_workload(backend: Backend, *, batch: int, heads: int, n: int,
 
             def run():
                 # autograd.grad (not .backward) so gradients are returned, not accumulated into .grad
-                return torch.autograd.grad(state.pop("out"), (q, k, v), d_out)
+                return torch.autograd.grad(state.pop("out"), grad_inputs, d_out)
         else:
             prepare = None
 
             def run():
                 out = fn(q, k, v, causal=causal, scale=None, **kwargs)
-                return torch.autograd.grad(out, (q, k, v), d_out)
+                return torch.autograd.grad(out, grad_inputs, d_out)
 
     def release():
         tensors.clear()

@@ -23,7 +23,9 @@ The chosen entries are written where the kernel reads them, keyed like the kerne
 head-dim tile width BLOCK_D, the head dim padded to a power of two):
 - elsa:      kernels/elsa/tuning.json  ("fwd": {"16,64": [bm, bn, warps, stages]}, "bwd": {"16,64": {dq, dkdv}};
              kernels/elsa/config.py's FWD_TABLE / BWD_TABLE; a 16-bit "fwd" entry also replaces the flash
-             core's plain tiles for phase 1 without a bias: config.FWD_TUNED)
+             core's plain tiles for phase 1 without a bias: config.FWD_TUNED; the short calls' "window_fwd" and
+             "short_bwd", sections window16 and short16, timed at Swin-T's windows with their bias and at ViT-T's
+             layer: config.WINDOW_FWD_TILES / SHORT_ONE_LAUNCH_BWD)
 - pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
              kernels/pasa/attention.py's DEFAULT_CONFIGS; "shift_inline_max_keys": {"64": 512}, section "shift":
              up to how many keys the main kernel shifts K itself rather than after a pre-pass, kernels/pasa/ops.py)
@@ -85,6 +87,8 @@ class Sweep:
     causal: tuple = (False,)
     baseline: str = "flash"
     baseline_options: dict = field(default_factory=dict)     # the baseline backend's keyword options
+    batch: int = 1
+    bias: bool = False          # an additive bias [1, H, N, N] taking a gradient (Swin's relative-position bias)
 
 
 @dataclass
@@ -148,7 +152,16 @@ ELSA_BWD = {  # (dtype class, D): (dK/dV candidates, dQ candidates)
     ("32", 128): ([(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (32, 128, 8, 2)],
                   [(32, 32, 4, 1), (32, 32, 4, 2), (32, 128, 8, 1), (64, 32, 4, 1)]),
 }
+# The short calls' tables (kernels/elsa/config.py: WINDOW_FWD_TILES, SHORT_ONE_LAUNCH_BWD), timed where they apply:
+# Swin-T's first-stage windows (512 windows of 3 heads, 49 tokens, D=32, a relative-position bias taking a gradient)
+# and ViT-T's layer (batch 8, 3 heads, D=64, 197 and 577 tokens), against SDPA as those models call it
+ELSA_WINDOW_FWD = [(32, 32, 1, 1), (16, 32, 1, 1), (16, 64, 1, 1), (32, 64, 1, 1), (64, 64, 4, 3)]
+ELSA_SHORT_BWD = [((64, 32, 4, 1), (32, 64, 4, 1)), ((64, 64, 4, 3), (32, 128, 4, 3)), ((32, 32, 2, 1), (32, 32, 2, 1)),
+                  ((64, 32, 2, 1), (32, 64, 2, 1)), ((64, 64, 4, 1), (64, 64, 4, 1))]
+ELSA_SHORT_SHAPES = {("16", 32): dict(batch=512, ns=(49,), bias=True, baseline="efficient"),
+                     ("16", 64): dict(batch=8, ns=(197, 577), bias=False, baseline="flash")}
 ELSA_SECTIONS = {"fwd16": [("16", 64), ("16", 128)], "fwd32": [("32", 64), ("32", 128)],
+                 "window16": [("16", 32)], "short16": [("16", 32), ("16", 64)],
                  "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)]}
 ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 
@@ -162,6 +175,21 @@ def elsa_sweeps(ctx: Context, section: str):
         dtype = "float32" if cls == "32" else "float16"
         baseline = ctx.baseline("efficient" if cls == "32" else "flash")
         key = dim_key(cls, block_d(d))
+        if section in ("window16", "short16"):
+            shape = ELSA_SHORT_SHAPES[(cls, d)]
+            short = dict(baseline=ctx.baseline(shape["baseline"]), batch=1 if ctx.cpu else shape["batch"],
+                         bias=shape["bias"])
+            heads, ns = ctx.heads(3), ctx.sizes(*shape["ns"])
+            if section == "window16":
+                yield Sweep(section, "elsa", "window_fwd", key, dtype, "fwd", (d,), heads, ns,
+                            ctx.limit(_first(config.WINDOW_FWD_TILES[(cls, block_d(d))], ELSA_WINDOW_FWD)),
+                            lambda c, _d: {"config": {"fwd": _tiles(c)}}, **short)
+            else:
+                current = config.SHORT_ONE_LAUNCH_BWD[(cls, block_d(d))]
+                yield Sweep(section, "elsa", "short_bwd", key, dtype, "bwd", (d,), heads, ns,
+                            ctx.limit([{"dq": dq, "dkdv": dkdv} for dq, dkdv in _first(current, ELSA_SHORT_BWD)]),
+                            _elsa_bwd_options, **short)
+            continue
         if section.startswith("fwd"):
             ns = ctx.sizes(4096) if cls == "32" else ctx.sizes(4096, 16384)
             yield Sweep(section, "elsa", "fwd", key, dtype, "fwd", (d,), ctx.heads(8), ns,
@@ -341,22 +369,30 @@ def accuracy(s: Sweep, options: dict, d: int, device: str, n: int) -> float:
     """Relative RMS error against the float64 reference (output, and dQ/dK/dV for a backward): the worst one."""
     backend = get_backend(s.kernel)
     gen = torch.Generator(device=device).manual_seed(7)
-    shape = (1, 2 if device == "cuda" else 1, n, d)
+    heads = 2 if device == "cuda" else 1
+    shape = (1, heads, n, d)
     q, k, v, d_out = (torch.randn(shape, generator=gen, device=device, dtype=DTYPES[s.dtype]) for _ in range(4))
+    inputs = [q, k, v]
+    if s.bias:
+        inputs.append(torch.randn((1, heads, n, n), generator=gen, device=device, dtype=DTYPES[s.dtype]))
     kw = {**backend.options, **options}
     ref_fn = backend.reference or reference_attention
     ref_kw = dict(backend.options) if backend.reference else {}
     causal = s.causal[0]
+
+    def call(fn, tensors, **extra):
+        bias = {"attn_bias": tensors[3]} if s.bias else {}
+        return fn(*tensors[:3], causal=causal, scale=None, **bias, **extra)
+
     if s.mode == "fwd":
         with torch.no_grad():
-            return _rel_rmse(backend.fn(q, k, v, causal=causal, scale=None, **kw),
-                             ref_fn(q, k, v, causal=causal, scale=None, **ref_kw))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = backend.fn(q, k, v, causal=causal, scale=None, **kw)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = ref_fn(q64, k64, v64, causal=causal, scale=None, **ref_kw)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_out.double())
+            return _rel_rmse(call(backend.fn, inputs, **kw), call(ref_fn, inputs, **ref_kw))
+    inputs = [t.requires_grad_() for t in inputs]
+    out = call(backend.fn, inputs, **kw)
+    grads = torch.autograd.grad(out, inputs, d_out)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = call(ref_fn, inputs64, **ref_kw)
+    ref_grads = torch.autograd.grad(ref, inputs64, d_out.double())
     return max([_rel_rmse(out, ref)] + [_rel_rmse(g, r) for g, r in zip(grads, ref_grads)])
 
 
@@ -364,8 +400,8 @@ def time_ratio(s: Sweep, options: dict, d: int, n: int, causal: bool, device: st
                timing_mode: str = "eager") -> dict:
     """One (head dim, length, causal) measurement of a candidate: kernel ⇄ baseline, interleaved, by the harness's
     timer (timing_mode "graph": CUDA-graph replays, device time only)."""
-    common = dict(batch=1, heads=s.heads, n=n, head_dim=d, dtype=s.dtype, mode=s.mode, causal=causal,
-                  device=device)
+    common = dict(batch=s.batch, heads=s.heads, n=n, head_dim=d, dtype=s.dtype, mode=s.mode, causal=causal,
+                  device=device, bias=s.bias)
     kernel = make_attention_workload(get_backend(s.kernel), options=options, **common)
     baseline = make_attention_workload(get_backend(s.baseline), options=s.baseline_options, **common)
     try:

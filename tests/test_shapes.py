@@ -115,6 +115,30 @@ def test_workload_builds_grouped_k_v_and_both_lengths(mode):
         assert dq.shape == (1, 4, 24, 16) and dk.shape == dv.shape == (1, 2, 40, 16)
 
 
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwdbwd"])
+def test_workload_with_a_bias_gives_elsa_and_sdpa_the_same_problem(mode):
+    """bias=True: a [1, H, Nq, Nk] bias broadcast over the batch, ELSA's attn_bias and SDPA's attn_mask, with its
+    gradient in the backward modes; both sides compute the same thing from the same seed."""
+    results = []
+    for name in ("elsa", "math"):
+        wl = make_attention_workload(get_backend(name), batch=2, heads=2, n=20, head_dim=16, dtype="float32",
+                                     mode=mode, causal=False, device="cpu", kv_len=28, bias=True)
+        assert wl.input_bytes == 4 * (2 * 2 * 20 * 16 + 2 * 2 * 2 * 28 * 16 + 2 * 20 * 28
+                                      + (2 * 2 * 20 * 16 if mode != "fwd" else 0))
+        if wl.prepare:
+            wl.prepare()
+        results.append(wl.run())
+    if mode == "fwd":
+        assert torch.allclose(results[0], results[1], atol=1e-5)
+        return
+    for got, want in zip(*results):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+    assert results[0][3].shape == (1, 2, 20, 28)
+    with pytest.raises(ValueError, match="sdpa_math: a bias with causal is not a baseline here"):
+        make_attention_workload(get_backend("math"), batch=1, heads=1, n=8, head_dim=16, dtype="float32",
+                                mode="fwd", causal=True, device="cpu", bias=True).run()
+
+
 def test_accuracy_check_on_grouped_cross_inputs():
     acc = check_accuracy(get_backend("math"), batch=1, heads=4, n=24, head_dim=16, dtype="float32", causal=True,
                          device="cpu", kv_heads=1, kv_len=56)

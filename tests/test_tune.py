@@ -32,6 +32,7 @@ def run_tune(*args, timeout=900):
 # one short section per kernel: every code path of the sweep (accuracy check, paired timing, decision, writing)
 @pytest.mark.parametrize("kernel, sections, expected", [
     ("elsa", "bwd32", [("bwd32:dkdv", "bwd", "32,64"), ("bwd32:dq", "bwd", "32,64")]),
+    ("elsa", "window16,short16", [("window16", "window_fwd", "16,32"), ("short16", "short_bwd", "16,32")]),
     ("pasa", "variant", [("variant", "variant", "default")]),
     ("pasa", "shift", [("shift", "shift_inline_max_keys", "64")]),
     ("cqsa", "fwd", [("fwd", "fwd", "16,64")]),
@@ -96,6 +97,50 @@ def test_elsa_forward_sweep_starts_from_the_tiles_that_ship():
         assert sweep.values[0] == list(config.core_tiles(torch.float16, int(bd)))
         if (cls, int(bd)) not in config.FWD_TUNED:
             assert sweep.values[0] == list(core.PLAIN_TILES[(cls, int(bd))])
+
+
+def test_elsa_short_sweeps_time_where_their_tables_apply():
+    """The short calls' sections start from the tables in use and time them where they apply: Swin-T's first-stage
+    windows (49 tokens, D=32, 512 windows, a bias taking a gradient, against SDPA's efficient kernel) and ViT-T's
+    layer (197 and 577 tokens, batch 8, D=64, against flash)."""
+    from kernels.elsa import config
+
+    ctx = tune.Context(device="cuda")
+    (window,) = tune.elsa_sweeps(ctx, "window16")
+    assert (window.table, window.key, window.mode, window.ns, window.batch, window.heads, window.bias,
+            window.baseline) == ("window_fwd", "16,32", "fwd", (49,), 512, 3, True, "efficient")
+    assert window.values[0] == list(config.WINDOW_FWD_TILES[("16", 32)])
+    assert window.options(window.values[1], 32) == {"config": {"fwd": tune._tiles(window.values[1])}}
+    swin, vit = tune.elsa_sweeps(ctx, "short16")
+    assert (swin.key, swin.ns, swin.batch, swin.bias, swin.baseline) == ("16,32", (49,), 512, True, "efficient")
+    assert (vit.key, vit.ns, vit.batch, vit.bias, vit.baseline) == ("16,64", (197, 577), 8, False, "flash")
+    for sweep in (swin, vit):
+        assert sweep.table == "short_bwd" and sweep.mode == "bwd" and max(sweep.ns) <= config.SHORT_N
+        dq, dkdv = config.SHORT_ONE_LAUNCH_BWD[("16", int(sweep.key.split(",")[1]))]
+        assert sweep.values[0] == {"dq": list(dq), "dkdv": list(dkdv)}
+    assert max(window.ns) <= config.WINDOW_N
+
+
+def test_elsa_reads_its_short_tables(tmp_path):
+    """window_fwd and short_bwd entries replace the short calls' built-in ones (a short_bwd entry for a key with
+    none starts from the backward table's); a key the tables do not have is one line naming the file."""
+    from kernels._tuning import TuningFileError
+    from kernels.elsa import config
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("elsa", [decision("window_fwd", "16,32", [16, 32, 1, 1]),
+                                decision("short_bwd", "16,64", {"dq": [32, 32, 2, 1]}),
+                                decision("short_bwd", "16,128", {"dkdv": [32, 64, 8, 1]})], path, "cpu")
+    window, short = config.tuned_short_tables(path)
+    assert window == {("16", 32): (16, 32, 1, 1)}
+    assert short[("16", 64)] == ((32, 32, 2, 1), config.BUILTIN_SHORT_ONE_LAUNCH_BWD[("16", 64)][1])
+    assert short[("16", 32)] == config.BUILTIN_SHORT_ONE_LAUNCH_BWD[("16", 32)]
+    assert short[("16", 128)] == (config.BWD_TABLE[("16", 128)][0], (32, 64, 8, 1))
+    assert config.tuned_short_tables(tmp_path / "absent.json") == (config.BUILTIN_WINDOW_FWD_TILES,
+                                                                   config.BUILTIN_SHORT_ONE_LAUNCH_BWD)
+    path.write_text(json.dumps({"configs": {"window_fwd": {"16,48": [32, 32, 1, 1]}}}))
+    with pytest.raises(TuningFileError, match=r"tuning.json: window_fwd\['16,48'\]: not a \(dtype class, BLOCK_D\)"):
+        config.tuned_short_tables(path)
 
 
 def test_elsa_reads_its_tuning_file(tmp_path):

@@ -9,7 +9,8 @@ float32 and the 16-bit bias path (this package's own loop), the backward table e
 128-wide entries come from H100 sweeps or, where a comment says so, an sm_90 compile check (NOTES.md,
 results/dev/elsa/); the 16- and 32-wide entries reuse the 64-wide ones; the 256-wide ones come from the compile
 check (registers, spills, shared memory). ``scripts/tune.py --kernel elsa`` writes the configs it chooses to
-``tuning.json`` beside this file, whose entries replace the built-in ones they name (``tuned_tables``); a forward
+``tuning.json`` beside this file, whose entries replace the built-in ones they name (``tuned_tables``, and
+``tuned_short_tables`` for the short calls' window and one-launch tiles); a forward
 key it names also replaces the core's plain tiles for 16-bit inputs without a bias (``FWD_TUNED``; the
 warp-specialized tiles stay). A caller's ``config=`` overrides all of them for one call.
 """
@@ -58,24 +59,26 @@ BUILTIN_FWD_TABLE = {
 # N=4096; B=4 H=16 N=2048) 1.19-1.39x non-causal (the grid is full and every dK/dV program reloads O). float32 keeps
 # two launches: its merged kernel took 1.17-1.63x the GPU time non-causal from 577 rows.
 ONE_LAUNCH_MAX_WORK = 1 << 25
-# The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage: on the H200
+# The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage (a tuning file's
+# "short_bwd" entries replace these: scripts/tune.py --kernel elsa --sections short16): on the H200
 # (results/dev/elsa/short_tiles_h200.json, fp16, backward kernel time) 38 us against 71 at Swin's windows (B_=512
 # H=3 N=49 D=32, bias gradient), 55 against 72 at N=64, 9.8 against 14.9 at ViT-T's 197 tokens (B=8 H=3 D=64;
 # 13.6 against 25.0 with a bias), 15.4 against 16.9 at 128 and 34 against 37 at 577 tokens; at 1025 tokens 96
 # against 80, hence the bound. As a one-launch kernel takes the larger warp count and the smaller stage count of
 # its two jobs, this is 4 warps and 1 stage. Measured at D=32 and 64 only.
-SHORT_ONE_LAUNCH_BWD = {key: ((64, 32, 4, 1), (32, 64, 4, 1)) for key in (("16", 16), ("16", 32), ("16", 64))}
+BUILTIN_SHORT_ONE_LAUNCH_BWD = {key: ((64, 32, 4, 1), (32, 64, 4, 1)) for key in (("16", 16), ("16", 32), ("16", 64))}
 # Short sequences: a smaller query block gives more programs (NQ <= SHORT_N); no warp specialization there (its two
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
 # Windows (Swin's 7 x 7 = 49 tokens; queries and keys both <= WINDOW_N): the 16-bit bias path's loop in 32 x 32 tiles
-# on one warp. On the H200 (results/dev/elsa/short_tiles_h200.json, fp16, the relative-position bias broadcast over
-# the windows) phase 1 took 16.7 us against 58.9 with the short rule's (64, 64, 4, 3) at B_=512 H=3 N=49 D=32
-# (SDPA's efficient kernel: 27), 6.3 against 19.9 at B_=32 H=12, 22.0 against 58.5 at N=64; at 197 tokens the
-# same tiles took 5x the time, hence the bound. Measured at D=32 (every Swin-v1 head) only.
+# on one warp (a tuning file's "window_fwd" entries replace these: --sections window16). On the H200
+# (results/dev/elsa/short_tiles_h200.json, fp16, the relative-position bias broadcast over the windows) phase 1 took
+# 16.7 us against 58.9 with the short rule's (64, 64, 4, 3) at B_=512 H=3 N=49 D=32 (SDPA's efficient kernel: 27),
+# 6.3 against 19.9 at B_=32 H=12, 22.0 against 58.5 at N=64; at 197 tokens the same tiles took 5x the time, hence
+# the bound. Measured at D=32 (every Swin-v1 head) only.
 WINDOW_N = 64
-WINDOW_FWD_TILES = {("16", 32): (32, 32, 1, 1)}
+BUILTIN_WINDOW_FWD_TILES = {("16", 32): (32, 32, 1, 1)}
 # Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from its MIN_WORK (2^34 of B*Hq * Nq * Nk * D): its
 # launch builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
 # the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
@@ -109,30 +112,52 @@ BUILTIN_BWD_TABLE = {
 TUNING_FILE = Path(__file__).with_name("tuning.json")
 
 
+def _stored_entries(path, stored: dict, table: str) -> dict:
+    """{(dtype class, BLOCK_D): value} of one table of a tuning file; a key that is not one of the tables' is a
+    TuningFileError naming the file, the table and the key."""
+    entries = {}
+    for key, value in stored.get(table, {}).items():
+        try:
+            dim = parse_dim_key(key)
+        except ValueError:
+            dim = None
+        if dim not in BUILTIN_FWD_TABLE:
+            raise TuningFileError(f"{path}: {table}[{key!r}]: not a (dtype class, BLOCK_D) of the tables "
+                                  f"({', '.join(f'{c},{d}' for c, d in BUILTIN_FWD_TABLE)})")
+        entries[dim] = value
+    return entries
+
+
+def _backward_entry(cfg: dict, old: tuple) -> tuple:
+    return tuple(cfg.get("dq", old[0])), tuple(cfg.get("dkdv", old[1]))
+
+
 def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
     """(FWD_TABLE, BWD_TABLE): the built-in tables above with the entries of a tuning file in place of the ones they
     name, keyed "<dtype class>,<BLOCK_D>" like the tables ("fwd": {"16,64": [bm, bn, warps, stages]},
     "bwd": {"16,64": {"dq": [...], "dkdv": [...]}}, either of dq / dkdv may be left out)."""
     stored = read_configs(path)
     fwd, bwd = dict(BUILTIN_FWD_TABLE), dict(BUILTIN_BWD_TABLE)
-    for table, entries in (("fwd", stored.get("fwd", {})), ("bwd", stored.get("bwd", {}))):
-        for key in entries:
-            try:
-                known = parse_dim_key(key) in BUILTIN_FWD_TABLE
-            except ValueError:
-                known = False
-            if not known:
-                raise TuningFileError(f"{path}: {table}[{key!r}]: not a (dtype class, BLOCK_D) of the tables "
-                                      f"({', '.join(f'{c},{d}' for c, d in BUILTIN_FWD_TABLE)})")
-    for key, cfg in stored.get("fwd", {}).items():
-        fwd[parse_dim_key(key)] = tuple(cfg)
-    for key, cfg in stored.get("bwd", {}).items():
-        old_dq, old_dkdv = bwd[parse_dim_key(key)]
-        bwd[parse_dim_key(key)] = (tuple(cfg.get("dq", old_dq)), tuple(cfg.get("dkdv", old_dkdv)))
+    fwd_entries, bwd_entries = _stored_entries(path, stored, "fwd"), _stored_entries(path, stored, "bwd")
+    fwd.update((dim, tuple(cfg)) for dim, cfg in fwd_entries.items())
+    bwd.update((dim, _backward_entry(cfg, bwd[dim])) for dim, cfg in bwd_entries.items())
     return fwd, bwd
 
 
+def tuned_short_tables(path=TUNING_FILE) -> tuple[dict, dict]:
+    """(WINDOW_FWD_TILES, SHORT_ONE_LAUNCH_BWD): the short calls' built-in tables with a tuning file's entries
+    ("window_fwd": {"16,32": [bm, bn, warps, stages]}, "short_bwd": {"16,64": {"dq": [...], "dkdv": [...]}}; a
+    short_bwd entry for a key without a built-in one starts from BWD_TABLE's)."""
+    stored = read_configs(path)
+    window, short = dict(BUILTIN_WINDOW_FWD_TILES), dict(BUILTIN_SHORT_ONE_LAUNCH_BWD)
+    window.update((dim, tuple(cfg)) for dim, cfg in _stored_entries(path, stored, "window_fwd").items())
+    short.update((dim, _backward_entry(cfg, short.get(dim, BWD_TABLE[dim])))
+                 for dim, cfg in _stored_entries(path, stored, "short_bwd").items())
+    return window, short
+
+
 FWD_TABLE, BWD_TABLE = tuned_tables()
+WINDOW_FWD_TILES, SHORT_ONE_LAUNCH_BWD = tuned_short_tables()
 # the forward keys the tuning file names: for 16-bit inputs without a bias they replace the flash core's plain tiles
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
 FWD_TUNED = frozenset(parse_dim_key(k) for k in read_configs(TUNING_FILE).get("fwd", {}))
