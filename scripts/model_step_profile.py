@@ -109,9 +109,12 @@ def run(args) -> dict:
     sync()
     walls = {name: [] for name in sides}
     for _ in range(args.rounds):
-        for name, one in steps.items():
+        for name, workload in sides.items():
+            if workload.prepare is not None:       # outside the timed step, as the harness times it
+                workload.prepare()
+            sync()
             t0 = time.perf_counter()
-            one()
+            workload.run()
             sync()
             walls[name].append((time.perf_counter() - t0) * 1e3)
     res = {"meta": {"model": args.model, "img_size": args.img_size, "batch": args.batch, "dtype": args.dtype,
