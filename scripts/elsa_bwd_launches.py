@@ -8,7 +8,11 @@ Host time (shapes up to 2^31 of B*H*N*N*D, where the host sets the pace): 100 fo
 without synchronisation, per round one sample of each schedule in turn (the host drifts); the median over 7 rounds
 of the ratio within a round. The schedule is forced through config=, whose calls are validated each time and go
 through the op rather than the eager entry: that fixed cost is on both sides, so the host ratio understates what
-the one launch saves on the default path. Writes the JSON list to OUT and one line per shape to stdout.
+the one launch saves on the default path. Each schedule runs in the tiles the plan gives it: up to SHORT_N rows
+the one launch takes config.SHORT_ONE_LAUNCH_BWD and two launches the backward table's, so there the comparison is
+of the two schedules as the default path would run them, tiles included, not of the launch count alone
+(results/dev/elsa/bwd_one_launch_h200.json predates the short tiles: both schedules in the table's there).
+Writes the JSON list to OUT and one line per shape to stdout.
 """
 from __future__ import annotations
 
