@@ -162,6 +162,12 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
 
 # -- each kernel package's jobs -------------------------------------------------------------------------------
 
+# A contiguous bias's key stride is 1, and a launch specialises an integer argument equal to 1 into a constant: the
+# bias jobs compile it so (without it, triton 3.6 found no spill in the 32 x 32 window tiles, which spilled 4
+# registers on the H200; with it, the same 4: kernels/elsa/config.py, SHORT_BIAS_TILES)
+BIAS_UNIT_STRIDE = {"sbj": 1}
+
+
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
     from kernels._common import block_d
@@ -217,7 +223,7 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             for ((dm, dn, dw, dst), (km, kn, kw, kst)), bias, name in one_launch:
                 meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), DQ_BLOCK_M=dm, DQ_BLOCK_N=dn, KV_BLOCK_M=km,
                             KV_BLOCK_N=kn, CAUSAL=False, HAS_BIAS=bias, BIAS_GRAD=bias, FOLD_Q=False,
-                            SCALE_IN_EXP=True, DOT_PREC="tf32", GROUPED=False)
+                            SCALE_IN_EXP=True, DOT_PREC="tf32", GROUPED=False, **(BIAS_UNIT_STRIDE if bias else {}))
                 jobs.append(Job("elsa", name, K._elsa_bwd_one_launch, dtype, meta, max(dw, kw), min(dst, kst),
                                 ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"}, div16=stride,
                                 label=dict(D=d, dq=[dm, dn], dkdv=[km, kn], bias=bias)))
@@ -226,7 +232,7 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             bm, bn, w, st = config.WINDOW_FWD_TILES[key]
             meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=False, HAS_BIAS=True,
                         FOLD_Q=False, SCALE_IN_EXP=False, DOT_PREC="tf32", FINAL=True, STORE_LSE=True,
-                        KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False)
+                        KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False, **BIAS_UNIT_STRIDE)
             jobs.append(Job("elsa", "phase1_window", K._elsa_phase1, dtype, meta, w, st, ptrs, fp32_ptrs,
                             floats={"qk_scale", "sm_scale"}, div16=stride,
                             label=dict(D=d, cfg=[bm, bn, w, st], final=True, bias=True)))

@@ -290,6 +290,20 @@ def test_short_calls_own_tiles_are_exact(device, causal):
     _assert_exact(*_qkv(2, 4, 2, 70, 90, 64, torch.float16, device), causal)
 
 
+@pytest.mark.parametrize("key", sorted(elsa_config.SHORT_BIAS_TILES))
+def test_short_biased_calls_own_tiles_are_exact(device, key):
+    """config.SHORT_BIAS_TILES (biased calls of <= SHORT_N query rows whose tables' tiles spill with a bias), at each
+    key: 70 queries on 90 keys (past WINDOW_N, no tile multiple; grouped K/V) with a full-shape bias taking a
+    gradient, causal, forward and gradients against float64, in the plan's tiles."""
+    cls, d = key
+    dtype = torch.float32 if cls == "32" else torch.float16
+    bias = torch.randn(1, 4, 70, 90, device=device).to(dtype).requires_grad_(True)
+    q, k, v = _qkv(1, 4, 2, 70, 90, d, dtype, device)
+    plan = elsa_config.plan_forward(70, 90, 4, d, dtype, 132, "", True, True)
+    assert (plan.block_m, plan.block_n, plan.num_warps, plan.num_stages) == elsa_config.SHORT_BIAS_TILES[key]["fwd"]
+    _assert_exact(q, k, v, True, bias=bias)
+
+
 def test_attn_bias_without_grad_and_float16(device):
     bias = torch.randn(3, 49, 49, device=device, dtype=torch.float16)     # Swin-like [H, N, N], fp16
     _assert_exact(*_qkv(2, 3, 3, 49, 49, 32, torch.float16, device), False, bias=bias)
@@ -722,10 +736,11 @@ def test_backward_launches_one_for_short_16_bit_calls():
 
 
 def test_short_calls_take_their_measured_tiles():
-    """Swin's windows (16-bit, a bias, D=32, queries and keys <= WINDOW_N) take WINDOW_FWD_TILES in phase 1; the
-    one-launch backward of a call of <= SHORT_N query rows takes SHORT_ONE_LAUNCH_BWD. Just past either bound, or
-    without the bias, in float32, at a head dim not measured, in two launches, the tables' tiles stay; config= wins
-    over both."""
+    """Swin's windows (16-bit, a bias, D=32, queries and keys <= WINDOW_N) take WINDOW_FWD_TILES in phase 1; other
+    biased calls of <= SHORT_N query rows take SHORT_BIAS_TILES where it has their key; the one-launch backward of a
+    call of <= SHORT_N query rows takes SHORT_ONE_LAUNCH_BWD (SHORT_BIAS_TILES' with a bias where it has them).
+    Just past either bound, or without the bias, at a head dim not listed, in two launches, the tables' tiles stay;
+    config= wins over all of them."""
     fp16 = torch.float16
 
     def fwd_tiles(nq, nk, d=32, dtype=fp16, bias=True, config=""):
@@ -734,11 +749,13 @@ def test_short_calls_take_their_measured_tiles():
 
     window = elsa_config.WINDOW_FWD_TILES[("16", 32)]
     assert fwd_tiles(49, 49) == fwd_tiles(64, 64) == fwd_tiles(1, 1) == window
-    short = elsa_config.SHORT_BLOCK_M, *elsa_config.FWD_TABLE[("16", 32)][1:]
-    assert fwd_tiles(65, 49) == fwd_tiles(49, 65) == short
-    assert fwd_tiles(49, 49, bias=False) != window
-    assert fwd_tiles(49, 49, dtype=torch.float32) == elsa_config.FWD_TABLE[("32", 32)]
+    short = elsa_config.SHORT_BIAS_TILES[("16", 32)]["fwd"]
+    assert fwd_tiles(65, 49) == fwd_tiles(49, 65) == fwd_tiles(1024, 4096) == short
+    assert fwd_tiles(1025, 49) == elsa_config.FWD_TABLE[("16", 32)]
+    assert fwd_tiles(49, 49, bias=False) not in (window, short)
+    assert fwd_tiles(49, 49, dtype=torch.float32) == elsa_config.SHORT_BIAS_TILES[("32", 32)]["fwd"]
     assert fwd_tiles(49, 49, d=64) == (elsa_config.SHORT_BLOCK_M, *elsa_config.FWD_TABLE[("16", 64)][1:])
+    assert ("16", 64) not in elsa_config.SHORT_BIAS_TILES
     cfg = elsa_config.canonical_config({"fwd": {"num_warps": 2}}, fp16, 32)
     assert fwd_tiles(49, 49, config=cfg) == (*window[:2], 2, window[3])
 
@@ -752,6 +769,13 @@ def test_short_calls_take_their_measured_tiles():
         assert elsa_config.plan_backward(d, fp16, "", 49, 2) == elsa_config.BwdPlan(*elsa_config.BWD_TABLE[("16", d)])
     assert elsa_config.plan_backward(128, fp16, "", 49, 1) == elsa_config.BwdPlan(*elsa_config.BWD_TABLE[("16", 128)])
     assert elsa_config.plan_backward(64, fp16) == table_bwd
+    assert elsa_config.plan_backward(64, fp16, "", 49, 1, bias=True) == short_bwd       # ("16", 64): no bias tiles
+    for d, dtype, launches in ((256, fp16, 1), (64, torch.float32, 2)):
+        bias_bwd = elsa_config.BwdPlan(*elsa_config.SHORT_BIAS_TILES[(dtype_class(dtype), d)]["bwd"])
+        assert elsa_config.plan_backward(d, dtype, "", 1024, launches, bias=True) == bias_bwd
+        assert elsa_config.plan_backward(d, dtype, "", 1025, launches, bias=True) == elsa_config.BwdPlan(
+            *elsa_config.BWD_TABLE[(dtype_class(dtype), d)]) != bias_bwd
+        assert elsa_config.plan_backward(d, dtype, "", 49, launches) != bias_bwd
     cfg = elsa_config.canonical_config({"dkdv": {"BLOCK_N": 128}}, fp16, 64)
     assert elsa_config.plan_backward(64, fp16, cfg, 197, 1) == elsa_config.BwdPlan(
         short_bwd.dq, (*short_bwd.dkdv[:1], 128, *short_bwd.dkdv[2:]))
@@ -999,10 +1023,11 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
         got, codes = run_and_get_code(lambda: torch.autograd.grad(compiled(q, k, v, bias), inputs))
         code = "\n".join(codes)
         assert len(codes) == 2                                  # the forward's graph and the backward's
-        assert ("_elsa_phase1" in code) == inlined, n
+        # the kernels' definitions (a kernel's docstring may name another: _elsa_bwd_one_launch's names both jobs')
+        assert ("def _elsa_phase1(" in code) == inlined, n
         one = elsa_config.backward_launches(2 * 4, n, n, dtype) == 1
         for name in ("_elsa_bwd_one_launch", "_elsa_bwd_dq", "_elsa_bwd_dkdv"):
-            assert (name in code) == (one == (name == "_elsa_bwd_one_launch")), (n, name)
+            assert (f"def {name}(" in code) == (one == (name == "_elsa_bwd_one_launch")), (n, name)
         assert ("attnbench.elsa_fwd" in code) != inlined and "attnbench.elsa_bwd" not in code
         want = torch.autograd.grad(loss(q, k, v, bias), inputs)
         for g, w in zip(got, want):
@@ -1035,8 +1060,9 @@ def test_gpu_registered_configs_do_not_spill(dtype, D):
     tolerance)."""
     dev = torch.device("cuda")
     spills = {}
-    # 16-bit: a window with a bias (config.WINDOW_FWD_TILES at D=32, the short one-launch backward with the bias
-    # gradient), the backward in one launch, then in two
+    # a window with a bias (config.WINDOW_FWD_TILES at D=32, else SHORT_BIAS_TILES or the tables'; the short
+    # backward with the bias gradient; its row stride 49 keeps the bias loads unvectorised), the backward in one
+    # launch (16-bit), then in two
     for N, grad, bias in ((49, True, True), (512, True, False), (8192, True, False)):
         q, k, v = _qkv(1, 2, 2, N, N, D, dtype, dev, grad)
         b = torch.randn(1, 2, N, N, device=dev, dtype=dtype).requires_grad_(True) if bias else None

@@ -71,14 +71,37 @@ BUILTIN_SHORT_ONE_LAUNCH_BWD = {key: ((64, 32, 4, 1), (32, 64, 4, 1)) for key in
 # consumer warpgroups split a 128-row block).
 SHORT_N = 1024
 SHORT_BLOCK_M = 64
-# Windows (Swin's 7 x 7 = 49 tokens; queries and keys both <= WINDOW_N): the 16-bit bias path's loop in 32 x 32 tiles
+# Windows (Swin's 7 x 7 = 49 tokens; queries and keys both <= WINDOW_N): the 16-bit bias path's loop in 16 x 32 tiles
 # on one warp (a tuning file's "window_fwd" entries replace these: --sections window16). On the H200
-# (results/dev/elsa/short_tiles_h200.json, fp16, the relative-position bias broadcast over the windows) phase 1 took
-# 16.7 us against 58.9 with the short rule's (64, 64, 4, 3) at B_=512 H=3 N=49 D=32 (SDPA's efficient kernel: 27),
-# 6.3 against 19.9 at B_=32 H=12, 22.0 against 58.5 at N=64; at 197 tokens the same tiles took 5x the time, hence
-# the bound. Measured at D=32 (every Swin-v1 head) only.
+# (results/dev/elsa/short_tiles_h200.json, fp16, the relative-position bias broadcast over the windows) phase 1 in
+# 32 x 32 tiles took 16.7 us against 58.9 with the short rule's (64, 64, 4, 3) at B_=512 H=3 N=49 D=32 (SDPA's
+# efficient kernel: 27), 6.3 against 19.9 at B_=32 H=12, 22.0 against 58.5 at N=64; at 197 tokens the same tiles
+# took 5x the time, hence the bound. 16 x 32 then: 2.2 % faster than 32 x 32 over Swin-T's windows (scripts/tune.py
+# --sections window16 on the H200, results/dev/elsa/tune_short_h200.json: 1.248 against 1.275 x efficient's time,
+# CI +-0.8 / 1.0 %), and it does not spill where 32 x 32 spilled 4 registers (SHORT_BIAS_TILES' file). Measured at
+# D=32 (every Swin-v1 head) only.
 WINDOW_N = 64
-BUILTIN_WINDOW_FWD_TILES = {("16", 32): (32, 32, 1, 1)}
+BUILTIN_WINDOW_FWD_TILES = {("16", 32): (16, 32, 1, 1)}
+# Biased calls of at most SHORT_N query rows, where the tables' tiles spill registers with a bias (its [BM, BN] tile,
+# loaded through one pointer per element when its row stride is not a multiple of 16: 49 at Swin's windows): phase 1's
+# tiles ("fwd") and the backward's ("bwd": dQ, dK/dV), before WINDOW_FWD_TILES and overrides. Spills as triton 3.6
+# compiles them on the H200 (n_spills at B=1 H=2 N=49, results/dev/elsa/bias_tiles_h200.json), the tables' tiles
+# against these: fp16 D=16 phase 1 72 -> 0; D=32 (above WINDOW_N) 88 -> 0; D=128 268 -> 0 (bf16 the same);
+# D=256 68 -> 0 and its one-launch backward 10 -> 0; fp32 D=16 16 -> 0, D=32 20 -> 0, D=64 22 -> 0 and its
+# backward dQ / dK/dV 6 / 10 -> 0. The other keys' tiles do not spill with a bias there. Phase 1's forward time in
+# these tiles against the tables' (the same file's "times": do_bench, B*H = 1024 / 128 / 32 at N = 49 / 197 / 577)
+# was 0.2-0.8x, but for float32 D=64 at 577 tokens (1.17x). The sm_90 compile check (scripts/compile_check.py)
+# reproduces the window tiles' spills but not these (none in the tables' tiles at D=128, where the H200 spilled
+# 268): the GPU test (tests/test_elsa.py, test_gpu_registered_configs_do_not_spill) is what judges them.
+SHORT_BIAS_TILES = {
+    ("16", 16): {"fwd": (64, 32, 4, 2)},
+    ("16", 32): {"fwd": (64, 32, 4, 2)},
+    ("16", 128): {"fwd": (64, 32, 4, 1)},
+    ("16", 256): {"fwd": (32, 32, 4, 1), "bwd": ((16, 32, 4, 1), (32, 16, 4, 1))},
+    ("32", 16): {"fwd": (64, 32, 4, 2)},
+    ("32", 32): {"fwd": (64, 32, 4, 2)},
+    ("32", 64): {"fwd": (64, 32, 4, 1), "bwd": ((64, 16, 4, 1), (16, 64, 4, 1))},
+}
 # Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from its MIN_WORK (2^34 of B*Hq * Nq * Nk * D): its
 # launch builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
 # the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
@@ -338,6 +361,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = ws_tiles if ws else core_tiles(dtype, d, bias)
     if nq <= SHORT_N and bm > SHORT_BLOCK_M:
         bm = SHORT_BLOCK_M
+    if bias and nq <= SHORT_N and "fwd" in SHORT_BIAS_TILES.get((cls, bd), {}):
+        bm, bn, warps, stages = SHORT_BIAS_TILES[(cls, bd)]["fwd"]
     if bias and max(nq, nk) <= WINDOW_N and (cls, bd) in WINDOW_FWD_TILES:
         bm, bn, warps, stages = WINDOW_FWD_TILES[(cls, bd)]
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
@@ -394,13 +419,18 @@ class BwdPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None = None, launches: int = 2) -> BwdPlan:
+def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None = None, launches: int = 2,
+                  bias: bool = False) -> BwdPlan:
     """The dQ and dK/dV tiles: BWD_TABLE's, or SHORT_ONE_LAUNCH_BWD's for a one-launch backward (``launches``,
-    from backward_launches) of at most SHORT_N query rows (``nq``); config's overrides on top."""
+    from backward_launches) of at most SHORT_N query rows (``nq``), or SHORT_BIAS_TILES' for such a call with a
+    bias where it has them; config's overrides on top."""
     key = (dtype_class(dtype), block_d(d))
     dq, dkdv = BWD_TABLE[key]
-    if launches == 1 and nq is not None and nq <= SHORT_N and key in SHORT_ONE_LAUNCH_BWD:
+    short = nq is not None and nq <= SHORT_N
+    if launches == 1 and short and key in SHORT_ONE_LAUNCH_BWD:
         dq, dkdv = SHORT_ONE_LAUNCH_BWD[key]
+    if bias and short and "bwd" in SHORT_BIAS_TILES.get(key, {}):
+        dq, dkdv = SHORT_BIAS_TILES[key]["bwd"]
     overrides = parse_config(config)
     return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
 

@@ -335,7 +335,7 @@ class _BwdPlan(LaunchPlan):
         self.ds_shape = (c.B, c.H, c.NQ, c.NK)
         self.ds_dtype = dscores_dtype(self.q_shape, c.NK, bias)
         self.launches = backward_launches(c.BH, c.NQ, c.NK, c.dtype, config)
-        plan = self.plan = plan_backward(c.D, c.dtype, config, c.NQ, self.launches)
+        plan = self.plan = plan_backward(c.D, c.dtype, config, c.NQ, self.launches, bias is not None)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
         dq_strides = contiguous
         # packed: dq, dk, dv go to the slices of one [B, N, 3, H, D] buffer (run's dqkv), the packed entry's gradient
