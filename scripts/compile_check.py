@@ -386,6 +386,7 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
     ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not. Its Gluon API is triton 3.6's: with another triton
     nothing is compiled (a line says so)."""
+    from kernels import _gluon_bwd as gb
     from kernels import _gluon_core as gc
 
     if tiles:
@@ -417,6 +418,16 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
             jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
                             i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"}, descs=descs, gluon=True,
                             label=dict(D=d, causal=causal, mode=mode, cfg=[block_n, stages])))
+        if d in gb.HEAD_DIMS:
+            # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, K and V of BLOCK_N
+            descs = {f"{name}_desc": f"tensordesc<{dtype}[{rows}, {d}],"
+                                     f"{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
+                     for name, rows in (("q", gb.BLOCK_M), ("do", gb.BLOCK_M), ("k", gb.BLOCK_N), ("v", gb.BLOCK_N))}
+            for causal in (False, True):
+                jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype, dict(CAUSAL=causal,
+                                                                                       DQ_COLS=gb.DQ_COLS), gb.NUM_WARPS,
+                                1, {"DK", "DV"}, {"Lse", "Delta", "DQ"}, floats={"qk_scale", "sm_scale"}, descs=descs,
+                                gluon=True, label=dict(D=d, causal=causal, cfg=[gb.BLOCK_M, gb.BLOCK_N])))
     return jobs
 
 

@@ -1,4 +1,7 @@
-"""The Gluon Hopper core (kernels/_gluon_core.py), ELSA's phase 1 on it and CQSA's resident forward on its tile walk.
+"""The Gluon Hopper core (kernels/_gluon_core.py), ELSA's phase 1 on it and CQSA's resident forward on its tile walk;
+the Gluon backward (kernels/_gluon_bwd.py): it refuses on the CPU in one line, and on the GPU its dq, dk, dv are held
+against float64's within twice the forward's tolerance (as ELSA's gradients are), on ragged, grouped-query, Nq != Nk
+and causal cases, and a 1 % error in the softmax scale must exceed that bound.
 
 CPU: the core is never taken there (Gluon has no interpreter): available() says no, the standalone forward refuses
 in one line, and ELSA's plan takes the core only where the host says it can (16-bit, no bias, more than SHORT_N
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import _gluon_bwd as gb
 from kernels import _gluon_core as gc
 from kernels.elsa import config as elsa_config
 from kernels.elsa import elsa_attention
@@ -60,6 +64,14 @@ def test_not_available_on_the_cpu():
     assert not gc.available(q, k, v)
     with pytest.raises(ValueError, match="gluon_core: needs triton") as err:
         gc.gluon_fwd(q, k, v)
+    assert "\n" not in str(err.value)
+
+
+def test_backward_not_available_on_the_cpu():
+    q, k, v = _inputs(1, 1, 1, 8, 8, 64, torch.float16, "cpu")
+    lse2 = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="gluon_bwd: needs triton") as err:
+        gb.gluon_bwd(q, q, k, v, q, lse2)
     assert "\n" not in str(err.value)
 
 
@@ -508,3 +520,48 @@ def test_gpu_cqsa_on_the_core_compiled():
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
     for a, b in zip(got, eager):
         assert _rel_rms(a, b) <= 1e-3
+
+
+# The backward (kernels/_gluon_bwd.py), (B, Hq, Hkv, Nq, Nk, D, causal): both head dims, ragged key and query tiles,
+# GQA / MQA (dK, dV summed over the group), Nq != Nk both ways (bottom-right causal, rows of Nq > Nk that see no key)
+BWD_CASES = [
+    (1, 2, 2, 1000, 1000, 64, False),
+    (2, 4, 2, 777, 777, 64, True),
+    (1, 4, 4, 2048, 2048, 128, False),
+    (1, 8, 1, 300, 2000, 128, True),
+    (1, 2, 2, 1000, 300, 64, True),
+    (1, 4, 2, 130, 1000, 128, False),
+]
+
+
+def _gluon_bwd_errors(case, dtype, scale=None):
+    """Relative RMS errors of gluon_bwd's dq, dk, dv against float64's, on the forward's output rounded to dtype
+    and its base-2 LSE (+inf where a row sees no key, as ELSA stores it)."""
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = (t.requires_grad_(True) for t in _inputs(b, hq, hkv, nq, nk, d, dtype, "cuda"))
+    ref = reference_attention(q, k, v, causal=causal)
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    want = torch.autograd.grad(ref, (q, k, v), g.double())
+    lse2 = _reference_lse(q, k, causal) * math.log2(math.e)
+    lse2 = torch.where(torch.isfinite(lse2), lse2, float("inf")).float()
+    got = gb.gluon_bwd(g, q.detach(), k.detach(), v.detach(), ref.detach().to(dtype), lse2, causal, scale)
+    return [_rel_rms(x, y) for x, y in zip(got, want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "b{}h{}-{}n{}-{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_gpu_backward_matches_float64(case, dtype):
+    """dq, dk, dv within twice the forward's tolerance, as ELSA's gradients are held (_assert_elsa_matches_float64)."""
+    _need_core("cuda")
+    for name, err in zip("qkv", _gluon_bwd_errors(case, dtype)):
+        assert err <= 2 * TOL[dtype], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_backward_rejects_a_one_percent_scale_error():
+    """The bound sees a 1 % error in the softmax scale in every gradient."""
+    _need_core("cuda")
+    case = (1, 4, 4, 2048, 2048, 128, False)
+    assert max(_gluon_bwd_errors(case, torch.float16)) <= 2 * TOL[torch.float16]
+    assert min(_gluon_bwd_errors(case, torch.float16, scale=1.01 / 128 ** 0.5)) > 2 * TOL[torch.float16]
