@@ -6,10 +6,11 @@
 
 A `matrices/models.yaml` cell's lat_ratio says how much longer the step takes; this says why. Both sides are the
 harness's own workloads (attnbench.models.make_model_workload: same weights, input, step and, with --compile,
-the same torch.compile), timed in alternation: each round times one synchronised step of each side, so the
-machine's drift falls on both. Then a few steps of each side run under torch.profiler, which gives the GPU's busy
-time per step (the sum of its kernels' durations: one stream) and the kernels themselves. Per side:
-  wall_ms        median wall time of a synchronised step (min beside it)
+the same torch.compile), timed as the harness times a cell (attnbench.measure.pair.measure_pair: --rounds pairs
+in alternating order, L2 flushed, each step's untimed prepare outside its sample), so the machine's drift falls on
+both. Then a few steps of each side run under torch.profiler, which gives the GPU's busy time per step (the sum of
+its kernels' durations: one stream) and the kernels themselves. Per side:
+  wall_ms        median time of a step as the harness's timer takes it (min beside it)
   gpu_busy_ms    the step's kernels' summed time; wall - busy is the time the GPU waited on the host
   kernels        kernels launched per step
   top            the kernels taking most time per step (name, ms, launches per step)
@@ -25,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     ap.add_argument("--kernel", default="elsa", help="the attention the model is patched with (default elsa)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--warmup", type=int, default=8, help="steps of each side before timing (default 8)")
-    ap.add_argument("--rounds", type=int, default=20, help="timed rounds, one step of each side each (default 20)")
+    ap.add_argument("--rounds", type=int, default=20, help="timed pairs, one step of each side each (default 20)")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps of each side profiled (default 5)")
     args = ap.parse_args(argv)
     if args.kernel == "native":
@@ -88,6 +88,8 @@ def profiled_events(torch, step, steps: int, device: str) -> list[dict]:
 def run(args) -> dict:
     import torch
 
+    from attnbench.matrix import TIMING_DEFAULTS
+    from attnbench.measure.pair import measure_pair
     from attnbench.models import make_model_workload
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -107,30 +109,29 @@ def run(args) -> dict:
         for _ in range(args.warmup):
             one()
     sync()
-    walls = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, workload in sides.items():
-            if workload.prepare is not None:       # outside the timed step, as the harness times it
-                workload.prepare()
-            sync()
-            t0 = time.perf_counter()
-            workload.run()
-            sync()
-            walls[name].append((time.perf_counter() - t0) * 1e3)
+    # exactly --rounds pairs (no CI stop, no time budget); the rest of the timing as a matrix cell's defaults
+    timing = dict(TIMING_DEFAULTS, warmup_ms=0, rep_ms=1, min_reps=args.rounds, max_reps=args.rounds,
+                  ci_half_width=0.0, max_ms=float("inf"))
+    pair = measure_pair(sides[args.kernel], sides["native"], kernel_name=args.kernel, baseline_name="native",
+                        timing=timing, device=args.device)
+    for side in (pair.kernel, pair.baseline):
+        if side.status != "ok":
+            raise ValueError(f"{side.backend} side: {side.status}: {side.message}")
     res = {"meta": {"model": args.model, "img_size": args.img_size, "batch": args.batch, "dtype": args.dtype,
                     "mode": args.mode, "compile": args.compile, "kernel": args.kernel, "rounds": args.rounds,
                     "profile_steps": args.profile_steps, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
            "sides": {}}
-    for name, one in steps.items():
-        side = {"wall_ms": round(statistics.median(walls[name]), 3), "wall_min_ms": round(min(walls[name]), 3)}
+    for name, timed in (("native", pair.baseline), (args.kernel, pair.kernel)):
+        summary = timed.summary()
+        side = {"wall_ms": round(summary["ms_median"], 3), "wall_min_ms": round(summary["ms_min"], 3)}
         if args.device == "cuda":
-            side.update(kernel_summary(profiled_events(torch, one, args.profile_steps, args.device),
+            side.update(kernel_summary(profiled_events(torch, steps[name], args.profile_steps, args.device),
                                        args.profile_steps))
         res["sides"][name] = side
         sides[name].release()
     native, ours = res["sides"]["native"], res["sides"][args.kernel]
-    res["wall_ratio"] = round(statistics.median(a / b for a, b in zip(walls[args.kernel], walls["native"])), 3)
+    res["wall_ratio"] = round(statistics.median(pair.ratios), 3)
     if "gpu_busy_ms" in native:
         res["gpu_busy_ratio"] = round(ours["gpu_busy_ms"] / native["gpu_busy_ms"], 3)
     return res
@@ -140,7 +141,7 @@ def table(res) -> str:
     m = res["meta"]
     lines = [f"{m['model']} @{m['img_size']} batch {m['batch']} {m['dtype']} {m['mode']}"
              + (" compiled" if m["compile"] else "") + f", {m['device']}, torch {m['torch']}; "
-             f"wall: median of {m['rounds']} synchronised steps per side, in alternation"]
+             f"wall: median of {m['rounds']} steps per side, paired in alternation (the harness's timer)"]
     for name, side in res["sides"].items():
         busy = side.get("gpu_busy_ms")
         lines.append(f"{name:<8} wall {side['wall_ms']:.2f} ms (min {side['wall_min_ms']:.2f})"
