@@ -32,7 +32,7 @@ import torch
 import triton
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
-from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, descriptor_layout
+from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, tile_descriptor
 from ._launch import launch as _launch
 
 NAME = "gluon_bwd"
@@ -45,7 +45,6 @@ DQ_COLS = 64          # dQ's part is made and added this many columns at a time
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
 
@@ -179,11 +178,6 @@ if HAS_GLUON:
         gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=store_ok)
 
 
-def _desc(t2d: torch.Tensor, rows: int):
-    d = t2d.shape[1]
-    return TensorDescriptor(t2d, list(t2d.shape), [t2d.stride(0), 1], [rows, d], descriptor_layout(rows, d, t2d.dtype))
-
-
 def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None):
     """(dq, dk, dv) of softmax attention on sm_90 (no autograd): q, out, grad_out [B, Hq, Nq, D], k, v [B, Hkv, Nk,
     D], contiguous, float16 / bfloat16, D in HEAD_DIMS; lse2 [B, Hq, Nq] fp32, the base-2 row statistic
@@ -204,7 +198,8 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None):
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     with on_device(q):
         _launch(_gluon_bwd_kernel, (triton.cdiv(n_k, BLOCK_N), b * hkv), (
-            _desc(q.view(-1, d), BLOCK_M), _desc(k.view(-1, d), BLOCK_N), _desc(v.view(-1, d), BLOCK_N),
-            _desc(grad_out.view(-1, d), BLOCK_M), lse2.contiguous(), delta, dq32, dk, dv, hq, hq // hkv, n_q, n_k,
-            n_k - n_q, scale * LOG2E, scale), dict(CAUSAL=causal, DQ_COLS=DQ_COLS, num_warps=NUM_WARPS))
+            tile_descriptor(q.view(-1, d), BLOCK_M, d), tile_descriptor(k.view(-1, d), BLOCK_N, d),
+            tile_descriptor(v.view(-1, d), BLOCK_N, d), tile_descriptor(grad_out.view(-1, d), BLOCK_M, d),
+            lse2.contiguous(), delta, dq32, dk, dv, hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
+            dict(CAUSAL=causal, DQ_COLS=DQ_COLS, num_warps=NUM_WARPS))
     return dq32.to(q.dtype), dk, dv

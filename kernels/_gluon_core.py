@@ -582,7 +582,7 @@ def descriptor_layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
-def _desc(t2d: torch.Tensor, rows: int, cols: int):
+def tile_descriptor(t2d: torch.Tensor, rows: int, cols: int):
     """A descriptor over the rows of t2d ([rows of every head, D], unit column stride; its rows may be longer, as
     PASA's K̃ rows padded to a power of two are) loading [rows, cols] tiles."""
     return TensorDescriptor(t2d, list(t2d.shape), [t2d.stride(0), 1], [rows, cols],
@@ -594,8 +594,8 @@ def _descriptors(q, k, v, block_n):
     d = q.shape[-1]
     d0, d1 = SPLITS[d]
     tensors = ((q.view(-1, d), ROWS_PER_CONSUMER), (k.view(-1, d), block_n), (v.view(-1, d), block_n))
-    firsts = tuple(_desc(t, rows, d0) for t, rows in tensors)
-    seconds = tuple(_desc(t, rows, d1) for t, rows in tensors) if d1 else (None, None, None)
+    firsts = tuple(tile_descriptor(t, rows, d0) for t, rows in tensors)
+    seconds = tuple(tile_descriptor(t, rows, d1) for t, rows in tensors) if d1 else (None, None, None)
     return firsts + seconds
 
 
