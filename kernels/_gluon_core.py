@@ -577,9 +577,10 @@ def eligible(q: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def descriptor_layout(rows: int, d: int, dtype: torch.dtype):
-    """The shared-memory layout of a [rows, d] tile of a 16-bit dtype: the kernel's descriptors' (and what
-    scripts/compile_check.py gives their signature)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    """The shared-memory layout of a [rows, d] tile of a 16-bit dtype (or fp32, the backward's dQ): the kernels'
+    descriptors' (and what scripts/compile_check.py gives their signature)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+                                                            torch.float32: gl.float32}[dtype])
 
 
 def tile_descriptor(t2d: torch.Tensor, rows: int, cols: int):

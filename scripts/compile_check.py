@@ -12,7 +12,8 @@ core's PASA step had them before kernels/_gluon_core.py's _round16).
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
 candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
-4/8 warps × 2/3 stages, PASA's sweep candidates, the flash core's (scripts/flash_core_sweep.py). Exit 1 if any kernel fails to compile; spills are reported,
+4/8 warps × 2/3 stages, PASA's sweep candidates, the flash core's (scripts/flash_core_sweep.py), the Gluon
+backward's. Exit 1 if any kernel fails to compile; spills are reported,
 not failed (some are known and allowed: kernels/elsa/NOTES.md).
 
 Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit target) with the arguments
@@ -382,15 +383,18 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
+# the Gluon backward's tiles tried by --tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS)
+BWD_TILE_CANDIDATES = [(64, 64, 2, 64), (64, 64, 2, 32), (64, 64, 3, 32), (128, 64, 2, 64)]
+
+
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
-    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not. Its Gluon API is triton 3.6's: with another triton
-    nothing is compiled (a line says so)."""
+    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not; and the Gluon backward
+    (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES. Its Gluon API is triton 3.6's:
+    with another triton nothing is compiled (a line says so)."""
     from kernels import _gluon_bwd as gb
     from kernels import _gluon_core as gc
 
-    if tiles:
-        raise SystemExit("--tiles: the Gluon core has no candidate grid here; gluon_fwd(tiles=...) tries tiles")
     if not (gc.HAS_GLUON and triton.__version__.startswith(gc.GLUON_VERSION)):
         print(f"gluon_core: written for triton {gc.GLUON_VERSION}'s Gluon, this is {triton.__version__}: skipped",
               flush=True)
@@ -419,15 +423,19 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"}, descs=descs, gluon=True,
                             label=dict(D=d, causal=causal, mode=mode, cfg=[block_n, stages])))
         if d in gb.HEAD_DIMS:
-            # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, K and V of BLOCK_N
-            descs = {f"{name}_desc": f"tensordesc<{dtype}[{rows}, {d}],"
-                                     f"{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
-                     for name, rows in (("q", gb.BLOCK_M), ("do", gb.BLOCK_M), ("k", gb.BLOCK_N), ("v", gb.BLOCK_N))}
+            # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N
             for causal in (False, True):
-                jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype, dict(CAUSAL=causal,
-                                                                                       DQ_COLS=gb.DQ_COLS), gb.NUM_WARPS,
-                                1, {"DK", "DV"}, {"Lse", "Delta", "DQ"}, floats={"qk_scale", "sm_scale"}, descs=descs,
-                                gluon=True, label=dict(D=d, causal=causal, cfg=[gb.BLOCK_M, gb.BLOCK_N])))
+                for bm, bn, stages, dq_cols in (BWD_TILE_CANDIDATES if tiles else [gb.TILES[(d, causal)]]):
+                    descs = {f"{name}_desc": f"tensordesc<{dtype}[{rows}, {d}],"
+                                             f"{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
+                             for name, rows in (("q", bm), ("do", bm), ("k", bn), ("v", bn))}
+                    descs["dq_desc"] = (f"tensordesc<fp32[{bm}, {dq_cols}],"
+                                        f"{gc.descriptor_layout(bm, dq_cols, torch.float32)!r}>")
+                    jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype,
+                                    dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=gb.CONSUMER_REGS,
+                                         LOADER_REGS=gb.LOADER_REGS), 4, 1, {"DK", "DV"}, {"Lse", "Delta"},
+                                    floats={"qk_scale", "sm_scale"}, descs=descs, gluon=True,
+                                    label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols])))
     return jobs
 
 

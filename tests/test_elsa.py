@@ -781,6 +781,60 @@ def test_short_calls_take_their_measured_tiles():
         short_bwd.dq, (*short_bwd.dkdv[:1], 128, *short_bwd.dkdv[2:]))
 
 
+def test_backward_takes_the_gluon_kernel_where_measured_faster():
+    """plan_backward's rule for the Gluon backward (kernels/_gluon_bwd.py): capable 16-bit calls without a bias, in
+    two launches' place, from GLUON_BWD_MIN_WORK of their head dim and mask; never with a bias, float32, a head dim
+    it lacks, one launch, below the work, or tiles the caller overrides."""
+    fp16, bf16 = torch.float16, torch.bfloat16
+    for (d, causal), least in elsa_config.GLUON_BWD_MIN_WORK.items():
+        def gluon(work, dtype=fp16, launches=2, bias=False, capable=True, config="", d=d, causal=causal):
+            return elsa_config.plan_backward(d, dtype, config, 4096, launches, bias, causal, work, capable).gluon
+
+        assert gluon(least) and gluon(least, dtype=bf16) and gluon(64 * least)
+        assert not gluon(least - 1)
+        assert not gluon(least, capable=False)
+        assert not gluon(least, bias=True)
+        assert not gluon(least, launches=1)
+        assert not gluon(least, dtype=torch.float32)
+        for part in ("dq", "dkdv"):
+            assert not gluon(least, config=elsa_config.canonical_config({part: {"num_warps": 4}}, fp16, d))
+    # a fwd+bwd call at 4K (B=1, H=8) lost to its launch's host time; D = 64 without a mask gained only at 16K
+    assert min(elsa_config.GLUON_BWD_MIN_WORK.values()) > 8 * 4096 ** 2
+    assert elsa_config.GLUON_BWD_MIN_WORK[(64, False)] > 8 * 8192 ** 2
+    assert not elsa_config.plan_backward(256, fp16, "", 4096, 2, False, False, 1 << 40, True).gluon
+    assert not elsa_config.plan_backward(96, fp16, "", 4096, 2, False, False, 1 << 40, True).gluon
+
+
+@pytest.fixture
+def gluon_backward_from_any_work(monkeypatch):
+    """GLUON_BWD_MIN_WORK at 0, plans made afresh (and forgotten after), so small calls take the Gluon backward
+    wherever it is usable."""
+    from kernels.elsa import host
+
+    for key in elsa_config.GLUON_BWD_MIN_WORK:
+        monkeypatch.setitem(elsa_config.GLUON_BWD_MIN_WORK, key, 0)
+    elsa_config.plan_backward.cache_clear()
+    host.clear_plans()
+    yield
+    elsa_config.plan_backward.cache_clear()
+    host.clear_plans()
+
+
+def test_backward_on_the_cpu_never_plans_the_gluon_kernel(gluon_backward_from_any_work):
+    """A CPU call (the interpreter) is not capable: its backward plan keeps the Triton launches even where the
+    Gluon backward's work threshold is 0."""
+    from kernels import _gluon_bwd as gluon_bwd
+    from kernels.elsa import host
+
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+    out = torch.randn_like(q)
+    assert not gluon_bwd.usable(q, k, v, out) and not gluon_bwd.eligible(q, k, v)
+    assert elsa_config.plan_backward(64, torch.float16, "", 8, 2, False, False, 128, True).gluon
+    two = elsa_config.canonical_config({"plan": {"bwd_launches": 2}}, torch.float16, 64)
+    plan = host._BwdPlan(out, q, k, v, out, None, False, 0.125, "tf32x3", two, False)
+    assert plan.launches == 2 and not plan.plan.gluon
+
+
 def test_plan_partitions_keys_and_chunks_queries():
     """Partitions split the keys (Nk), query blocks and chunks the queries (Nq): a decode step (one query, long
     keys) is still a multi-partition scan, a short key set with many queries is one partition."""
@@ -927,6 +981,69 @@ def test_gpu_float32_d128_backward_tiles(causal):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_backward_vit_length(dtype):
     _assert_exact(*_qkv(2, 3, 3, 1025, 1025, 64, dtype, torch.device("cuda")), False)
+
+
+# (D, causal, Hq, Hkv, Nq, Nk): grouped and ungrouped K/V, lengths that leave partial query and key tiles, more keys
+# than queries and fewer (below GLUON_BWD_MIN_WORK, which the tests set to 0: a float64 reference past it is large)
+GLUON_BWD_CASES = [(64, True, 8, 2, 4100, 4200), (64, False, 8, 4, 2100, 2150), (128, False, 8, 2, 4100, 4200),
+                   (128, True, 8, 8, 4200, 4100)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GLUON_BWD_CASES, ids=lambda c: "d{}{}-h{}:{}-{}x{}".format(c[0], "c" * c[1], *c[2:]))
+def test_gpu_backward_on_the_gluon_kernel(gluon_backward_from_any_work, case, dtype):
+    """Where plan_backward picks the Gluon backward (sm_90), ELSA's gradients come from it and hold the float64
+    tolerances."""
+    from kernels import _gluon_bwd as gluon_bwd
+    from kernels.elsa import host
+
+    d, causal, hq, hkv, nq, nk = case
+    q, k, v = _qkv(1, hq, hkv, nq, nk, d, dtype, torch.device("cuda"))
+    if not gluon_bwd.usable(q, k, v, q):
+        pytest.skip("the Gluon backward needs an sm_90 GPU and triton 3.6")
+    worst = _check(q, k, v, causal)
+    assert worst <= 1.0, f"error {worst:.2f} x the tolerance"
+    plans = list(host._bwd_plans.values())          # the fixture emptied the cache: this call's backward plan
+    assert len(plans) == 1 and plans[0].plan.gluon
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_backward_in_a_cuda_graph(gluon_backward_from_any_work):
+    """A CUDA graph of a training step whose backward is the Gluon kernel replays it on new inputs."""
+    from kernels import _gluon_bwd as gluon_bwd
+    from kernels.elsa import host
+
+    dev = torch.device("cuda")
+    q, k, v = _qkv(1, 8, 8, 4096, 4096, 128, torch.float16, dev)
+    if not gluon_bwd.usable(q, k, v, q):
+        pytest.skip("the Gluon backward needs an sm_90 GPU and triton 3.6")
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out = _rand(q.shape, torch.float16, dev)
+
+    def step():
+        return torch.autograd.grad(elsa_attention(*static, causal=True), static, d_out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()                                  # compile, fill the plan caches
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step()
+    fresh = _qkv(1, 8, 8, 4096, 4096, 128, torch.float16, dev, grad=False)
+    with torch.no_grad():
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert [p.plan.gluon for p in host._bwd_plans.values()] == [True]
+    ref = [t.double().requires_grad_() for t in fresh]
+    want = torch.autograd.grad(reference_attention(*ref, causal=True), ref, d_out.double())
+    for g, r in zip(grads, want):
+        assert _max_err(g, r) <= GRAD_TOL[torch.float16] * max(1.0, r.abs().max().item())
 
 
 @pytest.mark.gpu

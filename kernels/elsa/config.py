@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from .._common import block_d, tile_config
 from .._tuning import TuningFileError, parse_dim_key, read_configs
@@ -59,6 +60,17 @@ BUILTIN_FWD_TABLE = {
 # N=4096; B=4 H=16 N=2048) 1.19-1.39x non-causal (the grid is full and every dK/dV program reloads O). float32 keeps
 # two launches: its merged kernel took 1.17-1.63x the GPU time non-causal from 577 rows.
 ONE_LAUNCH_MAX_WORK = 1 << 25
+# The 16-bit backward without a bias runs the Gluon backward on sm_90 (kernels/_gluon_bwd.py: five GEMMs per tile
+# where the Triton backward's two kernels take seven; warp-specialized, dQ by TMA reduce-add) from this much work
+# (B * Hq * Nq * Nk), per (head dim, causal). On the H200 (B=1, H=8, fp16) its GPU time over the Triton backward's
+# was 0.80-0.91 at D = 128 from 3K tokens, 0.82-0.91 causal at D = 64 from 4K, and 0.87-0.98 at D = 64 without a
+# mask from 6K (results/dev/gluon_bwd/crossover_h200.json); at 16K, over cuDNN's backward, 1.17 / 1.25 (D = 64 / 128)
+# where the Triton backward took 1.33 / 1.61 (tiles_h200.json). But its launch makes five host-side TMA descriptors
+# and three torch ops (~0.2-0.3 ms of CPU), which a call runs while the GPU idles once the forward is done: at 4K a
+# fwd+bwd call on it took 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward
+# (runs/20261128T212449Z_hopper against runs/20261128T142036Z_hopper). Hence 8K (B=1, H=8) before it, and 16K at
+# D = 64 without a mask.
+GLUON_BWD_MIN_WORK = {(64, False): 1 << 31, (64, True): 1 << 29, (128, False): 1 << 29, (128, True): 1 << 29}
 # The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage (a tuning file's
 # "short_bwd" entries replace these: scripts/tune.py --kernel elsa --sections short16): on the H200
 # (results/dev/elsa/short_tiles_h200.json, fp16, backward kernel time) 38 us against 71 at Swin's windows (B_=512
@@ -416,14 +428,21 @@ def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms
 class BwdPlan:
     dq: tuple       # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     dkdv: tuple
+    gluon: bool = False     # the Gluon backward (kernels/_gluon_bwd.py) instead of the dQ and dK/dV launches
 
 
 @functools.lru_cache(maxsize=256)
 def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None = None, launches: int = 2,
-                  bias: bool = False) -> BwdPlan:
+                  bias: bool = False, causal: bool = False, work: int = 0, gluon_capable: bool = False) -> BwdPlan:
     """The dQ and dK/dV tiles: BWD_TABLE's, or SHORT_ONE_LAUNCH_BWD's for a one-launch backward (``launches``,
     from backward_launches) of at most SHORT_N query rows (``nq``), or SHORT_BIAS_TILES' for such a call with a
-    bias where it has them; config's overrides on top."""
+    bias where it has them; config's overrides on top. gluon_capable: the call's tensors and device can take the
+    Gluon backward (_gluon_bwd.usable, no bias gradient, not packed); it runs then for 16-bit inputs without a bias
+    in two launches' place from GLUON_BWD_MIN_WORK (``work`` = B * Hq * Nq * Nk), unless config overrides the
+    backward's tiles."""
+    overrides = parse_config(config)
+    gluon = (gluon_capable and dtype_class(dtype) == "16" and not bias and launches == 2 and d in gluon_bwd.HEAD_DIMS
+             and "dq" not in overrides and "dkdv" not in overrides and work >= GLUON_BWD_MIN_WORK[(d, causal)])
     key = (dtype_class(dtype), block_d(d))
     dq, dkdv = BWD_TABLE[key]
     short = nq is not None and nq <= SHORT_N
@@ -431,8 +450,7 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None =
         dq, dkdv = SHORT_ONE_LAUNCH_BWD[key]
     if bias and short and "bwd" in SHORT_BIAS_TILES.get(key, {}):
         dq, dkdv = SHORT_BIAS_TILES[key]["bwd"]
-    overrides = parse_config(config)
-    return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides))
+    return BwdPlan(_tiles("dq", dq, overrides), _tiles("dkdv", dkdv, overrides), gluon)
 
 
 def backward_launches(bh: int, nq: int, nk: int, dtype: torch.dtype, config: str = "") -> int:

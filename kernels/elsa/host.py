@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
@@ -315,7 +316,8 @@ class _BwdPlan(LaunchPlan):
     """Buffers and prepared launches of the backward of one signature (that of the forward plus the layouts of dO
     and of the forward's output)."""
 
-    def __init__(self, do, q, k, v, out, bias, causal, scale, precision, config, bias_grad, packed=False):
+    def __init__(self, do, q, k, v, out, bias, causal, scale, precision, config, bias_grad, packed=False,
+                 traced=False):
         c = self.c = _Common(q, k, v, bias, causal, scale, precision)
         self.place(c.device)
         for name, t in (("output gradient", do), ("output", out)):
@@ -335,7 +337,13 @@ class _BwdPlan(LaunchPlan):
         self.ds_shape = (c.B, c.H, c.NQ, c.NK)
         self.ds_dtype = dscores_dtype(self.q_shape, c.NK, bias)
         self.launches = backward_launches(c.BH, c.NQ, c.NK, c.dtype, config)
-        plan = self.plan = plan_backward(c.D, c.dtype, config, c.NQ, self.launches, bias is not None)
+        # the Gluon backward reads q, k, v as run() passes them (copied where c.copy says) and a contiguous dO (its
+        # own copy where dO is not); a traced plan (fake tensors, no data pointer) asks what the layout decides
+        read = tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        gluon_capable = (not (packed or bias_grad or bias is not None)
+                         and (gluon_bwd.eligible(*read) if traced else gluon_bwd.usable(*read, do)))
+        plan = self.plan = plan_backward(c.D, c.dtype, config, c.NQ, self.launches, bias is not None, causal,
+                                         c.BH * c.NQ * c.NK, gluon_capable)
         kv_strides = (c.HKV * c.NK * c.D, c.NK * c.D, c.D)
         dq_strides = contiguous
         # packed: dq, dk, dv go to the slices of one [B, N, 3, H, D] buffer (run's dqkv), the packed entry's gradient
@@ -348,7 +356,9 @@ class _BwdPlan(LaunchPlan):
         dq_m, dq_n, dq_warps, dq_stages = plan.dq
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
-        if self.launches == 1:
+        if plan.gluon:
+            pass                                    # gluon_bwd builds its descriptors and launches: nothing to prepare
+        elif self.launches == 1:
             # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
             kv_programs = kv_blocks * c.B * c.HKV
             self.grid = (kv_programs + q_blocks * c.BH,)
@@ -387,6 +397,12 @@ class _BwdPlan(LaunchPlan):
             grads = (_zeros(self.q_shape, dtype=c.dtype, device=dev), _zeros(self.kv_shape, dtype=c.dtype, device=dev),
                      _zeros(self.kv_shape, dtype=c.dtype, device=dev))
             return grads + (_zeros(self.ds_shape, dtype=self.ds_dtype, device=dev),) if self.bias_grad else grads
+        if self.plan.gluon:
+            ev = trace.start_event(dev) if trace.active() else None
+            grads = gluon_bwd.gluon_bwd(do, q, k, v, out, lse, c.causal, c.scale)
+            if ev is not None:
+                trace.record(start=ev, phase="bwd", kernel="_gluon_bwd_kernel")
+            return grads
         if self.packed:
             dq, dk, dv = dqkv.unbind(2)             # [B, N, H, D] views: the launches take their pointers
         else:
@@ -452,9 +468,12 @@ def backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision:
 
 def traced_backward(do, q, k, v, out, lse, bias, causal: bool, scale: float, precision: str, config: str,
                     bias_grad: bool):
-    """backward() as torch.compile traces it (traced_forward's counterpart): the backward's launches take no
-    descriptors, so every call ``traceable`` can be handed to inductor."""
+    """backward() as torch.compile traces it (traced_forward's counterpart): the Triton backward's launches take no
+    descriptors, so every call ``traceable`` can be handed to inductor but one that runs the Gluon backward (host-made
+    TMA descriptors): None for it, and the op stays opaque."""
     if not traceable(do, q, k, v, out, lse, bias):
         return None
-    return _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad).run(
-        do, q, k, v, out, lse, bias, traced=True)
+    plan = _BwdPlan(do, q, k, v, out, bias, causal, scale, precision, config, bias_grad, traced=True)
+    if plan.plan.gluon:
+        return None
+    return plan.run(do, q, k, v, out, lse, bias, traced=True)
