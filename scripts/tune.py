@@ -11,13 +11,15 @@ A candidate is first checked
 against the float64 reference (relative RMS error of the output, and of dQ, dK, dV for backward sections,
 within a per-dtype tolerance); then it is timed against an SDPA baseline with
 ``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median
-ratio is within ±1 % or the budget ends). Two sections measure a crossover over lengths instead of a list of
+ratio is within ±1 % or the budget ends). Three sections measure a crossover over lengths instead of a list of
 candidates: Cron Root's "cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root; on a GPU in
-device time, the harness's graph mode, unless --cross-timing eager: see Tuner.crossover) and PASA's
+device time, the harness's graph mode, unless --cross-timing eager: see Tuner.crossover), PASA's
 "shift" (PASA's K̃ made inline against its pre-pass, pasa_attention(shift=...): up to which key length the main
-kernel shifts K itself). Otherwise a candidate's score is the geometric mean of its median ratios over the
-section's lengths (and causal settings); the current entry is candidate 0, and it is replaced only when the
-best candidate's score is lower by more than the combined CI half-widths (a change must be real, not noise).
+kernel shifts K itself) and ELSA's "gluonbwd" (its backward on the sm_90 Gluon kernel against its Triton one,
+fwd+bwd eager: from how much work the Gluon kernel runs; Tuner.elsa_gluon_bwd). Otherwise a candidate's score is
+the geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is
+candidate 0, and it is replaced only when the best candidate's score is lower by more than the combined CI
+half-widths (a change must be real, not noise).
 
 The chosen entries are written where the kernel reads them, keyed like the kernel's own tables (dtype class and
 head-dim tile width BLOCK_D, the head dim padded to a power of two):
@@ -25,7 +27,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              kernels/elsa/config.py's FWD_TABLE / BWD_TABLE; a 16-bit "fwd" entry also replaces the flash
              core's plain tiles for phase 1 without a bias: config.FWD_TUNED; the short calls' "window_fwd" and
              "short_bwd", sections window16 and short16, timed at Swin-T's windows with their bias and at ViT-T's
-             layer: config.WINDOW_FWD_TILES / SHORT_ONE_LAUNCH_BWD)
+             layer: config.WINDOW_FWD_TILES / SHORT_ONE_LAUNCH_BWD; "gluon_bwd_min_work": {"128,0": work}, section
+             gluonbwd: config.GLUON_BWD_MIN_WORK, keyed by head dim and causal 0 / 1)
 - pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
              kernels/pasa/attention.py's DEFAULT_CONFIGS; "shift_inline_max_keys": {"64": 512}, section "shift":
              up to how many keys the main kernel shifts K itself rather than after a pre-pass, kernels/pasa/ops.py)
@@ -162,7 +165,11 @@ ELSA_SHORT_SHAPES = {("16", 32): dict(batch=512, ns=(49,), bias=True, baseline="
                      ("16", 64): dict(batch=8, ns=(197, 577), bias=False, baseline="flash")}
 ELSA_SECTIONS = {"fwd16": [("16", 64), ("16", 128)], "fwd32": [("32", 64), ("32", 128)],
                  "window16": [("16", 32)], "short16": [("16", 32), ("16", 64)],
-                 "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)]}
+                 "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)],
+                 "gluonbwd": [("16", 64), ("16", 128)]}
+# The Gluon backward's crossover (section gluonbwd, Tuner.elsa_gluon_bwd): B=1, H=8, from past the one-launch
+# backward's work (config.ONE_LAUNCH_MAX_WORK: 2048 tokens) to 16K
+GLUON_BWD_NS = (3072, 4096, 6144, 8192, 12288, 16384)
 ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 
 
@@ -441,6 +448,17 @@ def choose(results: list[dict]) -> tuple[dict, str]:
     return current, f"best candidate only {gain:.1%} faster, within the noise (±{_pct(noise)}): the current entry stays"
 
 
+def first_win(points: list[dict]) -> int | None:
+    """The first length N from which the kernel's ratio is at most 1 at every larger measured N (points in
+    increasing N; failed points skipped); None when it loses at the longest."""
+    cross = None
+    for p in reversed([p for p in points if "ratio" in p]):
+        if p["ratio"] > 1.0:
+            break
+        cross = p["n"]
+    return cross
+
+
 def _pct(x) -> str:
     return "?" if x is None or not math.isfinite(x) else f"{x:.1%}"
 
@@ -524,6 +542,9 @@ class Tuner:
             if self.kernel == "pasa" and section == "shift":
                 self.pasa_shift()
                 continue
+            if self.kernel == "elsa" and section == "gluonbwd":
+                self.elsa_gluon_bwd()
+                continue
             for s in sweeps(self.ctx, section):
                 self.run_sweep(s)
         return self.decisions
@@ -568,12 +589,7 @@ class Tuner:
                 if p is None:
                     break
                 points.append(p)
-            cross = None
-            for p in reversed([p for p in points if "ratio" in p]):
-                if p["ratio"] <= 1.0:
-                    cross = p["n"]
-                else:
-                    break
+            cross = first_win(points)
             complete = len(points) == len(ns)
             decision = {"section": "cross", "table": "crossover", "key": mode, "value": cross, "complete": complete,
                         "timing": self.cross_timing,
@@ -583,6 +599,57 @@ class Tuner:
             self.decisions.append(decision)
             self._save()
             self.log(f"== cross {mode}: {cross}")
+
+    def elsa_gluon_bwd(self) -> None:
+        """ELSA's 16-bit backward on the Gluon kernel (kernels/_gluon_bwd.py) against its Triton backward, fwd+bwd
+        called eagerly (host time included: the Gluon launch's host work is what it must repay), fp16, B = 1, H = 8,
+        per head dim and causal setting. The work B·H·N² of the first N from which the Gluon backward is at least as
+        fast at every larger measured N becomes config.GLUON_BWD_MIN_WORK's entry; where it never is, the entry
+        stays. Both backwards are first checked against float64. The kernel needs an sm_90 GPU and triton 3.6's
+        Gluon: elsewhere each entry stays and the log says why."""
+        from kernels import _gluon_bwd
+        from kernels.elsa import config
+
+        heads = self.ctx.heads(8)
+        ns = self.ctx.sizes(*GLUON_BWD_NS)
+        for cls, d in self.ctx.dims(ELSA_SECTIONS["gluonbwd"]):
+            probe = torch.zeros(1, 1, 16, d, device=self.device, dtype=torch.float16)
+            usable = _gluon_bwd.usable(probe, probe, probe, probe)
+            # both sides two launches; a dK/dV override (the table's own tiles) keeps the Triton backward, a
+            # gluon_bwd_min_work of 1 takes the Gluon one at every length
+            triton_bwd = {"config": {"plan": {"bwd_launches": 2},
+                                     "dkdv": _tiles(config.BWD_TABLE[(cls, block_d(d))][1])}}
+            gluon = {"config": {"plan": {"bwd_launches": 2, "gluon_bwd_min_work": 1}}}
+            for causal in (False, True):
+                key = f"{d},{int(causal)}"
+                current = config.GLUON_BWD_MIN_WORK[(d, causal)]
+                s = Sweep("gluonbwd", "elsa", "gluon_bwd_min_work", key, "float16", "fwdbwd", (d,), heads, ns, [None],
+                          lambda v, _d: gluon, causal=(causal,), baseline="elsa", baseline_options=triton_bwd)
+                points, bad = [], []
+                if not usable:
+                    bad = ["the Gluon backward needs an sm_90 GPU and triton 3.6's Gluon"]
+                else:
+                    errors = {name: accuracy(s, opts, d, self.device, 1024)
+                              for name, opts in (("gluon", gluon), ("triton", triton_bwd))}
+                    self.rows.append({"section": "gluonbwd", "key": key, "rel_rmse": errors})
+                    bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+                for n in ns if not bad else ():
+                    p = self.timed_point(s, gluon, d, n, causal, f"gluonbwd D={d} causal={causal} N={n}")
+                    if p is None:
+                        break
+                    points.append(p)
+                cross = first_win(points)
+                complete = not bad and len(points) == len(ns)
+                value = heads * cross * cross if cross is not None else current       # B = 1
+                why = ("; ".join(bad) + ": the entry stays") if bad else (
+                    f"the Gluon backward at least as fast from N = {cross} (B=1, H={heads})" if cross is not None
+                    else "the Triton backward faster at the longest measured length: the entry stays")
+                decision = {"section": "gluonbwd", "table": "gluon_bwd_min_work", "key": key, "value": value,
+                            "current": current, "changed": complete and value != current, "complete": complete,
+                            "why": why}
+                self.decisions.append(decision)
+                self._save()
+                self.log(f"== gluonbwd D={d} causal={causal}: {value} ({why})")
 
 
     def pasa_shift(self) -> None:
@@ -654,7 +721,8 @@ def cr_tuning_file() -> Path:
 NOTES = {
     "elsa": "ELSA launch configs chosen by scripts/tune.py --kernel elsa (harness timer, paired against SDPA); "
             "entries replace kernels/elsa/config.py's built-in tables: fwd {dtype class,BLOCK_D: [BLOCK_M, BLOCK_N, "
-            "num_warps, num_stages]}, bwd {dtype class,BLOCK_D: {dq, dkdv}}.",
+            "num_warps, num_stages]}, bwd {dtype class,BLOCK_D: {dq, dkdv}}; gluon_bwd_min_work {D,causal 0/1: "
+            "B*Hq*Nq*Nk from which the Gluon backward runs} (its Triton backward paired against it).",
     "pasa": "PASA launch configs chosen by scripts/tune.py --kernel pasa (harness timer, paired against SDPA flash; "
             "the K̃ path inline against the pre-pass); entries replace kernels/pasa/attention.py's BUILTIN_CONFIGS / "
             "BUILTIN_VARIANT: {BLOCK_D: [BLOCK_M, BLOCK_N, num_warps, num_stages]} (fa16 keeps PASA's tiles), and "

@@ -68,6 +68,57 @@ def test_tune_refuses_unknown_sections_and_a_missing_gpu():
         assert proc.returncode == 3 and "--device cpu" in proc.stderr
 
 
+def test_the_gluon_backward_section_stays_where_the_kernel_cannot_run(tmp_path):
+    """ELSA's gluonbwd section on the CPU (no Gluon there): one decision per causal setting at the first head dim,
+    each keeping its entry and saying why, nothing timed, nothing written."""
+    from kernels.elsa import config
+
+    target = tmp_path / "tuning.json"
+    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--write", str(target),
+                    "--out", str(tmp_path / "log"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = json.loads((tmp_path / "log" / "tune_elsa.json").read_text())
+    assert [(d["table"], d["key"], d["value"], d["changed"]) for d in log["decisions"]] == [
+        ("gluon_bwd_min_work", "64,0", config.GLUON_BWD_MIN_WORK[(64, False)], False),
+        ("gluon_bwd_min_work", "64,1", config.GLUON_BWD_MIN_WORK[(64, True)], False)]
+    assert all("needs an sm_90 GPU" in d["why"] for d in log["decisions"])
+    assert not [r for r in log["rows"] if "ratio" in r] and not target.exists()
+
+
+def test_a_crossover_is_the_first_length_won_at_every_longer_one():
+    def points(*ratios):
+        return [{"n": 1000 * (i + 1), "ratio": r} for i, r in enumerate(ratios)]
+
+    assert tune.first_win(points(1.2, 0.9, 1.01, 0.95, 0.9)) == 4000
+    assert tune.first_win(points(0.9, 0.95, 1.0)) == 1000
+    assert tune.first_win(points(0.9, 0.8, 1.05)) is None
+    assert tune.first_win(points(1.1, 0.9) + [{"n": 3000, "error": "x"}]) == 2000
+    assert tune.first_win([]) is None
+
+
+def test_elsa_reads_its_gluon_backward_thresholds(tmp_path):
+    """A gluon_bwd_min_work entry replaces its built-in threshold, keyed "<D>,<causal 0/1>"; another key or a value
+    that is not a positive int is one line naming the file. A caller's plan.gluon_bwd_min_work overrides both."""
+    from kernels._tuning import TuningFileError
+    from kernels.elsa import config
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("elsa", [decision("gluon_bwd_min_work", "128,1", 12345)], path, "cpu")
+    assert config.tuned_gluon_bwd_min_work(path) == {**config.BUILTIN_GLUON_BWD_MIN_WORK, (128, True): 12345}
+    assert config.tuned_gluon_bwd_min_work(tmp_path / "absent.json") == config.BUILTIN_GLUON_BWD_MIN_WORK
+    for bad in ({"96,0": 5}, {"64,2": 5}, {"64": 5}, {"64,0": 0}, {"64,0": 2.5}):
+        path.write_text(json.dumps({"configs": {"gluon_bwd_min_work": bad}}))
+        with pytest.raises(TuningFileError, match=r"tuning.json: gluon_bwd_min_work\["):
+            config.tuned_gluon_bwd_min_work(path)
+    fp16 = torch.float16
+    least = config.GLUON_BWD_MIN_WORK[(64, False)]
+    own = config.canonical_config({"plan": {"gluon_bwd_min_work": 100}}, fp16, 64)
+    assert not config.plan_backward(64, fp16, "", 4096, 2, False, False, 100, True).gluon
+    assert config.plan_backward(64, fp16, own, 4096, 2, False, False, 100, True).gluon
+    assert not config.plan_backward(64, fp16, own, 4096, 2, False, False, 99, True).gluon
+    assert config.plan_backward(64, fp16, "", 4096, 2, False, False, least, True).gluon
+
+
 # --- the decision rule ---------------------------------------------------------------------------------------
 
 def test_a_candidate_replaces_the_current_entry_only_beyond_the_noise():

@@ -70,7 +70,9 @@ def elsa_attention(q, k, v, causal=False, scale=None, precision="tf32x3", attn_b
       (that materialises a [B, Hq, Nq, Nk] buffer, fp32 unless the bias has that shape: fine for window
       attention, not for long N).
     config: tile overrides {part: {param: value}} for tests and tuning, parts "fwd", "dq", "dkdv"
-      (BLOCK_M, BLOCK_N, num_warps, num_stages) and "plan" (partition_width, q_chunk, bwd_launches); see config.py.
+      (BLOCK_M, BLOCK_N, num_warps, num_stages) and "plan" (partition_width, q_chunk, bwd_launches,
+      gluon_bwd_min_work: from how much work B * Hq * Nq * Nk the sm_90 Gluon backward runs); a "dq" or "dkdv"
+      override keeps the Triton backward; see config.py.
     Returns [B, Hq, Nq, D]. Where q has its heads inside its rows in memory (sliced from one [B, N, 3, H, D]
       projection), the output is laid out so too, as SDPA's flash and efficient backends lay out theirs:
       out.transpose(1, 2).reshape(B, Nq, Hq * D) is then free (host.out_heads_inner).

@@ -70,7 +70,9 @@ ONE_LAUNCH_MAX_WORK = 1 << 25
 # fwd+bwd call on it took 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward
 # (runs/20261128T212449Z_hopper against runs/20261128T142036Z_hopper). Hence 8K (B=1, H=8) before it, and 16K at
 # D = 64 without a mask.
-GLUON_BWD_MIN_WORK = {(64, False): 1 << 31, (64, True): 1 << 29, (128, False): 1 << 29, (128, True): 1 << 29}
+# scripts/tune.py --kernel elsa --sections gluonbwd measures that crossover (fwd+bwd through the harness's timer,
+# host time included) and writes it to the tuning file ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}).
+BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 1 << 31, (64, True): 1 << 29, (128, False): 1 << 29, (128, True): 1 << 29}
 # The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage (a tuning file's
 # "short_bwd" entries replace these: scripts/tune.py --kernel elsa --sections short16): on the H200
 # (results/dev/elsa/short_tiles_h200.json, fp16, backward kernel time) 38 us against 71 at Swin's windows (B_=512
@@ -179,6 +181,22 @@ def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
     return fwd, bwd
 
 
+def tuned_gluon_bwd_min_work(path=TUNING_FILE) -> dict:
+    """GLUON_BWD_MIN_WORK: the built-in thresholds with a tuning file's in place of the ones it names
+    ("gluon_bwd_min_work": {"<head dim>,<causal 0 / 1>": B * Hq * Nq * Nk}); any other key, or a value that is not a
+    positive int, is a TuningFileError naming the file."""
+    thresholds = dict(BUILTIN_GLUON_BWD_MIN_WORK)
+    for key, value in read_configs(path).get("gluon_bwd_min_work", {}).items():
+        d, _, causal = key.partition(",")
+        dim = (int(d), causal == "1") if d.isdigit() and causal in ("0", "1") else None
+        if dim not in thresholds or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TuningFileError(f"{path}: gluon_bwd_min_work[{key!r}] = {value!r}: keys are "
+                                  f"{', '.join(f'{d},{int(c)}' for d, c in BUILTIN_GLUON_BWD_MIN_WORK)}, values "
+                                  f"positive ints")
+        thresholds[dim] = value
+    return thresholds
+
+
 def tuned_short_tables(path=TUNING_FILE) -> tuple[dict, dict]:
     """(WINDOW_FWD_TILES, SHORT_ONE_LAUNCH_BWD): the short calls' built-in tables with a tuning file's entries
     ("window_fwd": {"16,32": [bm, bn, warps, stages]}, "short_bwd": {"16,64": {"dq": [...], "dkdv": [...]}}; a
@@ -193,6 +211,7 @@ def tuned_short_tables(path=TUNING_FILE) -> tuple[dict, dict]:
 
 FWD_TABLE, BWD_TABLE = tuned_tables()
 WINDOW_FWD_TILES, SHORT_ONE_LAUNCH_BWD = tuned_short_tables()
+GLUON_BWD_MIN_WORK = tuned_gluon_bwd_min_work()
 # the forward keys the tuning file names: for 16-bit inputs without a bias they replace the flash core's plain tiles
 # (scripts/tune.py times its candidates through config=, i.e. on the plain loop)
 FWD_TUNED = frozenset(parse_dim_key(k) for k in read_configs(TUNING_FILE).get("fwd", {}))
@@ -243,7 +262,7 @@ PHASE2_WARPS = 4
 DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there is no SM count
 
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-PLAN_PARAMS = ("partition_width", "q_chunk", "bwd_launches")   # 0 in the defaults: chosen by the plan
+PLAN_PARAMS = ("partition_width", "q_chunk", "bwd_launches", "gluon_bwd_min_work")   # 0 in the defaults: the plan's
 
 _sm_cache: dict = {}
 
@@ -438,11 +457,12 @@ def plan_backward(d: int, dtype: torch.dtype, config: str = "", nq: int | None =
     from backward_launches) of at most SHORT_N query rows (``nq``), or SHORT_BIAS_TILES' for such a call with a
     bias where it has them; config's overrides on top. gluon_capable: the call's tensors and device can take the
     Gluon backward (_gluon_bwd.usable, no bias gradient, not packed); it runs then for 16-bit inputs without a bias
-    in two launches' place from GLUON_BWD_MIN_WORK (``work`` = B * Hq * Nq * Nk), unless config overrides the
-    backward's tiles."""
+    in two launches' place from GLUON_BWD_MIN_WORK (``work`` = B * Hq * Nq * Nk; config's plan.gluon_bwd_min_work
+    instead where given), unless config overrides the backward's tiles."""
     overrides = parse_config(config)
     gluon = (gluon_capable and dtype_class(dtype) == "16" and not bias and launches == 2 and d in gluon_bwd.HEAD_DIMS
-             and "dq" not in overrides and "dkdv" not in overrides and work >= GLUON_BWD_MIN_WORK[(d, causal)])
+             and "dq" not in overrides and "dkdv" not in overrides
+             and work >= (overrides.get("plan", {}).get("gluon_bwd_min_work") or GLUON_BWD_MIN_WORK[(d, causal)]))
     key = (dtype_class(dtype), block_d(d))
     dq, dkdv = BWD_TABLE[key]
     short = nq is not None and nq <= SHORT_N
