@@ -20,8 +20,9 @@ work or its dQ stores: with one warpgroup waiting on each GEMM and per-element f
 version of this kernel took 1.5-2.2x cuDNN's backward on the H200, the atomics alone 38-57 % of it at D = 128.
 
 lse2 is the base-2 row statistic ELSA's forward stores (p = exp2(x * qk_scale - lse2), +inf for a row that sees no
-key), Delta = rowsum(dO * O) in fp32, made by the host before the launch; dQ's buffer is cast to the inputs' dtype
-after it.
+key). Before the launch one Triton kernel (_prologue) writes Delta = rowsum(dO * O) in fp32 and zeroes dQ's fp32
+buffer: in torch that was five launches and three fp32 tensors of O's size (at D = 128, 16K, H = 8 three times the
+buffer's 67 MB at once). dQ's buffer is cast to the inputs' dtype after it.
 
 Masks: a key past NK (a tile running past its head's keys reads the next head's rows, or TMA's zeros at the end) has
 its P^T row set to 0, so it adds nothing to dQ, and its dK/dV rows are not stored; a query row past NQ has lse2 = +inf
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
 from ._flash_core import _tma_layout_ok
@@ -233,6 +235,39 @@ if HAS_GLUON:
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+@triton.jit
+def _prologue(DO, O, Delta, DQ, heads, n_q, so_b, so_h, so_n, D: tl.constexpr, ROWS: tl.constexpr):
+    """Program (row block, b * H + h): Delta = rowsum(dO * O) in fp32 for ROWS query rows of one head, and those
+    rows of dQ's fp32 buffer zeroed (dO, Delta, DQ contiguous; O any strides with a unit last one)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, D)
+    ok = (rows < n_q)[:, None]
+    flat = (bh * n_q + rows).to(tl.int64)
+    o_rows = (bh // heads).to(tl.int64) * so_b + (bh % heads).to(tl.int64) * so_h + rows.to(tl.int64) * so_n
+    do = tl.load(DO + flat[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(O + o_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + flat, tl.sum(do * o, axis=1), mask=rows < n_q)
+    tl.store(DQ + flat[:, None] * D + cols[None, :], tl.zeros([ROWS, D], tl.float32), mask=ok)
+
+
+PROLOGUE_ROWS = 32
+
+
+def delta_and_zeroed_dq(grad_out, out):
+    """(Delta [B, H, N] fp32 = rowsum(grad_out * out), a zeroed fp32 buffer shaped like grad_out) in one launch;
+    grad_out contiguous, out any strides with a unit last one, D a power of two."""
+    b, h, n, d = grad_out.shape
+    delta = torch.empty((b, h, n), dtype=torch.float32, device=grad_out.device)
+    dq32 = torch.empty(grad_out.shape, dtype=torch.float32, device=grad_out.device)
+    if grad_out.numel():
+        with on_device(grad_out):
+            _launch(_prologue, (triton.cdiv(n, PROLOGUE_ROWS), b * h),
+                    (grad_out, out, delta, dq32, h, n, out.stride(0), out.stride(1), out.stride(2)),
+                    dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
+    return delta, dq32
+
+
 def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None):
     """(dq, dk, dv) of softmax attention on sm_90 (no autograd): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D]
     contiguous, float16 / bfloat16, D in HEAD_DIMS; out, grad_out [B, Hq, Nq, D] (any strides; grad_out is copied
@@ -254,8 +289,9 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or n_k == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    delta = (grad_out.float() * out.float()).sum(-1)
-    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    delta, dq32 = delta_and_zeroed_dq(grad_out, out)
     with on_device(q):
         _launch(_gluon_bwd_kernel, (triton.cdiv(n_k, 2 * block_n), b * hkv), (
             tile_descriptor(q.view(-1, d), block_m, d), tile_descriptor(k.view(-1, d), block_n, d),

@@ -390,7 +390,8 @@ BWD_TILE_CANDIDATES = [(64, 64, 2, 64), (64, 64, 2, 32), (64, 64, 3, 32), (128, 
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
     ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not; and the Gluon backward
-    (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES. Its Gluon API is triton 3.6's:
+    (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES, and its Triton prologue. Its Gluon
+    API is triton 3.6's:
     with another triton nothing is compiled (a line says so)."""
     from kernels import _gluon_bwd as gb
     from kernels import _gluon_core as gc
@@ -436,6 +437,10 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                                          LOADER_REGS=gb.LOADER_REGS), 4, 1, {"DK", "DV"}, {"Lse", "Delta"},
                                     floats={"qk_scale", "sm_scale"}, descs=descs, gluon=True,
                                     label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols])))
+            # its prologue (a Triton kernel): Delta and the zeroed dQ buffer
+            jobs.append(Job("gluon_core", "bwd_prologue", gb._prologue, dtype, dict(D=d, ROWS=gb.PROLOGUE_ROWS), 4,
+                            1, {"DO", "O"}, {"Delta", "DQ"}, div16=re.compile(r"^so_[bhn]$").match,
+                            label=dict(D=d)))
     return jobs
 
 

@@ -522,6 +522,22 @@ def test_gpu_cqsa_on_the_core_compiled():
         assert _rel_rms(a, b) <= 1e-3
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_prologue_writes_delta_and_zeroes_dq(device, d):
+    """The Gluon backward's prologue (one Triton launch): Delta = rowsum(dO * O) in fp32 against float64's, O read
+    through strides (heads inside its rows, as ELSA's output can be laid out), a ragged last row block; and every
+    row of dQ's fp32 buffer zeroed, whatever it held."""
+    g = torch.randn(2, 3, 37, d, device=device).half()
+    o = torch.randn(2, 37, 3, d, device=device).half().transpose(1, 2)
+    delta, dq32 = gb.delta_and_zeroed_dq(g, o)
+    want = (g.double() * o.double()).sum(-1)
+    assert delta.dtype == torch.float32 and dq32.dtype == torch.float32 and dq32.shape == g.shape
+    assert ((delta.double() - want).abs().max() / want.abs().max()).item() <= 1e-6
+    held = torch.full(g.shape, float("nan"), device=device)
+    gb._launch(gb._prologue, (2, 6), (g, o, delta, held, 3, 37, *o.stride()[:3]), dict(D=d, ROWS=32, num_warps=4))
+    assert held.eq(0).all()
+
+
 # The backward (kernels/_gluon_bwd.py), (B, Hq, Hkv, Nq, Nk, D, causal): both head dims, ragged key and query tiles,
 # GQA / MQA (dK, dV summed over the group), Nq != Nk both ways (bottom-right causal, rows of Nq > Nk that see no key)
 BWD_CASES = [

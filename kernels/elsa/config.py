@@ -65,9 +65,10 @@ ONE_LAUNCH_MAX_WORK = 1 << 25
 # (B * Hq * Nq * Nk), per (head dim, causal). On the H200 (B=1, H=8, fp16) its GPU time over the Triton backward's
 # was 0.80-0.91 at D = 128 from 3K tokens, 0.82-0.91 causal at D = 64 from 4K, and 0.87-0.98 at D = 64 without a
 # mask from 6K (results/dev/gluon_bwd/crossover_h200.json); at 16K, over cuDNN's backward, 1.17 / 1.25 (D = 64 / 128)
-# where the Triton backward took 1.33 / 1.61 (tiles_h200.json). But its launch makes five host-side TMA descriptors
-# and three torch ops (~0.2-0.3 ms of CPU), which a call runs while the GPU idles once the forward is done: at 4K a
-# fwd+bwd call on it took 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward
+# where the Triton backward took 1.33 / 1.61 (tiles_h200.json). But its launch made five host-side TMA descriptors
+# and five torch launches, which a call runs while the GPU idles once the forward is done: at 4K a fwd+bwd call on
+# it took 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward (1.000 against 0.691 ms where its GPU
+# time is 0.08 ms less: ~0.3-0.4 ms of host time exposed, inferred, not measured on the host)
 # (runs/20261128T212449Z_hopper against runs/20261128T142036Z_hopper). Hence 8K (B=1, H=8) before it, and 16K at
 # D = 64 without a mask.
 # scripts/tune.py --kernel elsa --sections gluonbwd measures that crossover (fwd+bwd through the harness's timer,
