@@ -45,7 +45,7 @@ from ._launch import launch as _launch
 NAME = "gluon_bwd"
 HEAD_DIMS = (64, 128)
 # (head dim, causal) -> (BLOCK_M query rows per tile, BLOCK_N keys per consumer warpgroup, STAGES of the Q / dO ring,
-# DQ_COLS). Timed on the H200 (B=1, H=8, 4K and 16K, fp16): DQ_COLS = 32 was 7 % faster for causal D = 64 and 3-11 %
+# DQ_COLS). Timed on the H200 (B=1, H=8, 4K and 16K, fp16): DQ_COLS = 32 was 6-7 % faster for causal D = 64, 4-11 %
 # slower elsewhere; three stages (with DQ_COLS = 32, to fit) were no faster; 128-row tiles do not fit in shared memory.
 TILES = {(64, False): (64, 64, 2, 64), (64, True): (64, 64, 2, 32), (128, False): (64, 64, 2, 64),
          (128, True): (64, 64, 2, 64)}
