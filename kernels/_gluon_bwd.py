@@ -280,27 +280,38 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
                          f"{HEAD_DIMS} and contiguous, 16-byte aligned inputs (got {q.dtype}, D={shape.head_dim}, "
                          f"{q.device}, triton {triton.__version__})")
-    scale = default_scale(scale, shape.head_dim)
+    tiles = tiles or TILES[(shape.head_dim, causal)]
+    if shape.head_dim % tiles[3]:
+        raise ValueError(f"{NAME}: DQ_COLS {tiles[3]} does not divide the head dim {shape.head_dim}")
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    return launch(grad_out, q, k, v, out, lse2, causal, default_scale(scale, shape.head_dim), tiles)
+
+
+def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
+    """The launch grid: (blocks of 2 x BLOCK_N keys, batch x key/value heads)."""
+    return triton.cdiv(n_k, 2 * tiles[1]), batch * kv_heads
+
+
+def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
+    """gluon_bwd without its checks, for a caller that made them once (ELSA's backward plan: usable, its tiles, out
+    with a unit last stride): the prologue, the kernel, dQ cast to the inputs' dtype."""
+    grad_out = grad_out.contiguous()
     b, hq, n_q, d = q.shape
-    block_m, block_n, stages, dq_cols = tiles or TILES[(d, causal)]
-    if d % dq_cols:
-        raise ValueError(f"{NAME}: DQ_COLS {dq_cols} does not divide the head dim {d}")
     hkv, n_k = k.shape[1], k.shape[2]
+    block_m, block_n, stages, dq_cols = tiles
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or n_k == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    if out.stride(-1) != 1:
-        out = out.contiguous()
     delta, dq32 = delta_and_zeroed_dq(grad_out, out)
     with on_device(q):
-        _launch(_gluon_bwd_kernel, (triton.cdiv(n_k, 2 * block_n), b * hkv), (
+        _launch(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
             tile_descriptor(q.view(-1, d), block_m, d), tile_descriptor(k.view(-1, d), block_n, d),
             tile_descriptor(v.view(-1, d), block_n, d), tile_descriptor(grad_out.view(-1, d), block_m, d),
             tile_descriptor(dq32.view(-1, d), block_m, dq_cols),
             lse2.contiguous(), delta, dk, dv, hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
             dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4))
     return dq32.to(q.dtype), dk, dv
-
 
 def usable(q, k, v, grad_out) -> bool:
     """Whether gluon_bwd can run these inputs: the Gluon core's conditions on q, k, v (gluon_core.available: sm_90,

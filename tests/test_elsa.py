@@ -993,8 +993,8 @@ GLUON_BWD_CASES = [(64, True, 8, 2, 4100, 4200), (64, False, 8, 4, 2100, 2150), 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GLUON_BWD_CASES, ids=lambda c: "d{}{}-h{}:{}-{}x{}".format(c[0], "c" * c[1], *c[2:]))
 def test_gpu_backward_on_the_gluon_kernel(gluon_backward_from_any_work, case, dtype):
-    """Where plan_backward picks the Gluon backward (sm_90), ELSA's gradients come from it and hold the float64
-    tolerances."""
+    """Where plan_backward picks the Gluon backward (sm_90), ELSA's gradients come from it (its plan, and its launch
+    in the launch trace, none of the Triton backward's) and hold the float64 tolerances."""
     from kernels import _gluon_bwd as gluon_bwd
     from kernels.elsa import host
 
@@ -1002,10 +1002,12 @@ def test_gpu_backward_on_the_gluon_kernel(gluon_backward_from_any_work, case, dt
     q, k, v = _qkv(1, hq, hkv, nq, nk, d, dtype, torch.device("cuda"))
     if not gluon_bwd.usable(q, k, v, q):
         pytest.skip("the Gluon backward needs an sm_90 GPU and triton 3.6")
-    worst = _check(q, k, v, causal)
+    with trace_launches() as events:
+        worst = _check(q, k, v, causal)
     assert worst <= 1.0, f"error {worst:.2f} x the tolerance"
     plans = list(host._bwd_plans.values())          # the fixture emptied the cache: this call's backward plan
     assert len(plans) == 1 and plans[0].plan.gluon
+    assert [e["kernel"] for e in events if str(e["phase"]).startswith("bwd")] == ["_gluon_bwd_kernel"]
 
 
 @pytest.mark.gpu

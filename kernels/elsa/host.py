@@ -108,6 +108,7 @@ class _Common:
         self.dtype = q.dtype
         self.device = q.device
         self.copy = tuple(unit_last("elsa", t) is not t for t in (q, k, v))
+        self.any_copy = any(self.copy)
         strides = [((t.shape[1] * t.shape[2] * t.shape[3], t.shape[2] * t.shape[3], t.shape[3]) if c else
                     tuple(t.stride()[:3])) for t, c in zip((q, k, v), self.copy)]
         self.qkv_strides = (*strides[0], *strides[1], *strides[2])
@@ -127,6 +128,12 @@ class _Common:
         # the constexprs every kernel takes
         self.flags = dict(HEAD_DIM=self.D, BLOCK_D=self.BD, CAUSAL=causal, HAS_BIAS=bias is not None,
                           FOLD_Q=self.fold_q, SCALE_IN_EXP=self.scale_in_exp, DOT_PREC=self.prec)
+
+    def read(self, q, k, v) -> tuple:
+        """q, k, v as the kernels read them: each copied where its last stride is not 1 (``copy``)."""
+        if not self.any_copy:
+            return q, k, v
+        return tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), self.copy))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ class _FwdPlan(LaunchPlan):
         # (decided on the tensors phase 1 reads: the copies run() makes are contiguous) and the rows are long enough.
         # A traced plan (traced_forward: its tensors have no data pointer to check) asks only what the layout does
         # not decide, and is handed to inductor (``traceable``) only where eager may take pointers: it uses pointers
-        read = tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        read = c.read(q, k, v)
         if traced:
             use_desc = False
             self.traceable = not (c.scale_in_exp and core.descriptors_eligible(*read, min_rows=DESC_MIN_ROWS))
@@ -202,9 +209,7 @@ class _FwdPlan(LaunchPlan):
         c = self.c
         if self.use_desc:
             core.ensure_allocator()                 # device-side descriptors: per thread (autograd's too)
-        cq, ck, cv = c.copy
-        if cq or ck or cv:
-            q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        q, k, v = c.read(q, k, v)
         # new_empty_strided: less host time than torch.empty_strided(..., dtype=, device=) (q has the plan's dtype
         # and device); the memory order of new_output
         if out is None:
@@ -339,7 +344,7 @@ class _BwdPlan(LaunchPlan):
         self.launches = backward_launches(c.BH, c.NQ, c.NK, c.dtype, config)
         # the Gluon backward reads q, k, v as run() passes them (copied where c.copy says) and a contiguous dO (its
         # own copy where dO is not); a traced plan (fake tensors, no data pointer) asks what the layout decides
-        read = tuple(t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        read = c.read(q, k, v)
         gluon_capable = (not (packed or bias_grad or bias is not None)
                          and (gluon_bwd.eligible(*read) if traced else gluon_bwd.usable(*read, do)))
         plan = self.plan = plan_backward(c.D, c.dtype, config, c.NQ, self.launches, bias is not None, causal,
@@ -357,7 +362,9 @@ class _BwdPlan(LaunchPlan):
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
         if plan.gluon:
-            pass                                    # gluon_bwd builds its descriptors and launches: nothing to prepare
+            # checked here once (gluon_capable); each run builds the descriptors and launches (gluon_bwd.launch)
+            self.gluon_tiles = gluon_bwd.TILES[(c.D, causal)]
+            self.grid = gluon_bwd.grid(c.B, c.HKV, c.NK, self.gluon_tiles)
         elif self.launches == 1:
             # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
             kv_programs = kv_blocks * c.B * c.HKV
@@ -385,9 +392,7 @@ class _BwdPlan(LaunchPlan):
         """The gradients. traced: torch.compile's trace (traced_backward), as _FwdPlan.run's traced. dqkv: a
         packed plan's [B, N, 3, H, D] gradient buffer, which dq, dk, dv are then slices of."""
         c = self.c
-        cq, ck, cv = c.copy
-        if cq or ck or cv:
-            q, k, v = (t.contiguous() if cp else t for t, cp in zip((q, k, v), c.copy))
+        q, k, v = c.read(q, k, v)
         if self.copy_do:
             do = do.contiguous()
         if self.copy_out:
@@ -398,10 +403,12 @@ class _BwdPlan(LaunchPlan):
                      _zeros(self.kv_shape, dtype=c.dtype, device=dev))
             return grads + (_zeros(self.ds_shape, dtype=self.ds_dtype, device=dev),) if self.bias_grad else grads
         if self.plan.gluon:
-            ev = trace.start_event(dev) if trace.active() else None
-            grads = gluon_bwd.gluon_bwd(do, q, k, v, out, lse, c.causal, c.scale)
-            if ev is not None:
-                trace.record(start=ev, phase="bwd", kernel="_gluon_bwd_kernel")
+            tracing = trace.active()
+            ev = trace.start_event(dev) if tracing else None
+            grads = gluon_bwd.launch(do, q, k, v, out, lse, c.causal, c.scale, self.gluon_tiles)
+            if tracing:
+                trace.record(start=ev, phase="bwd", kernel="_gluon_bwd_kernel", grid=self.grid,
+                             programs=self.grid[0] * self.grid[1])
             return grads
         if self.packed:
             dq, dk, dv = dqkv.unbind(2)             # [B, N, H, D] views: the launches take their pointers
