@@ -550,7 +550,7 @@ BWD_CASES = [
 ]
 
 
-def _gluon_bwd_errors(case, dtype, scale=None):
+def _gluon_bwd_errors(case, dtype, scale=None, tiles=None):
     """Relative RMS errors of gluon_bwd's dq, dk, dv against float64's, on the forward's output rounded to dtype
     and its base-2 LSE (+inf where a row sees no key, as ELSA stores it)."""
     b, hq, hkv, nq, nk, d, causal = case
@@ -560,7 +560,7 @@ def _gluon_bwd_errors(case, dtype, scale=None):
     want = torch.autograd.grad(ref, (q, k, v), g.double())
     lse2 = _reference_lse(q, k, causal) * math.log2(math.e)
     lse2 = torch.where(torch.isfinite(lse2), lse2, float("inf")).float()
-    got = gb.gluon_bwd(g, q.detach(), k.detach(), v.detach(), ref.detach().to(dtype), lse2, causal, scale)
+    got = gb.gluon_bwd(g, q.detach(), k.detach(), v.detach(), ref.detach().to(dtype), lse2, causal, scale, tiles)
     return [_rel_rms(x, y) for x, y in zip(got, want)]
 
 
@@ -572,6 +572,19 @@ def test_gpu_backward_matches_float64(case, dtype):
     _need_core("cuda")
     for name, err in zip("qkv", _gluon_bwd_errors(case, dtype)):
         assert err <= 2 * TOL[dtype], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", gb.HEAD_DIMS)
+@pytest.mark.parametrize("shared_dq", [False, True], ids=["own_keys_dq", "shared_dq"])
+def test_gpu_backward_either_dq_split_matches_float64(d, shared_dq):
+    """Both ways the warpgroups split dQ (TILES picks one per head dim and mask), at each head dim, causal and not,
+    with two DQ_COLS chunks per warpgroup: the TILES entries leave some of these untested."""
+    _need_core("cuda")
+    tiles = (64, 64, 2, d // 4 if shared_dq else d // 2, shared_dq)
+    for case in [(1, 4, 2, 777, 1000, d, False), (1, 4, 2, 1000, 777, d, True)]:
+        for name, err in zip("qkv", _gluon_bwd_errors(case, torch.float16, tiles=tiles)):
+            assert err <= 2 * TOL[torch.float16], f"{case} d{name}: rel RMS {err:.2e}"
 
 
 @pytest.mark.gpu
