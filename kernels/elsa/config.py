@@ -62,17 +62,14 @@ BUILTIN_FWD_TABLE = {
 ONE_LAUNCH_MAX_WORK = 1 << 25
 # The 16-bit backward without a bias runs the Gluon backward on sm_90 (kernels/_gluon_bwd.py: five GEMMs per tile
 # where the Triton backward's two kernels take seven; warp-specialized, dQ by TMA reduce-add) from this much work
-# (B * Hq * Nq * Nk), per (head dim, causal). On the H200 (B=1, H=8, fp16) its GPU time over the Triton backward's
-# was 0.80-0.91 at D = 128 from 3K tokens, 0.82-0.91 causal at D = 64 from 4K, and 0.87-0.98 at D = 64 without a
-# mask from 6K (results/dev/gluon_bwd/crossover_h200.json); at 16K, over cuDNN's backward, 1.17 / 1.25 (D = 64 / 128)
-# where the Triton backward took 1.33 / 1.61 (tiles_h200.json). But its launch made five host-side TMA descriptors
-# and five torch launches, which a call runs while the GPU idles once the forward is done: at 4K a fwd+bwd call on
-# it took 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward (1.000 against 0.691 ms where its GPU
-# time is 0.08 ms less: ~0.3-0.4 ms of host time exposed, inferred, not measured on the host)
-# (runs/20261128T212449Z_hopper against runs/20261128T142036Z_hopper). Hence 8K (B=1, H=8) before it, and 16K at
-# D = 64 without a mask.
-# scripts/tune.py --kernel elsa --sections gluonbwd measures that crossover (fwd+bwd through the harness's timer,
-# host time included) and writes it to the tuning file ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}).
+# (B * Hq * Nq * Nk), per (head dim, causal). Its launch's host work (five host-side TMA descriptors, its prologue,
+# dQ's cast), run while the GPU idles once the forward is done, must be repaid: at 4K a fwd+bwd call on it took
+# 2.05x cuDNN's time at D = 128 against 1.61 on the Triton backward (runs/20261128T212449Z_hopper; ~0.3-0.4 ms of
+# host time exposed, inferred, not measured on the host). These built-in values (8K at B=1, H=8; 16K at D = 64
+# without a mask) came from its GPU time alone (results/dev/gluon_bwd/crossover_h200.json) and that run.
+# scripts/tune.py --kernel elsa --sections gluonbwd measures the crossover through the harness's timer (fwd+bwd,
+# host time included) and writes it to the tuning file ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}), which
+# replaces these: on the H200 6K, 8K for causal D = 64 (results/dev/gluon_bwd/crossover_harness_h200/).
 BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 1 << 31, (64, True): 1 << 29, (128, False): 1 << 29, (128, True): 1 << 29}
 # The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage (a tuning file's
 # "short_bwd" entries replace these: scripts/tune.py --kernel elsa --sections short16): on the H200
