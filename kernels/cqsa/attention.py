@@ -347,7 +347,8 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
     precision: float32 dot products, "tf32x3" (default), "ieee" or "tf32". config: tile overrides,
     ``{"fwd" | "dq" | "dkdv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages": int}}`` (BLOCK_M queries,
     BLOCK_N keys).
-    mem_budget: bytes the computation may hold on the compute device. Given, the streaming engine
+    mem_budget: bytes the process may hold on the compute device while the call runs, what it held before
+    included (torch.cuda.memory_allocated: inputs there, cuBLAS's workspaces). Given, the streaming engine
     runs (itr then is the smallest depth it starts from; the planner and the OOM guardrail may go
     deeper). Inputs on the host with a GPU present are streamed to the GPU too (``stream`` forces
     either mode; streaming runs eagerly only, never under torch.compile).

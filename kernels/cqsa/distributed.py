@@ -467,8 +467,9 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
     whole output;
     backward gives every rank the whole gradients. ``itr``: the divide depth whose tasks are assigned
     (None: the shallowest balanced one, see the module docstring). ``mem_budget``: bytes each rank's
-    streaming engine may hold on its device (``stream_opts`` go to that engine). Returns out, or
-    (out, DistStats) with return_stats=True (backward fills its ``backward_s`` later).
+    process may hold on its device while its streaming engine runs, as cqsa_attention's (``stream_opts`` go to
+    that engine). Returns out, or (out, DistStats) with return_stats=True (backward fills its ``backward_s``
+    later).
     """
     if torch.compiler.is_compiling():
         raise RuntimeError(f"{NAME} is eager only: its collectives run from Python; call it outside torch.compile")
