@@ -179,11 +179,10 @@ if HAS_GLUON:
             for j in gl.static_range(CHUNKS):
                 if SHARED_DQ:       # over both warpgroups' keys
                     dq = warpgroup_mma(ds_bufs.index(b * 2).permute((1, 0)),
-                                       k_smem.index(0).slice(WG * (D // 2) + j * DQ_COLS, DQ_COLS, dim=1), zero_dq,
+                                       k_smem.index(0).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), zero_dq,
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma(ds_bufs.index(b * 2 + 1).permute((1, 0)),
-                                       k_smem.index(1).slice(WG * (D // 2) + j * DQ_COLS, DQ_COLS, dim=1), dq,
-                                       is_async=True)
+                                       k_smem.index(1).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
                 else:               # over this warpgroup's keys
                     dq = warpgroup_mma(ds_bufs.index(WG).permute((1, 0)), k_mine.slice(j * DQ_COLS, DQ_COLS, dim=1),
                                        zero_dq, use_acc=False, is_async=True)
@@ -364,8 +363,8 @@ def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
             tile_descriptor(v.view(-1, d), block_n, d), tile_descriptor(grad_out.view(-1, d), block_m, d),
             tile_descriptor(dq32.view(-1, d), block_m, dq_cols),
             lse2.contiguous(), delta, dk, dv, hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
-            dict(CAUSAL=causal, STAGES=stages, SHARED_DQ=shared_dq, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                 num_warps=4))
+            dict(CAUSAL=causal, STAGES=stages, SHARED_DQ=shared_dq, CONSUMER_REGS=CONSUMER_REGS,
+                 LOADER_REGS=LOADER_REGS, num_warps=4))
     return dq32.to(q.dtype), dk, dv
 
 def usable(q, k, v, grad_out) -> bool:
