@@ -210,24 +210,6 @@ if HAS_GLUON:
         gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=store_ok)
         tma.store_wait(0)
 
-    # warp_specialize passes its arguments as values: the warpgroup's index reaches _consumer as a constexpr (the
-    # columns of dQ it slices) through one wrapper per warpgroup
-    @gluon.jit
-    def _consumer_0(q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
-                    dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
-                    qk_scale, sm_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SHARED_DQ: gl.constexpr):
-        _consumer(q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs, dq_desc,
-                  Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift, qk_scale,
-                  sm_scale, 0, STAGES, CAUSAL, SHARED_DQ)
-
-    @gluon.jit
-    def _consumer_1(q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
-                    dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
-                    qk_scale, sm_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SHARED_DQ: gl.constexpr):
-        _consumer(q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs, dq_desc,
-                  Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift, qk_scale,
-                  sm_scale, 1, STAGES, CAUSAL, SHARED_DQ)
-
     @gluon.jit
     def _gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, heads, group, n_q, n_k,
                              causal_shift, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
@@ -273,13 +255,15 @@ if HAS_GLUON:
             mbarrier.init(ds_free.index(i), count=2)      # both consumers' dQ GEMMs done with it
         fence_async_shared()
         k_row = bhk * n_k + c0
+        WG0: gl.constexpr = 0       # the warpgroups' indices as constexprs (a literal reaches _consumer as a value)
+        WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_consumer_0, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free,
-                              dq_bufs, dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo,
-                              q_head0, causal_shift, qk_scale, sm_scale, STAGES, CAUSAL, SHARED_DQ)),
-            (_consumer_1, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free,
-                              dq_bufs, dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo,
-                              q_head0, causal_shift, qk_scale, sm_scale, STAGES, CAUSAL, SHARED_DQ)),
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
+                         dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
+                         qk_scale, sm_scale, WG0, STAGES, CAUSAL, SHARED_DQ)),
+            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
+                         dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
+                         qk_scale, sm_scale, WG1, STAGES, CAUSAL, SHARED_DQ)),
             (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
                           k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
