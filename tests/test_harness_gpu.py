@@ -67,6 +67,17 @@ def test_oom_is_a_result_and_memory_is_released():
 
 # --- timing modes, planted slowdowns, calibration ------------------------------------------------------
 
+@pytest.fixture
+def gpu_to_itself():
+    """The tests that judge a time: beside other pytest-xdist workers on the same GPU their times are not the
+    kernel's (on the H200 under -n 4 a planted 1.15 read 1.07 at 4K; alone, inside its band), so they skip there."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        pytest.skip(f"judges GPU time: run without -n (here {workers} xdist workers share the GPU)")
+
+
 def _flash_pair(n=4096, mode="fwd", name="flash"):
     from attnbench.backends import get_backend, make_attention_workload
 
@@ -78,7 +89,7 @@ def _flash_pair(n=4096, mode="fwd", name="flash"):
 @pytest.mark.parametrize("n, factor, tolerance", [(4096, 1.0, 0.02), (4096, 1.15, 0.08),
                                                    (16384, 1.0, 0.02), (16384, 1.15, 0.03)])
 @pytest.mark.parametrize("timing_mode", ["eager", "graph"])
-def test_planted_slowdown_lands_at_its_factor(timing_mode, n, factor, tolerance):
+def test_planted_slowdown_lands_at_its_factor(timing_mode, n, factor, tolerance, gpu_to_itself):
     """flash against flash (other inputs), one side slowed by `factor` (1.0: none): the median paired ratio is the
     factor in both timing modes; flash against itself pairs to 1 within 2 %. At 4K (a 0.1 ms call) the planted
     delay is a sleep kernel whose fixed cost is calibrated, not exact: 1.15 lands at 1.07-1.15 (the H100 gate proof
@@ -98,7 +109,7 @@ def test_planted_slowdown_lands_at_its_factor(timing_mode, n, factor, tolerance)
 
 @pytest.mark.parametrize("name, mode", [("flash", "fwdbwd"), ("cudnn", "fwd"), ("elsa", "fwd"), ("elsa", "fwdbwd"),
                                         ("cron_root", "fwd"), ("pasa", "fwd"), ("cqsa", "fwd")])
-def test_graph_mode_captures_every_backend(name, mode):
+def test_graph_mode_captures_every_backend(name, mode, gpu_to_itself):
     from attnbench.backends import get_backend, make_attention_workload
     from attnbench.matrix import TIMING_DEFAULTS
     from attnbench.measure import measure_pair
@@ -115,7 +126,7 @@ def test_graph_mode_captures_every_backend(name, mode):
     assert 0 < g <= e * 1.05      # a replay never pays more than the eager loop's host gaps
 
 
-def test_timer_calibrates_against_do_bench(tmp_path):
+def test_timer_calibrates_against_do_bench(tmp_path, gpu_to_itself):
     """scripts/calibrate.py: the harness's eager median within 5 % of triton.testing.do_bench (both flush L2), its
     graph-mode median within 5 % of do_bench_cudagraph where L2 cannot matter (the script says which rows are
     judged). The H100's figures: results/calibration_h100.json."""
