@@ -310,8 +310,7 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
     over each key/value head's query group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS, SHARED_DQ) instead of
     TILES'."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
-    grad_out = grad_out.contiguous()
-    if not usable(q, k, v, grad_out):
+    if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: launch copies it
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
                          f"{HEAD_DIMS} and contiguous, 16-byte aligned inputs (got {q.dtype}, D={shape.head_dim}, "
                          f"{q.device}, triton {triton.__version__})")

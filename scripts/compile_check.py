@@ -393,8 +393,7 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
     ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not; and the Gluon backward
     (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES, and its Triton prologue. Its Gluon
-    API is triton 3.6's:
-    with another triton nothing is compiled (a line says so)."""
+    API is triton 3.6's: with another triton nothing is compiled (a line says so)."""
     from kernels import _gluon_bwd as gb
     from kernels import _gluon_core as gc
 

@@ -216,8 +216,8 @@ def test_short_call_tiles_compile_without_spills():
 
 def test_gluon_core_compile_check_compiles_or_says_why_not():
     """scripts/compile_check.py --kernel gluon_core: with triton 3.6 (the H100's; the Gluon API the core is written
-    against) every shipped variant, the backward's too, compiles for sm_90 and fits its shared memory; with another triton nothing is
-    compiled and one line says why (the CI machine's newest triton lands here)."""
+    against) every shipped variant, the backward's too, compiles for sm_90 and fits its shared memory; with another
+    triton nothing is compiled and one line says why (the CI machine's newest triton lands here)."""
     import triton
 
     from kernels import _gluon_core as gc
