@@ -662,6 +662,15 @@ def test_guardrail_raises_at_depth_cap_when_nothing_fits():
         stream_forward(q, k, v, c=3, itr=1, oom_hook=hook, precision="ieee")
 
 
+def test_depth_cap_error_says_what_the_budget_counts():
+    """Under a budget, the depth-cap error says the budget counts what the process already holds on the device (an
+    absolute budget below that holding fits nothing at any depth)."""
+    q, k, v = _inputs(20)
+    with pytest.raises(torch.OutOfMemoryError, match=r"depth cap .*the budget, 1000 B, counts the \d+ B the process "
+                                                      r"holds on the device"):
+        stream_forward(q, k, v, c=3, itr=1, mem_budget=1000, precision="ieee")
+
+
 def test_guardrail_steps_n_cap_down_without_escalating():
     n, k_limit = 40, 2
     q, k, v = _inputs(n)

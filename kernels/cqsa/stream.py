@@ -485,8 +485,10 @@ class _Engine(ABC):
     def escalate(self, task: Task, queue: deque, cap_depth: int):
         """n_cap is 1 and `task` still does not fit: go one level deeper (the paper's itr + 1)."""
         if task.depth + 1 > cap_depth:
+            held = (f"; the budget, {self.budget} B, counts the {self.mem_now()} B the process holds on the device"
+                    if self.budget is not None else "")
             raise OOM(f"cqsa: task {task.path} (L={task.L}) does not fit even at the depth cap itr={task.depth} "
-                      f"(Nq={self.N}, Nk={self.Nk}, c={self.c}); raise the budget or use a larger c")
+                      f"(Nq={self.N}, Nk={self.Nk}, c={self.c}){held}; raise the budget or use a larger c")
         if self.refine_mode == "hybrid":
             queue.popleft()
             kids = [k for k in refine(task, self.c) if k.L > 0 or k.Lk > 0]
