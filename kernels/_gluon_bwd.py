@@ -157,8 +157,8 @@ if HAS_GLUON:
             if CAUSAL and D == 64:
                 # the diagonal alone: a key past NK lies above every real row's diagonal (n >= NK > m + NK - NQ for
                 # m < NQ), and a query row past NQ has lse2 = +inf (P^T = 0). 0.91-0.96x the full mask's time on the
-                # H200; at D = 128 the same mask made ptxas spill more (72 spill loads, not 19) and took 1.05x, and
-                # non-causal, the key bound alone took 1.00-1.04x (results/dev/gluon_bwd/mask_h200.json)
+                # H200; at D = 128 the same mask made ptxas spill more (72 spill loads, not 19) and took 1.05-1.06x,
+                # and non-causal, the key bound alone took 1.00-1.04x (results/dev/gluon_bwd/mask_h200.json)
                 keep = keys[:, None] <= qrows[None, :] + causal_shift
             else:
                 keep = key_ok[:, None] & q_ok[None, :]
