@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Profile ONE launch of a named kernel with Nsight Compute and write a short table of where its time goes.
 
-    python3 scripts/ncu_summary.py --workload elsa --out DIR [--label NAME] [--kernel REGEX]
+    python3 scripts/ncu_summary.py --workload elsa --out DIR [--label NAME] [--kernel REGEX] [--backward]
         [--d 128] [--n 16384] [--b 1] [--h 8] [--dtype fp16] [--causal] [--keep-report]
     python3 scripts/ncu_summary.py --compare DIR/before.json DIR/after.json      # side by side, no GPU
 
 --workload: elsa (its phase-1 kernel), flash_core (the core's standalone forward), pasa, cqsa, cron_root,
 sdpa_cudnn, sdpa_flash, or any MODULE:FUNCTION called as fn(q, k, v, causal=...). --kernel: a regular expression
-for the kernel's name (each workload has a default: NOTES below). The same command before and after a change
-gives the "before" and "after" tables (--compare puts two of them side by side).
+for the kernel's name (each workload has a default: WORKLOADS below). --backward calls the workload under autograd
+(its forward, then the gradients of q, k, v for a random dO) and profiles a kernel of its backward (defaults:
+BACKWARD_KERNELS; for another workload name one with --kernel). The same command before and after a change gives the
+"before" and "after" tables (--compare puts two of them side by side).
 
 How: the script runs itself under `ncu` as the workload (--run-workload): the workload is called twice untimed (JIT
 compile, warm caches) and then once between cudaProfilerStart/Stop; ncu (--profile-from-start off) profiles the
@@ -58,6 +60,9 @@ EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__issue_a
                  "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
                  "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
                  "sm__ops_path_tensor_src_fp16_dst_fp32.sum", "sm__ops_path_tensor_src_bf16_dst_fp32.sum")
+# workload -> its backward's kernel-name regex with --backward (the first launch that matches is profiled: ELSA's
+# Gluon backward on sm_90 from its threshold, else the first of its Triton backward's launches)
+BACKWARD_KERNELS = {"elsa": "_gluon_bwd_kernel|_elsa_bwd", "sdpa_cudnn": "bprop", "sdpa_flash": "flash_bwd"}
 STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_issue_active\.ratio$")
 PIPE = re.compile(r"^sm__(?:inst_executed_)?pipe_(\w+?)(?:_cycles_active)?\.avg\.pct_of_peak_sustained_active$")
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
@@ -99,18 +104,27 @@ def resolve(spec: str):
 
 
 def run_workload(a) -> int:
-    """Inside ncu: call the workload twice, then once inside the profiler window."""
+    """Inside ncu: call the workload twice, then once inside the profiler window (with --backward: forward and
+    backward each time)."""
     import torch
     fn = resolve(a.workload)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(a.b, a.h, a.n, a.d, device="cuda", generator=g).to(dtype) for _ in range(3))
-    with torch.no_grad():
+    q, k, v = (torch.randn(a.b, a.h, a.n, a.d, device="cuda", generator=g).to(dtype).requires_grad_(a.backward)
+               for _ in range(3))
+    d_out = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+
+    def call():
+        out = fn(q, k, v, causal=a.causal)
+        if a.backward:
+            torch.autograd.grad(out, (q, k, v), d_out)
+
+    with torch.set_grad_enabled(a.backward):
         for _ in range(2):
-            fn(q, k, v, causal=a.causal)
+            call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        fn(q, k, v, causal=a.causal)
+        call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
     return 0
@@ -235,17 +249,19 @@ def profile(a) -> int:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = a.label or f"{a.workload.replace(':', '_').replace('.', '_')}_d{a.d}_n{a.n}_{a.dtype}" + \
-        ("_causal" if a.causal else "")
-    kernel = a.kernel or WORKLOADS.get(a.workload, (None, None))[1]
+        ("_causal" if a.causal else "") + ("_bwd" if a.backward else "")
+    defaults = BACKWARD_KERNELS if a.backward else {w: regex for w, (_, regex) in WORKLOADS.items()}
+    kernel = a.kernel or defaults.get(a.workload)
     if not kernel:
-        print(f"ncu_summary: --kernel REGEX is needed for workload {a.workload!r}", file=sys.stderr)
+        print(f"ncu_summary: --kernel REGEX is needed for workload {a.workload!r}"
+              + (" with --backward" if a.backward else ""), file=sys.stderr)
         return 2
     known = known_metrics(ncu)
     extra = [m for m in EXTRA_METRICS if m.split(".")[0] in known]
     report = out_dir / f"{label}.ncu-rep"
     child = [sys.executable, str(Path(__file__).resolve()), "--run-workload", "--workload", a.workload,
              "--d", str(a.d), "--n", str(a.n), "--b", str(a.b), "--h", str(a.h), "--dtype", a.dtype] + \
-        (["--causal"] if a.causal else [])
+        (["--causal"] if a.causal else []) + (["--backward"] if a.backward else [])
     base = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none",
             "--kernel-name", f"regex:{kernel}", "--launch-count", "1", "--force-overwrite", "--export", str(report)]
     for section in SECTIONS:
@@ -275,10 +291,11 @@ def profile(a) -> int:
         return 1
     summary = reduce_metrics(values, units)
     summary.update(workload=a.workload, kernel_regex=kernel, d=a.d, n=a.n, b=a.b, h=a.h, dtype=a.dtype,
-                   causal=a.causal, ncu=ncu)
+                   causal=a.causal, backward=a.backward, ncu=ncu)
     (out_dir / f"{label}.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = f"# {label}\n\n{a.workload}, B={a.b}, H={a.h}, N={a.n}, D={a.d}, {a.dtype}, " \
-           f"{'causal' if a.causal else 'non-causal'}; one launch matching /{kernel}/; ncu {ncu}\n\n" + \
+           f"{'causal' if a.causal else 'non-causal'}{', fwd+bwd' if a.backward else ''}; one launch matching " \
+           f"/{kernel}/; ncu {ncu}\n\n" + \
            table([(label, summary)])
     (out_dir / f"{label}.md").write_text(text)
     if not a.keep_report:
@@ -299,6 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--h", type=int, default=8)
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--backward", action="store_true",
+                    help="run forward and backward and profile a backward kernel (default regex: BACKWARD_KERNELS)")
     ap.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep and ncu's log beside the table")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="put earlier summaries side by side (no GPU)")
     ap.add_argument("--run-workload", action="store_true", help=argparse.SUPPRESS)

@@ -121,6 +121,26 @@ def test_ncu_compare_and_workloads(tmp_path, capsys):
     assert ncu.find_ncu() is None or Path(ncu.find_ncu()).name == "ncu"
 
 
+def test_ncu_backward_profiles_a_backward_kernel_of_the_fwd_bwd_call(tmp_path, monkeypatch, capsys):
+    # --backward: the child runs forward and backward (--backward passed on), ncu is pointed at the workload's
+    # backward kernel, the outputs say so; a workload without a backward default needs --kernel
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(ncu, "find_ncu", lambda: "/opt/ncu")
+    monkeypatch.setattr(ncu, "known_metrics", lambda path: set())
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 1, "", "no GPU here"))
+    assert ncu.main(["--workload", "elsa", "--backward", "--out", str(tmp_path)]) == 1
+    cmd = calls[-1]
+    assert "regex:_gluon_bwd_kernel|_elsa_bwd" in cmd and cmd[-1] == "--backward"
+    assert str(tmp_path / "elsa_d128_n16384_fp16_bwd.ncu-rep") in cmd
+    assert ncu.main(["--workload", "elsa", "--out", str(tmp_path)]) == 1
+    assert "regex:phase1" in calls[-1] and "--backward" not in calls[-1]
+    assert ncu.main(["--workload", "pasa", "--backward", "--out", str(tmp_path)]) == 2
+    assert "--kernel REGEX is needed for workload 'pasa' with --backward" in capsys.readouterr().err
+
+
 def test_ncu_metric_names_are_read_from_the_query():
     listing = ("Device GH100\n----\nMetric Name   Metric Type  Metric Unit  Metric Description\n"
                "dram__bytes_read   Counter  byte   # of bytes read from DRAM\n"
