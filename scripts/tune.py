@@ -651,7 +651,6 @@ class Tuner:
                 self._save()
                 self.log(f"== gluonbwd D={d} causal={causal}: {value} ({why})")
 
-
     def pasa_shift(self) -> None:
         """PASA's K̃ path per head-dim tile width: inline (the main kernel shifts each window itself) against the
         pre-pass, fp16, non-causal, B = 1, at every B·H of PASA_SHIFT_HEADS; inline is kept up to the longest

@@ -105,12 +105,13 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
                                         True).gluon
 
 
-# (B, Hq, Hkv, Nq, Nk, D, causal): whole and ragged tiles, GQA / MQA, Nq != Nk both ways (bottom-right causal,
-# the first rows of Nq > Nk seeing no key)
 def _case_id(c) -> str:
+    """A GPU case's test id: b1h4-4n4096-4096d128c."""
     return "b{}h{}-{}n{}-{}d{}{}".format(*c[:6], "c" if c[6] else "")
 
 
+# (B, Hq, Hkv, Nq, Nk, D, causal): whole and ragged tiles, GQA / MQA, Nq != Nk both ways (bottom-right causal,
+# the first rows of Nq > Nk seeing no key)
 GPU_CASES = [
     (1, 4, 4, 4096, 4096, 128, False),
     (1, 4, 4, 4096, 4096, 128, True),
