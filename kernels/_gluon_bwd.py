@@ -10,7 +10,10 @@ tiles of every query head of its group, as FA2 and FA3 do:
 
 Its warps, FA3's structure (gl.warp_specialize, triton 3.6's signature):
 - a loader warp puts K and V of the block in shared memory once, then streams every tile's Q and dO by TMA through
-  a ring of STAGES slots (ready / empty mbarriers; a slot is refilled once both consumers released it);
+  a ring of STAGES slots (ready / empty mbarriers; a slot is refilled once both consumers released it), and with
+  them the tile's lse2 and Delta, by its own loads (each consumer loading them from global memory every tile had
+  it wait on them: 0.84-0.97x the time without those waits on the H200 from 4K, results/dev/gluon_bwd/
+  stats_in_ring_h200.json);
 - two consumer warpgroups, each owning BLOCK_N of the block's keys (its dK, dV in registers) and sharing every
   Q / dO tile: P^T and dS^T are the register A operands of dV's and dK's wgmmas, dS^T is staged in shared memory for
   dQ's (its transpose is dQ's A operand), and each warpgroup adds its part of dQ, DQ_COLS columns at a time, by a
@@ -93,11 +96,14 @@ if HAS_GLUON:
         return i0, (q_head0 + g) * n_q + i0
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, k_row,
-                   total, n_tiles, i_lo, q_head0, n_q, STAGES: gl.constexpr):
-        """The producer warp: both consumers' K and V once, then every tile's Q and dO into the ring."""
+    def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, Lse, Delta, k_smem, v_smem,
+                kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES: gl.constexpr):
+        """The producer warp: both consumers' K and V once, then every tile's Q and dO into the ring, and its rows'
+        lse2 and Delta (+inf and 0 past NQ) beside them."""
         BN: gl.constexpr = k_desc.block_type.shape[0]
         BM: gl.constexpr = q_desc.block_type.shape[0]
+        stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+        offs = gl.arange(0, BM, layout=stat_layout)
         mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for w in gl.static_range(2):
             tma.async_copy_global_to_shared(k_desc, [k_row + w * BN, 0], kv_bar, k_smem.index(w))
@@ -105,13 +111,21 @@ if HAS_GLUON:
         for it in range(total):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)     # a slot starts empty: phase 1 passes
-            _, row = _tile_row(it, n_tiles, i_lo, q_head0, n_q, BM)
+            i0, row = _tile_row(it, n_tiles, i_lo, q_head0, n_q, BM)
             _load_q_do(q_desc, do_desc, q_bufs, do_bufs, ready, s, row)
+            # the statistics by this warp's loads, behind the TMA copies (a consumer's own loads of them waited on
+            # global memory every tile)
+            q_ok = i0 + offs < n_q
+            lse_bufs.index(s).store(gl.load(Lse + row + offs, mask=q_ok, other=float("inf")))
+            delta_bufs.index(s).store(gl.load(Delta + row + offs, mask=q_ok, other=0.0))
+            gl.thread_barrier()                           # the warp's stores before its arrive (release)
+            mbarrier.arrive(ready.index(s), count=1)
 
     @gluon.jit
-    def _consumer(q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs, dq_desc,
-                  Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift, qk_scale,
-                  sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SHARED_DQ: gl.constexpr):
+    def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full,
+                  ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
+                  qk_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  SHARED_DQ: gl.constexpr):
         """One warpgroup: keys [c0 + WG * BN, + BN): its dK, dV, and its part of every tile's dQ (TMA reduce-add):
         with SHARED_DQ columns [WG * D / 2, + D / 2) over both warpgroups' keys, else every column over its keys."""
         BN: gl.constexpr = k_smem.shape[1]
@@ -150,10 +164,9 @@ if HAS_GLUON:
             dpt = warpgroup_mma(v_mine, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             qrows = i0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_layout))
             q_ok = qrows < n_q
-            stat = row - i0 + qrows
-            lse2 = gl.load(Lse + stat, mask=q_ok, other=float("inf"))
-            delta = gl.load(Delta + stat, mask=q_ok, other=0.0)
             st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+            lse2 = lse_bufs.index(s).load(gl.SliceLayout(0, st_layout))
+            delta = delta_bufs.index(s).load(gl.SliceLayout(0, st_layout))
             if CAUSAL and D == 64:
                 # the diagonal alone: a key past NK lies above every real row's diagonal (n >= NK > m + NK - NQ for
                 # m < NQ), and a query row past NQ has lse2 = +inf (P^T = 0). 0.91-0.96x the full mask's time on the
@@ -246,6 +259,9 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [2, BN, D], v_desc.layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, D], do_desc.layout)
+        stat_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
+        delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         ds_bufs = gl.allocate_shared_memory(dtype, [4 if SHARED_DQ else 2, BN, BM],
                                             gl.NVMMASharedLayout.get_default_for([BN, BM], dtype))
         dq_bufs = gl.allocate_shared_memory(gl.float32, [4, BM, DQ_COLS], dq_desc.layout)
@@ -256,7 +272,7 @@ if HAS_GLUON:
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=2)        # the TMA copies' expect, the statistics' arrive
             mbarrier.init(empty.index(i), count=2)        # both consumers release every slot
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)      # both consumers' dS^T stored
@@ -266,14 +282,14 @@ if HAS_GLUON:
         WG0: gl.constexpr = 0       # the warpgroups' indices as constexprs (a literal reaches _consumer as a value)
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
-                         dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
-                         qk_scale, sm_scale, WG0, STAGES, CAUSAL, SHARED_DQ)),
-            (_consumer, (q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full, ds_free, dq_bufs,
-                         dq_desc, Lse, Delta, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
-                         qk_scale, sm_scale, WG1, STAGES, CAUSAL, SHARED_DQ)),
-            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, k_smem, v_smem, kv_bar, ready, empty,
-                          k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES)),
+            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs,
+                         ds_full, ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0,
+                         causal_shift, qk_scale, sm_scale, WG0, STAGES, CAUSAL, SHARED_DQ)),
+            (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs,
+                         ds_full, ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0,
+                         causal_shift, qk_scale, sm_scale, WG1, STAGES, CAUSAL, SHARED_DQ)),
+            (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, Lse, Delta, k_smem,
+                       v_smem, kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
