@@ -18,7 +18,7 @@ Its warps, FA3's structure (gl.warp_specialize, triton 3.6's signature):
   Q / dO tile: P^T and dS^T are the register A operands of dV's and dK's wgmmas, dS^T is staged in shared memory for
   dQ's (its transpose is dQ's A operand), and each warpgroup adds its part of dQ, DQ_COLS columns at a time, by a
   bulk TMA reduction (cp.reduce.async.bulk.tensor) from a staging buffer, without waiting for it.
-Its part of dQ is one of two (SHARED_DQ, per head dim and mask in TILES):
+Its part of dQ is one of two (SHARED_DQ; TILES takes the second everywhere):
 - its own keys' contribution to every column (dS_w K_w): the warpgroups synchronise only through the ring, so one's
   GEMMs run while the other waits on its elementwise work or its dQ stores;
 - or half the columns over both warpgroups' keys (dS_0 K_0[:, cols] + dS_1 K_1[:, cols], as FA3 splits it): half
@@ -56,10 +56,11 @@ HEAD_DIMS = (64, 128)
 # (head dim, causal) -> (BLOCK_M query rows per tile, BLOCK_N keys per consumer warpgroup, STAGES of the Q / dO ring,
 # DQ_COLS, SHARED_DQ). Timed on the H200 (B=1, H=8, 4K and 16K; results/dev/gluon_bwd/tiles_h200.json): dQ shared
 # between the warpgroups by columns (each reduces half of dQ's columns over both warpgroups' keys: half the TMA
-# reduction traffic) was 7-13 % faster at D = 128 and for causal D = 64, 2-6 % slower for D = 64 without a mask, where
-# each warpgroup reduces its own keys' part of every column; DQ_COLS narrower than the warpgroup's columns and three
-# stages were no faster; 128-row tiles do not fit in shared memory.
-TILES = {(64, False): (64, 64, 2, 64, False), (64, True): (64, 64, 2, 32, True),
+# reduction traffic) was 7-13 % faster at D = 128 and for causal D = 64 than each warpgroup reducing its own keys'
+# part of every column; for D = 64 without a mask it was 2-6 % slower until it released its ring slot at the dS^T
+# barrier, then 6-10 % faster (dq_split_d64_h200.json). DQ_COLS narrower than the warpgroup's columns and three
+# stages were no faster; 128-row tiles do not fit in shared memory. The split by keys stays as an option (tiles=).
+TILES = {(64, False): (64, 64, 2, 32, True), (64, True): (64, 64, 2, 32, True),
          (128, False): (64, 64, 2, 64, True), (128, True): (64, 64, 2, 64, True)}
 CONSUMER_REGS = 240     # per consumer thread (setmaxnreg): two consumer warpgroups and the loader's in 64K
 LOADER_REGS = 24
