@@ -191,9 +191,10 @@ if HAS_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()                       # every thread's part stored before the arrives
                 mbarrier.arrive(ds_full.index(b), count=1)
-                # the last tile's ring slot released here, on this barrier, rather than on one of its own at that
+                # the previous tile's ring slot released here, on this barrier, rather than on one of its own at that
                 # tile's end (where the compiler also put one before the next ready wait): 0.97-0.98x the time at
-                # D = 128; by keys (D = 64 without a mask) the later release cost 1.02x, so it keeps its own
+                # D = 128; split by keys (measured at D = 64 without a mask) the later release cost 1.02x, so that
+                # path keeps its own
                 if it > 0:
                     mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
                 dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
