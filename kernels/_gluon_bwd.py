@@ -18,12 +18,13 @@ Its warps, FA3's structure (gl.warp_specialize, triton 3.6's signature):
   Q / dO tile: P^T and dS^T are the register A operands of dV's and dK's wgmmas, dS^T is staged in shared memory for
   dQ's (its transpose is dQ's A operand), and each warpgroup adds its part of dQ, DQ_COLS columns at a time, by a
   bulk TMA reduction (cp.reduce.async.bulk.tensor) from a staging buffer, without waiting for it.
-Its part of dQ is one of two (SHARED_DQ; TILES takes the second everywhere):
-- its own keys' contribution to every column (dS_w K_w): the warpgroups synchronise only through the ring, so one's
-  GEMMs run while the other waits on its elementwise work or its dQ stores;
-- or half the columns over both warpgroups' keys (dS_0 K_0[:, cols] + dS_1 K_1[:, cols], as FA3 splits it): half
-  the reduction traffic (a 64-row tile's dQ reduced once, not twice), for a wait per tile on the other warpgroup's
-  dS^T (two mbarriers per double-buffered dS^T slot: full, free), with dV's GEMM in flight during it.
+Its part of dQ is half the columns over both warpgroups' keys (dS_0 K_0[:, cols] + dS_1 K_1[:, cols], as FA3 splits
+it): a 64-row tile's dQ reduced once, not twice, for a wait per tile on the other warpgroup's dS^T (two mbarriers per
+double-buffered dS^T slot: full, free), with dV's GEMM in flight during it. At that wait's barrier a warpgroup also
+releases the previous tile's ring slot. The other way, each warpgroup reducing its own keys' part of every column
+(dS_w K_w, the warpgroups meeting only at the ring), was slower at every head dim and mask: 7-13 % at D = 128 and
+for causal D = 64 (results/dev/gluon_bwd/tiles_h200.json), 6-10 % for D = 64 without a mask once the slot release
+came (dq_split_d64_h200.json); it was taken out.
 With one warpgroup waiting on each GEMM and per-element fp32 atomics for dQ, the first version of this kernel took
 1.5-2.2x cuDNN's backward on the H200, the atomics alone 38-57 % of it at D = 128.
 
@@ -54,14 +55,11 @@ from ._launch import launch as _launch
 NAME = "gluon_bwd"
 HEAD_DIMS = (64, 128)
 # (head dim, causal) -> (BLOCK_M query rows per tile, BLOCK_N keys per consumer warpgroup, STAGES of the Q / dO ring,
-# DQ_COLS, SHARED_DQ). Timed on the H200 (B=1, H=8, 4K and 16K; results/dev/gluon_bwd/tiles_h200.json): dQ shared
-# between the warpgroups by columns (each reduces half of dQ's columns over both warpgroups' keys: half the TMA
-# reduction traffic) was 7-13 % faster at D = 128 and for causal D = 64 than each warpgroup reducing its own keys'
-# part of every column; for D = 64 without a mask it was 2-6 % slower until it released its ring slot at the dS^T
-# barrier, then 6-10 % faster (dq_split_d64_h200.json). DQ_COLS narrower than the warpgroup's columns and three
-# stages were no faster; 128-row tiles do not fit in shared memory. The split by keys stays as an option (tiles=).
-TILES = {(64, False): (64, 64, 2, 32, True), (64, True): (64, 64, 2, 32, True),
-         (128, False): (64, 64, 2, 64, True), (128, True): (64, 64, 2, 64, True)}
+# DQ_COLS: the columns of a warpgroup's half of dQ per GEMM). Timed on the H200 (B=1, H=8, 4K and 16K;
+# results/dev/gluon_bwd/tiles_h200.json): DQ_COLS narrower than the warpgroup's columns and three stages were no
+# faster; 128-row tiles do not fit in shared memory.
+TILES = {(64, False): (64, 64, 2, 32), (64, True): (64, 64, 2, 32), (128, False): (64, 64, 2, 64),
+         (128, True): (64, 64, 2, 64)}
 CONSUMER_REGS = 240     # per consumer thread (setmaxnreg): two consumer warpgroups and the loader's in 64K
 LOADER_REGS = 24
 
@@ -125,16 +123,15 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs, ds_full,
                   ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0, causal_shift,
-                  qk_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  SHARED_DQ: gl.constexpr):
-        """One warpgroup: keys [c0 + WG * BN, + BN): its dK, dV, and its part of every tile's dQ (TMA reduce-add):
-        with SHARED_DQ columns [WG * D / 2, + D / 2) over both warpgroups' keys, else every column over its keys."""
+                  qk_scale, sm_scale, WG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warpgroup: keys [c0 + WG * BN, + BN): its dK, dV, and every tile's dQ columns [WG * D / 2, + D / 2)
+        over both warpgroups' keys (TMA reduce-add)."""
         BN: gl.constexpr = k_smem.shape[1]
         D: gl.constexpr = k_smem.shape[2]
         BM: gl.constexpr = q_bufs.shape[1]
         DQ_COLS: gl.constexpr = dq_bufs.shape[2]
-        COL0: gl.constexpr = WG * (D // 2) if SHARED_DQ else 0    # the first of this warpgroup's columns of dQ
-        CHUNKS: gl.constexpr = (D // 2 if SHARED_DQ else D) // DQ_COLS
+        COL0: gl.constexpr = WG * (D // 2)            # the first of this warpgroup's columns of dQ
+        CHUNKS: gl.constexpr = (D // 2) // DQ_COLS
         dtype: gl.constexpr = k_smem.dtype
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BM, 16])
@@ -155,7 +152,7 @@ if HAS_GLUON:
         mbarrier.wait(kv_bar, 0)
         for it in range(total):
             s = it % STAGES
-            b = it % 2                                    # with SHARED_DQ: the tile's dS^T buffers
+            b = it % 2                                    # the tile's dS^T buffers
             ds_phase = (it // 2) & 1
             i0, row = _tile_row(it, n_tiles, i_lo, q_head0, n_q, BM)
             q_smem = q_bufs.index(s)
@@ -183,45 +180,34 @@ if HAS_GLUON:
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dst16 = dst.to(dtype)
             dst_op = gl.convert_layout(dst16, a_layout)
-            if SHARED_DQ:
-                # dS^T of this warpgroup's keys into the tile's buffer, once both warpgroups' dQ GEMMs of the tile
-                # that used it last are done; dV's GEMM runs while this one waits for the other's dS^T
-                mbarrier.wait(ds_free.index(b), ds_phase ^ 1)
-                ds_bufs.index(b * 2 + WG).store(dst16)
-                fence_async_shared()
-                gl.thread_barrier()                       # every thread's part stored before the arrives
-                mbarrier.arrive(ds_full.index(b), count=1)
-                # the previous tile's ring slot released here, on this barrier, rather than on one of its own at that
-                # tile's end (where the compiler also put one before the next ready wait): 0.97-0.98x the time at
-                # D = 128; split by keys (measured at D = 64 without a mask) the later release cost 1.02x, so that
-                # path keeps its own
-                if it > 0:
-                    mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
-                dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
-                mbarrier.wait(ds_full.index(b), ds_phase)
-            else:
-                ds_bufs.index(WG).store(dst16)
-                fence_async_shared()
-            # dQ's first DQ_COLS columns, then dK += dS^T Q (and dV += P^T dO, if not issued yet) behind them: the
-            # part is stored and its reduction issued while they run
+            # dS^T of this warpgroup's keys into the tile's buffer, once both warpgroups' dQ GEMMs of the tile that
+            # used it last are done; dV's GEMM runs while this one waits for the other's dS^T
+            mbarrier.wait(ds_free.index(b), ds_phase ^ 1)
+            ds_bufs.index(b * 2 + WG).store(dst16)
+            fence_async_shared()
+            gl.thread_barrier()                           # every thread's part stored before the arrives
+            mbarrier.arrive(ds_full.index(b), count=1)
+            # the previous tile's ring slot released here, on this barrier, rather than on one of its own at that
+            # tile's end (where the compiler also put one before the next ready wait): 0.97-0.98x the time at
+            # D = 128 (results/dev/gluon_bwd/slot_release_h200.json)
+            if it > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+            dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+            mbarrier.wait(ds_full.index(b), ds_phase)
+            # dQ's first DQ_COLS columns over both warpgroups' keys, then dK += dS^T Q behind them: the part is
+            # stored and its reduction issued while it runs
             for j in gl.static_range(CHUNKS):
-                if SHARED_DQ:       # over both warpgroups' keys
-                    dq = warpgroup_mma(ds_bufs.index(b * 2).permute((1, 0)),
-                                       k_smem.index(0).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), zero_dq,
-                                       use_acc=False, is_async=True)
-                    dq = warpgroup_mma(ds_bufs.index(b * 2 + 1).permute((1, 0)),
-                                       k_smem.index(1).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
-                else:               # over this warpgroup's keys
-                    dq = warpgroup_mma(ds_bufs.index(WG).permute((1, 0)), k_mine.slice(j * DQ_COLS, DQ_COLS, dim=1),
-                                       zero_dq, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_bufs.index(b * 2).permute((1, 0)),
+                                   k_smem.index(0).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), zero_dq,
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_bufs.index(b * 2 + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(COL0 + j * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
                 if j == 0:
-                    if not SHARED_DQ:
-                        dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
                     dk = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
-                    dq = warpgroup_mma_wait(1 if SHARED_DQ else 2, deps=[dq])
+                    dq = warpgroup_mma_wait(1, deps=[dq])
                 else:
                     dq = warpgroup_mma_wait(0, deps=[dq])
-                if SHARED_DQ and j == CHUNKS - 1:
+                if j == CHUNKS - 1:
                     mbarrier.arrive(ds_free.index(b), count=1)
                 buf = dq_bufs.index(WG * 2 + (it * CHUNKS + j) % 2)
                 tma.store_wait(1)
@@ -229,8 +215,6 @@ if HAS_GLUON:
                 fence_async_shared()
                 _tma_reduce_add(dq_desc, [row, COL0 + j * DQ_COLS], buf)
             dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-            if not SHARED_DQ:
-                mbarrier.arrive(empty.index(s), count=1)  # this warpgroup is done with the slot's Q and dO
         rows = kc0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kv_layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
         offs = (bhk * n_k + rows).to(gl.int64)[:, None] * D + cols[None, :]
@@ -242,7 +226,7 @@ if HAS_GLUON:
     @gluon.jit
     def _gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, heads, group, n_q, n_k,
                              causal_shift, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                             SHARED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Program (key block kb of 2 * BN keys, b * Hkv + hk): a loader warp and two consumer warpgroups, each
         owning BN of the block's keys; both read every Q / dO tile of the ring (its empty barrier counts both)."""
         BN: gl.constexpr = k_desc.block_type.shape[0]
@@ -270,8 +254,7 @@ if HAS_GLUON:
         stat_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
         delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM], stat_smem)
-        ds_bufs = gl.allocate_shared_memory(dtype, [4 if SHARED_DQ else 2, BN, BM],
-                                            gl.NVMMASharedLayout.get_default_for([BN, BM], dtype))
+        ds_bufs = gl.allocate_shared_memory(dtype, [4, BN, BM], gl.NVMMASharedLayout.get_default_for([BN, BM], dtype))
         dq_bufs = gl.allocate_shared_memory(gl.float32, [4, BM, DQ_COLS], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -292,10 +275,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs,
                          ds_full, ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0,
-                         causal_shift, qk_scale, sm_scale, WG0, STAGES, CAUSAL, SHARED_DQ)),
+                         causal_shift, qk_scale, sm_scale, WG0, STAGES, CAUSAL)),
             (_consumer, (q_bufs, do_bufs, lse_bufs, delta_bufs, k_smem, v_smem, kv_bar, ready, empty, ds_bufs,
                          ds_full, ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0,
-                         causal_shift, qk_scale, sm_scale, WG1, STAGES, CAUSAL, SHARED_DQ)),
+                         causal_shift, qk_scale, sm_scale, WG1, STAGES, CAUSAL)),
             (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, Lse, Delta, k_smem,
                        v_smem, kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -339,18 +322,16 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
     contiguous, float16 / bfloat16, D in HEAD_DIMS; out, grad_out [B, Hq, Nq, D] (any strides; grad_out is copied
     when not contiguous); lse2 [B, Hq, Nq] fp32, the base-2 row statistic (p = exp2(q.k * scale * log2(e) - lse2);
     ELSA's forward stores it, +inf for a row that sees no key). Causal is bottom-right aligned. dk, dv are summed
-    over each key/value head's query group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS, SHARED_DQ) instead of
-    TILES'."""
+    over each key/value head's query group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: launch copies it
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
                          f"{HEAD_DIMS} and contiguous, 16-byte aligned inputs (got {q.dtype}, D={shape.head_dim}, "
                          f"{q.device}, triton {triton.__version__})")
     tiles = tiles or TILES[(shape.head_dim, causal)]
-    cols = shape.head_dim // 2 if tiles[4] else shape.head_dim
-    if cols % tiles[3]:
-        raise ValueError(f"{NAME}: DQ_COLS {tiles[3]} does not divide a warpgroup's {cols} columns of dQ (head dim "
-                         f"{shape.head_dim}, SHARED_DQ {tiles[4]})")
+    if (shape.head_dim // 2) % tiles[3]:
+        raise ValueError(f"{NAME}: DQ_COLS {tiles[3]} does not divide a warpgroup's {shape.head_dim // 2} columns of "
+                         f"dQ (head dim {shape.head_dim})")
     if out.stride(-1) != 1:
         out = out.contiguous()
     return launch(grad_out, q, k, v, out, lse2, causal, default_scale(scale, shape.head_dim), tiles)
@@ -367,7 +348,7 @@ def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
     grad_out = grad_out.contiguous()
     b, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
-    block_m, block_n, stages, dq_cols, shared_dq = tiles
+    block_m, block_n, stages, dq_cols = tiles
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or n_k == 0:
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
@@ -378,7 +359,7 @@ def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
             tile_descriptor(v.view(-1, d), block_n, d), tile_descriptor(grad_out.view(-1, d), block_m, d),
             tile_descriptor(dq32.view(-1, d), block_m, dq_cols),
             lse2.contiguous(), delta, dk, dv, hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
-            dict(CAUSAL=causal, STAGES=stages, SHARED_DQ=shared_dq, CONSUMER_REGS=CONSUMER_REGS,
+            dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, num_warps=4))
     return dq32.to(q.dtype), dk, dv
 

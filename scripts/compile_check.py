@@ -383,10 +383,9 @@ def flash_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
-# the Gluon backward's tiles tried by --tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS, SHARED_DQ), where DQ_COLS divides a
-# warpgroup's columns of dQ (half the head dim with SHARED_DQ)
-BWD_TILE_CANDIDATES = [(64, 64, 2, 64, False), (64, 64, 2, 32, False), (64, 64, 3, 32, False), (128, 64, 2, 64, False),
-                       (64, 64, 2, 32, True), (64, 64, 2, 64, True), (64, 64, 3, 32, True)]
+# the Gluon backward's tiles tried by --tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS), where DQ_COLS divides a
+# warpgroup's columns of dQ (half the head dim)
+BWD_TILE_CANDIDATES = [(64, 64, 2, 64), (64, 64, 2, 32), (64, 64, 3, 32), (128, 64, 2, 64)]
 
 
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
@@ -427,8 +426,8 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         if d in gb.HEAD_DIMS:
             # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N
             for causal in (False, True):
-                for bm, bn, stages, dq_cols, shared in (BWD_TILE_CANDIDATES if tiles else [gb.TILES[(d, causal)]]):
-                    if (d // 2 if shared else d) % dq_cols:
+                for bm, bn, stages, dq_cols in (BWD_TILE_CANDIDATES if tiles else [gb.TILES[(d, causal)]]):
+                    if (d // 2) % dq_cols:
                         continue
                     descs = {f"{name}_desc": f"tensordesc<{dtype}[{rows}, {d}],"
                                              f"{gc.descriptor_layout(rows, d, TORCH_DTYPES[dtype])!r}>"
@@ -436,11 +435,10 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                     descs["dq_desc"] = (f"tensordesc<fp32[{bm}, {dq_cols}],"
                                         f"{gc.descriptor_layout(bm, dq_cols, torch.float32)!r}>")
                     jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype,
-                                    dict(CAUSAL=causal, STAGES=stages, SHARED_DQ=shared,
-                                         CONSUMER_REGS=gb.CONSUMER_REGS,
+                                    dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=gb.CONSUMER_REGS,
                                          LOADER_REGS=gb.LOADER_REGS), 4, 1, {"DK", "DV"}, {"Lse", "Delta"},
                                     floats={"qk_scale", "sm_scale"}, descs=descs, gluon=True,
-                                    label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols, shared])))
+                                    label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols])))
             # its prologue (a Triton kernel): Delta and the zeroed dQ buffer
             jobs.append(Job("gluon_core", "bwd_prologue", gb._prologue, dtype, dict(D=d, ROWS=gb.PROLOGUE_ROWS), 4,
                             1, {"DO", "O"}, {"Delta", "DQ"}, div16=re.compile(r"^so_[bhn]$").match,

@@ -574,12 +574,11 @@ def test_gpu_backward_matches_float64(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", gb.HEAD_DIMS)
-@pytest.mark.parametrize("shared_dq", [False, True], ids=["own_keys_dq", "shared_dq"])
-def test_gpu_backward_either_dq_split_matches_float64(d, shared_dq):
-    """Both ways the warpgroups split dQ (TILES picks one per head dim and mask), at each head dim, causal and not,
-    with two DQ_COLS chunks per warpgroup: the TILES entries leave some of these untested."""
+def test_gpu_backward_two_dq_chunks_match_float64(d):
+    """dQ's half of the columns in two DQ_COLS chunks per warpgroup (TILES takes one chunk), at each head dim, causal
+    and not."""
     _need_core("cuda")
-    tiles = (64, 64, 2, d // 4 if shared_dq else d // 2, shared_dq)
+    tiles = (64, 64, 2, d // 4)
     for case in [(1, 4, 2, 777, 1000, d, False), (1, 4, 2, 1000, 777, d, True)]:
         for name, err in zip("qkv", _gluon_bwd_errors(case, torch.float16, tiles=tiles)):
             assert err <= 2 * TOL[torch.float16], f"{case} d{name}: rel RMS {err:.2e}"
