@@ -19,7 +19,7 @@ The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale fo
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
 A program takes 128 query rows and one key partition (grid (row blocks, B*Hq, partitions)); it writes the
 normalised output (and an LSE), or with SUMMARY its state into ELSA's phase-1 summary slots (fp32 m and l, the
-normalised partial output in the inputs' dtype), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
+normalised partial output in the inputs' dtype: partition 0's in the output rows), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
 with the same phase 2 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows
 of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves:
 kernels/cqsa/schedule.py's tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA
@@ -291,7 +291,7 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, pasa_c, slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                  qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
                   PASA: gl.constexpr):
@@ -417,20 +417,27 @@ if HAS_GLUON:
         out = _normalised(acc, l_i)
         if D1 > 0:
             out2 = _normalised(acc2, l_i)
+        out_row = o_row + WG * BLOCK_M
         if SUMMARY:
-            # ELSA's phase-1 slots: fp32 m and l at [slot + r] and [n_slots + slot + r], the normalised output in
-            # the inputs' dtype at row slot + r of the [*, HEAD_DIM] slab after them (kernels/elsa/kernel.py's
-            # _store_summary); a causal partition past every row's horizon (hi <= lo) stores nothing
+            # ELSA's phase-1 slots (kernels/elsa/kernel.py's _store_summary): fp32 m and l at [slot + r] and
+            # [n_slots + slot + r]; the normalised output in the inputs' dtype, partition 0's into the output rows
+            # themselves (phase 2 merges in place), another's at row s_slot + r of the [*, HEAD_DIM] slab after
+            # them; a causal partition past every row's horizon (hi <= lo) stores nothing
             if hi > lo:
                 base = (slot + WG * BLOCK_M).to(gl.int64)
                 gl.store(Sbuf + base + rows_s, m_i)
                 gl.store(Sbuf + n_slots + base + rows_s, l_i)
-                partials = (Sbuf + 2 * n_slots.to(gl.int64)).to(gl.pointer_type(dtype))
-                _store_cols(partials, out, base, 0, 0, 0, HEAD_DIM, False)
-                if D1 > 0:
-                    _store_cols(partials, out2, base, BLOCK_D, 0, 0, HEAD_DIM, False)
+                if lo == 0:
+                    _store_cols(Out, out, out_row, 0, my_row0, row_end, HEAD_DIM, True)
+                    if D1 > 0:
+                        _store_cols(Out, out2, out_row, BLOCK_D, my_row0, row_end, HEAD_DIM, True)
+                else:
+                    partials = (Sbuf + 2 * n_slots.to(gl.int64)).to(gl.pointer_type(dtype))
+                    s_base = (s_slot + WG * BLOCK_M).to(gl.int64)
+                    _store_cols(partials, out, s_base, 0, 0, 0, HEAD_DIM, False)
+                    if D1 > 0:
+                        _store_cols(partials, out2, s_base, BLOCK_D, 0, 0, HEAD_DIM, False)
         else:
-            out_row = o_row + WG * BLOCK_M
             _store_cols(Out, out, out_row, 0, my_row0, row_end, HEAD_DIM, True)
             if D1 > 0:
                 _store_cols(Out, out2, out_row, BLOCK_D, my_row0, row_end, HEAD_DIM, True)
@@ -446,14 +453,14 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                          v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
+                         causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
                          BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                          PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
                          PASA: gl.constexpr):
         _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, pasa_c, slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG,
-                  SUMMARY, LSE_MODE, RANGES, PASA)
+                  qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL,
+                  PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)
 
     @gluon.jit
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, Items, Ranges, heads,
@@ -466,7 +473,8 @@ if HAS_GLUON:
         [part * width, part * width + width) (one partition holding every key: width >= n_k). The descriptors
         q/k/v_desc load each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
         SUMMARY stores the state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot
-        rows in all); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
+        rows in all; partition 0's partial output in out's rows); otherwise out (and the LSE: LSE_MODE 1 natural, 2
+        ELSA's base 2) is written.
         RANGES (a tile walk, `launch(walk=...)`): program (item, bh) takes the rows [start, end) of Items[item]
         ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges of the Ranges
         table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows below end.
@@ -490,6 +498,7 @@ if HAS_GLUON:
             hi = 0
             n_unmasked = 0
             slot = 0
+            s_slot = 0
         else:
             qb = gl.program_id(0)
             if CAUSAL:
@@ -509,6 +518,7 @@ if HAS_GLUON:
             n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
             n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
             slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
+            s_slot = slot - n_blocks * gl.num_programs(1) * (2 * BLOCK_M)   # partition 0 has none: it is in Out
             row_end = n_q
             r0 = 0
         q_row = bh * n_q + row0
@@ -546,11 +556,11 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                          turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1, STAGES,
-                         CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
+                         causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1,
+                         STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
             (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
                                 v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles,
-                                n_unmasked, causal_shift, qk_scale, pasa_c, slot, n_slots, Ranges, r0, BLOCK_N,
+                                n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, BLOCK_N,
                                 BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
             (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
                        v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges,

@@ -853,6 +853,10 @@ def test_plan_partitions_keys_and_chunks_queries():
     budget_rows = elsa_config.SUMMARY_BUDGET["16"] * 16384 * 64 * 2 / elsa_config.summary_row_bytes(
         long.parts, 64, torch.float16)
     assert long.q_chunk <= elsa_config.CHUNK_FIT_GROWTH["16"] * (max(waves_rows, budget_rows) + long.block_m)
+    # a 16-bit row's summaries: fp32 (m, z) of both partitions and partition 1's normalised part in 16 bits
+    # (partition 0's is in the output rows): half the output's bytes in the chunk of 8K rows at D=64
+    assert long.q_chunk == 8192
+    assert elsa_config.summary_bytes(long, 16384, 8, 64, torch.float16) == 8 * 8192 * (2 * 2 * 4 + 64 * 2)
     tiny = plan_forward(128, 128, 1, 64, torch.float16, 132)
     assert tiny.final                                                   # the host-cost shape: one launch
     vit = plan_forward(197, 197, 8 * 3, 64, torch.float16, 132)         # ViT-T/224's attention: one launch

@@ -485,19 +485,17 @@ def backward_launches(bh: int, nq: int, nk: int, dtype: torch.dtype, config: str
 
 
 def summary_row_bytes(parts: int, d: int, dtype: torch.dtype) -> int:
-    """Summary bytes per query row (of one head) with `parts` partitions: fp32 (m, z) of every partition, and per
-    partition its part of the output -- float32: the weighted sum s, but for the first partition, whose s the
-    output itself holds until phase 2 merges in place; 16-bit: the normalised s / z in the output's dtype (a
-    16-bit output cannot hold an unnormalised sum, and s / z cannot overflow)."""
-    if dtype == torch.float32:
-        return (2 * parts + (parts - 1) * d) * 4
-    return 2 * parts * 4 + parts * d * dtype.itemsize
+    """Summary bytes per query row (of one head) with `parts` partitions: fp32 (m, z) of every partition, and the
+    part of the output of every partition but the first, whose part the output rows themselves hold until phase 2
+    merges in place -- float32: the weighted sum s; 16-bit: the normalised s / z in the output's dtype (a 16-bit
+    output cannot hold an unnormalised sum, and s / z cannot overflow)."""
+    return 2 * parts * 4 + (parts - 1) * d * dtype.itemsize
 
 
 def summary_numel(plan: FwdPlan, nq: int, bh: int, d: int, dtype: torch.dtype) -> int:
     """The size of the summary buffer of one q-chunk in fp32 elements (it is allocated as float32; 0 when phase 1
-    writes the output itself): M and Z for P slots of rows [P, QB, BH, BLOCK_M], then S (float32 outputs: for the
-    partitions 1..P-1; 16-bit outputs: in the output's dtype)."""
+    writes the output itself): M and Z for P slots of rows [P, QB, BH, BLOCK_M], then S for the partitions 1..P-1
+    (in the output's dtype)."""
     if plan.final:
         return 0
     rows = math.ceil(min(plan.q_chunk, nq) / plan.block_m) * bh * plan.block_m

@@ -181,31 +181,33 @@ def _partials(Sbuf, NROWS, Out):
 @triton.jit
 def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NROWS, NQ, sob, soh, son,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(m, z) of one program to its slot of M and Z (fp32), and its part of the output to its slot of S.
-    float32 output: s itself, and partition 0's s into the output rows themselves (Out holds fp32 then: the same
-    numbers, one [rows, D] slab less of summaries). 16-bit output: the partition's normalised output s / z in the
-    output's dtype (0 for a row that sees none of its keys): half the bytes of an fp32 s, and no overflow (it lies
-    within the values' range). Pointers offset by the slots' scalar bases."""
+    """(m, z) of one program to its slot of M and Z (fp32), and its part of the output: float32 output, s itself;
+    16-bit output, the partition's normalised output s / z in the output's dtype (0 for a row that sees none of its
+    keys: half the bytes of an fp32 s, and no overflow, it lies within the values' range). Partition 0 writes its
+    part into the output rows themselves (phase 2 reads it back and merges in place: the same numbers, one
+    [rows, D] slab less of summaries), the others to slots 0..P-2 of S. Pointers offset by the slots' scalar
+    bases."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     base = ((part * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
     tl.store(Sbuf + base + offs_m, m_i)
     tl.store(Sbuf + tl.cast(NROWS, tl.int64) + base + offs_m, z_i)
     if Out.dtype.element_ty == tl.float32:
-        if part == 0:
-            o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
-            mask = offs_m[:, None] < NQ - r0
-            if BLOCK_D != HEAD_DIM:
-                mask = mask & (offs_d[None, :] < HEAD_DIM)
-            tl.store(o_base + offs_m[:, None] * son + offs_d[None, :], s_i, mask=mask)
-        else:
-            base_s = (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M
-            _store_rows(_partials(Sbuf, NROWS, Out) + (base_s + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                        s_i, offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
+        part_out = s_i
     else:
-        o_i = tl.where(z_i[:, None] > 0, s_i / tl.where(z_i > 0, z_i, 1.0)[:, None], 0.0)
-        _store_rows(_partials(Sbuf, NROWS, Out) + (base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                    o_i.to(Out.dtype.element_ty), offs_m, BLOCK_M, offs_d, HEAD_DIM, BLOCK_D)
+        part_out = tl.where(z_i[:, None] > 0, s_i / tl.where(z_i > 0, z_i, 1.0)[:, None], 0.0)
+        part_out = part_out.to(Out.dtype.element_ty)
+    # one store whose destination is chosen by value, not a branch: a branch after the loop undoes the warp-
+    # specialized core's partitions (sm_90 compile check: 4 warps instead of 12, 512 bytes spilled at D=128)
+    first = part == 0
+    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
+    s_base = _partials(Sbuf, NROWS, Out) + (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M * HEAD_DIM
+    dst = tl.where(first, o_base, s_base)
+    row_stride = tl.where(first, son, HEAD_DIM).to(tl.int64)
+    mask = offs_m[:, None] < NQ - r0                # rows past NQ: not in the output, never read from S
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(dst + offs_m[:, None] * row_stride + offs_d[None, :], part_out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "q0", "QB", "BH", "W"])
@@ -222,10 +224,10 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
 
     Summary buffer Sbuf (one allocation): M [NROWS] and Z [NROWS] in fp32, rows in the logical order [P, QB, BH,
     BLOCK_M] (NROWS = P * QB * BH * BLOCK_M for the largest chunk), then S [rows, HEAD_DIM] in the same order.
-    16-bit output: S holds each partition's normalised output s / z in the output's dtype (_store_summary).
-    float32 output: S holds the fp32 s of the partitions 1..P-1 only: partition 0 writes its s into the output rows
-    it will finally hold (phase 2 reads it back and merges in place), one [rows, D] slab less per chunk. Phase 2's
-    (qb, bh) reads one contiguous slab per partition.
+    S holds the parts of the output of the partitions 1..P-1 (float32 output: s in fp32; 16-bit: the normalised
+    s / z in the output's dtype, _store_summary); partition 0 writes its part into the output rows it will finally
+    hold (phase 2 reads it back and merges in place), one [rows, D] slab less per chunk. Phase 2's (qb, bh) reads
+    one contiguous slab per partition.
     FINAL (a single partition holds every key): there is nothing to merge, so the program writes out and lse
     itself and phase 2 is not launched.
     SCALE_IN_EXP (16-bit, no bias) runs the shared flash core's loop (_core_scan): KEYS_EVEN (NK a multiple of
@@ -325,10 +327,11 @@ def _elsa_phase2(Sbuf, Out, Lse,
         mk = tl.load(Sbuf + idx, mask=pk[:, None] < p_end, other=float("-inf"))
         m_star = tl.maximum(m_star, tl.max(mk, 0))
     m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
-    # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s; a float32 output
-    # holds partition 0's s itself (read back here, then overwritten by the result); a 16-bit one's slots hold
-    # o_p = s_p / z_p, so S = sum (w z) o_p.
-    S0_IN_OUT: tl.constexpr = Out.dtype.element_ty == tl.float32
+    # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s. A float32 output's
+    # part is s_p itself, a 16-bit one's o_p = s_p / z_p, so its weight is w z: S = sum (w z) o_p. The output rows
+    # hold partition 0's part (read back after the slabs, then overwritten by the result); slot p of S holds
+    # partition p + 1's.
+    FP32_PARTS: tl.constexpr = Out.dtype.element_ty == tl.float32
     z = tl.zeros([ROWS], tl.float32)
     s = tl.zeros([ROWS, BLOCK_D], tl.float32)
     w0 = tl.zeros([ROWS], tl.float32)
@@ -340,26 +343,21 @@ def _elsa_phase2(Sbuf, Out, Lse,
         zk = tl.load(z_base + idx, mask=valid, other=0.0)
         w = tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
         z += tl.sum(w * zk, 0)
-        s_mask = valid
-        if S0_IN_OUT:
-            w0 += tl.sum(tl.where(pk[:, None] == 0, w, 0.0), 0)
-            s_mask = s_mask & (pk[:, None] > 0)
-            idx = idx - QB * BH * BLOCK_M                      # slot p of S holds partition p + 1
-        s_mask = s_mask[:, :, None]
+        if not FP32_PARTS:
+            w = w * zk
+        w0 += tl.sum(tl.where(pk[:, None] == 0, w, 0.0), 0)
+        s_mask = (valid & (pk[:, None] > 0))[:, :, None]
         if BLOCK_D != HEAD_DIM:
             s_mask = s_mask & (offs_d[None, None, :] < HEAD_DIM)
+        idx = idx - QB * BH * BLOCK_M
         sk = tl.load(s_base + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_mask, other=0.0)
-        if S0_IN_OUT:
-            s += tl.sum(w[:, :, None] * sk, 0)
-        else:
-            s += tl.sum((w * zk)[:, :, None] * sk.to(tl.float32), 0)
+        s += tl.sum(w[:, :, None] * sk.to(tl.float32), 0)
     rows = q0 + qb * BLOCK_M + i0 + offs_r
-    if S0_IN_OUT:
-        o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
-        o_mask = (rows[:, None] < NQ) & (w0[:, None] > 0)
-        if BLOCK_D != HEAD_DIM:
-            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-        s += w0[:, None] * tl.load(o_ptrs, mask=o_mask, other=0.0)
+    o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
+    o_mask = (rows[:, None] < NQ) & (w0[:, None] > 0)
+    if BLOCK_D != HEAD_DIM:
+        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+    s += w0[:, None] * tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     _write_output(Out, Lse, m_star, z, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
 
 
