@@ -799,11 +799,10 @@ def test_backward_takes_the_gluon_kernel_where_measured_faster():
         for part in ("dq", "dkdv"):
             assert not gluon(least, config=elsa_config.canonical_config({part: {"num_warps": 4}}, fp16, d))
     # measured through the harness (fwd+bwd, B=1, H=8; results/dev/gluon_bwd/crossover_harness_h200/): at D = 64 a
-    # call at 4K lost to the launch's host time (1.19x the Triton backward's fwd+bwd, 1.04x causal); at D = 128 it
-    # won from 3K (0.70x), causal from 4K (1.10x at 3K)
+    # call at 4K lost to the launch's host time (1.19x the Triton backward's fwd+bwd, 1.08x causal); at D = 128 it
+    # won from 3K (0.69x), causal from 3K too (0.99x there, 0.66x at 4K)
     assert all(elsa_config.GLUON_BWD_MIN_WORK[(64, causal)] > 8 * 4096 ** 2 for causal in (False, True))
-    assert elsa_config.GLUON_BWD_MIN_WORK[(128, False)] <= 8 * 3072 ** 2
-    assert 8 * 3072 ** 2 < elsa_config.GLUON_BWD_MIN_WORK[(128, True)] <= 8 * 4096 ** 2
+    assert all(elsa_config.GLUON_BWD_MIN_WORK[(128, causal)] <= 8 * 3072 ** 2 for causal in (False, True))
     assert not elsa_config.plan_backward(256, fp16, "", 4096, 2, False, False, 1 << 40, True).gluon
     assert not elsa_config.plan_backward(96, fp16, "", 4096, 2, False, False, 1 << 40, True).gluon
 

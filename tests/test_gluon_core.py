@@ -274,7 +274,8 @@ def _walk_visits(items, ranges, item, n_q, n_k, block_n, causal):
 def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0=0, n_blocks=0, parts=1, width=0, n_slots=0,
                      summary=False, lse_mode, walk=None, tiles=None, **_):
     """What _gluon_fwd_kernel writes, computed in float64: per (row block, head, partition) the state of 128 rows
-    over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in q's dtype), or out
+    over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in q's dtype, partition
+    0's in out's rows), or out
     and the base-2 lse (+inf for a row that sees no key); with a tile walk, per (item, head) out and the natural-log
     lse (-inf) of the item's rows over the keys its walk scores (_walk_visits)."""
     if walk is not None:
@@ -303,8 +304,13 @@ def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0=0, n_block
                 sbuf[base:base + rows_per_block] = m.float()
                 sbuf[n_slots + base:n_slots + base + rows_per_block] = l_.float()
                 o = torch.where(l_[:, None] > 0, acc / l_.clamp_min(1e-300)[:, None], 0.0)
-                partials = sbuf[2 * n_slots:].view(q.dtype)       # the normalised partial outputs, 16-bit
-                partials[base * d:(base + rows_per_block) * d] = o.to(q.dtype).flatten()
+                if part == 0:                                     # partition 0's part: in the output rows
+                    keep = rows < n_q
+                    out[b, h, rows[keep]] = o[keep].to(out.dtype)
+                else:                                             # the others': the 16-bit slab, one slot earlier
+                    s_base = base - n_blocks * b_ * hq * rows_per_block
+                    partials = sbuf[2 * n_slots:].view(q.dtype)
+                    partials[s_base * d:(s_base + rows_per_block) * d] = o.to(q.dtype).flatten()
         else:
             keep = rows < n_q
             o = torch.where(l_[:, None] > 0, acc / l_.clamp_min(1e-300)[:, None], 0.0)
