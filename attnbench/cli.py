@@ -580,8 +580,9 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
                                                   "the baseline of its GPU (<baselines-root>/<gpu>/), replacing the last"),
              baselines_root: Path = typer.Option(Path("results/baselines"), "--baselines-root",
                                                  help="where --bless installs baselines")):
-    """Per point SAME / FASTER / SLOWER / NOISY / BASELINE (only the baseline's own time moved) from the
-    paired-ratio samples of both runs; exit 1 on any SLOWER.
+    """Per point SAME / FASTER / SLOWER / NOISY / BASELINE (only the baseline's own time moved) / HOST (a
+    host-bound point moved with the machine's host) from the paired-ratio samples of both runs; exit 1 on any
+    SLOWER.
     With --bless RUN: make RUN the baseline of its GPU instead."""
     from attnbench import gate as gatemod
     from attnbench.runs import resolve_run_dir

@@ -18,6 +18,14 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
           (``attnbench.measure.noise``: a failed clean-GPU check, a foreign process, a clock sag…)
 - BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
+- HOST    the ratio moved past the band (it would be SLOWER or FASTER) at a point whose kernel is host-bound (in
+          either run its host time inside a call, the enqueue, is at least HOST_BOUND_SHARE of the call's eager
+          time), and the host time ratio (kernel's / baseline's, per pair) did not move: its interval lies inside
+          the band. The eager time of such a point is the host's, and a lent machine's host can be slower or faster
+          (Cron Root's 4K forward on one H200 host 0.024 ms a call, on another 0.051 with its fastest samples
+          unchanged): the machine moved, not the kernel, so it does not fail the gate. Where the host time ratio
+          moved too (the kernel's host code got slower), the row stays SLOWER and says so. Needs the host's
+          samples in both runs (recorded since the harness measures them).
 - BASELINE the ratio moved past the band (it would be SLOWER or FASTER), but the kernel's own time did not: its
           interval (kernel ms samples, bootstrapped the same way) lies inside the band while the baseline's own
           time moved past it. Both runs on one GPU model only (absolute times compare there). A launch-bound
@@ -51,9 +59,13 @@ from attnbench.measure.stats import bootstrap_change
 from attnbench.runs import final_attempts, gpu_short_name, resolve_run_dir
 from attnbench.store import Run, RunDirError, load_run
 
-VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "BASELINE", "FASTER", "SAME")
+VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "BASELINE", "HOST", "FASTER", "SAME")
 FAILING = ("SLOWER", "BROKEN")
 MIN_SAMPLES = 3
+# A point is host-bound when its kernel's host time inside a timed call is at least this share of the call's eager
+# time: the GPU then waits on the host's enqueue (the L2 flush before each call covers part of it, so a host-bound
+# call's eager time can be a little below its host time, and a GPU-bound one's far above it)
+HOST_BOUND_SHARE = 0.8
 
 
 @dataclass
@@ -92,6 +104,46 @@ def _own_changes(b_attempt, c_attempt, n_boot: int, seed: int, pid: str) -> dict
         if len(bs) >= MIN_SAMPLES and len(cs) >= MIN_SAMPLES:
             out[side] = bootstrap_change(bs, cs, n_boot, seed, f"{pid}:{side}")
     return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _host_bound(attempt: dict | None) -> bool:
+    """The kernel side's median host time inside a call is at least HOST_BOUND_SHARE of its median eager time."""
+    host, times = _samples(attempt, "kernel", "host_samples_ms"), _samples(attempt, "kernel", "samples_ms")
+    return (len(host) >= MIN_SAMPLES and len(times) >= MIN_SAMPLES
+            and _median(host) >= HOST_BOUND_SHARE * _median(times))
+
+
+def _host_ratios(attempt: dict | None) -> list[float]:
+    """Per pair, the kernel's host time over the baseline's ([] unless both sides have one per pair)."""
+    k, b = _samples(attempt, "kernel", "host_samples_ms"), _samples(attempt, "baseline", "host_samples_ms")
+    if len(k) != len(b):
+        return []
+    return [x / y for x, y in zip(k, b) if y > 0]
+
+
+def _host(row: GateRow, b_attempt, c_attempt, tolerance: float, n_boot: int, seed: int) -> None:
+    """HOST on a SLOWER / FASTER row whose kernel is host-bound in either run and whose host time ratio stayed
+    inside the band; where that ratio moved, the row keeps its verdict and its detail says so."""
+    if not (_host_bound(b_attempt) or _host_bound(c_attempt)):
+        return
+    bh, ch = _host_ratios(b_attempt), _host_ratios(c_attempt)
+    if len(bh) < MIN_SAMPLES or len(ch) < MIN_SAMPLES:
+        return
+    change = bootstrap_change(bh, ch, n_boot, seed, f"{row.point_id}:host")
+    k_host = _median(_samples(c_attempt, "kernel", "host_samples_ms"))
+    k_time = _median(_samples(c_attempt, "kernel", "samples_ms"))
+    where = f"the kernel is host-bound (current run: {k_host:.3g} ms of host time in a {k_time:.3g} ms call)"
+    if change[1] >= 1 - tolerance and change[2] <= 1 + tolerance:
+        row.detail = (f"{row.verdict} by the ratio, but {where} and the host time ratio (kernel / baseline) stayed "
+                      f"inside the band, {_pct(change)}: the machine's host moved, not the kernel")
+        row.verdict = "HOST"
+    else:
+        row.detail = f"{where}; its host time ratio (kernel / baseline) moved too: {_pct(change)}"
 
 
 def _pct(change: tuple) -> str:
@@ -180,8 +232,13 @@ def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int
             else:
                 row.verdict = "NOISY"
                 row.detail = f"95 % interval crosses the ±{tolerance:.0%} band"
+            if row.verdict in ("SLOWER", "FASTER"):
+                _host(row, batt.get(pid), catt.get(pid), tolerance, n_boot, seed)
             if row.verdict in ("SLOWER", "FASTER") and same_model:
+                host_detail = row.detail
                 _attribute(row, _own_changes(batt.get(pid), catt.get(pid), n_boot, seed, pid), tolerance)
+                if host_detail and row.verdict in ("SLOWER", "FASTER"):
+                    row.detail = f"{row.detail}; {host_detail}" if row.detail else host_detail
         rows.append(row)
     return sorted(rows, key=lambda r: (r.cell_id, r.n if r.n is not None else -1, r.point_id))
 
@@ -282,7 +339,9 @@ def gate_markdown(rows: list[GateRow], *, baseline: str | None = None, current: 
                  "band; NOISY when it crosses a band edge or either run's window was disturbed, or when the ratio "
                  "moved but the kernel's own time stayed inside the band and the baseline's crosses its edge; "
                  "BASELINE when the ratio moved but the kernel's own time stayed inside the band and the "
-                 "baseline's did not.\n")
+                 "baseline's did not; HOST when the ratio moved at a host-bound point (the kernel's host time "
+                 f"inside a call at least {HOST_BOUND_SHARE:.0%} of its eager time) whose host time ratio (kernel / "
+                 "baseline) stayed inside the band.\n")
     verdict = "FAIL" if failed else "PASS"
     summary = " · ".join(f"{v} {counts[v]}" for v in VERDICTS if counts[v])
     lines.append(f"**Gate: {verdict}** ({summary or 'no points'})\n")

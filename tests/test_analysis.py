@@ -45,7 +45,8 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
     Optional: kernel, baseline, dtype, mode, causal, heads, head_dim (None for model cells), mem_ratio,
     samples (explicit ratio samples), n_samples, spread (per point), baseline_ms (the baseline side's time; the
     kernel's is it x the ratio), attempts (list of statuses of earlier
-    attempts, e.g. ["noisy"]), failed_side, timing ("graph" writes the run's newer columns too).
+    attempts, e.g. ["noisy"]), failed_side, timing ("graph" writes the run's newer columns too), kernel_host_ms and
+    baseline_host_ms (each side's host time inside a call: one host sample per pair, 2 % noise).
     A "noisy" point records its reason as the legacy runs did (noisy_reasons); a "disturbed" one as runs do now.
     """
     when = when or datetime(2026, 11, 22, 1, 0, 0, tzinfo=timezone.utc)
@@ -80,6 +81,9 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
             med = srt[len(srt) // 2] if p.get("samples") else ratio
             p10, p90 = srt[int(0.1 * (len(srt) - 1))], srt[int(0.9 * (len(srt) - 1))]
             kside, bside = _side(kernel, base_ms * med, mem=10.0 * mem_ratio if mem_ratio else 10.0), _side(baseline, base_ms)
+            for side, key in ((kside, "kernel_host_ms"), (bside, "baseline_host_ms")):
+                if key in p:
+                    side["host_samples_ms"] = [p[key] * (1 + rng.gauss(0, 0.02)) for _ in samples]
             ratio_rec = {"median": med, "p10": p10, "p90": p90, "samples": samples}
         else:
             med = p10 = p90 = None

@@ -103,6 +103,35 @@ def test_a_ratio_moved_while_the_kernel_stayed_is_never_slower():
     assert attributed((1.10, 1.08, 1.12), (0.98, 0.97, 0.99)).verdict == "SLOWER"
 
 
+def test_a_host_bound_point_on_a_slower_host_is_host_not_slower(tmp_path):
+    """Cron Root's eager 4K forward on two H200 hosts: 0.024 ms a call against flash's 0.12, then 0.051 against 0.157
+    on a host about twice as slow (ratio 0.20 -> 0.32). The kernel is host-bound (its host time inside a call, 0.03
+    ms, is above its call's time) and the host time ratio (kernel / baseline) did not move: HOST, which does not fail
+    the gate. Where that ratio moved too (16K: the kernel's host time 3x, the baseline's 2x) the row stays SLOWER and
+    says so; a GPU-bound kernel (64K: 0.03 ms of host time in a call of about 5) stays SLOWER whatever its host did;
+    without host samples in the baseline run (runs before they were recorded) the row is judged as before."""
+    def pt(n, ratio, base_ms, k_host, b_host):
+        return dict(cell_id="cron_root_fp16_fwd_vs_flash", n=n, ratio=ratio, baseline_ms=base_ms,
+                    kernel_host_ms=k_host, baseline_host_ms=b_host)
+
+    base = [pt(4096, 0.20, 0.12, 0.03, 0.02), pt(16384, 0.20, 0.12, 0.03, 0.02), pt(65536, 0.20, 25.0, 0.03, 0.02)]
+    cur = [pt(4096, 0.32, 0.157, 0.06, 0.04), pt(16384, 0.32, 0.157, 0.09, 0.04), pt(65536, 0.25, 25.0, 0.06, 0.04)]
+    b = make_run(tmp_path, base, name="nightly", seed=0)
+    c = make_run(tmp_path, cur, name="nightly", seed=1, when=LATER, started="2026-11-23T01:00:00Z")
+    rows = compare_runs(b, c)
+    assert verdicts(rows) == {4096: "HOST", 16384: "SLOWER", 65536: "SLOWER"}
+    host, moved, gpu_bound = rows
+    assert host.ci_low > 1.07 and "the machine's host moved, not the kernel" in host.detail
+    assert "host-bound (current run: 0.0" in host.detail and "ratio (kernel / baseline) stayed inside" in host.detail
+    assert "host time ratio (kernel / baseline) moved too: +4" in moved.detail and "own time" in moved.detail
+    assert "host" not in gpu_bound.detail
+    assert gate_exit_code([host]) == 0 and gate_exit_code(rows) == 1
+    assert "(SLOWER 2 · HOST 1)" in gate_markdown(rows)
+    before_host_samples = [{k: v for k, v in p.items() if not k.endswith("_host_ms")} for p in base[:1]]
+    old = make_run(tmp_path, before_host_samples, name="nightly", seed=0)
+    assert verdicts(compare_runs(old, c))[4096] == "SLOWER"
+
+
 def test_a_ratio_moved_by_the_baseline_on_another_gpu_model_stays_slower(tmp_path):
     """Absolute times compare only on one GPU model: across models (--allow-other-gpu) the ratio decides."""
     from test_analysis import H100

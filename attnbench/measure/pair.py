@@ -46,6 +46,7 @@ class SideResult:
     flops: float | None = None
     first_call_ms: float | None = None   # wall time of the point's first call: compilation included, if it compiled
     delay_ms: float | None = None        # planted delay per call (--slowdown), None when none was asked
+    host_samples_ms: list[float] = field(default_factory=list)  # the host's time inside each timed call (enqueue)
 
     def summary(self) -> dict:
         s = summary(self.samples_ms)
@@ -58,6 +59,9 @@ class SideResult:
                "tflops": tflops, "first_call_ms": self.first_call_ms}
         if self.delay_ms is not None:
             out["delay_ms"] = self.delay_ms
+        if self.host_samples_ms:
+            out["host_ms_median"] = summary(self.host_samples_ms)["median"]
+            out["host_samples_ms"] = [round(x, 6) for x in self.host_samples_ms]
         return out
 
     def fail(self, exc: BaseException, where: str = "") -> None:
@@ -124,13 +128,20 @@ class _Side:
         self.tokens: list = []
 
 
-def _timed(side: _Side, timer, flush):
+def _timed(side: _Side, timer, flush, host: list | None = None):
+    """One timed call; `host` gets the host's time inside it (ms by the CPU clock): on a GPU, what enqueueing the
+    call cost the host, which is the call's time where the GPU waits for the host (a short eager call)."""
     if side.wl.prepare:
         side.wl.prepare()
     flush()
     t0 = timer.start()
+    h0 = time.perf_counter()
     side.call()
-    return timer.stop(t0)
+    h1 = time.perf_counter()
+    token = timer.stop(t0)
+    if host is not None:
+        host.append((h1 - h0) * 1e3)
+    return token
 
 
 def _body(wl: Workload, delay: Delay | None, delay_ms: float):
@@ -233,6 +244,7 @@ def _timed_loop(live: list[_Side], timer, flush, timing: dict, monitor, clock, r
 
     batch = int(min(max(math.ceil(timing["rep_ms"] / per_round), min_reps), max_reps))
     samples = {id(s): [] for s in live}
+    host = {id(s): [] for s in live}
     done, t_start = 0, clock()
     try:
         while True:
@@ -240,7 +252,7 @@ def _timed_loop(live: list[_Side], timer, flush, timing: dict, monitor, clock, r
             for i in range(batch):
                 order = live if (done + i) % 2 == 0 else live[::-1]
                 for s in order:
-                    s.tokens.append(_timed(s, timer, flush))
+                    s.tokens.append(_timed(s, timer, flush, host[id(s)]))
                 if monitor is not None and i % monitor_every == 0:
                     monitor.sample()   # host-side NVML read while the GPU works: clocks and throttle reasons
             timer.sync()
@@ -270,6 +282,7 @@ def _timed_loop(live: list[_Side], timer, flush, timing: dict, monitor, clock, r
         monitor.sample()
     for s in live:
         s.res.samples_ms = samples[id(s)]
+        s.res.host_samples_ms = host[id(s)]
     result.ratios = ratios
     result.reps, result.stop, result.loop_s = done, stop, clock() - t_start
     result.ci_half_width = half if math.isfinite(half) else None
