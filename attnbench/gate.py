@@ -237,10 +237,10 @@ def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int
             if row.verdict in ("SLOWER", "FASTER"):
                 _host(row, batt.get(pid), catt.get(pid), tolerance, n_boot, seed)
             if row.verdict in ("SLOWER", "FASTER") and same_model:
-                host_detail = row.detail
+                host_detail, row.detail = row.detail, ""
                 _attribute(row, _own_changes(batt.get(pid), catt.get(pid), n_boot, seed, pid), tolerance)
-                if host_detail and row.verdict in ("SLOWER", "FASTER"):
-                    row.detail = f"{row.detail}; {host_detail}" if row.detail else host_detail
+                if row.verdict in ("SLOWER", "FASTER"):     # still: both sides' own changes, then the host's
+                    row.detail = "; ".join(x for x in (row.detail, host_detail) if x)
         rows.append(row)
     return sorted(rows, key=lambda r: (r.cell_id, r.n if r.n is not None else -1, r.point_id))
 
