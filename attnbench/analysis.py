@@ -10,7 +10,9 @@ The words follow the seed README's sweep rows:
 - Points that did not give a ratio are shown in parentheses where they sit in the sweep
   (``(math OOM @16K, 32K)``, ``(skipped @1K)``, ``(error @8K)``); a point whose window stayed disturbed
   after its retries (``noisy`` in runs from before disturbed windows were told apart from spread) keeps its
-  number with a ``*``. The reasons go to the notes under the table.
+  number with a ``*``. The reasons go to the notes under the table. An eager point whose kernel is host-bound (its
+  host time inside a call at least ``measure.noise.HOST_BOUND_SHARE`` of the call: the number follows the lent
+  machine's host) carries a ``†``, with its host time in the notes.
 - The trend is computed from the clean points only (the others are used only when a cell has no clean
   point, and the trend then carries a ``*``). See :func:`lat_trend` for the exact words and rules.
 
@@ -27,7 +29,7 @@ import pandas as pd
 
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_range, format_ratio
-from attnbench.measure.noise import MEASURED_STATUSES
+from attnbench.measure.noise import MEASURED_STATUSES, host_bound
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -41,6 +43,7 @@ MEM_LOSS_ABOVE = 1.10
 
 MEASURED = MEASURED_STATUSES                    # statuses that carry a ratio (attnbench.measure.noise)
 NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
+HOST_MARK = "†"                                 # an eager point whose kernel is host-bound (kept in the trend)
 # When several runs hold the same point, the best status wins, then the later run; a superseding run's point
 # (runs.read_run_list's "!") first drops every earlier run's.
 _STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}
@@ -281,6 +284,10 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         if has_ratio:
             flush()
             star = "*" if status in NOT_CLEAN else ""
+            if str(row.get("timing")) != "graph" and host_bound(row.get("kernel_host_ms"), row.get("kernel_ms")):
+                star += HOST_MARK
+                notes.append(f"`{row['cell_id']}` @{n_txt}: host-bound, {float(row['kernel_host_ms']):.3g} ms of "
+                             f"host time in a {float(row['kernel_ms']):.3g} ms call")
             value = f"{n_txt} {format_ratio(row['lat_ratio'])}{star}"
             rng = format_range(row["lat_ratio_p10"], row["lat_ratio_p90"])
             tokens.append(("v", value))

@@ -19,8 +19,8 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
 - BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
 - HOST    the ratio moved past the band (it would be SLOWER or FASTER) at a point whose kernel is host-bound (in
-          either run its host time inside a call, the enqueue, is at least HOST_BOUND_SHARE of the call's eager
-          time), and the host time ratio (kernel's / baseline's, per pair) did not move: its interval lies inside
+          either run its host time inside a call, the enqueue, is at least ``measure.noise.HOST_BOUND_SHARE`` of
+          the call's eager time), and the host time ratio (kernel's / baseline's, per pair) did not move: its interval lies inside
           the band. The eager time of such a point is the host's, and a lent machine's host can be slower or faster
           (Cron Root's 4K forward on one H200 host 0.024 ms a call, on another 0.051 with its fastest samples
           unchanged): the machine moved, not the kernel, so it does not fail the gate. Where the host time ratio
@@ -54,7 +54,7 @@ from pathlib import Path
 
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_ratio, md_table
-from attnbench.measure.noise import MEASURED_STATUSES, window_disturbed
+from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound, window_disturbed
 from attnbench.measure.stats import bootstrap_change
 from attnbench.runs import final_attempts, gpu_short_name, resolve_run_dir
 from attnbench.store import Run, RunDirError, load_run
@@ -62,12 +62,6 @@ from attnbench.store import Run, RunDirError, load_run
 VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "BASELINE", "HOST", "FASTER", "SAME")
 FAILING = ("SLOWER", "BROKEN")
 MIN_SAMPLES = 3
-# A point is host-bound when its kernel's host time inside a timed call is at least this share of the call's eager
-# time: that eager time then follows the host's speed. The L2 flush before each call gives the host a head start, so
-# a host-bound call can take less time than its host time (Cron Root's 4K forward on the H200: 0.047 ms of host time
-# in a 0.024 ms call, 0.051 ms on a slower host); a GPU-bound call's host time is a small share (ELSA's 16K forward
-# 0.12, its 4K one 0.79: results/baselines/h200)
-HOST_BOUND_SHARE = 0.8
 
 
 @dataclass
@@ -114,10 +108,10 @@ def _median(xs: list[float]) -> float:
 
 
 def _host_bound(attempt: dict | None) -> bool:
-    """The kernel side's median host time inside a call is at least HOST_BOUND_SHARE of its median eager time."""
+    """The kernel side's median host time inside a call is host-bound against its median eager time
+    (``measure.noise.host_bound``)."""
     host, times = _samples(attempt, "kernel", "host_samples_ms"), _samples(attempt, "kernel", "samples_ms")
-    return (len(host) >= MIN_SAMPLES and len(times) >= MIN_SAMPLES
-            and _median(host) >= HOST_BOUND_SHARE * _median(times))
+    return len(host) >= MIN_SAMPLES and len(times) >= MIN_SAMPLES and host_bound(_median(host), _median(times))
 
 
 def _host_ratios(attempt: dict | None) -> list[float]:

@@ -216,7 +216,8 @@ def _point_row(point: Point, record: dict, attempts: int) -> dict:
             "status": record["status"], "attempts": attempts, "reason": reason,
             "timing": point.timing_mode, "spread": r.get("spread"), "lat_ratio_ci_low": r.get("ci_low"),
             "lat_ratio_ci_high": r.get("ci_high"), "ci_half_width": half,
-            "ran_on": (record.get("ran_on") or {}).get("label"), "ran_on_uuid": (record.get("ran_on") or {}).get("uuid")}
+            "ran_on": (record.get("ran_on") or {}).get("label"), "ran_on_uuid": (record.get("ran_on") or {}).get("uuid"),
+            "kernel_host_ms": k.get("host_ms_median"), "baseline_host_ms": b.get("host_ms_median")}
 
 
 class Runner:

@@ -50,6 +50,9 @@ POINT_COLUMNS = [
     "kv_heads", "q_len", "kv_len",
     # the device that measured the point: cuda:<NVML index> or cpu:<worker>, and the GPU's UUID (empty on a CPU)
     "ran_on", "ran_on_uuid",
+    # each side's median host time inside a timed call (the enqueue; measure.pair): host-bound where it nears the
+    # side's own time (measure.noise.host_bound)
+    "kernel_host_ms", "baseline_host_ms",
 ]
 # What every stored run has. Runs from before the later columns read back with them filled (timing "eager", the
 # rest empty) and keep their own header when resumed.
@@ -453,14 +456,29 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
     else:   # an empty points.csv (a crash right after creating it): no points yet
         points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
+    attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")
     for col in POINT_COLUMNS[len(REQUIRED_COLUMNS):]:   # a run from before the column: eager, the rest unknown
         if col not in points.columns:
             points[col] = "eager" if col == "timing" else float("nan")
+    if not rows or "kernel_host_ms" not in rows[0]:
+        _host_times_from_attempts(points, attempts)
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
-    attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")
     torn = [name for name, tail in (("points.csv", torn_points), ("attempts.jsonl", torn_attempts)) if tail]
     return Run(path=store.path, manifest=manifest, points=points, attempts=attempts, torn=torn)
+
+
+def _host_times_from_attempts(points: pd.DataFrame, attempts: list[dict]) -> None:
+    """A run written after the host's time was recorded per call but before points.csv had its columns: each
+    point's host times from its final attempt record (the same medians the runner now writes)."""
+    final = {}
+    for a in attempts:
+        pid = a.get("point_id")
+        if pid is not None and a.get("attempt", 0) >= final.get(pid, {}).get("attempt", 0):
+            final[pid] = a
+    for side in ("kernel", "baseline"):
+        values = [((final.get(pid) or {}).get(side) or {}).get("host_ms_median") for pid in points["point_id"]]
+        points[f"{side}_host_ms"] = [float("nan") if v is None else float(v) for v in values]
 
 
 def check_results_root(root) -> None:

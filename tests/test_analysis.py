@@ -84,6 +84,7 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
             for side, key in ((kside, "kernel_host_ms"), (bside, "baseline_host_ms")):
                 if key in p:
                     side["host_samples_ms"] = [p[key] * (1 + rng.gauss(0, 0.02)) for _ in samples]
+                    side["host_ms_median"] = sorted(side["host_samples_ms"])[len(samples) // 2]
             ratio_rec = {"median": med, "p10": p10, "p90": p90, "samples": samples}
         else:
             med = p10 = p90 = None
@@ -116,6 +117,7 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
             "spread": robust_cv(ratio_rec["samples"]) if ratio_rec else None,
             "lat_ratio_ci_low": ci[0] if ci else None, "lat_ratio_ci_high": ci[1] if ci else None,
             "ci_half_width": median_ci_half_width(ratio_rec["samples"]) if ci else None,
+            "kernel_host_ms": kside.get("host_ms_median"), "baseline_host_ms": bside.get("host_ms_median"),
         })
     return store.path
 
@@ -306,3 +308,37 @@ def test_trend_from_clean_points_flags_noisy_points_that_disagree(tmp_path):
     pts = [dict(cell_id="d", n=1024, ratio=0.9, status="noisy"), dict(cell_id="d", n=16384, ratio=0.7)]
     (s,) = summarize_cells(load_runs([make_run(tmp_path / "b", pts)]))
     assert s.trend.startswith("wins all") and "disagree" not in s.trend
+
+
+def test_host_bound_eager_points_carry_a_mark_and_their_host_time(tmp_path):
+    """An eager point whose kernel's host time inside a call is at least 0.8 of the call's time is host-bound: a
+    dagger after its number and its host time in the notes; it stays in the trend (its window was clean). A graph
+    point never is (a replay's host time is not the call's), nor a point without host times (older runs, the CPU).
+    A run from between the host samples and their points.csv columns reads them from its final attempts."""
+    import csv
+
+    from attnbench.store import load_run
+
+    pts = [dict(cell_id="c", n=4096, ratio=0.2, baseline_ms=0.12, kernel_host_ms=0.047, baseline_host_ms=0.066),
+           dict(cell_id="c", n=16384, ratio=0.11, baseline_ms=1.1, kernel_host_ms=0.067, baseline_host_ms=0.048),
+           dict(cell_id="c", n=65536, ratio=0.03, baseline_ms=14.0)]
+    run = make_run(tmp_path, pts)
+    (s,) = summarize_cells(load_runs([run]))
+    assert s.sweep == "4K 0.20† · 16K 0.11 · 64K 0.03"
+    assert len(s.notes) == 1 and s.notes[0].startswith("`c` @4K: host-bound, 0.04") and "0.024 ms call" in s.notes[0]
+    assert s.trend.startswith("wins all")
+    graph = make_run(tmp_path, [dict(pts[0], timing="graph")], name="graph")
+    (g,) = summarize_cells(load_runs([graph]))
+    assert "†" not in g.sweep and not g.notes
+    # points.csv as the harness wrote it before its host columns: the host times come from the attempts
+    path = run / "points.csv"
+    rows = list(csv.reader(path.open(newline="")))
+    keep = [i for i, name in enumerate(rows[0]) if not name.endswith("_host_ms")]
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows([[row[i] for i in keep] for row in rows])
+    loaded = load_run(run).points.set_index("n")
+    assert loaded.loc[4096, "kernel_host_ms"] == pytest.approx(0.047, rel=0.05)
+    assert loaded.loc[16384, "baseline_host_ms"] == pytest.approx(0.048, rel=0.05)
+    assert loaded["kernel_host_ms"].isna().sum() == 1
+    (s,) = summarize_cells(load_runs([run]))
+    assert s.sweep == "4K 0.20† · 16K 0.11 · 64K 0.03"

@@ -128,9 +128,13 @@ def test_next_batch_respects_budget_and_max_reps():
 
 
 def test_each_timed_call_records_the_hosts_time_inside_it():
-    """Beside each side's timed samples, the host's time inside each timed call (what the gate's HOST verdict reads):
-    one per sample, in the side's summary with its median; a call that keeps the host 3 ms records >= 3 ms."""
+    """Beside each side's timed samples on a GPU, the host's time inside each timed call (what the gate's HOST verdict
+    and the report's host-bound mark read): one per sample, in the side's summary with its median; a call that keeps
+    the host 3 ms records >= 3 ms. On the CPU none (the host's time is the call's)."""
+    res, _ = pair(spread=0.01, timing={"max_reps": 4})
+    assert res.kernel.host_samples_ms == [] and "host_samples_ms" not in res.kernel.summary()
     timer, clock = FakeTimer(), FakeClock()
+    timer.device = "cuda"                       # the fake device as a GPU: the loop records the host's time
     k, b = fake_workload(timer, clock, 1.0, 0.01, 1), fake_workload(timer, clock, 1.0, 0.01, 2)
     slow_host = Workload(run=lambda: (k.run(), time.sleep(0.003)))
     res = measure_pair(slow_host, b, kernel_name="k", baseline_name="b",

@@ -130,7 +130,7 @@ class _Side:
 
 def _timed(side: _Side, timer, flush, host: list | None = None):
     """One timed call; `host` gets the host's time inside it (ms by the CPU clock): on a GPU, what enqueueing the
-    call cost the host, which is the call's time where the GPU waits for the host (a short eager call)."""
+    call cost the host, which becomes the call's time where the GPU waits for the host (a short eager call)."""
     if side.wl.prepare:
         side.wl.prepare()
     flush()
@@ -244,7 +244,8 @@ def _timed_loop(live: list[_Side], timer, flush, timing: dict, monitor, clock, r
 
     batch = int(min(max(math.ceil(timing["rep_ms"] / per_round), min_reps), max_reps))
     samples = {id(s): [] for s in live}
-    host = {id(s): [] for s in live}
+    # the host's time inside each call, on a GPU (on the CPU it is the call's time itself: nothing to add)
+    host = {id(s): [] if timer.device == "cuda" else None for s in live}
     done, t_start = 0, clock()
     try:
         while True:
@@ -282,7 +283,7 @@ def _timed_loop(live: list[_Side], timer, flush, timing: dict, monitor, clock, r
         monitor.sample()
     for s in live:
         s.res.samples_ms = samples[id(s)]
-        s.res.host_samples_ms = host[id(s)]
+        s.res.host_samples_ms = host[id(s)] or []
     result.ratios = ratios
     result.reps, result.stop, result.loop_s = done, stop, clock() - t_start
     result.ci_half_width = half if math.isfinite(half) else None
