@@ -22,7 +22,8 @@ Each check is data, in one of two kinds.
   - optional on any rule: ``at: N`` or ``at: [N, …]`` (default: every N of the cells) and
     ``cell: id`` (default: every cell of the check).
   A point a rule needs that was OOM, skipped or an error is a FAIL (with its reason); a point absent
-  from the run is an ERROR.
+  from the run is an ERROR. In the detail a point whose window stayed disturbed reads ``*``, and a host-bound one
+  (``measure.noise.host_bound``: its ratio follows this machine's host) ``†``.
 
 **correctness**: the kernel against ``kernels.reference.reference_attention`` (float64) on fresh random
 inputs (or the backend's own ``reference`` when it computes a different function, e.g. Cron Root)::
@@ -58,7 +59,8 @@ import yaml
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, get_backend
 from attnbench.matrix import Matrix, MatrixError, load_matrix, read_yaml
-from attnbench.measure.noise import MEASURED_STATUSES
+from attnbench.analysis import HOST_MARK
+from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound
 from attnbench.store import Run
 
 VERDICTS = ("PASS", "FAIL", "NOT_LANDED", "ERROR")
@@ -343,7 +345,10 @@ def _point(pts, cell: str, n: int, metric: str, allow_noisy: bool):
         value = float("nan")
     if not math.isfinite(value):
         return None, f"{cell}@{_fmt_at(n)}: no {metric}", "fail"
-    return value, ("*" if status != "clean" else ""), None
+    mark = "*" if status != "clean" else ""
+    if metric == "lat_ratio" and host_bound(row.get("kernel_host_ms"), row.get("kernel_ms")):
+        mark += HOST_MARK       # the ratio follows the host's speed: a band missed here may be the machine's
+    return value, mark, None
 
 
 def _eval_perf(check: dict, pts, not_landed: dict, unrunnable: dict, have_run: bool) -> CheckResult:
@@ -569,6 +574,10 @@ def spot_check_table(results: list[CheckResult]) -> str:
     rows = [[r.id, r.kind, r.description or "–", f"**{r.verdict}**" if r.verdict != "PASS" else r.verdict, r.detail]
             for r in results]
     text = md_table(["check", "kind", "what", "verdict", "detail"], rows)
+    if any(HOST_MARK in r.detail for r in results):
+        text += (f"\n`{HOST_MARK}` = host-bound: the kernel's host time inside a call is at least "
+                 f"{HOST_BOUND_SHARE:.0%} of the call's eager time, so the ratio follows the speed of this machine's "
+                 "host as much as the kernel's.\n")
     passed = sum(r.verdict == "PASS" for r in results)
     others = {v: sum(r.verdict == v for r in results) for v in VERDICTS[1:]}
     extra = "".join(f" · {c} {v}" for v, c in others.items() if c)

@@ -131,6 +131,18 @@ def test_perf_verdicts(run):
     assert "1K 0.80* ✓" in detail["noisy_ok"]
 
 
+def test_a_host_bound_point_carries_its_mark_and_the_table_says_what_it_means(tmp_path):
+    """A short eager point whose kernel's host time nears its call (0.047 ms of host time in a 0.024 ms call) reads
+    `†` in its check's detail and the table explains it; a GPU-bound point (0.06 ms in a 1.2 ms call) does not."""
+    pts = [dict(cell_id="c", n=4096, ratio=0.2, baseline_ms=0.12, kernel_host_ms=0.047, baseline_host_ms=0.066),
+           dict(cell_id="c", n=16384, ratio=0.11, baseline_ms=11.0, kernel_host_ms=0.06, baseline_host_ms=0.05)]
+    run = load_run(make_run(tmp_path, pts))
+    (res,) = evaluate_checks([{"id": "h", "cells": ["c"], "rules": [{"lat_max": 0.15}]}], run)
+    assert res.verdict == "FAIL" and "4K 0.20† ✗" in res.detail and "16K 0.11 ✓" in res.detail
+    assert "`†` = host-bound" in spot_check_table([res])
+    assert "host-bound" not in spot_check_table([CheckResult("P1", "perf", "PASS", "lat < 1: 1K 0.44 ✓")])
+
+
 def test_no_run_and_unrunnable():
     checks = [{"id": "x", "cells": ["c"], "rules": [{"lat_max": 1.0}]},
               {"id": "y", "cells": ["u"], "rules": [{"lat_max": 1.0}]}]
