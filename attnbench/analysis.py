@@ -29,7 +29,7 @@ import pandas as pd
 
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_range, format_ratio
-from attnbench.measure.noise import MEASURED_STATUSES, host_bound
+from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound
 
 # The band inside which a cell counts as "parity" with its baseline.
 PARITY_BAND = 0.10
@@ -44,6 +44,9 @@ MEM_LOSS_ABOVE = 1.10
 MEASURED = MEASURED_STATUSES                    # statuses that carry a ratio (attnbench.measure.noise)
 NOT_CLEAN = ("disturbed", "noisy")              # measured, but starred and left out of the trend
 HOST_MARK = "†"                                 # an eager point whose kernel is host-bound (kept in the trend)
+HOST_LEGEND = (f"`{HOST_MARK}` = host-bound: the kernel's host time inside a call is at least "
+               f"{HOST_BOUND_SHARE:.0%} of the call's eager time, so the number follows the speed of the machine's "
+               "host as much as the kernel's")
 # When several runs hold the same point, the best status wins, then the later run; a superseding run's point
 # (runs.read_run_list's "!") first drops every earlier run's.
 _STATUS_RANK = {"clean": 0, "oom": 1, "disturbed": 2, "noisy": 2, "error": 3, "skipped": 4}

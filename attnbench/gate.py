@@ -20,8 +20,8 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
 - HOST    the ratio moved past the band (it would be SLOWER or FASTER) at a point whose kernel is host-bound (in
           either run its host time inside a call, the enqueue, is at least ``measure.noise.HOST_BOUND_SHARE`` of
-          the call's eager time), and the host time ratio (kernel's / baseline's, per pair) did not move: its interval lies inside
-          the band. The eager time of such a point is the host's, and a lent machine's host can be slower or faster
+          the call's eager time), and the host time ratio (kernel's / baseline's, per pair) did not move: its
+          interval lies inside the band. The eager time of such a point is the host's, and a lent machine's host can be slower or faster
           (Cron Root's 4K forward on one H200 host 0.024 ms a call, on another 0.051 with its fastest samples
           unchanged): the machine moved, not the kernel, so it does not fail the gate. Where the host time ratio
           moved too (the kernel's host code got slower), the row stays SLOWER and says so. Needs the host's
@@ -108,7 +108,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _host_bound(attempt: dict | None) -> bool:
-    """The kernel side's median host time inside a call is host-bound against its median eager time
+    """Whether the kernel side is host-bound: its median host time inside a call against its median eager time
     (``measure.noise.host_bound``)."""
     host, times = _samples(attempt, "kernel", "host_samples_ms"), _samples(attempt, "kernel", "samples_ms")
     return len(host) >= MIN_SAMPLES and len(times) >= MIN_SAMPLES and host_bound(_median(host), _median(times))

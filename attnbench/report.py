@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from attnbench.analysis import (HOST_MARK, MEASURED, NOT_CLEAN, CellSummary, key_str, replica_spreads,
-                                select_final, summarize_cells)
+from attnbench.analysis import (HOST_LEGEND, HOST_MARK, MEASURED, NOT_CLEAN, CellSummary, key_str,
+                                replica_spreads, select_final, summarize_cells)
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
-from attnbench.measure.noise import HOST_BOUND_SHARE
 from attnbench.runs import gpu_short_name, load_runs, sorted_runs
 from attnbench.store import STATUSES
 
@@ -317,9 +316,7 @@ def notes_markdown(summaries: list[CellSummary]) -> str:
     if "disturbed" in starred:
         text += "`*` = window still disturbed after its retries (number kept, not used for the trend).\n\n"
     if any(HOST_MARK in s.sweep for s in summaries):
-        text += (f"`{HOST_MARK}` = host-bound: the kernel's host time inside a call is at least "
-                 f"{HOST_BOUND_SHARE:.0%} of the call's eager time, so the number follows the speed of the lent "
-                 "machine's host (a graph-timed point, where the cell has one, gives the device time).\n\n")
+        text += f"{HOST_LEGEND} (a graph-timed point, where the cell has one, gives the device time).\n\n"
     return text + "".join(f"- {n}\n" for n in notes)
 
 

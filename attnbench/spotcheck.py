@@ -59,8 +59,8 @@ import yaml
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, get_backend
 from attnbench.matrix import Matrix, MatrixError, load_matrix, read_yaml
-from attnbench.analysis import HOST_MARK
-from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound
+from attnbench.analysis import HOST_LEGEND, HOST_MARK
+from attnbench.measure.noise import MEASURED_STATUSES, host_bound
 from attnbench.store import Run
 
 VERDICTS = ("PASS", "FAIL", "NOT_LANDED", "ERROR")
@@ -575,9 +575,7 @@ def spot_check_table(results: list[CheckResult]) -> str:
             for r in results]
     text = md_table(["check", "kind", "what", "verdict", "detail"], rows)
     if any(HOST_MARK in r.detail for r in results):
-        text += (f"\n`{HOST_MARK}` = host-bound: the kernel's host time inside a call is at least "
-                 f"{HOST_BOUND_SHARE:.0%} of the call's eager time, so the ratio follows the speed of this machine's "
-                 "host as much as the kernel's.\n")
+        text += f"\n{HOST_LEGEND}.\n"
     passed = sum(r.verdict == "PASS" for r in results)
     others = {v: sum(r.verdict == v for r in results) for v in VERDICTS[1:]}
     extra = "".join(f" · {c} {v}" for v, c in others.items() if c)
