@@ -56,8 +56,8 @@ from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound, window_disturbed
 from attnbench.measure.stats import bootstrap_change
-from attnbench.runs import final_attempts, gpu_short_name, resolve_run_dir
-from attnbench.store import Run, RunDirError, load_run
+from attnbench.runs import gpu_short_name, resolve_run_dir
+from attnbench.store import Run, RunDirError, final_attempts, load_run
 
 VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "BASELINE", "HOST", "FASTER", "SAME")
 FAILING = ("SLOWER", "BROKEN")
@@ -102,16 +102,11 @@ def _own_changes(b_attempt, c_attempt, n_boot: int, seed: int, pid: str) -> dict
     return out
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def _host_bound(attempt: dict | None) -> bool:
-    """Whether the kernel side is host-bound: its median host time inside a call against its median eager time
-    (``measure.noise.host_bound``)."""
-    host, times = _samples(attempt, "kernel", "host_samples_ms"), _samples(attempt, "kernel", "samples_ms")
-    return len(host) >= MIN_SAMPLES and len(times) >= MIN_SAMPLES and host_bound(_median(host), _median(times))
+    """Whether the kernel side is host-bound (``measure.noise.host_bound``): its median host time inside a call
+    against its median eager time, both as the attempt record holds them."""
+    side = (attempt or {}).get("kernel") or {}
+    return host_bound(side.get("host_ms_median"), side.get("ms_median"))
 
 
 def _host_ratios(attempt: dict | None) -> list[float]:
@@ -131,9 +126,9 @@ def _host(row: GateRow, b_attempt, c_attempt, tolerance: float, n_boot: int, see
     if len(bh) < MIN_SAMPLES or len(ch) < MIN_SAMPLES:
         return
     change = bootstrap_change(bh, ch, n_boot, seed, f"{row.point_id}:host")
-    k_host = _median(_samples(c_attempt, "kernel", "host_samples_ms"))
-    k_time = _median(_samples(c_attempt, "kernel", "samples_ms"))
-    where = f"the kernel is host-bound (current run: {k_host:.3g} ms of host time in a {k_time:.3g} ms call)"
+    side = c_attempt.get("kernel") or {}
+    where = (f"the kernel is host-bound (current run: {side.get('host_ms_median', 0.0):.3g} ms of host time in a "
+             f"{side.get('ms_median', 0.0):.3g} ms call)")
     if change[1] >= 1 - tolerance and change[2] <= 1 + tolerance:
         row.detail = (f"{row.verdict} by the ratio, but {where} and the host time ratio (kernel / baseline) stayed "
                       f"inside the band, {_pct(change)}: the machine's host moved, not the kernel")

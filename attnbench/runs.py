@@ -68,12 +68,6 @@ def load_runs(run_dirs, superseding=()) -> pd.DataFrame:
     return df
 
 
-def final_attempts(run: Run) -> dict[str, dict]:
-    """point_id → its final attempt record: the last one in the file. (Not the highest attempt number: a point
-    whose row a crash tore is measured again on resume, and its new attempts count from 1.)"""
-    return {a["point_id"]: a for a in run.attempts if a.get("point_id") is not None}
-
-
 def resolve_run_dir(path) -> Path:
     """A run directory, or a folder holding run directories (e.g. results/baselines/h100/): its newest one."""
     path = Path(path)

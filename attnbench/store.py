@@ -460,25 +460,28 @@ def load_run(run_dir) -> Run:
     for col in POINT_COLUMNS[len(REQUIRED_COLUMNS):]:   # a run from before the column: eager, the rest unknown
         if col not in points.columns:
             points[col] = "eager" if col == "timing" else float("nan")
-    if not rows or "kernel_host_ms" not in rows[0]:
-        _host_times_from_attempts(points, attempts)
     if points["causal"].dtype == object:
         points["causal"] = points["causal"].map(lambda v: str(v).lower() == "true")
     torn = [name for name, tail in (("points.csv", torn_points), ("attempts.jsonl", torn_attempts)) if tail]
-    return Run(path=store.path, manifest=manifest, points=points, attempts=attempts, torn=torn)
+    run = Run(path=store.path, manifest=manifest, points=points, attempts=attempts, torn=torn)
+    if not rows or "kernel_host_ms" not in rows[0]:
+        _host_times_from_attempts(run)
+    return run
 
 
-def _host_times_from_attempts(points: pd.DataFrame, attempts: list[dict]) -> None:
+def final_attempts(run: Run) -> dict[str, dict]:
+    """point_id → its final attempt record: the last one in the file. (Not the highest attempt number: a point
+    whose row a crash tore is measured again on resume, and its new attempts count from 1.)"""
+    return {a["point_id"]: a for a in run.attempts if a.get("point_id") is not None}
+
+
+def _host_times_from_attempts(run: Run) -> None:
     """A run written after the host's time was recorded per call but before points.csv had its columns: each
     point's host times from its final attempt record (the same medians the runner now writes)."""
-    final = {}
-    for a in attempts:
-        pid = a.get("point_id")
-        if pid is not None and a.get("attempt", 0) >= final.get(pid, {}).get("attempt", 0):
-            final[pid] = a
+    final = final_attempts(run)
     for side in ("kernel", "baseline"):
-        values = [((final.get(pid) or {}).get(side) or {}).get("host_ms_median") for pid in points["point_id"]]
-        points[f"{side}_host_ms"] = [float("nan") if v is None else float(v) for v in values]
+        values = [((final.get(pid) or {}).get(side) or {}).get("host_ms_median") for pid in run.points["point_id"]]
+        run.points[f"{side}_host_ms"] = [float("nan") if v is None else float(v) for v in values]
 
 
 def check_results_root(root) -> None:

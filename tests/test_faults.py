@@ -381,7 +381,7 @@ def test_torn_last_record_of_attempts_jsonl(tmp_path, capsys, complete_run):
 def test_remeasured_point_is_judged_by_its_new_attempt(tmp_path, complete_run):
     """A point re-measured after a torn row counts its attempts from 1 again: the gate and the report must use
     the newest attempt (the last in the file), not an older one with a higher attempt number."""
-    from attnbench.runs import final_attempts
+    from attnbench.store import final_attempts
 
     run = crashed_copy(complete_run, tmp_path)
     lines = (run / "attempts.jsonl").read_text().splitlines(keepends=True)
