@@ -17,18 +17,20 @@ each consumer runs its two GEMMs and its softmax in sequence. Here the partition
 
 The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
-A program takes 128 query rows and one key partition (grid (row blocks, B*Hq, partitions)); it writes the
-normalised output (and an LSE), or with SUMMARY its state into ELSA's phase-1 summary slots (fp32 m and l, the
-normalised partial output in the inputs' dtype: partition 0's in the output rows), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py)
-with the same phase 2 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows
-of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves:
-kernels/cqsa/schedule.py's tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA
-(`launch(pasa_c=...)`) the consumers take PASA's step instead of the online softmax, on the shifted keys of its
-pre-pass (kernels/pasa/ops.py, "The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA
-descriptors span the
-flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past
-the tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end
-are computed and never stored.
+A work item is 128 query rows and one key partition; the plain grid (row blocks, B*Hq, partitions) runs one per
+program, a persistent launch (`launch(persistent=...)`, by default at D = 64 and 128: PERSISTENT_DIMS) runs one
+program per SM that walks them in rounds, its ring's slots, phases and ping-pong turns running on from one item to
+the next, Q reloaded once both consumers are past it (a `q_empty` barrier): an item's epilogue overlaps the next
+one's loads and no last wave runs part-empty. An item writes the normalised output (and an LSE), or with SUMMARY its
+state into ELSA's phase-1 summary slots (fp32 m and l, the normalised partial output in the inputs' dtype: partition
+0's in the output rows), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py) with the same phase 2
+as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows of one item and walks
+a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves: kernels/cqsa/schedule.py's
+tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA (`launch(pasa_c=...)`) the
+consumers take PASA's step instead of the online softmax, on the shifted keys of its pre-pass (kernels/pasa/ops.py,
+"The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the flattened [B*H*N, D] rows:
+a tile that runs past a head's last key reads the next head's rows (TMA's zeros past the tensor's end), whose scores
+are masked to -inf and whose values are weighted by 0; query rows past a head's end are computed and never stored.
 
 Head dims (SPLITS): 64, 128 and 256 as one column tile; 80, 96, 160 and 192 as two (64 + 16, 64 + 32, 128 + 32,
 128 + 64), loaded by a second set of descriptors onto the same barriers: QK^T is two MMAs into one accumulator, P.V
@@ -91,16 +93,132 @@ LOADER_REGS = 24
 # Triton core (results/dev/gluon_core/elsa_host_time_h100.json); below it that host time is the call's time and the
 # Triton core is about as fast on the GPU too (kernels/elsa/config.py has the measurements)
 MIN_WORK = 2**34
+# The persistent launch (launch(persistent=...)): a program per SM walks the work items, so an item's epilogue
+# overlaps the next one's loads and no last wave runs part-empty. Measured against the plain grid on the H200
+# (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal; causal, the items' costs
+# differ and a static order evens them out only over few rounds (4K: 0.71 vs 1.05-1.29 of cuDNN's time alone,
+# in ELSA 0.87-0.92 vs 1.07-1.12) while many rounds lose the plain grid's sharing of a head's keys in L2
+# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time. D = 64 and 128 measured;
+# the split head dims and 256 stay on the plain grid.
+PERSISTENT_DIMS = (64, 128)
+PERSISTENT_CAUSAL_ROUNDS = 4
 
 
 if HAS_GLUON:
     M_INIT = gl.constexpr(PASA_M_INIT)      # (a Gluon kernel reads globals only as constexprs)
 
     @gluon.jit
+    def _rounds(n_items, CAUSAL: gl.constexpr):
+        """A persistent program's item count: items go out in rounds of one per program (_work), and the last
+        round is partial; causal rounds alternate their direction, so who gets one of the last round does too."""
+        programs = gl.num_programs(0)
+        full = n_items // programs
+        pos = gl.program_id(0)
+        if CAUSAL:
+            pos = gl.where(full % 2 == 1, programs - 1 - pos, pos)
+        return full + (pos < n_items - full * programs).to(gl.int32)
+
+    @gluon.jit
+    def _work(w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+        """A work item: 128 query rows of one head against one key partition (or a walk's item). The plain grid's
+        program (qb, bh, part) takes one, decoded from its ids; a persistent program takes item w of its rounds:
+        round w's items are w * programs + [0, programs), in the plain grid's order when not causal (qb fastest, the
+        programs of a round share a head's keys), and causal, the longest row blocks first (qb from the last, then
+        the partition, the head fastest), each other round backwards: a long item of one round meets a short one
+        of the next, and the programs' work evens out. Each partition decodes the same items (scalar work).
+        Returns (q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0): the item's
+        first Q row (of all heads' rows), K and V rows, first query row within its head, end of the rows it stores,
+        key bounds, tile count, unmasked tiles, ELSA's summary slots and a walk's first range."""
+        if PERSISTENT:
+            programs = gl.num_programs(0)
+            if CAUSAL:
+                item = w * programs + gl.where(w % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
+                bh = item % bh_total
+                part = (item // bh_total) % parts
+                qb = n_blocks - 1 - item // (bh_total * parts)
+            else:
+                item = w * programs + gl.program_id(0)
+                qb = item % n_blocks
+                bh = (item // n_blocks) % bh_total
+                part = item // (n_blocks * bh_total)
+        else:
+            bh = gl.program_id(1)
+            qb = gl.program_id(0)
+            if CAUSAL:
+                qb = n_blocks - 1 - qb                    # the longest rows first
+            part = gl.program_id(2)
+        b = bh // heads
+        hk = (bh % heads) // group
+        kv_head = b * (heads // group) + hk
+        if RANGES:
+            entry = Items + 4 * gl.program_id(0)
+            row0 = gl.load(entry)
+            row_end = gl.load(entry + 1)              # the rows stored: [row0, row_end)
+            r0 = gl.load(entry + 2)
+            n_tiles = gl.load(entry + 3)              # >= 1 (tile_walk)
+            lo = 0                                    # ELSA's partition bounds and slot: not used by a walk
+            hi = 0
+            n_unmasked = 0
+            slot = 0
+            s_slot = 0
+        else:
+            row0 = q0 + qb * (2 * BLOCK_M)                # the item's first query row within its head
+            lo = part * width
+            hi = gl.minimum(lo + width, n_k)
+            if CAUSAL:
+                # keys past the item's last row's horizon are future for all its rows
+                hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
+                seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the item sees
+            else:
+                seen = n_k
+            # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
+            # partition with hi <= lo computes one masked tile and stores nothing)
+            n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+            n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
+            slot = ((part * n_blocks + qb) * bh_total + bh) * (2 * BLOCK_M)
+            s_slot = slot - n_blocks * bh_total * (2 * BLOCK_M)   # partition 0 has none: it is in Out
+            row_end = n_q
+            r0 = 0
+        # the partition's first key (a walk's tiles add their range's first key)
+        return (bh * n_q + row0, kv_head * k_rows + lo, kv_head * n_k + lo, row0, row_end, lo, hi, n_tiles,
+                n_unmasked, slot, s_slot, r0)
+
+    @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs,
-                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges, r0,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr, RANGES: gl.constexpr,
-                PASA: gl.constexpr):
+                q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group, bh_total, n_q, n_k,
+                k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                D1: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr,
+                PERSISTENT: gl.constexpr):
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        if PERSISTENT:
+            g = 0                                     # the ring's tiles so far: its slots and phases run on
+            for w in range(_rounds(n_blocks * bh_total * parts, CAUSAL)):
+                q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
+                    w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
+                    BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                # Q's buffers are free once both consumers have their previous item's last S = Q K^T
+                mbarrier.wait(q_empty, (w & 1) ^ 1)
+                _load_item(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs,
+                           k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k,
+                           n_tiles, Ranges, r0, g, BLOCK_N, STAGES, D1, RANGES, PASA)
+                g += n_tiles
+        else:
+            q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
+                0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
+                BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+            _load_item(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
+                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges,
+                       r0, 0, BLOCK_N, STAGES, D1, RANGES, PASA)
+
+    @gluon.jit
+    def _load_item(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
+                   v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges, r0,
+                   g, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr, RANGES: gl.constexpr,
+                   PASA: gl.constexpr):
+        """One work item's loads: its Q rows onto q_bar, its n_tiles K and V tiles into the ring from its g-th
+        slot use on."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         D0: gl.constexpr = q_desc.block_type.shape[1]
         # a split head dim: each row's columns [D0, D0 + D1) come by a second copy onto the same barrier
@@ -119,8 +237,8 @@ if HAS_GLUON:
         else:
             r_lo = 0                                  # one range from the partition's first key: tile i
         for i in range(n_tiles):
-            s = i % STAGES
-            phase = (i // STAGES) & 1
+            s = (g + i) % STAGES
+            phase = ((g + i) // STAGES) & 1
             if not RANGES:
                 t = i
             # PASA: K̃'s windows lie one after another in its buffer, V's window t is the keys it shifted
@@ -289,12 +407,45 @@ if HAS_GLUON:
             gl.store(dst + offs, out.to(dst.dtype.element_ty))
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
-                  PASA: gl.constexpr):
+    def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                  v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
+                  causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, WG: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
+                  RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Consumer WG's rows of this program's work items (_work): the plain grid's one, or a persistent
+        program's, with the ring's tile count g and the item count carried from one to the next (the ring's slots,
+        phases and ping-pong turns run on; Q's barrier flips once per item)."""
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        if PERSISTENT:
+            g = 0
+            for w in range(_rounds(n_blocks * bh_total * parts, CAUSAL)):
+                o_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
+                    w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
+                    BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                              k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi,
+                              n_tiles, n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges,
+                              r0, g, w, WG, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES,
+                              PASA, PERSISTENT)
+                g += n_tiles
+        else:
+            o_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
+                0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
+                BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+            _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                          k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
+                          n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, 0, WG,
+                          BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)
+
+    @gluon.jit
+    def _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
+                      causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, g, it, WG: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
+                      RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
+        """One work item of consumer WG: its tiles are the ring's g-th on, its Q the it-th load onto q_bar."""
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
         HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
         dtype: gl.constexpr = q_bufs.dtype
@@ -324,20 +475,25 @@ if HAS_GLUON:
         g_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)      # PASA's global pseudo-average (else unused)
         acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, o_layout)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, it & 1)
 
         # tile 0: S_0 alone. Ping-pong: consumer 0 takes the first turn (a fresh mbarrier's phase 1 counts as
-        # complete), then the two alternate: turn t of consumer 0 waits for phase (t & 1) ^ 1, of consumer 1 for t & 1
+        # complete), then the two alternate, one turn each per tile: turn t of consumer 0 waits for phase
+        # (t & 1) ^ 1, of consumer 1 for t & 1
+        s0 = g % STAGES
         if PINGPONG:
-            mbarrier.wait(turn_bars.index(WG), 1 - WG)
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(turn_bars.index(WG), (g & 1) ^ (1 - WG))
+        mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
+        qk = warpgroup_mma(q_smem, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         if D1 > 0:
-            qk = warpgroup_mma(q2_smem, k2_bufs.index(0).permute((1, 0)), qk, is_async=True)
+            qk = warpgroup_mma(q2_smem, k2_bufs.index(s0).permute((1, 0)), qk, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_bars.index(1 - WG), count=1)
         qk = warpgroup_mma_wait(0, deps=[qk])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(s0), count=1)
+        if PERSISTENT:
+            if n_tiles == 1:
+                mbarrier.arrive(q_empty, count=1)       # the item's last read of Q is done
         # tile t of key range r: keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi,
         # causal shift r_shift, masked from its r_unmasked-th tile. A walk (RANGES) steps the cursor through its
         # table; otherwise the partition is the one range and t the tile index
@@ -355,15 +511,15 @@ if HAS_GLUON:
                                                                          r_unmasked)
 
         for j in range(1, n_tiles):
-            s = j % STAGES
-            prev = (j - 1) % STAGES
+            s = (g + j) % STAGES
+            prev = (g + j - 1) % STAGES
             if PINGPONG:
-                mbarrier.wait(turn_bars.index(WG), (j & 1) ^ (1 - WG))
-            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+                mbarrier.wait(turn_bars.index(WG), ((g + j) & 1) ^ (1 - WG))
+            mbarrier.wait(k_ready.index(s), ((g + j) // STAGES) & 1)
             qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if D1 > 0:
                 qk = warpgroup_mma(q2_smem, k2_bufs.index(s).permute((1, 0)), qk, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g + j - 1) // STAGES) & 1)
             p16 = p.to(dtype)
             p_op = gl.convert_layout(p16, p_layout)
             acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
@@ -375,6 +531,9 @@ if HAS_GLUON:
             # the older groups (S_j) done; O += P V stays in flight through the softmax
             qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
             mbarrier.arrive(k_empty.index(s), count=1)
+            if PERSISTENT:
+                if j == n_tiles - 1:
+                    mbarrier.arrive(q_empty, count=1)
             if not RANGES:
                 t = j
             p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
@@ -396,8 +555,8 @@ if HAS_GLUON:
                 acc = _round16(acc)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
-        last = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+        last = (g + n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
         p16 = p.to(dtype)
         p_op = gl.convert_layout(p16, p_layout)
         acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
@@ -451,80 +610,41 @@ if HAS_GLUON:
                 gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < row_end)
 
     @gluon.jit
-    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, BLOCK_N: gl.constexpr,
-                         BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
-                         PASA: gl.constexpr):
-        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked, causal_shift,
-                  qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 1, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL,
-                  PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)
+    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k,
+                         k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
+                         RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
+        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                  v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
+                  causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, 1, BLOCK_N, BLOCK_D, D1,
+                  STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)
 
     @gluon.jit
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, Items, Ranges, heads,
-                          group, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, n_slots,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr, CAUSAL: gl.constexpr,
-                          PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
-                          RANGES: gl.constexpr, PASA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr):
-        """Program (qb, bh, part): query rows q0 + qb * 128 + [0, 128) of head bh against the keys
-        [part * width, part * width + width) (one partition holding every key: width >= n_k). The descriptors
-        q/k/v_desc load each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
-        SUMMARY stores the state in ELSA's phase-1 slots (n_blocks row blocks per partition and head, n_slots slot
-        rows in all; partition 0's partial output in out's rows); otherwise out (and the LSE: LSE_MODE 1 natural, 2
-        ELSA's base 2) is written.
-        RANGES (a tile walk, `launch(walk=...)`): program (item, bh) takes the rows [start, end) of Items[item]
-        ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges of the Ranges
-        table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows below end.
+                          group, bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width,
+                          parts, n_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
+                          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+                          LSE_MODE: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr,
+                          PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Work items of 128 query rows q0 + qb * 128 + [0, 128) of head bh (of bh_total) against the keys
+        [part * width, part * width + width) (one partition holding every key: width >= n_k), n_blocks row blocks
+        per head and parts partitions: the plain grid (n_blocks, bh_total, parts) runs one per program; PERSISTENT,
+        a grid of at most one program per SM walks them all (_work has the order). The descriptors q/k/v_desc load
+        each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
+        SUMMARY stores the state in ELSA's phase-1 slots (n_slots slot rows in all; partition 0's partial output in
+        out's rows); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
+        RANGES (a tile walk, `launch(walk=...)`, never persistent): program (item, bh) takes the rows [start, end)
+        of Items[item] ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges
+        of the Ranges table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows
+        below end.
         PASA (one partition, out only): k_desc reads PASA's shifted keys K̃ (k_rows rows per kv head: whole windows
         of BLOCK_N, which is PASA's window n), v_desc V at each window's start, and the consumers take PASA's step
         with its recovery constant pasa_c, qk_scale being log2 e. Otherwise k_rows is n_k and pasa_c unused."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
-        bh = gl.program_id(1)
-        b = bh // heads
-        hk = (bh % heads) // group
-        kv_head = b * (heads // group) + hk
-        if RANGES:
-            item = Items + 4 * gl.program_id(0)
-            row0 = gl.load(item)
-            row_end = gl.load(item + 1)               # the rows stored: [row0, row_end)
-            r0 = gl.load(item + 2)
-            n_tiles = gl.load(item + 3)               # >= 1 (tile_walk)
-            lo = 0                                    # ELSA's partition bounds and slot: not used by a walk
-            hi = 0
-            n_unmasked = 0
-            slot = 0
-            s_slot = 0
-        else:
-            qb = gl.program_id(0)
-            if CAUSAL:
-                qb = gl.num_programs(0) - 1 - qb          # the longest rows first
-            part = gl.program_id(2)
-            row0 = q0 + qb * (2 * BLOCK_M)                # the CTA's first query row within its head
-            lo = part * width
-            hi = gl.minimum(lo + width, n_k)
-            if CAUSAL:
-                # keys past the CTA's last row's horizon are future for all its rows
-                hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
-                seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the CTA sees
-            else:
-                seen = n_k
-            # tiles [0, n_unmasked) are whole and seen by every row: no mask; at least one tile is run (a causal
-            # partition with hi <= lo computes one masked tile and stores nothing)
-            n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
-            n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
-            slot = ((part * n_blocks + qb) * gl.num_programs(1) + bh) * (2 * BLOCK_M)
-            s_slot = slot - n_blocks * gl.num_programs(1) * (2 * BLOCK_M)   # partition 0 has none: it is in Out
-            row_end = n_q
-            r0 = 0
-        q_row = bh * n_q + row0
-        # the partition's first key (a walk's tiles add their range's first key)
-        k_row = kv_head * k_rows + lo
-        v_row = kv_head * n_k + lo
 
         q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
@@ -538,12 +658,14 @@ if HAS_GLUON:
             k2_bufs = k_bufs
             v2_bufs = v_bufs
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())   # PERSISTENT: Q's buffers
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)                   # both consumers' last S = Q K^T of an item
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -554,17 +676,19 @@ if HAS_GLUON:
         fence_async_shared()
 
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                         causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, BLOCK_N, BLOCK_D, D1,
-                         STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
-            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty,
-                                v_empty, turn_bars, Out, Lse, Sbuf, q_row, row0, row_end, n_k, lo, hi, n_tiles,
-                                n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, BLOCK_N,
-                                BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
+                         causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, 0, BLOCK_N, BLOCK_D, D1,
+                         STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)),
+            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                                k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total,
+                                n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                                BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                                PERSISTENT)),
             (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
-                       v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges,
-                       r0, BLOCK_N, STAGES, D1, RANGES, PASA)),
+                       v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
+                       bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N, STAGES, D1,
+                       CAUSAL, RANGES, PASA, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -610,42 +734,69 @@ def _descriptors(q, k, v, block_n):
     return firsts + seconds
 
 
+def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
+    """Whether a launch (not a walk) of `items` work items (row blocks x heads x partitions) on `sms` SMs runs
+    persistent: at the measured head dims (PERSISTENT_DIMS), and causal only while the items fill at most
+    PERSISTENT_CAUSAL_ROUNDS rounds of the SMs."""
+    if d not in PERSISTENT_DIMS:
+        return False
+    return not causal or items <= PERSISTENT_CAUSAL_ROUNDS * sms
+
+
+@functools.lru_cache(maxsize=16)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
            parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
-           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None):
-    """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (grid (n_blocks, B * Hq, parts)),
-    partitions of `width` keys (a multiple of BLOCK_N unless one partition holds every key), on q's device made
-    current by the caller; or, with walk=(items, ranges) (int32 tables on q's device, built by a tile walk such as
-    kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per item and head (grid
-    (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its rows. The caller
-    checked available(q, k, v). With pasa_c (PASA's recovery constant, a float16 value) the programs take PASA's
-    step: k is then PASA's K̃ [B, Hkv, whole windows of BLOCK_N keys, D] (rows may be padded: only the row stride
-    counts), qk_scale is log2 e, one partition, out only. Through kernels/_launch.py: after the first call of a
-    signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its launcher).
+           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None,
+           persistent: bool | None = None, programs: int | None = None):
+    """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (work items: row blocks x B * Hq x parts;
+    the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default) `programs`
+    of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition holds
+    every key), on q's device made current by the caller; or, with walk=(items, ranges) (int32 tables on q's device,
+    built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per
+    item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its
+    rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant, a float16 value) the
+    programs take PASA's step: k is then PASA's K̃ [B, Hkv, whole windows of BLOCK_N keys, D] (rows may be padded:
+    only the row stride counts), qk_scale is log2 e, one partition, out only. Through kernels/_launch.py: after the
+    first call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
+    launcher).
     Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     heads, n_q, n_k = q.shape[1], q.shape[2], v.shape[2]
+    bh = q.shape[0] * heads
     if walk is None:
         items = ranges = out                          # never read
-        grid = (n_blocks, q.shape[0] * heads, parts)
+        grid = (n_blocks, bh, parts)
+        work = n_blocks * bh * parts
+        sms = _sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        if persistent is None:
+            persistent = persistent_default(d, causal, work, sms)
+        if persistent:
+            grid = (min(work, programs or sms), 1, 1)
     else:
+        if persistent:
+            raise ValueError(f"{NAME}: a tile walk runs on the plain grid, not persistent")
         items, ranges = walk
-        grid = (items.shape[0], q.shape[0] * heads, 1)
+        grid = (items.shape[0], bh, 1)
     return _launch(_gluon_fwd_kernel, grid, (
-        *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], n_q, n_k,
-        k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, n_slots), dict(
-        BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-        LSE_MODE=lse_mode, RANGES=walk is not None, PASA=pasa_c is not None,
-        CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
+        *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], bh, n_q, n_k,
+        k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, parts, n_slots),
+        dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
+             LSE_MODE=lse_mode, RANGES=walk is not None, PASA=pasa_c is not None, PERSISTENT=bool(persistent),
+             CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = True, tiles=None,
-              regs=(CONSUMER_REGS, LOADER_REGS), return_lse: bool = False):
+              regs=(CONSUMER_REGS, LOADER_REGS), return_lse: bool = False, persistent: bool | None = None,
+              programs: int | None = None):
     """Softmax attention forward (no autograd) on sm_90: q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D], contiguous,
     float16 / bfloat16, D in HEAD_DIMS. Causal is bottom-right aligned. tiles=(BLOCK_N, STAGES) overrides
-    TILES, regs=(consumer, loader) the partitions' registers. Returns out (and the natural-log LSE [B, Hq, Nq]
-    in fp32 with return_lse)."""
+    TILES, regs=(consumer, loader) the partitions' registers, persistent and programs the launch's grid (launch).
+    Returns out (and the natural-log LSE [B, Hq, Nq] in fp32 with return_lse)."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not available(q, k, v):
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim "
@@ -660,5 +811,6 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = Tru
     with on_device(q):
         launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
                n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
-               lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs)
+               lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs, persistent=persistent,
+               programs=programs)
     return (out, lse) if return_lse else out

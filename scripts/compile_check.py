@@ -415,14 +415,18 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         # ELSA's partitions (summary or out), a tile walk over key ranges (CQSA's resident forward: out, lse) and
         # PASA's step (float16 only)
         modes = ("out", "summary", "walk", "pasa") if dtype == "fp16" else ("out", "summary", "walk")
+        # the persistent launch where launch() takes it (PERSISTENT_DIMS: out and summary modes)
+        persist = (False, True) if d in gc.PERSISTENT_DIMS else (False,)
         for causal, mode in itertools.product((False, True), modes):
-            meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
-                        SUMMARY=mode == "summary", LSE_MODE={"out": 2, "summary": 0, "walk": 1, "pasa": 0}[mode],
-                        RANGES=mode == "walk", PASA=mode == "pasa", CONSUMER_REGS=gc.CONSUMER_REGS,
-                        LOADER_REGS=gc.LOADER_REGS)
-            jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"}, {"Lse", "Sbuf"},
-                            i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"}, descs=descs, gluon=True,
-                            label=dict(D=d, causal=causal, mode=mode, cfg=[block_n, stages])))
+            for persistent in persist if mode in ("out", "summary") else (False,):
+                meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
+                            SUMMARY=mode == "summary", LSE_MODE={"out": 2, "summary": 0, "walk": 1, "pasa": 0}[mode],
+                            RANGES=mode == "walk", PASA=mode == "pasa", PERSISTENT=persistent,
+                            CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
+                jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"},
+                                {"Lse", "Sbuf"}, i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"},
+                                descs=descs, gluon=True, label=dict(D=d, causal=causal, mode=mode,
+                                                                    persistent=persistent, cfg=[block_n, stages])))
         if d in gb.HEAD_DIMS:
             # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N
             for causal in (False, True):

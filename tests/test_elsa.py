@@ -1163,8 +1163,10 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
 # - the 16-bit D=64 dK/dV tile spills 2 with triton 3.6 and runs the N=8K backward 12 % faster than the best tile
 #   that does not (kernels/elsa/config.py);
 # - float32 phase 1 at D <= 64 as the only partition (below LONG_N keys) spills 6 with triton 3.6 and is faster than
-#   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE)
-SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6}
+#   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE);
+# - the Gluon core's persistent launch in ELSA's summary mode at D=128 spills 2 with triton 3.6 and runs ELSA's
+#   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS)
+SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6, ("_gluon_fwd_kernel", "16", 128): 2}
 
 
 @pytest.mark.gpu

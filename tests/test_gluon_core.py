@@ -105,6 +105,17 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
                                         True).gluon
 
 
+def test_persistent_default_where_measured():
+    """The persistent launch by default: not causal at D = 64 and 128; causal there while the work items fill at
+    most PERSISTENT_CAUSAL_ROUNDS rounds of the SMs; never at another head dim."""
+    sms, rounds = 132, gc.PERSISTENT_CAUSAL_ROUNDS
+    for d in (64, 128):
+        assert gc.persistent_default(d, False, 100 * sms, sms)
+        assert gc.persistent_default(d, True, rounds * sms, sms)
+        assert not gc.persistent_default(d, True, rounds * sms + 1, sms)
+    assert not any(gc.persistent_default(d, False, sms, sms) for d in gc.HEAD_DIMS if d not in (64, 128))
+
+
 def _case_id(c) -> str:
     """A GPU case's test id: b1h4-4n4096-4096d128c."""
     return "b{}h{}-{}n{}-{}d{}{}".format(*c[:6], "c" if c[6] else "")
@@ -162,15 +173,31 @@ def _need_core(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "no-pingpong"])
+@pytest.mark.parametrize("grid", ["plain", "no-pingpong", "persistent"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_matches_float64(case, dtype, pingpong):
+def test_gpu_matches_float64(case, dtype, grid):
+    """Every case on the plain grid with and without ping-pong, and persistent on 7 programs (several items
+    each, the last round partial; causal rounds alternate direction), whatever persistent_default would pick."""
     _need_core("cuda")
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, "cuda")
-    out, lse = gc.gluon_fwd(q, k, v, causal, pingpong=pingpong, return_lse=True)
+    out, lse = gc.gluon_fwd(q, k, v, causal, pingpong=grid != "no-pingpong", return_lse=True,
+                            persistent=grid == "persistent", programs=7)
     _assert_out_and_lse_match_float64(out, lse, q, k, v, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(4, 8, 2, 2048, 2048, 64, True), (3, 8, 8, 3000, 3000, 128, False),
+                                  (3, 8, 1, 777, 1500, 128, True)], ids=_case_id)
+def test_gpu_persistent_on_every_sm(case):
+    """The persistent launch at its default size (one program per SM) over more items than SMs."""
+    _need_core("cuda")
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.float16, "cuda")
+    assert -(-nq // gc.CTA_ROWS) * b * hq > torch.cuda.get_device_properties(0).multi_processor_count
+    out, lse = gc.gluon_fwd(q, k, v, causal, return_lse=True, persistent=True)
+    _assert_out_and_lse_match_float64(out, lse, q, k, v, causal, torch.float16)
 
 
 @pytest.mark.gpu
@@ -184,12 +211,15 @@ def test_gpu_rejects_a_one_percent_scale_error():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["plain", "persistent"])
 @pytest.mark.parametrize("batch, n, causal", [(1, 8192, False), (1, 8192, True), (4, 2048, False), (4, 3000, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_elsa_phase1_on_the_core(batch, n, causal, dtype):
+def test_gpu_elsa_phase1_on_the_core(monkeypatch, batch, n, causal, dtype, grid):
     """ELSA through the core: partitions merged by phase 2 (8192: from LONG_N keys at least two) or one partition
-    written by phase 1 itself (2048, 3000), forward and gradients against float64."""
+    written by phase 1 itself (2048, 3000), on the plain grid and persistent (ELSA's summary slots written by
+    programs of several items), forward and gradients against float64."""
     _need_core("cuda")
+    monkeypatch.setattr(gc, "persistent_default", lambda *a: grid == "persistent")
     q, k, v = (t.requires_grad_() for t in _inputs(batch, 8, 2, n, n, 128, dtype, "cuda"))
     plan = elsa_host.forward_plan(q, k, v, None, causal, 128 ** -0.5, "tf32x3", "", True)
     assert plan.plan.gluon
