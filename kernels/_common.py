@@ -211,6 +211,20 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
+_sm_counts: dict = {}
+
+
+def sm_count(device: torch.device, default: int) -> int:
+    """The device's streaming multiprocessors (read once per device index); `default` where it is not a CUDA
+    device (the CPU interpreter has none)."""
+    if device.type != "cuda":
+        return default
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
 def tile_config(name: str, defaults: dict, override) -> dict:
     """The one way to override a kernel's tile configs: ``config={part: {param: value}}`` merged over the
     kernel's defaults for this call. ``defaults`` maps each part (e.g. "fwd", "dq") to its parameters; an

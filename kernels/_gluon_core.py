@@ -54,7 +54,7 @@ import functools
 import torch
 import triton
 
-from ._common import LOG2E, PASA_M_INIT, check_inputs, default_scale, on_device
+from ._common import LOG2E, PASA_M_INIT, check_inputs, default_scale, on_device, sm_count
 from ._flash_core import _capability, _tma_layout_ok
 from ._launch import launch as _launch
 
@@ -743,11 +743,6 @@ def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
     return not causal or items <= PERSISTENT_CAUSAL_ROUNDS * sms
 
 
-@functools.lru_cache(maxsize=16)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
            parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
            pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None,
@@ -772,7 +767,7 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         items = ranges = out                          # never read
         grid = (n_blocks, bh, parts)
         work = n_blocks * bh * parts
-        sms = _sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        sms = sm_count(q.device, 1)
         if persistent is None:
             persistent = persistent_default(d, causal, work, sms)
         if persistent:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .._common import (LOG2E, PRECISIONS, LaunchPlan, Prepared, SignatureCache, block_d, check_inputs,
-                       check_precision, default_scale, dot_precision, in_place, layout, signature)
+                       check_precision, default_scale, dot_precision, in_place, layout, signature, sm_count)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from . import configs
 from . import kernel as tk
@@ -33,18 +33,6 @@ NAME = "cron_root"
 # Global-slot backward: aim for this many programs per SM (the query range of a slot chunk is cut into segments);
 # a glob config may set "programs_per_sm" (tuned) or "segments" (forced, for tests).
 GLOBAL_PROGRAMS_PER_SM = 4
-
-_sm_count: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count:
-        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count[idx]
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -86,7 +74,7 @@ class _Problem:
         fwd_cfgs = cfgs if tile_d2 == 0 else configs.resolve(device, dtype, tile_d, precision, config)
         # small grids leave SMs idle with the big query tiles: use the small ones then
         fwd = fwd_cfgs["fwd"]
-        if device.type == "cuda" and _cdiv(n, fwd["BLOCK_M"]) * b * h < 2 * _num_sms(device):
+        if device.type == "cuda" and _cdiv(n, fwd["BLOCK_M"]) * b * h < 2 * sm_count(device, 1):
             fwd = fwd_cfgs["fwd_small"]
         self.fwd = _split(fwd, (_cdiv(n, fwd["BLOCK_M"]), b * h), d, prec, BLOCK_D=tile_d, BLOCK_D2=tile_d2)
         self.dq = _split(cfgs["dq"], (_cdiv(n, cfgs["dq"]["BLOCK_M"]), b * h), d, prec)
@@ -99,7 +87,7 @@ class _Problem:
         # cut each slot chunk's query range into segments so that the grid fills the GPU; every segment adds its
         # partial sums with fp32 atomics, so fewer segments = less contention
         per_sm = glob.get("programs_per_sm", GLOBAL_PROGRAMS_PER_SM)
-        n_seg = max(1, per_sm * _num_sms(device) // max(1, n_chunks * b * heads_kv))
+        n_seg = max(1, per_sm * sm_count(device, 1) // max(1, n_chunks * b * heads_kv))
         n_seg = min(n_seg, max(1, n // (4 * bq)))          # keep >= 4 query chunks per program
         n_seg = glob.get("segments", n_seg)
         self.seg_len = _cdiv(_cdiv(n, n_seg), bq) * bq

@@ -263,18 +263,6 @@ DEFAULT_SM_COUNT = 132   # H100 SXM; used on the CPU (interpreter) where there i
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 PLAN_PARAMS = ("partition_width", "q_chunk", "bwd_launches", "gluon_bwd_min_work")   # 0 in the defaults: the plan's
 
-_sm_cache: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SM_COUNT
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_cache:
-        _sm_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_cache[idx]
-
-
 def dtype_class(dtype: torch.dtype) -> str:
     return "32" if dtype == torch.float32 else "16"
 

@@ -27,11 +27,11 @@ import torch
 from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
-from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, unit_last
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, sm_count, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from .._ops import traceable
 from . import trace
-from .config import PHASE2_WARPS, backward_launches, plan_backward, plan_forward, sm_count, summary_numel
+from .config import DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -167,7 +167,7 @@ class _FwdPlan(LaunchPlan):
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
-        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device), config, causal,
+        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device, DEFAULT_SM_COUNT), config, causal,
                                         bias is not None, core.warp_specialize_ok(c.device, use_desc), gluon_ok)
         if traced:          # the Gluon core's launch (host-made descriptors) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not plan.gluon
