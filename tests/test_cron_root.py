@@ -179,7 +179,7 @@ def test_forward_splits_the_head_dim_and_backward_keeps_one_tile(d, dtype, tiles
     from kernels._common import block_d
     from kernels.cron_root import attention, configs
 
-    monkeypatch.setattr(attention, "sm_count", lambda device, default: 1)        # the big tiles (no small-grid switch)
+    monkeypatch.setattr(attention, "sm_count", lambda device, default: 1)   # the big tiles (no small-grid switch)
     monkeypatch.setattr(configs, "tuned_configs", lambda name, bucket: {})
     monkeypatch.setattr(configs, "device_name", lambda device: "none")
     monkeypatch.setattr(configs, "_resolved", {})                      # resolve's cache: not this test's entries
