@@ -771,6 +771,8 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         if persistent is None:
             persistent = persistent_default(d, causal, work, sms)
         if persistent:
+            if programs is not None and programs < 1:
+                raise ValueError(f"{NAME}: a persistent launch needs at least one program (got programs={programs})")
             grid = (min(work, programs or sms), 1, 1)
     else:
         if persistent:
