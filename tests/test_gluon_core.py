@@ -116,6 +116,18 @@ def test_persistent_default_where_measured():
     assert not any(gc.persistent_default(d, False, sms, sms) for d in gc.HEAD_DIMS if d not in (64, 128))
 
 
+def test_persistent_launch_refuses_what_it_cannot_run():
+    """A persistent launch of fewer than one program, or of a tile walk, is refused with a clear error before
+    anything is built or launched (so on the CPU too)."""
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.float16)
+    common = dict(causal=False, qk_scale=1.0, n_blocks=1, width=128, lse_mode=0, persistent=True)
+    with pytest.raises(ValueError, match="at least one program"):
+        gc.launch(q, q, q, q, q, q, programs=0, **common)
+    walk = (torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="tile walk runs on the plain grid"):
+        gc.launch(q, q, q, q, q, q, walk=walk, **common)
+
+
 def _case_id(c) -> str:
     """A GPU case's test id: b1h4-4n4096-4096d128c."""
     return "b{}h{}-{}n{}-{}d{}{}".format(*c[:6], "c" if c[6] else "")
