@@ -287,7 +287,7 @@ def _summarize(pts: pd.DataFrame, band: float) -> CellSummary:
         if has_ratio:
             flush()
             star = "*" if status in NOT_CLEAN else ""
-            if str(row.get("timing")) != "graph" and host_bound(row.get("kernel_host_ms"), row.get("kernel_ms")):
+            if host_bound(row.get("kernel_host_ms"), row.get("kernel_ms"), row.get("timing")):
                 star += HOST_MARK
                 notes.append(f"`{row['cell_id']}` @{n_txt}: host-bound, {float(row['kernel_host_ms']):.3g} ms of "
                              f"host time in a {float(row['kernel_ms']):.3g} ms call")

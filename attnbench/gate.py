@@ -20,10 +20,11 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
 - MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
 - HOST    the ratio moved past the band (it would be SLOWER or FASTER) at a point whose kernel is host-bound (in
           either run its host time inside a call, the enqueue, is at least ``measure.noise.HOST_BOUND_SHARE`` of
-          the call's eager time), and the host time ratio (kernel's / baseline's, per pair) did not move: its
-          interval lies inside the band. The eager time of such a point is the host's, and a lent machine's host can be slower or faster
-          (Cron Root's 4K forward on one H200 host 0.024 ms a call, on another 0.051 with its fastest samples
-          unchanged): the machine moved, not the kernel, so it does not fail the gate. Where the host time ratio
+          the call's eager time; never a graph-timed point), and the host time ratio (kernel's / baseline's, per
+          pair) did not move: its interval lies inside the band. The eager time of such a point is the host's, and
+          a lent machine's host can be slower or faster (Cron Root's 4K forward on one H200 host 0.024 ms a call,
+          on another 0.051 with its fastest samples unchanged): the machine moved, not the kernel, so it does not
+          fail the gate. Where the host time ratio
           moved too (the kernel's host code got slower), the row stays SLOWER and says so. Needs the host's
           samples in both runs (recorded since the harness measures them).
 - BASELINE the ratio moved past the band (it would be SLOWER or FASTER), but the kernel's own time did not: its
@@ -106,7 +107,7 @@ def _host_bound(attempt: dict | None) -> bool:
     """Whether the kernel side is host-bound (``measure.noise.host_bound``): its median host time inside a call
     against its median eager time, both as the attempt record holds them."""
     side = (attempt or {}).get("kernel") or {}
-    return host_bound(side.get("host_ms_median"), side.get("ms_median"))
+    return host_bound(side.get("host_ms_median"), side.get("ms_median"), (attempt or {}).get("timing_mode"))
 
 
 def _host_ratios(attempt: dict | None) -> list[float]:

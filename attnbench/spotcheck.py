@@ -346,7 +346,7 @@ def _point(pts, cell: str, n: int, metric: str, allow_noisy: bool):
     if not math.isfinite(value):
         return None, f"{cell}@{_fmt_at(n)}: no {metric}", "fail"
     mark = "*" if status != "clean" else ""
-    if metric == "lat_ratio" and host_bound(row.get("kernel_host_ms"), row.get("kernel_ms")):
+    if metric == "lat_ratio" and host_bound(row.get("kernel_host_ms"), row.get("kernel_ms"), row.get("timing")):
         mark += HOST_MARK       # the ratio follows the host's speed: a band missed here may be the machine's
     return value, mark, None
 

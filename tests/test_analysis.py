@@ -97,8 +97,8 @@ def make_run(root, points, *, name="test", device="cuda", gpu=H100, started="202
         attempt_no = len(prior) + 1
         reasons = [p["reason"]] if status in ("noisy", "disturbed") and p.get("reason") else []
         pid = f"{cell}@{n}" + (":graph" if p.get("timing") == "graph" else "")
-        store.append_attempt({"point_id": pid, "cell_id": cell, "n": n, "attempt": attempt_no,
-                              "utc": started, "status": status,
+        store.append_attempt({"point_id": pid, "cell_id": cell, "n": n, "timing_mode": p.get("timing", "eager"),
+                              "attempt": attempt_no, "utc": started, "status": status,
                               ("disturbed_reasons" if status == "disturbed" else "noisy_reasons"): reasons,
                               "message": None if reasons else p.get("reason"),
                               "kernel": kside, "baseline": bside, "ratio": ratio_rec, "mem_ratio": mem_ratio,

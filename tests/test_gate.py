@@ -130,6 +130,11 @@ def test_a_host_bound_point_on_a_slower_host_is_host_not_slower(tmp_path):
     before_host_samples = [{k: v for k, v in p.items() if not k.endswith("_host_ms")} for p in base[:1]]
     old = make_run(tmp_path, before_host_samples, name="nightly", seed=0)
     assert verdicts(compare_runs(old, c))[4096] == "SLOWER"
+    # a graph-timed point is never host-bound (its time is the device's), whatever its replay's enqueue took
+    graph_b = make_run(tmp_path, [dict(base[0], timing="graph")], name="nightly", seed=0)
+    graph_c = make_run(tmp_path, [dict(cur[0], timing="graph")], name="nightly", seed=1, when=LATER,
+                       started="2026-11-23T01:00:00Z")
+    assert verdicts(compare_runs(graph_b, graph_c))[4096] == "SLOWER"
 
 
 def test_a_ratio_moved_by_the_baseline_on_another_gpu_model_stays_slower(tmp_path):

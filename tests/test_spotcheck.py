@@ -141,6 +141,9 @@ def test_a_host_bound_point_carries_its_mark_and_the_table_says_what_it_means(tm
     assert res.verdict == "FAIL" and "4K 0.20† ✗" in res.detail and "16K 0.11 ✓" in res.detail
     assert "`†` = host-bound" in spot_check_table([res])
     assert "host-bound" not in spot_check_table([CheckResult("P1", "perf", "PASS", "lat < 1: 1K 0.44 ✓")])
+    graph = load_run(make_run(tmp_path, [dict(pts[0], timing="graph")], name="graph"))    # the device's time
+    (res,) = evaluate_checks([{"id": "h", "cells": ["c"], "rules": [{"lat_max": 0.15}]}], graph)
+    assert "4K 0.20 ✗" in res.detail and "†" not in res.detail
 
 
 def test_no_run_and_unrunnable():

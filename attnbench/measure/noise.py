@@ -11,7 +11,8 @@ Two kinds of noise are told apart:
   median is tight, see ``attnbench.measure.pair``), stored, and judged by that interval — never retried.
 
 A third property of a point is not noise but worth knowing: it is **host-bound** when its kernel's host time inside
-a timed call (the enqueue, recorded per call) is at least HOST_BOUND_SHARE of the call's eager time. Its eager
+a timed call (the enqueue, recorded per call) is at least HOST_BOUND_SHARE of the call's eager time (``host_bound``;
+a graph-timed point never is). Its eager
 time then follows the speed of the lent machine's host, not the kernel's: the report marks it, and the gate does not
 fail it for a move its host time ratio does not share (``attnbench.gate``, HOST).
 
@@ -38,8 +39,11 @@ LEGACY_SPREAD_PREFIX = "ratio spread"                   # how legacy runs worded
 HOST_BOUND_SHARE = 0.8
 
 
-def host_bound(host_ms, call_ms) -> bool:
-    """A call whose host time is at least HOST_BOUND_SHARE of its time (False where either is unknown)."""
+def host_bound(host_ms, call_ms, timing="eager") -> bool:
+    """A call whose host time is at least HOST_BOUND_SHARE of its time (False where either is unknown). Never a
+    graph-timed call: its time is the device's, and the replay's enqueue is not part of it."""
+    if str(timing) == "graph":
+        return False
     try:
         host_ms, call_ms = float(host_ms), float(call_ms)
     except (TypeError, ValueError):
