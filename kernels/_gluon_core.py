@@ -27,8 +27,9 @@ state into ELSA's phase-1 summary slots (fp32 m and l, the normalised partial ou
 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows of one item and walks
 a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves: kernels/cqsa/schedule.py's
 tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA (`launch(pasa_c=...)`) the
-consumers take PASA's step instead of the online softmax, on the shifted keys of its pre-pass (kernels/pasa/ops.py,
-"The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the flattened [B*H*N, D] rows:
+consumers take PASA's step instead of the online softmax, on the shifted keys of its pre-pass, its state held as
+float16 values or, in its hybrid mode, in float32 (`pasa_state`; kernels/pasa/ops.py, "The Hopper path";
+kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the flattened [B*H*N, D] rows:
 a tile that runs past a head's last key reads the next head's rows (TMA's zeros past the tensor's end), whose scores
 are masked to -inf and whose values are weighted by 0; query rows past a head's end are computed and never stored.
 
@@ -102,10 +103,14 @@ MIN_WORK = 2**34
 # the split head dims and 256 stay on the plain grid.
 PERSISTENT_DIMS = (64, 128)
 PERSISTENT_CAUSAL_ROUNDS = 4
+# The kernel's PASA constexpr: not PASA, or PASA's step with its state (m, l, the pseudo-average g, acc) held as
+# float16 values (the paper's full fp16 mode) or in float32 (its hybrid mode: only the scores Ŝ are float16).
+PASA_STATES = {"fp16": 1, "fp32": 2}
 
 
 if HAS_GLUON:
     M_INIT = gl.constexpr(PASA_M_INIT)      # (a Gluon kernel reads globals only as constexprs)
+    PASA_FP16_STATE = gl.constexpr(PASA_STATES["fp16"])
 
     @gluon.jit
     def _rounds(n_items, CAUSAL: gl.constexpr):
@@ -326,12 +331,21 @@ if HAS_GLUON:
             "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }", "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
 
     @gluon.jit
+    def _state(x, PASA: gl.constexpr):
+        """x in PASA's state format: rounded to a float16 value (the fp16 state), or as it is (the fp32 state)."""
+        if PASA == PASA_FP16_STATE:
+            x = _round16(x)
+        return x
+
+    @gluon.jit
     def _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, log2e, s_layout: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                      PASA: gl.constexpr):
         """PASA's step for KV window t (kernels/pasa/kernel.py's _pasa_block_fused, rounding where
-        kernels/pasa/emulate.py's "fused" variant rounds): qk holds the shifted, scaled scores in fp32; the state
-        (m, l, the global pseudo-average g) holds float16 values in float32. Returns (p, m, l, g, alpha): p rounded
-        to float16 with the frame correction folded into its exponent, alpha the factor for the rounded acc."""
+        kernels/pasa/emulate.py's "fused" variant rounds): qk holds the shifted, scaled scores in fp32, rounded here
+        to the float16 scores Ŝ; the state (m, l, the global pseudo-average g) is held in float32, as float16 values
+        with the fp16 state (PASA, PASA_STATES). Returns (p, m, l, g, alpha): p with the frame correction folded
+        into its exponent (in the state format), alpha the factor for acc (in the state format)."""
         ybar = gl.sum(qk, 1) / BLOCK_N                       # the local pseudo-average: every column, pre-mask
         s = _round16(qk)                                      # the fp16 score tile
         if MASK:
@@ -344,20 +358,20 @@ if HAS_GLUON:
             s = gl.where(keep, s, float("-inf"))
         mu = gl.maximum(gl.max(s, 1), M_INIT)                 # a max of fp16 values: exact
         if t == 0:
-            g_old = _round16(ybar)
+            g_old = _state(ybar, PASA)
         else:
             g_old = g_i
-        g_new = _round16(g_old + _round16((ybar - g_old) / (t + 1.0)))
-        d_cur = _round16(c * _round16(ybar - g_new))          # this window's statistics into frame g_new
-        d_prev = _round16(c * _round16(g_old - g_new))        # the running state from frame g_old to g_new
-        cand_old = _round16(m_i + d_prev)
-        m_new = gl.maximum(_round16(mu + d_cur), cand_old)
-        alpha = _round16(gl.exp2((cand_old - m_new) * log2e))
+        g_new = _state(g_old + _state((ybar - g_old) / (t + 1.0), PASA), PASA)
+        d_cur = _state(c * _state(ybar - g_new, PASA), PASA)          # this window's statistics into frame g_new
+        d_prev = _state(c * _state(g_old - g_new, PASA), PASA)        # the running state from frame g_old to g_new
+        cand_old = _state(m_i + d_prev, PASA)
+        m_new = gl.maximum(_state(mu + d_cur, PASA), cand_old)
+        alpha = _state(gl.exp2((cand_old - m_new) * log2e), PASA)
         # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of this
         # window finite (its -inf scores give p = 0)
         frame = gl.maximum(m_new - d_cur, M_INIT)
-        p = _round16(gl.exp2(s * log2e - (frame * log2e)[:, None]))
-        l_i = _round16(alpha * l_i + gl.sum(p, 1))
+        p = _state(gl.exp2(s * log2e - (frame * log2e)[:, None]), PASA)
+        l_i = _state(alpha * l_i + gl.sum(p, 1), PASA)
         return p, m_new, l_i, g_new, alpha
 
     @gluon.jit
@@ -368,7 +382,7 @@ if HAS_GLUON:
         log2 e then: the scale is in K̃)."""
         if PASA:
             p, m_i, l_i, g_i, alpha = _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, qk_scale,
-                                                    s_layout, BLOCK_M, BLOCK_N, MASK, CAUSAL)
+                                                    s_layout, BLOCK_M, BLOCK_N, MASK, CAUSAL, PASA)
         else:
             p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, col0, row0, n_k, causal_shift, qk_scale, s_layout, BLOCK_M,
                                           BLOCK_N, MASK, CAUSAL)
@@ -542,17 +556,15 @@ if HAS_GLUON:
             if RANGES:
                 r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
                                                                              r_tiles, r_unmasked)
-            # PASA keeps acc in float16 values: rounded once per window, before the (then exact) alpha product
+            # PASA's fp16 state keeps acc in float16 values: rounded once per window, before the (then exact)
+            # alpha product
             if D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
-                if PASA:
-                    acc2 = _round16(acc2)
-                acc2 = acc2 * gl.convert_layout(alpha, row_o2)[:, None]
+                acc2 = _state(acc2, PASA) * gl.convert_layout(alpha, row_o2)[:, None]
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
-            if PASA:
-                acc = _round16(acc)
+            acc = _state(acc, PASA)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
 
         last = (g + n_tiles - 1) % STAGES
@@ -569,10 +581,9 @@ if HAS_GLUON:
         mbarrier.arrive(v_empty.index(last), count=1)
 
         rows_s = gl.arange(0, BLOCK_M, layout=row_s)
-        if PASA:
-            acc = _round16(acc)
-            if D1 > 0:
-                acc2 = _round16(acc2)
+        acc = _state(acc, PASA)
+        if D1 > 0:
+            acc2 = _state(acc2, PASA)
         out = _normalised(acc, l_i)
         if D1 > 0:
             out2 = _normalised(acc2, l_i)
@@ -639,9 +650,10 @@ if HAS_GLUON:
         of Items[item] ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges
         of the Ranges table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows
         below end.
-        PASA (one partition, out only): k_desc reads PASA's shifted keys K̃ (k_rows rows per kv head: whole windows
-        of BLOCK_N, which is PASA's window n), v_desc V at each window's start, and the consumers take PASA's step
-        with its recovery constant pasa_c, qk_scale being log2 e. Otherwise k_rows is n_k and pasa_c unused."""
+        PASA (one partition, out only; 0 = not PASA, else its state: PASA_STATES): k_desc reads PASA's shifted keys
+        K̃ (k_rows rows per kv head: whole windows of BLOCK_N, which is PASA's window n), v_desc V at each window's
+        start, and the consumers take PASA's step with its recovery constant pasa_c, qk_scale being log2 e.
+        Otherwise k_rows is n_k and pasa_c unused."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
@@ -746,21 +758,24 @@ def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
            parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
            pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None,
-           persistent: bool | None = None, programs: int | None = None):
+           pasa_state: str = "fp16", persistent: bool | None = None, programs: int | None = None):
     """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (work items: row blocks x B * Hq x parts;
     the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default) `programs`
     of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition holds
     every key), on q's device made current by the caller; or, with walk=(items, ranges) (int32 tables on q's device,
     built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per
     item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its
-    rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant, a float16 value) the
-    programs take PASA's step: k is then PASA's K̃ [B, Hkv, whole windows of BLOCK_N keys, D] (rows may be padded:
-    only the row stride counts), qk_scale is log2 e, one partition, out only. Through kernels/_launch.py: after the
+    rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant in the state format) the
+    programs take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv,
+    whole windows of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one
+    partition, out only. Through kernels/_launch.py: after the
     first call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
     launcher).
     Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
+    if pasa_state not in PASA_STATES:
+        raise ValueError(f"{NAME}: pasa_state must be one of {sorted(PASA_STATES)} (got {pasa_state!r})")
     heads, n_q, n_k = q.shape[1], q.shape[2], v.shape[2]
     bh = q.shape[0] * heads
     if walk is None:
@@ -783,7 +798,8 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], bh, n_q, n_k,
         k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, parts, n_slots),
         dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-             LSE_MODE=lse_mode, RANGES=walk is not None, PASA=pasa_c is not None, PERSISTENT=bool(persistent),
+             LSE_MODE=lse_mode, RANGES=walk is not None,
+             PASA=0 if pasa_c is None else PASA_STATES[pasa_state], PERSISTENT=bool(persistent),
              CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

@@ -413,15 +413,17 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                 else:                  # no second column tile: the launch passes None (a constexpr)
                     nones[name + suffix] = None
         # ELSA's partitions (summary or out), a tile walk over key ranges (CQSA's resident forward: out, lse) and
-        # PASA's step (float16 only)
-        modes = ("out", "summary", "walk", "pasa") if dtype == "fp16" else ("out", "summary", "walk")
-        # the persistent launch where launch() takes it (PERSISTENT_DIMS: out and summary modes)
+        # PASA's step (float16 only) with its fp16 and its fp32 (hybrid) state
+        modes = ("out", "summary", "walk", "pasa", "pasa_fp32") if dtype == "fp16" else ("out", "summary", "walk")
+        # the persistent launch where launch() takes it (PERSISTENT_DIMS: every mode but the walk)
         persist = (False, True) if d in gc.PERSISTENT_DIMS else (False,)
         for causal, mode in itertools.product((False, True), modes):
-            for persistent in persist if mode in ("out", "summary") else (False,):
+            for persistent in persist if mode != "walk" else (False,):
                 meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
-                            SUMMARY=mode == "summary", LSE_MODE={"out": 2, "summary": 0, "walk": 1, "pasa": 0}[mode],
-                            RANGES=mode == "walk", PASA=mode == "pasa", PERSISTENT=persistent,
+                            SUMMARY=mode == "summary", LSE_MODE={"out": 2, "walk": 1}.get(mode, 0),
+                            RANGES=mode == "walk",
+                            PASA={"pasa": gc.PASA_STATES["fp16"], "pasa_fp32": gc.PASA_STATES["fp32"]}.get(mode, 0),
+                            PERSISTENT=persistent,
                             CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
                 jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"},
                                 {"Lse", "Sbuf"}, i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"},

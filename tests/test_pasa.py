@@ -428,7 +428,7 @@ def _pasa_plans():
 
 
 def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton(monkeypatch):
-    # only a call that names no loop, tiles, K̃ path or state may run on the Gluon core (core=auto)
+    # only a call that names no loop, tiles or K̃ path may run on the Gluon core (core=auto), in either state
     from kernels.pasa import attention
     cores = []
 
@@ -444,14 +444,17 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
     pasa_attention(q, k, v, config=window(32))
     pasa_attention(q, k, v, shift="prepass")
     pasa_attention(q, k, v, state_dtype="fp32")
-    assert cores == ["auto", "auto", "triton", "triton", "triton", "triton"]
+    pasa_attention(q, k, v, state_dtype="fp32", variant="fused")
+    assert cores == ["auto", "auto", "triton", "triton", "triton", "auto", "triton"]
 
 
-@pytest.mark.parametrize("nq, nk, d, causal", [(300, 333, 80, True), (130, 260, 64, False), (70, 200, 192, False)])
-def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal):
+@pytest.mark.parametrize("nq, nk, d, causal, state", [(300, 333, 80, True, "fp16"), (130, 260, 64, False, "fp16"),
+                                                       (70, 200, 192, False, "fp16"), (130, 260, 64, True, "fp32")])
+def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal, state):
     # the Hopper path's host side on the CPU: the core (never run here) is replaced by a recorder. What it is
     # handed must be PASA at the core's window n: K̃ = fp16(λM·K) per window of n keys (the last one [Nk − n, Nk)),
-    # λM and c for β solved at that n, qk_scale log2 e, one partition of every key, the CTA's row blocks.
+    # λM and c for β solved at that n (c in the state format), the state, qk_scale log2 e, one partition of every
+    # key, the CTA's row blocks.
     monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
     monkeypatch.setattr(gluon_core, "MIN_WORK", 0)
     seen = {}
@@ -463,14 +466,15 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     monkeypatch.setattr(gluon_core, "launch", record)
     _launch.clear()
     q, k, v = _randn_inputs(4, 2, nq, nk, d, "cpu", seed=nq)
-    pasa_attention(q, k, v, causal=causal)
+    pasa_attention(q, k, v, causal=causal, state_dtype=state)
     (plan,) = _pasa_plans()
     _launch.clear()
     assert plan.gluon is not None
     n = gluon_core.TILES[d][0]
     scale = d ** -0.5
     beta = default_beta(n, scale)
-    assert seen["pasa_c"] == float(np.float16(ideal_invariance(beta)))
+    assert seen["pasa_c"] == float({"fp16": np.float16, "fp32": np.float32}[state](ideal_invariance(beta)))
+    assert seen["pasa_state"] == state
     assert seen["qk_scale"] == LOG2E and seen["causal"] == causal and seen["lse_mode"] == 0
     assert seen["width"] == nk and seen["n_blocks"] == -(-nq // gluon_core.CTA_ROWS)
     assert seen["v"] is v
@@ -836,33 +840,36 @@ CORE_CASES = [   # (Hq, Hkv, Nq, Nk, causal, x0)
 @pytest.mark.parametrize("case", CORE_CASES, ids=lambda c: "h{}-{}n{}-{}{}x{}".format(c[0], c[1], c[2], c[3],
                                                                                       "c" if c[4] else "", c[5]))
 @pytest.mark.parametrize("d", gluon_core.HEAD_DIMS)
-def test_gpu_pasa_on_the_core_is_its_emulation(on_the_core, d, case):
+@pytest.mark.parametrize("state", ["fp16", "fp32"])
+def test_gpu_pasa_on_the_core_is_its_emulation(on_the_core, state, d, case):
     hq, hkv, nq, nk, causal, x0 = case
     q, k, v = _emulation_case("cuda", hq, hkv, nq, nk, d, x0)
-    out = pasa_attention(q, k, v, causal=causal)
+    out = pasa_attention(q, k, v, causal=causal, state_dtype=state)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     ref = reference_attention(q, k, v, causal=causal)
     unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
-    assert_matches_model(out, _core_model(q, k, v, causal, d), ref, unit, f"D={d}")
+    assert_matches_model(out, _core_model(q, k, v, causal, d, state_dtype=state), ref, unit, f"D={d} {state}")
     if x0 == 0:        # PASA's own tolerance on ordinary inputs (biased ones: the model bound above)
         assert rel_rmse(out, ref) <= 4e-3
 
 
 @pytest.mark.gpu
-def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_core):
+@pytest.mark.parametrize("state", ["fp16", "fp32"])
+def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_core, state):
     # sparse_low_blocks: a 2 % error in the recovery constant c moves these outputs by several percent; the core
     # must match its model with the exact c and be outside the model bound of the models with c·1.02 and c·0.98
     gen = torch.Generator(device="cuda").manual_seed(7)
     d, n = 128, 1024
     q, k, v = sparse_low_blocks(n, d, gluon_core.TILES[d][0], 16.0, gen, "cuda", heads=4)
-    out = pasa_attention(q, k, v)
+    out = pasa_attention(q, k, v, state_dtype=state)
     ref = reference_attention(q, k, v)
     unit = ulp16(reference_attention(q, k, v.abs()))
-    assert_matches_model(out, _core_model(q, k, v, False, d), ref, unit, "exact c")
+    assert_matches_model(out, _core_model(q, k, v, False, d, state_dtype=state), ref, unit, "exact c")
     c = ideal_invariance(default_beta(gluon_core.TILES[d][0], d ** -0.5))
     for wrong in (1.02, 0.98):
         with pytest.raises(AssertionError):
-            assert_matches_model(out, _core_model(q, k, v, False, d, invariance=c * wrong), ref, unit)
+            assert_matches_model(out, _core_model(q, k, v, False, d, invariance=c * wrong, state_dtype=state), ref,
+                                 unit)
 
 
 @pytest.mark.gpu

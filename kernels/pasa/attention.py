@@ -130,8 +130,8 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     exact alike; for tuning and tests). Returns the input dtype. Forward only: a backward raises
     kernels._common.ForwardOnlyError.
 
-    On an sm_90 GPU with enough work, a call that leaves ``state_dtype``, ``variant``, ``config`` and ``shift`` at
-    their defaults runs on the Gluon Hopper core: the "fused" loop with windows of the core's key tile (n = 128 up
+    On an sm_90 GPU with enough work, a call that leaves ``variant``, ``config`` and ``shift`` at their defaults
+    runs on the Gluon Hopper core, in either state: the "fused" loop with windows of the core's key tile (n = 128 up
     to D = 160, the spec's n; 64 beyond), β solved for that n (ops.py, "The Hopper path").
     """
     scale, bd = _check("pasa", q, k, v, causal, scale)
@@ -149,8 +149,8 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
                 raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix "
                                  f"singular), got {beta!r}")
             beta = float(beta)
-        # a loop, tiles, K̃ path or state of the caller's own are the Triton kernel's: the Gluon core takes only the rest
-        core = "auto" if variant is None and config is None and shift == "auto" and state_dtype == "fp16" else "triton"
+        # a loop, tiles or K̃ path of the caller's own are the Triton kernel's: the Gluon core takes only the rest
+        core = "auto" if variant is None and config is None and shift == "auto" else "triton"
         if variant is None:
             variant = DEFAULT_VARIANT
         options = ops.pasa_options(beta, state_dtype, variant, _tiles("pasa", bd, config), shift, core)

@@ -30,8 +30,8 @@ contiguous, its head dims) and from its MIN_WORK, the main loop runs there inste
 the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
 used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
 in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile
-and block_m = 128, the core's query rows per program).
-A call that names a loop, tiles, a K̃ path or the fp32 state keeps the Triton kernel (core=triton).
+and block_m = 128, the core's query rows per program), its state fp16 or, in the hybrid mode, fp32 (the options'
+state). A call that names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
 from typing import Optional
@@ -196,7 +196,7 @@ class _Forward(LaunchPlan):
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= gluon_core.MIN_WORK):
-            self._plan_gluon(opts["beta"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
+            self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
@@ -226,17 +226,18 @@ class _Forward(LaunchPlan):
         self.shift = Prepared(_shift_k_kernel, (windows, bsz * heads_kv),
                               (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
 
-    def _plan_gluon(self, beta: str, sk: tuple, sizes: tuple, causal: bool, scale: float) -> None:
+    def _plan_gluon(self, beta: str, state: str, sk: tuple, sizes: tuple, causal: bool, scale: float) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
-        the core in its PASA mode. K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
-        descriptors read its first D columns through the row stride."""
+        the core in its PASA mode with its state in `state` ("fp16" / "fp32"). K̃ keeps the Triton path's layout
+        (rows padded to block_d columns): the core's descriptors read its first D columns through the row stride."""
         bsz, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
         self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
         self.head_dim = d
-        c16 = torch.tensor(c, dtype=_f16).item()    # the state format's c, as the kernels use it
+        # the state format's c, as the kernels use it (an fp32 kernel argument either way)
+        c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
         self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // gluon_core.CTA_ROWS), width=len_k,
-                          lse_mode=0, pasa_c=c16)
+                          lse_mode=0, pasa_c=c_state, pasa_state=state)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
