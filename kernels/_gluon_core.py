@@ -770,9 +770,8 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
     rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant in the state format) the
     programs take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv,
     whole windows of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one
-    partition, out only. Through kernels/_launch.py: after the
-    first call of a signature the compiled kernel is launched directly (the descriptors' TMA maps are built by its
-    launcher).
+    partition, out only. Through kernels/_launch.py: after the first call of a signature the compiled kernel is
+    launched directly (the descriptors' TMA maps are built by its launcher).
     Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]

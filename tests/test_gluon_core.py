@@ -116,9 +116,9 @@ def test_persistent_default_where_measured():
     assert not any(gc.persistent_default(d, False, sms, sms) for d in gc.HEAD_DIMS if d not in (64, 128))
 
 
-def test_persistent_launch_refuses_what_it_cannot_run():
-    """A persistent launch of fewer than one program, or of a tile walk, is refused with a clear error before
-    anything is built or launched (so on the CPU too)."""
+def test_launch_refuses_what_it_cannot_run():
+    """A persistent launch of fewer than one program, or of a tile walk, and PASA's step in a state the kernel does
+    not have, are refused with a clear error before anything is built or launched (so on the CPU too)."""
     q = torch.zeros(1, 1, 128, 64, dtype=torch.float16)
     common = dict(causal=False, qk_scale=1.0, n_blocks=1, width=128, lse_mode=0, persistent=True)
     with pytest.raises(ValueError, match="at least one program"):
@@ -126,6 +126,8 @@ def test_persistent_launch_refuses_what_it_cannot_run():
     walk = (torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int32))
     with pytest.raises(ValueError, match="tile walk runs on the plain grid"):
         gc.launch(q, q, q, q, q, q, walk=walk, **common)
+    with pytest.raises(ValueError, match=r"pasa_state must be one of \['fp16', 'fp32'\] \(got 'bf16'\)"):
+        gc.launch(q, q, q, q, q, q, pasa_c=63.5, pasa_state="bf16", **common)
 
 
 def _case_id(c) -> str:
