@@ -2,7 +2,7 @@
 """Profile ONE launch of a named kernel with Nsight Compute and write a short table of where its time goes.
 
     python3 scripts/ncu_summary.py --workload elsa --out DIR [--label NAME] [--kernel REGEX] [--backward]
-        [--d 128] [--n 16384] [--b 1] [--h 8] [--dtype fp16] [--causal] [--keep-report]
+        [--d 128] [--n 16384] [--b 1] [--h 8] [--dtype fp16] [--causal] [--keep-report] [--source-stalls]
     python3 scripts/ncu_summary.py --compare DIR/before.json DIR/after.json      # side by side, no GPU
 
 --workload: elsa (its phase-1 kernel), flash_core (the core's standalone forward), pasa, cqsa, cron_root,
@@ -22,6 +22,12 @@ DRAM bytes, tensor-pipe utilisation (every tensor pipe the report has: on Hopper
 the other busiest pipes, achieved vs theoretical occupancy, issue-slot use, registers, shared memory, grid, and
 the top warp-stall reasons (warps stalled per issued instruction). Writes DIR/LABEL.md and DIR/LABEL.json, and
 DIR/LABEL.ncu-rep with --keep-report.
+--source-stalls adds the SourceCounters section (warp-stall sampling per SASS instruction) and a second table: the
+samples of each stretch of code between two register reallocations (a warp-specialized kernel's partitions set
+their register counts with USETMAXREG on entry and exit, so a stretch is one partition's code, or the wait of warps
+that have nothing to do) and the instructions with the most samples. The kernel-wide stall reasons count every
+warp, idle ones included: a loader partition's unused warps, parked at a barrier for the whole kernel, show as
+barrier stalls that cost nothing; the stretches say which warps stall where.
 
 ncu is found on PATH, else under /opt/nvidia/nsight-compute/*/ or /usr/local/cuda*/bin (the newest).
 """
@@ -63,6 +69,9 @@ EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__issue_a
 # workload -> its backward's kernel-name regex with --backward (the first launch that matches is profiled: ELSA's
 # Gluon backward on sm_90 from its threshold, else the first of its Triton backward's launches)
 BACKWARD_KERNELS = {"elsa": "_gluon_bwd_kernel|_elsa_bwd", "sdpa_cudnn": "bprop", "sdpa_flash": "flash_bwd"}
+# a register reallocation in SASS and the count it sets (hex or decimal)
+SETMAXREG = re.compile(r"USETMAXREG(?:\.\w+)*\s+(?:U?P\w+,\s*)?(0x[0-9a-fA-F]+|\d+)")
+SOURCE_STALL = re.compile(r"^stall_(\w+)$")
 STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_issue_active\.ratio$")
 PIPE = re.compile(r"^sm__(?:inst_executed_)?pipe_(\w+?)(?:_cycles_active)?\.avg\.pct_of_peak_sustained_active$")
 TIME_UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
@@ -213,6 +222,78 @@ def _f(x, spec=".1f"):
     return "" if x is None else format(x, spec)
 
 
+def source_stalls(text: str, top: int = 12, min_share: float = 0.01) -> dict:
+    """`ncu --page source --print-source sass --csv` reduced (--source-stalls): the warp-stall samples of each
+    stretch of code between two USETMAXREG instructions, as offsets from the kernel's first instruction, with its
+    share of all samples, the register count its last USETMAXREG set (None before the first) and its top stall
+    reasons (shares of its own samples); stretches under min_share of the samples are summed into one "other" row.
+    And the `top` instructions by samples, each with its top three reasons (shares of all samples)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise ValueError("ncu source page has no \"Address\" header (was SourceCounters collected?)")
+    rows = list(csv.reader(lines[start:]))
+    head, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+    col = {name: i for i, name in enumerate(head)}
+    if "Warp Stall Sampling (All Samples)" not in col:
+        raise ValueError("ncu source page has no warp-stall sampling column")
+    reasons = {name: m.group(1) for name in head for m in [SOURCE_STALL.match(name)] if m}
+
+    def value(row, name):
+        return _num(row[col[name]].replace(",", "")) or 0.0
+
+    base = int(body[0][col["Address"]], 16) if body else 0
+    total = sum(value(r, "Warp Stall Sampling (All Samples)") for r in body) or 1.0
+    stretches, current = [], None
+    for r in body:
+        sass = r[col["Source"]].strip()
+        offset = int(r[col["Address"]], 16) - base
+        m = SETMAXREG.search(sass)
+        if current is None or m:
+            regs = int(m.group(1), 0) if m else None
+            current = dict(start=offset, regs=regs, samples=0.0, stalls={})
+            stretches.append(current)
+        current["end"] = offset
+        current["samples"] += value(r, "Warp Stall Sampling (All Samples)")
+        for name, reason in reasons.items():
+            current["stalls"][reason] = current["stalls"].get(reason, 0.0) + value(r, name)
+    kept, other = [], 0.0
+    for st in stretches:
+        share = st["samples"] / total
+        if share < min_share:
+            other += share
+            continue
+        stalls = sorted(((v / st["samples"], k) for k, v in st["stalls"].items() if v), reverse=True)[:4]
+        kept.append(dict(code=f"{st['start']:#x}-{st['end']:#x}", regs=st["regs"], share=round(share, 4),
+                         stalls={k: round(v, 3) for v, k in stalls}))
+    ranked = sorted(body, key=lambda r: -value(r, "Warp Stall Sampling (All Samples)"))[:top]
+    tops = []
+    for r in ranked:
+        stalls = sorted(((value(r, n) / total, reasons[n]) for n in reasons if value(r, n)), reverse=True)[:3]
+        tops.append(dict(offset=f"{int(r[col['Address']], 16) - base:#x}", sass=" ".join(r[col["Source"]].split()),
+                         share=round(value(r, "Warp Stall Sampling (All Samples)") / total, 4),
+                         stalls={k: round(v, 4) for v, k in stalls}))
+    return dict(samples=int(total), stretches=kept, other_share=round(other, 4), top=tops)
+
+
+def source_table(stalls: dict) -> str:
+    """The --source-stalls tables in markdown."""
+    lines = [f"Warp-stall samples: {stalls['samples']}", "",
+             "| code (offsets) | registers set | share of samples | top stall reasons (share of its samples) |",
+             "|---|---|---|---|"]
+    for st in stalls["stretches"]:
+        reasons = ", ".join(f"{k} {v * 100:.0f} %" for k, v in st["stalls"].items())
+        lines.append(f"| {st['code']} | {st['regs'] if st['regs'] is not None else '-'} | {st['share'] * 100:.1f} % | "
+                     f"{reasons} |")
+    if stalls["other_share"]:
+        lines.append(f"| other stretches | | {stalls['other_share'] * 100:.1f} % | |")
+    lines += ["", "| offset | instruction | share of samples | top reasons (share of all samples) |", "|---|---|---|---|"]
+    for t in stalls["top"]:
+        reasons = ", ".join(f"{k} {v * 100:.1f} %" for k, v in t["stalls"].items())
+        lines.append(f"| {t['offset']} | `{t['sass'][:60]}` | {t['share'] * 100:.1f} % | {reasons} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(summaries: list[tuple[str, dict]]) -> str:
     """Markdown: one column per summary."""
     heads = [label for label, _ in summaries]
@@ -264,7 +345,7 @@ def profile(a) -> int:
         (["--causal"] if a.causal else []) + (["--backward"] if a.backward else [])
     base = [ncu, "--target-processes", "all", "--profile-from-start", "off", "--clock-control", "none",
             "--kernel-name", f"regex:{kernel}", "--launch-count", "1", "--force-overwrite", "--export", str(report)]
-    for section in SECTIONS:
+    for section in SECTIONS + (("SourceCounters",) if a.source_stalls else ()):
         base += ["--section", section]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     # with the extra counters first; a metric ncu refuses aborts the profile, so once more without them
@@ -290,13 +371,22 @@ def profile(a) -> int:
         print(f"ncu_summary: {exc}; ncu said:\n" + "\n".join(log.strip().splitlines()[-15:]), file=sys.stderr)
         return 1
     summary = reduce_metrics(values, units)
+    if a.source_stalls:
+        page = subprocess.run([ncu, "--import", str(report), "--page", "source", "--print-source", "sass", "--csv"],
+                              capture_output=True, text=True)
+        try:
+            summary["source_stalls"] = source_stalls(page.stdout)
+        except ValueError as exc:
+            print(f"ncu_summary: {exc}", file=sys.stderr)
+            return 1
     summary.update(workload=a.workload, kernel_regex=kernel, d=a.d, n=a.n, b=a.b, h=a.h, dtype=a.dtype,
                    causal=a.causal, backward=a.backward, ncu=ncu)
     (out_dir / f"{label}.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = f"# {label}\n\n{a.workload}, B={a.b}, H={a.h}, N={a.n}, D={a.d}, {a.dtype}, " \
            f"{'causal' if a.causal else 'non-causal'}{', fwd+bwd' if a.backward else ''}; one launch matching " \
            f"/{kernel}/; ncu {ncu}\n\n" + \
-           table([(label, summary)])
+           table([(label, summary)]) + \
+           ("\n" + source_table(summary["source_stalls"]) if a.source_stalls else "")
     (out_dir / f"{label}.md").write_text(text)
     if not a.keep_report:
         report.unlink()
@@ -319,6 +409,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true",
                     help="run forward and backward and profile a backward kernel (default regex: BACKWARD_KERNELS)")
     ap.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep and ncu's log beside the table")
+    ap.add_argument("--source-stalls", action="store_true",
+                    help="sample warp stalls per SASS instruction: where each partition's warps stall")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="put earlier summaries side by side (no GPU)")
     ap.add_argument("--run-workload", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -108,6 +108,41 @@ def test_ncu_raw_report_reduces_to_the_table():
         ncu.parse_raw_csv(RAW.splitlines()[0] + "\n")
 
 
+# `ncu --page source --print-source sass --csv` of a warp-specialized kernel, cut down: a consumer partition (240
+# registers), a loader (24) and the loader's idle warps parked at a barrier; the (Not Issued) columns are not read
+SOURCE = """"Kernel Name","_gluon_fwd_kernel",
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_barrier","stall_long_sb","stall_wait","stall_selected","stall_barrier (Not Issued)"
+"0x7f0000000000","      MOV R1, c[0x0][0x28] ","1","1","0","0","1","0","0"
+"0x7f0000000010","      USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ","0","0","0","0","0","0","0"
+"0x7f0000000020","      MUFU.EX2 R2, R3 ","30","20","0","0","20","10","0"
+"0x7f0000000030","@!P0  BRA 0x7f0000000020 ","10","10","0","10","0","0","0"
+"0x7f0000000040","      USETMAXREG.DEALLOC.CTAPOOL 0x18 ","0","0","0","0","0","0","0"
+"0x7f0000000050","@!P0  BRA 0x7f0000000040 ","9","9","0","9","0","0","0"
+"0x7f0000000060","      BAR.SYNC.DEFER_BLOCKING 0x1 ","0","0","0","0","0","0","0"
+"0x7f0000000070","      NOP ","50","50","50","0","0","0","50"
+"""
+
+
+def test_ncu_source_stalls_split_at_register_reallocations():
+    # --source-stalls: each stretch between two USETMAXREG is one partition's code; an idle wait shows as its own
+    # stretch, so the kernel-wide barrier share (50 of 100 samples here) is seen to be parked warps
+    s = ncu.source_stalls(SOURCE, top=2, min_share=0.05)
+    assert s["samples"] == 100
+    assert [(st["code"], st["regs"], st["share"]) for st in s["stretches"]] == [
+        ("0x10-0x30", 240, 0.4), ("0x40-0x70", 24, 0.59)]
+    assert s["other_share"] == pytest.approx(0.01)          # the first instruction, before any reallocation
+    assert s["stretches"][0]["stalls"] == {"wait": 0.5, "long_sb": 0.25, "selected": 0.25}
+    assert s["stretches"][1]["stalls"] == {"barrier": round(50 / 59, 3), "long_sb": round(9 / 59, 3)}
+    assert [(t["offset"], t["sass"], t["share"]) for t in s["top"]] == [("0x70", "NOP", 0.5),
+                                                                      ("0x20", "MUFU.EX2 R2, R3", 0.3)]
+    assert s["top"][1]["stalls"] == {"wait": 0.2, "selected": 0.1}
+    text = ncu.source_table(s)
+    assert "| 0x10-0x30 | 240 | 40.0 % | wait 50 %, selected 25 %, long_sb 25 % |" in text
+    assert "| other stretches | | 1.0 % | |" in text and "| 0x70 | `NOP` | 50.0 % | barrier 50.0 % |" in text
+    with pytest.raises(ValueError, match="no \"Address\" header"):
+        ncu.source_stalls(RAW)
+
+
 def test_ncu_compare_and_workloads(tmp_path, capsys):
     values, units = ncu.parse_raw_csv(RAW)
     for name in ("before", "after"):
