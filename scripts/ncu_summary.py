@@ -287,7 +287,8 @@ def source_table(stalls: dict) -> str:
                      f"{reasons} |")
     if stalls["other_share"]:
         lines.append(f"| other stretches | | {stalls['other_share'] * 100:.1f} % | |")
-    lines += ["", "| offset | instruction | share of samples | top reasons (share of all samples) |", "|---|---|---|---|"]
+    lines += ["", "| offset | instruction | share of samples | top reasons (share of all samples) |",
+              "|---|---|---|---|"]
     for t in stalls["top"]:
         reasons = ", ".join(f"{k} {v * 100:.1f} %" for k, v in t["stalls"].items())
         lines.append(f"| {t['offset']} | `{t['sass'][:60]}` | {t['share'] * 100:.1f} % | {reasons} |")
