@@ -775,7 +775,8 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
     Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
-    if pasa_state not in PASA_STATES:
+    pasa = 0 if pasa_c is None else PASA_STATES.get(pasa_state)
+    if pasa is None:
         raise ValueError(f"{NAME}: pasa_state must be one of {sorted(PASA_STATES)} (got {pasa_state!r})")
     heads, n_q, n_k = q.shape[1], q.shape[2], v.shape[2]
     bh = q.shape[0] * heads
@@ -800,7 +801,7 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, parts, n_slots),
         dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
              LSE_MODE=lse_mode, RANGES=walk is not None,
-             PASA=0 if pasa_c is None else PASA_STATES[pasa_state], PERSISTENT=bool(persistent),
+             PASA=pasa, PERSISTENT=bool(persistent),
              CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
 
 

@@ -240,7 +240,7 @@ def source_stalls(text: str, top: int = 12, min_share: float = 0.01) -> dict:
     reasons = {name: m.group(1) for name in head for m in [SOURCE_STALL.match(name)] if m}
 
     def value(row, name):
-        return _num(row[col[name]].replace(",", "")) or 0.0
+        return _num(row[col[name]]) or 0.0
 
     base = int(body[0][col["Address"]], 16) if body else 0
     total = sum(value(r, "Warp Stall Sampling (All Samples)") for r in body) or 1.0
