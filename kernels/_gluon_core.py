@@ -8,30 +8,34 @@ each consumer runs its two GEMMs and its softmax in sequence. Here the partition
 - a loader partition (1 warp) streams K and V tiles by TMA into a ring of STAGES buffers, with a ready and an empty
   mbarrier per buffer and operand; Q by TMA once;
 - two consumer partitions (one warpgroup each: the default partition and a worker) each own 64 of the CTA's 128
-  query rows and share every K/V tile (the empty barriers count both consumers' arrivals);
+  query rows and share every K/V tile (the empty barriers count every consumer's arrival);
 - inside a consumer the GEMMs overlap the softmax (FA3's intra-warpgroup pipelining): S_j = Q K_j^T is issued,
   then O += P_{j-1} V_{j-1} on the previous tile's probabilities (P from registers, in the wgmma A-operand
   layout), and the softmax of S_j runs while that second GEMM is in flight;
 - PINGPONG (FA3's inter-warpgroup schedule): the two consumers take turns to issue their GEMMs, handing a token
-  through two mbarriers, so one consumer's softmax runs while the other's GEMMs use the tensor cores.
+  through two mbarriers, so one consumer's softmax runs while the other's GEMMs use the tensor cores;
+- at D = 64 with enough work (consumers_for; never for PASA) three consumers instead, 192 query rows a CTA, each
+  running S_j, its softmax and O += P_j V_j in turn with neither overlap nor turns: their softmaxes interleave on
+  the SM while another's GEMMs run.
 
 The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
-A work item is 128 query rows and one key partition; the plain grid (row blocks, B*Hq, partitions) runs one per
-program, a persistent launch (`launch(persistent=...)`, by default at D = 64 and 128: PERSISTENT_DIMS) runs one
-program per SM that walks them in rounds, its ring's slots, phases and ping-pong turns running on from one item to
-the next, Q reloaded once both consumers are past it (a `q_empty` barrier): an item's epilogue overlaps the next
-one's loads and no last wave runs part-empty. An item writes the normalised output (and an LSE), or with SUMMARY its
-state into ELSA's phase-1 summary slots (fp32 m and l, the normalised partial output in the inputs' dtype: partition
-0's in the output rows), so ELSA's phase 1 runs on it through `launch` (kernels/elsa/host.py) with the same phase 2
-as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a program takes the rows of one item and walks
-a list of key ranges, each with its own end and causal shift (CQSA's joined slot waves: kernels/cqsa/schedule.py's
-tile_walk), the loader and both consumers stepping one cursor tile by tile. With PASA (`launch(pasa_c=...)`) the
-consumers take PASA's step instead of the online softmax, on the shifted keys of its pre-pass, its state held as
-float16 values or, in its hybrid mode, in float32 (`pasa_state`; kernels/pasa/ops.py, "The Hopper path";
-kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the flattened [B*H*N, D] rows:
-a tile that runs past a head's last key reads the next head's rows (TMA's zeros past the tensor's end), whose scores
-are masked to -inf and whose values are weighted by 0; query rows past a head's end are computed and never stored.
+A work item is the CTA's query rows (64 a consumer) and one key partition; the plain grid (row blocks, B*Hq,
+partitions) runs one per program, a persistent launch (`launch(persistent=...)`, by default at D = 64 and 128:
+PERSISTENT_DIMS) runs one program per SM that walks them in rounds, its ring's slots, phases and ping-pong turns
+running on from one item to the next, Q reloaded once every consumer is past it (a `q_empty` barrier): an item's
+epilogue overlaps the next one's loads and no last wave runs part-empty. An item writes the normalised output (and an
+LSE), or with SUMMARY its state into ELSA's phase-1 summary slots (fp32 m and l, the normalised partial output in the
+inputs' dtype: partition 0's in the output rows), so ELSA's phase 1 runs on it through `launch`
+(kernels/elsa/host.py) with the same phase 2 as the Triton phase 1. With a tile walk (`launch(walk=...)`, RANGES) a
+program takes the rows of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's
+joined slot waves: kernels/cqsa/schedule.py's tile_walk), the loader and every consumer stepping one cursor tile by
+tile. With PASA (`launch(pasa_c=...)`) the consumers take PASA's step instead of the online softmax, on the shifted
+keys of its pre-pass, its state held as float16 values or, in its hybrid mode, in float32 (`pasa_state`;
+kernels/pasa/ops.py, "The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the
+flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past the
+tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end are
+computed and never stored.
 
 Head dims (SPLITS): 64, 128 and 256 as one column tile; 80, 96, 160 and 192 as two (64 + 16, 64 + 32, 128 + 32,
 128 + 64), loaded by a second set of descriptors onto the same barriers: QK^T is two MMAs into one accumulator, P.V
@@ -82,15 +86,38 @@ except ImportError:            # a triton without Gluon: available() says no
     HAS_GLUON = False
 
 ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
-CTA_ROWS = 2 * ROWS_PER_CONSUMER
-# (BLOCK_N, STAGES) per head dim: shared memory holds Q (CTA_ROWS x D) and STAGES K and V tiles (<= 227 KB). From
-# D = 192 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240 registers
-# (sm_90 compile check, scripts/compile_check.py --kernel gluon_core); D = 160 spills 72-192 bytes with 128-key tiles
-# and still ran 7-8 % faster than with 64 on the H100 (results/dev/gluon_core/head_dims_h100.json, "tiles", where the
-# other head dims' candidates lost)
+# Consumer warpgroups a CTA: a work item is 64 x that many query rows. Two overlap their GEMMs with their softmax
+# inside each warpgroup and take turns at the tensor cores (the module's docstring). At D = 64 the softmax outlasts
+# the GEMMs it overlaps, and three warpgroups of 160 registers that interleave freely (each S_j, its softmax and
+# O += P_j V_j in turn: S, P and O fit without the overlap's second tile) took, persistent, 0.89-0.97 of two's
+# time alone and in ELSA from 16K tokens on the H200, 0.91 in CQSA's resident walk
+# (results/dev/gluon_core/three_consumers_h200.json; the plain-grid prototype before it, with and without turns:
+# three_consumers_plain_grid_h200.json). With few items a SM their rounds quantise badly (4K, B=1, H=8: 176 items
+# of 192 rows on 132 SMs, 1.3x two's time), and PASA's step, which needs the overlap more, lost with three (16K:
+# 1.25x in its fp16 state, 1.06x hybrid), so three run at THREE_CONSUMER_DIMS from THREE_CONSUMERS_MIN_ROWS query
+# rows (B x Hq x Nq) a SM (consumers_for), PASA on two. At D = 128 three do not fit with 128-key tiles and lost
+# with 64 (the prototype).
+THREE_CONSUMER_DIMS = (64,)
+THREE_CONSUMERS_MIN_ROWS = 768            # four rounds of 192-row items a SM in one partition
+# (consumer, loader) registers a thread by consumer count: 2 x 128 x 240 + 128 x 24, 3 x 128 x 160 + 128 x 24
+# (the loader's warpgroup is one warp and three parked ones) within sm_90's 65,536 a CTA
+REGS = {2: (240, 24), 3: (160, 24)}
+
+
+def consumers_for(d: int, rows: int, sms: int) -> int:
+    """Consumer warpgroups a CTA for an online-softmax call (not PASA's) at head dim d over `rows` query rows
+    (B x Hq x Nq) on `sms` SMs: three at THREE_CONSUMER_DIMS from THREE_CONSUMERS_MIN_ROWS rows a SM, else two."""
+    if d in THREE_CONSUMER_DIMS and rows >= THREE_CONSUMERS_MIN_ROWS * sms:
+        return 3
+    return 2
+
+
+# (BLOCK_N, STAGES) per head dim: shared memory holds Q (64 rows a consumer x D) and STAGES K and V tiles (<= 227
+# KB). From D = 192 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240
+# registers (sm_90 compile check, scripts/compile_check.py --kernel gluon_core); D = 160 spills 72-192 bytes with
+# 128-key tiles and still ran 7-8 % faster than with 64 on the H100 (results/dev/gluon_core/head_dims_h100.json,
+# "tiles", where the other head dims' candidates lost)
 TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2), 192: (64, 2), 256: (64, 2)}
-CONSUMER_REGS = 240
-LOADER_REGS = 24
 # A caller takes this core only from this much work (B*Hq * Nq * Nk * D): a launch builds its host-side descriptors
 # (three, six at a split head dim) and their TMA maps, ~100-160 us of CPU per ELSA forward against ~40-50 on the
 # Triton core (results/dev/gluon_core/elsa_host_time_h100.json); below it that host time is the call's time and the
@@ -127,17 +154,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _work(w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr,
               PERSISTENT: gl.constexpr):
-        """A work item: 128 query rows of one head against one key partition (or a walk's item). The plain grid's
-        program (qb, bh, part) takes one, decoded from its ids; a persistent program takes item w of its rounds:
-        round w's items are w * programs + [0, programs), in the plain grid's order when not causal (qb fastest, the
-        programs of a round share a head's keys), and causal, the longest row blocks first (qb from the last, then
-        the partition, the head fastest), each other round backwards: a long item of one round meets a short one
-        of the next, and the programs' work evens out. Each partition decodes the same items (scalar work).
-        Returns (q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0): the item's
-        first Q row (of all heads' rows), K and V rows, first query row within its head, end of the rows it stores,
-        key bounds, tile count, unmasked tiles, ELSA's summary slots and a walk's first range."""
+        """A work item: ROWS query rows (the CTA's Q) of one head against one key partition (or a walk's item). The
+        plain grid's program (qb, bh, part) takes one, decoded from its ids; a persistent program takes item w of its
+        rounds: round w's items are w * programs + [0, programs), in the plain grid's order when not causal (qb
+        fastest, the programs of a round share a head's keys), and causal, the longest row blocks first (qb from the
+        last, then the partition, the head fastest), each other round backwards: a long item of one round meets a
+        short one of the next, and the programs' work evens out. Each partition decodes the same items (scalar work).
+        Returns (q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0): the item's first
+        Q row (of all heads' rows), K and V rows, first query row within its head, end of the rows it stores, key
+        bounds, tile count, unmasked tiles, ELSA's summary slots and a walk's first range."""
         if PERSISTENT:
             programs = gl.num_programs(0)
             if CAUSAL:
@@ -171,12 +198,12 @@ if HAS_GLUON:
             slot = 0
             s_slot = 0
         else:
-            row0 = q0 + qb * (2 * BLOCK_M)                # the item's first query row within its head
+            row0 = q0 + qb * ROWS                         # the item's first query row within its head
             lo = part * width
             hi = gl.minimum(lo + width, n_k)
             if CAUSAL:
                 # keys past the item's last row's horizon are future for all its rows
-                hi = gl.minimum(hi, row0 + 2 * BLOCK_M + causal_shift)
+                hi = gl.minimum(hi, row0 + ROWS + causal_shift)
                 seen = gl.minimum(row0 + 1 + causal_shift, n_k)      # keys every row of the item sees
             else:
                 seen = n_k
@@ -184,8 +211,8 @@ if HAS_GLUON:
             # partition with hi <= lo computes one masked tile and stores nothing)
             n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
             n_unmasked = gl.maximum(seen - lo, 0) // BLOCK_N
-            slot = ((part * n_blocks + qb) * bh_total + bh) * (2 * BLOCK_M)
-            s_slot = slot - n_blocks * bh_total * (2 * BLOCK_M)   # partition 0 has none: it is in Out
+            slot = ((part * n_blocks + qb) * bh_total + bh) * ROWS
+            s_slot = slot - n_blocks * bh_total * ROWS    # partition 0 has none: it is in Out
             row_end = n_q
             r0 = 0
         # the partition's first key (a walk's tiles add their range's first key)
@@ -198,14 +225,14 @@ if HAS_GLUON:
                 k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 D1: gl.constexpr, CAUSAL: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr,
                 PERSISTENT: gl.constexpr):
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+        ROWS: gl.constexpr = q_bufs.type.shape[0] * q_bufs.type.shape[1]     # consumers x their rows
         if PERSISTENT:
             g = 0                                     # the ring's tiles so far: its slots and phases run on
             for w in range(_rounds(n_blocks * bh_total * parts, CAUSAL)):
                 q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
                     w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
-                    BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
-                # Q's buffers are free once both consumers have their previous item's last S = Q K^T
+                    ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                # Q's buffers are free once every consumer has its previous item's last S = Q K^T
                 mbarrier.wait(q_empty, (w & 1) ^ 1)
                 _load_item(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs,
                            k2_bufs, v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k,
@@ -214,7 +241,7 @@ if HAS_GLUON:
         else:
             q_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
                 0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
-                BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
             _load_item(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
                        v2_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, k_row, v_row, n_k, n_tiles, Ranges,
                        r0, 0, BLOCK_N, STAGES, D1, RANGES, PASA)
@@ -228,12 +255,13 @@ if HAS_GLUON:
         slot use on."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         D0: gl.constexpr = q_desc.block_type.shape[1]
+        NWG: gl.constexpr = q_bufs.type.shape[0]          # consumer warpgroups, a Q buffer each
         # a split head dim: each row's columns [D0, D0 + D1) come by a second copy onto the same barrier
         if D1 > 0:
-            mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q2_desc.block_type.nbytes))
+            mbarrier.expect(q_bar, NWG * (q_desc.block_type.nbytes + q2_desc.block_type.nbytes))
         else:
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        for wg in gl.static_range(2):
+            mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
+        for wg in gl.static_range(NWG):
             tma.async_copy_global_to_shared(q_desc, [q_row + wg * BLOCK_M, 0], q_bar, q_bufs.index(wg))
             if D1 > 0:
                 tma.async_copy_global_to_shared(q2_desc, [q_row + wg * BLOCK_M, D0], q_bar, q2_bufs.index(wg))
@@ -260,7 +288,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_ring_slot(desc, desc2, bufs, bufs2, ready, empty, s, phase, row, D1: gl.constexpr):
-        """One K or V tile into ring slot s once both consumers released it: each row's first D0 columns and
+        """One K or V tile into ring slot s once every consumer released it: each row's first D0 columns and
         (D1 > 0) its next D1, both onto the slot's ready barrier. A slot starts empty: its first wait (phase 1)
         passes at once."""
         mbarrier.wait(empty.index(s), phase ^ 1)
@@ -425,20 +453,20 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
                   v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
-                  causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, WG: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
-                  RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
+                  causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, BLOCK_N: gl.constexpr,
+                  BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
+                  PASA: gl.constexpr, PERSISTENT: gl.constexpr, WG: gl.constexpr):
         """Consumer WG's rows of this program's work items (_work): the plain grid's one, or a persistent
         program's, with the ring's tile count g and the item count carried from one to the next (the ring's slots,
         phases and ping-pong turns run on; Q's barrier flips once per item)."""
-        BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        ROWS: gl.constexpr = q_bufs.type.shape[0] * q_bufs.type.shape[1]     # consumers x their rows
         if PERSISTENT:
             g = 0
             for w in range(_rounds(n_blocks * bh_total * parts, CAUSAL)):
                 o_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
                     w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
-                    BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                    ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
                 _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
                               k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi,
                               n_tiles, n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges,
@@ -448,7 +476,7 @@ if HAS_GLUON:
         else:
             o_row, k_row, v_row, row0, row_end, lo, hi, n_tiles, n_unmasked, slot, s_slot, r0 = _work(
                 0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
-                BLOCK_M, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
+                ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
             _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
                           k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
                           n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, 0, WG,
@@ -461,8 +489,11 @@ if HAS_GLUON:
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
                       RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
-        """One work item of consumer WG: its tiles are the ring's g-th on, its Q the it-th load onto q_bar."""
+        """One work item of consumer WG: its tiles are the ring's g-th on, its Q the it-th load onto q_bar. Two
+        consumers run the overlapped, ping-ponged schedule (the module's docstring), three the plain one
+        (consumers_for)."""
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        NWG: gl.constexpr = q_bufs.type.shape[0]
         HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
         dtype: gl.constexpr = q_bufs.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -493,94 +524,131 @@ if HAS_GLUON:
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_bar, it & 1)
 
-        # tile 0: S_0 alone. Ping-pong: consumer 0 takes the first turn (a fresh mbarrier's phase 1 counts as
-        # complete), then the two alternate, one turn each per tile: turn t of consumer 0 waits for phase
-        # (t & 1) ^ 1, of consumer 1 for t & 1
-        s0 = g % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn_bars.index(WG), (g & 1) ^ (1 - WG))
-        mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
-        qk = warpgroup_mma(q_smem, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if D1 > 0:
-            qk = warpgroup_mma(q2_smem, k2_bufs.index(s0).permute((1, 0)), qk, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn_bars.index(1 - WG), count=1)
-        qk = warpgroup_mma_wait(0, deps=[qk])
-        mbarrier.arrive(k_empty.index(s0), count=1)
-        if PERSISTENT:
-            if n_tiles == 1:
-                mbarrier.arrive(q_empty, count=1)       # the item's last read of Q is done
-        # tile t of key range r: keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi,
-        # causal shift r_shift, masked from its r_unmasked-th tile. A walk (RANGES) steps the cursor through its
-        # table; otherwise the partition is the one range and t the tile index
-        t = 0
-        if RANGES:
-            r = r0
-            r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
-        else:
-            r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
-        p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
-                                             _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
-                                             qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
-        if RANGES:
-            r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles,
-                                                                         r_unmasked)
-
-        for j in range(1, n_tiles):
-            s = (g + j) % STAGES
-            prev = (g + j - 1) % STAGES
+        if NWG == 2:
+            # tile 0: S_0 alone. Ping-pong: consumer 0 takes the first turn (a fresh mbarrier's phase 1 counts as
+            # complete), then the two alternate, one turn each per tile: turn t of consumer 0 waits for phase
+            # (t & 1) ^ 1, of consumer 1 for t & 1
+            s0 = g % STAGES
             if PINGPONG:
-                mbarrier.wait(turn_bars.index(WG), ((g + j) & 1) ^ (1 - WG))
-            mbarrier.wait(k_ready.index(s), ((g + j) // STAGES) & 1)
-            qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(turn_bars.index(WG), (g & 1) ^ (1 - WG))
+            mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
+            qk = warpgroup_mma(q_smem, k_bufs.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if D1 > 0:
-                qk = warpgroup_mma(q2_smem, k2_bufs.index(s).permute((1, 0)), qk, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((g + j - 1) // STAGES) & 1)
-            p16 = p.to(dtype)
-            p_op = gl.convert_layout(p16, p_layout)
-            acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
-            if D1 > 0:
-                p2_op = gl.convert_layout(p16, p2_layout)
-                acc2 = warpgroup_mma(p2_op, v2_bufs.index(prev), acc2, is_async=True)
+                qk = warpgroup_mma(q2_smem, k2_bufs.index(s0).permute((1, 0)), qk, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_bars.index(1 - WG), count=1)
-            # the older groups (S_j) done; O += P V stays in flight through the softmax
-            qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
-            mbarrier.arrive(k_empty.index(s), count=1)
+            qk = warpgroup_mma_wait(0, deps=[qk])
+            mbarrier.arrive(k_empty.index(s0), count=1)
             if PERSISTENT:
-                if j == n_tiles - 1:
-                    mbarrier.arrive(q_empty, count=1)
-            if not RANGES:
-                t = j
+                if n_tiles == 1:
+                    mbarrier.arrive(q_empty, count=1)       # the item's last read of Q is done
+            # tile t of key range r: keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi,
+            # causal shift r_shift, masked from its r_unmasked-th tile. A walk (RANGES) steps the cursor through its
+            # table; otherwise the partition is the one range and t the tile index
+            t = 0
+            if RANGES:
+                r = r0
+                r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
+            else:
+                r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
             p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
                                                  _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
                                                  qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
             if RANGES:
-                r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
-                                                                             r_tiles, r_unmasked)
-            # PASA's fp16 state keeps acc in float16 values: rounded once per window, before the (then exact)
-            # alpha product
+                r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles,
+                                                                             r_unmasked)
+
+            for j in range(1, n_tiles):
+                s = (g + j) % STAGES
+                prev = (g + j - 1) % STAGES
+                if PINGPONG:
+                    mbarrier.wait(turn_bars.index(WG), ((g + j) & 1) ^ (1 - WG))
+                mbarrier.wait(k_ready.index(s), ((g + j) // STAGES) & 1)
+                qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                if D1 > 0:
+                    qk = warpgroup_mma(q2_smem, k2_bufs.index(s).permute((1, 0)), qk, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((g + j - 1) // STAGES) & 1)
+                p16 = p.to(dtype)
+                p_op = gl.convert_layout(p16, p_layout)
+                acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+                if D1 > 0:
+                    p2_op = gl.convert_layout(p16, p2_layout)
+                    acc2 = warpgroup_mma(p2_op, v2_bufs.index(prev), acc2, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+                # the older groups (S_j) done; O += P V stays in flight through the softmax
+                qk = warpgroup_mma_wait(PV_GROUPS, deps=[qk])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                if PERSISTENT:
+                    if j == n_tiles - 1:
+                        mbarrier.arrive(q_empty, count=1)
+                if not RANGES:
+                    t = j
+                p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
+                                                     _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
+                                                     qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
+                if RANGES:
+                    r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
+                                                                                 r_tiles, r_unmasked)
+                # PASA's fp16 state keeps acc in float16 values: rounded once per window, before the (then exact)
+                # alpha product
+                if D1 > 0:
+                    acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
+                    acc2 = _state(acc2, PASA) * gl.convert_layout(alpha, row_o2)[:, None]
+                else:
+                    acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = _state(acc, PASA)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+            last = (g + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
+            p16 = p.to(dtype)
+            p_op = gl.convert_layout(p16, p_layout)
+            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
             if D1 > 0:
+                p2_op = gl.convert_layout(p16, p2_layout)
+                acc2 = warpgroup_mma(p2_op, v2_bufs.index(last), acc2, is_async=True)
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
-                acc2 = _state(acc2, PASA) * gl.convert_layout(alpha, row_o2)[:, None]
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = _state(acc, PASA)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.arrive(v_empty.index(last), count=1)
 
-        last = (g + n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((g + n_tiles - 1) // STAGES) & 1)
-        p16 = p.to(dtype)
-        p_op = gl.convert_layout(p16, p_layout)
-        acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
-        if D1 > 0:
-            p2_op = gl.convert_layout(p16, p2_layout)
-            acc2 = warpgroup_mma(p2_op, v2_bufs.index(last), acc2, is_async=True)
-            acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
         else:
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-        mbarrier.arrive(v_empty.index(last), count=1)
+            # three consumers (consumers_for): no overlap inside a warpgroup and no turns; per tile S_j, its softmax,
+            # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile
+            gl.static_assert(D1 == 0, "three consumers: head dims of one column tile")
+            t = 0
+            if RANGES:
+                r = r0
+                r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
+            else:
+                r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
+            for j in range(n_tiles):
+                s = (g + j) % STAGES
+                phase = ((g + j) // STAGES) & 1
+                mbarrier.wait(k_ready.index(s), phase)
+                qk = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(0, deps=[qk])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                if PERSISTENT:
+                    if j == n_tiles - 1:
+                        mbarrier.arrive(q_empty, count=1)
+                if not RANGES:
+                    t = j
+                p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
+                                                     _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi,
+                                                     r_shift, qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
+                if RANGES:
+                    r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
+                                                                                 r_tiles, r_unmasked)
+                # as above: PASA's fp16 state rounds acc once per window, before the alpha product
+                acc = _state(acc, PASA) * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(v_ready.index(s), phase)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(v_empty.index(s), count=1)
 
         rows_s = gl.arange(0, BLOCK_M, layout=row_s)
         acc = _state(acc, PASA)
@@ -623,33 +691,23 @@ if HAS_GLUON:
                 gl.store(Lse + (o_row + WG * BLOCK_M + rows_s), lse, mask=my_row0 + rows_s < row_end)
 
     @gluon.jit
-    def _consumer_worker(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k,
-                         k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
-                         RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
-        _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
-                  causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, 1, BLOCK_N, BLOCK_D, D1,
-                  STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)
-
-    @gluon.jit
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, Sbuf, Items, Ranges, heads,
                           group, bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width,
                           parts, n_slots, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
                           LSE_MODE: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr,
-                          PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """Work items of 128 query rows q0 + qb * 128 + [0, 128) of head bh (of bh_total) against the keys
-        [part * width, part * width + width) (one partition holding every key: width >= n_k), n_blocks row blocks
-        per head and parts partitions: the plain grid (n_blocks, bh_total, parts) runs one per program; PERSISTENT,
-        a grid of at most one program per SM walks them all (_work has the order). The descriptors q/k/v_desc load
+                          PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          LOADER_REGS: gl.constexpr):
+        """Work items of ROWS = CONSUMERS x 64 query rows q0 + qb * ROWS + [0, ROWS) of head bh (of bh_total) against
+        the keys [part * width, part * width + width) (one partition holding every key: width >= n_k), n_blocks row
+        blocks per head and parts partitions: the plain grid (n_blocks, bh_total, parts) runs one per program;
+        PERSISTENT, a grid of at most one program per SM walks them all (_work has the order). CONSUMERS (2, or 3 at
+        THREE_CONSUMER_DIMS) consumer warpgroups, CONSUMER_REGS registers each. The descriptors q/k/v_desc load
         each row's first D0 columns; with D1 > 0, q2/k2/v2_desc its next D1 (else they are None).
         SUMMARY stores the state in ELSA's phase-1 slots (n_slots slot rows in all; partition 0's partial output in
         out's rows); otherwise out (and the LSE: LSE_MODE 1 natural, 2 ELSA's base 2) is written.
         RANGES (a tile walk, `launch(walk=...)`, never persistent): program (item, bh) takes the rows [start, end)
-        of Items[item] ([*, 4] int32: start, end, first range, tiles; end - start <= 128) and walks the key ranges
+        of Items[item] ([*, 4] int32: start, end, first range, tiles; end - start <= ROWS) and walks the key ranges
         of the Ranges table ([*, 5] int32, tile_walk's) from its first range for its tile count; out and LSE rows
         below end.
         PASA (one partition, out only; 0 = not PASA, else its state: PASA_STATES): k_desc reads PASA's shifted keys
@@ -660,11 +718,11 @@ if HAS_GLUON:
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
 
-        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], q_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_D], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], v_desc.layout)
         if D1 > 0:
-            q2_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D1], q2_desc.layout)
+            q2_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, D1], q2_desc.layout)
             k2_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k2_desc.layout)
             v2_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v2_desc.layout)
         else:                                         # never read: the partitions' arguments need a value
@@ -677,33 +735,59 @@ if HAS_GLUON:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # two consumers' turns
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_empty, count=2)                   # both consumers' last S = Q K^T of an item
+        mbarrier.init(q_empty, count=CONSUMERS)           # every consumer's last S = Q K^T of an item
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)      # both consumers release every buffer
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)      # every consumer releases every buffer
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
         for i in gl.static_range(2):
             mbarrier.init(turn_bars.index(i), count=1)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
-                         causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, 0, BLOCK_N, BLOCK_D, D1,
-                         STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)),
-            (_consumer_worker, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                                k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total,
-                                n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                                BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
-                                PERSISTENT)),
-            (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
-                       v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
-                       bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N, STAGES, D1,
-                       CAUSAL, RANGES, PASA, PERSISTENT)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        # consumer 0 is the default partition, the other consumers and the loader workers. (The partitions' argument
+        # tuples are spelled out: a tuple built once and extended by a consumer's index loses its constexprs.)
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             PERSISTENT, 0)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             PERSISTENT, 1)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             PERSISTENT, 2)),
+                (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
+                           v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
+                           bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N, STAGES, D1,
+                           CAUSAL, RANGES, PASA, PERSISTENT)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             PERSISTENT, 0)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
+                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
+                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             PERSISTENT, 1)),
+                (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
+                           v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
+                           bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts, BLOCK_N, STAGES, D1,
+                           CAUSAL, RANGES, PASA, PERSISTENT)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -759,22 +843,27 @@ def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
 
 def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
            parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
-           pingpong: bool = True, tiles=None, regs=(CONSUMER_REGS, LOADER_REGS), walk=None, pasa_c=None,
+           consumers: int = 2, pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None,
            pasa_state: str = "fp16", persistent: bool | None = None, programs: int | None = None):
-    """One launch over n_blocks blocks of CTA_ROWS query rows from row q0 (work items: row blocks x B * Hq x parts;
-    the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default) `programs`
-    of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition holds
-    every key), on q's device made current by the caller; or, with walk=(items, ranges) (int32 tables on q's device,
-    built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program per
-    item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its
+    """One launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
+    parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default)
+    `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
+    holds every key), on q's device made current by the caller; or, with walk=(items, ranges) (int32 tables on q's
+    device, built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program
+    per item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its
     rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant in the state format) the
-    programs take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv,
-    whole windows of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one
-    partition, out only. Through kernels/_launch.py: after the first call of a signature the compiled kernel is
-    launched directly (the descriptors' TMA maps are built by its launcher).
-    Returns the CompiledKernel."""
+    programs take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv, whole
+    windows of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition,
+    out only. Through kernels/_launch.py: after the first call of a signature the compiled kernel is launched directly
+    (the descriptors' TMA maps are built by its launcher). consumers: the consumer warpgroups of a CTA, 2 or (at
+    THREE_CONSUMER_DIMS) 3 (consumers_for chooses); pingpong: two consumers' turns (three take none); regs: (consumer,
+    loader) registers, REGS' for the consumer count by default. Returns the CompiledKernel."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
+    if consumers not in (2, 3) or (consumers == 3 and d not in THREE_CONSUMER_DIMS):
+        raise ValueError(f"{NAME}: {consumers} consumer warpgroups at head dim {d}: two, or three at head dims "
+                         f"{THREE_CONSUMER_DIMS}")
+    regs = regs or REGS[consumers]
     pasa = 0 if pasa_c is None else PASA_STATES.get(pasa_state)
     if pasa is None:
         raise ValueError(f"{NAME}: pasa_state must be one of {sorted(PASA_STATES)} (got {pasa_state!r})")
@@ -801,16 +890,17 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
         k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, parts, n_slots),
         dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
              LSE_MODE=lse_mode, RANGES=walk is not None,
-             PASA=pasa, PERSISTENT=bool(persistent),
-             CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], num_warps=4))
+             PASA=pasa, PERSISTENT=bool(persistent), CONSUMERS=consumers, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1],
+             num_warps=4))
 
 
-def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = True, tiles=None,
-              regs=(CONSUMER_REGS, LOADER_REGS), return_lse: bool = False, persistent: bool | None = None,
+def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | None = None, pingpong: bool = True,
+              tiles=None, regs=None, return_lse: bool = False, persistent: bool | None = None,
               programs: int | None = None):
     """Softmax attention forward (no autograd) on sm_90: q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D], contiguous,
-    float16 / bfloat16, D in HEAD_DIMS. Causal is bottom-right aligned. tiles=(BLOCK_N, STAGES) overrides
-    TILES, regs=(consumer, loader) the partitions' registers, persistent and programs the launch's grid (launch).
+    float16 / bfloat16, D in HEAD_DIMS. Causal is bottom-right aligned. consumers: the CTA's consumer warpgroups
+    (None: consumers_for's choice), tiles=(BLOCK_N, STAGES) overrides TILES, regs=(consumer, loader) the partitions'
+    registers, persistent and programs the launch's grid (launch).
     Returns out (and the natural-log LSE [B, Hq, Nq] in fp32 with return_lse)."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not available(q, k, v):
@@ -823,9 +913,11 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, pingpong: bool = Tru
     if out.numel() == 0 or shape.len_kv == 0:
         out.zero_()
         return (out, lse.fill_(float("-inf"))) if return_lse else out
+    if consumers is None:
+        consumers = consumers_for(shape.head_dim, q.shape[0] * q.shape[1] * shape.len_q, sm_count(q.device, 1))
     with on_device(q):
         launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
-               n_blocks=triton.cdiv(shape.len_q, CTA_ROWS), parts=1, width=shape.len_kv, n_slots=0, summary=False,
-               lse_mode=1 if return_lse else 0, pingpong=pingpong, tiles=tiles, regs=regs, persistent=persistent,
-               programs=programs)
+               n_blocks=triton.cdiv(shape.len_q, consumers * ROWS_PER_CONSUMER), parts=1, width=shape.len_kv,
+               n_slots=0, summary=False, lse_mode=1 if return_lse else 0, consumers=consumers, pingpong=pingpong,
+               tiles=tiles, regs=regs, persistent=persistent, programs=programs)
     return (out, lse) if return_lse else out

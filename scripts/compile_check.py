@@ -390,7 +390,8 @@ BWD_TILE_CANDIDATES = [(64, 64, 2, 64), (64, 64, 2, 32), (64, 64, 3, 32), (128, 
 
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
-    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not; and the Gluon backward
+    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not, with two consumer warpgroups and (but
+    PASA's) three where the head dim takes them; and the Gluon backward
     (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES, and its Triton prologue. Its Gluon
     API is triton 3.6's: with another triton nothing is compiled (a line says so)."""
     from kernels import _gluon_bwd as gb
@@ -418,17 +419,21 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         # the persistent launch where launch() takes it (PERSISTENT_DIMS: every mode but the walk)
         persist = (False, True) if d in gc.PERSISTENT_DIMS else (False,)
         for causal, mode in itertools.product((False, True), modes):
-            for persistent in persist if mode != "walk" else (False,):
+            # three consumer warpgroups where consumers_for may pick them (never for PASA: kernels/pasa/ops.py)
+            counts = (2, 3) if d in gc.THREE_CONSUMER_DIMS and not mode.startswith("pasa") else (2,)
+            for persistent, consumers in itertools.product(persist if mode != "walk" else (False,), counts):
                 meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
                             SUMMARY=mode == "summary", LSE_MODE={"out": 2, "walk": 1}.get(mode, 0),
                             RANGES=mode == "walk",
                             PASA={"pasa": gc.PASA_STATES["fp16"], "pasa_fp32": gc.PASA_STATES["fp32"]}.get(mode, 0),
-                            PERSISTENT=persistent,
-                            CONSUMER_REGS=gc.CONSUMER_REGS, LOADER_REGS=gc.LOADER_REGS)
+                            PERSISTENT=persistent, CONSUMERS=consumers, CONSUMER_REGS=gc.REGS[consumers][0],
+                            LOADER_REGS=gc.REGS[consumers][1])
+                label = dict(D=d, causal=causal, mode=mode, persistent=persistent, cfg=[block_n, stages])
+                if consumers != 2:
+                    label["consumers"] = consumers
                 jobs.append(Job("gluon_core", "fwd", gc._gluon_fwd_kernel, dtype, meta, 4, 1, {"Out"},
                                 {"Lse", "Sbuf"}, i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"},
-                                descs=descs, gluon=True, label=dict(D=d, causal=causal, mode=mode,
-                                                                    persistent=persistent, cfg=[block_n, stages])))
+                                descs=descs, gluon=True, label=label))
         if d in gb.HEAD_DIMS:
             # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N
             for causal in (False, True):

@@ -283,8 +283,10 @@ def test_gluon_core_compile_check_compiles_or_says_why_not():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     if gc.HAS_GLUON and triton.__version__.startswith(gc.GLUON_VERSION):
         # at D=64 fp16: the forward's five modes (out, ELSA's summary, the walk, PASA with either state; all but
-        # the walk on both grids) and the backward, each causal and not, and the backward's prologue
-        assert "21 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
+        # the walk on both grids) with two consumer warpgroups, the first three with three too, and the backward,
+        # each causal and not, and the backward's prologue
+        assert "31 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
+        assert "consumers=3" in proc.stdout and "warps=16" in proc.stdout
         assert "gluon_core bwd fp16 D=64 causal=True" in proc.stdout
         assert "gluon_core bwd_prologue fp16 D=64: regs=" in proc.stdout
         assert "over sm_90's shared memory" not in proc.stdout

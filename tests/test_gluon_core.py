@@ -78,21 +78,39 @@ def test_backward_not_available_on_the_cpu():
 def test_head_dim_splits_are_whole_wgmma_tiles():
     """What SPLITS and TILES must hold for the kernel to compile and fit, checked without a GPU: each head dim is
     D0 + D1 with power-of-two column tiles (Gluon's register shapes), D1 a multiple of wgmma's K step (16) and
-    narrower than D0, every head dim has tiles, and Q (CTA_ROWS rows) plus the STAGES K and V tiles fit sm_90's
-    227 KB of shared memory."""
+    narrower than D0, every head dim has tiles, and Q (64 rows a consumer warpgroup) plus the STAGES K and V tiles
+    fit sm_90's 227 KB of shared memory with each consumer count the head dim takes; the consumers' and the loader's
+    registers (REGS) fit sm_90's 65,536 a CTA, the loader a warpgroup of its own."""
     assert set(gc.TILES) == set(gc.SPLITS) == set(gc.HEAD_DIMS)
     for d, (d0, d1) in gc.SPLITS.items():
         assert d0 + d1 == d and d0 & (d0 - 1) == 0 and d0 >= 64, d
         assert d1 == 0 or (d1 & (d1 - 1) == 0 and d1 % 16 == 0 and d1 < d0), d
         block_n, stages = gc.TILES[d]
-        assert 2 * (gc.CTA_ROWS * d + stages * 2 * block_n * d) <= 227 * 1024, d
+        for consumers in (2, 3) if d in gc.THREE_CONSUMER_DIMS else (2,):
+            assert 2 * (consumers * gc.ROWS_PER_CONSUMER * d + stages * 2 * block_n * d) <= 227 * 1024, d
+            consumer_regs, loader_regs = gc.REGS[consumers]
+            assert 128 * (consumers * consumer_regs + loader_regs) <= 65536, d
+
+
+def test_three_consumers_where_measured():
+    """Three consumer warpgroups only at THREE_CONSUMER_DIMS and from THREE_CONSUMERS_MIN_ROWS query rows a SM
+    (B=1, H=8: from 16K tokens, not at 4K); ELSA's plan takes the CTA rows that choice gives."""
+    sms, rows = 132, gc.THREE_CONSUMERS_MIN_ROWS * 132
+    assert gc.THREE_CONSUMER_DIMS == (64,)
+    assert gc.consumers_for(64, rows, sms) == 3 and gc.consumers_for(64, rows - 1, sms) == 2
+    assert gc.consumers_for(64, 8 * 16384, sms) == 3 and gc.consumers_for(64, 8 * 4096, sms) == 2
+    assert all(gc.consumers_for(d, 100 * rows, sms) == 2 for d in gc.HEAD_DIMS if d != 64)
+    for d, block_m in ((64, 192), (128, 128)):
+        plan = elsa_config.plan_forward(16384, 16384, 8, d, torch.float16, sms, "", False, False, True, True)
+        assert plan.gluon and plan.block_m == block_m
 
 
 @pytest.mark.parametrize("d", gc.HEAD_DIMS)
 def test_elsa_plan_takes_the_core_only_where_it_can(d):
     plan = elsa_config.plan_forward(8192, 8192, 8, d, torch.float16, 132, "", False, False, True, True)
     assert plan.gluon and not plan.warp_specialize
-    assert (plan.block_m, plan.block_n, plan.num_stages) == (gc.CTA_ROWS, *gc.TILES[d])
+    assert (plan.block_m, plan.block_n, plan.num_stages) == (64 * gc.consumers_for(d, 8 * 8192, 132),
+                                                              *gc.TILES[d])
     assert plan.width % plan.block_n == 0 and plan.parts >= 2
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
@@ -117,8 +135,9 @@ def test_persistent_default_where_measured():
 
 
 def test_launch_refuses_what_it_cannot_run():
-    """A persistent launch of fewer than one program, or of a tile walk, and PASA's step in a state the kernel does
-    not have, are refused with a clear error before anything is built or launched (so on the CPU too)."""
+    """A persistent launch of fewer than one program, or of a tile walk, PASA's step in a state the kernel does not
+    have, and a consumer count the head dim does not take, are refused with a clear error before anything is built
+    or launched (so on the CPU too)."""
     q = torch.zeros(1, 1, 128, 64, dtype=torch.float16)
     common = dict(causal=False, qk_scale=1.0, n_blocks=1, width=128, lse_mode=0, persistent=True)
     with pytest.raises(ValueError, match="at least one program"):
@@ -128,6 +147,11 @@ def test_launch_refuses_what_it_cannot_run():
         gc.launch(q, q, q, q, q, q, walk=walk, **common)
     with pytest.raises(ValueError, match=r"pasa_state must be one of \['fp16', 'fp32'\] \(got 'bf16'\)"):
         gc.launch(q, q, q, q, q, q, pasa_c=63.5, pasa_state="bf16", **common)
+    wide = torch.zeros(1, 1, 128, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"3 consumer warpgroups at head dim 128: two, or three at head dims \(64,\)"):
+        gc.launch(wide, wide, wide, wide, wide, wide, consumers=3, **common)
+    with pytest.raises(ValueError, match="4 consumer warpgroups at head dim 64"):
+        gc.launch(q, q, q, q, q, q, consumers=4, **common)
 
 
 def _case_id(c) -> str:
@@ -187,29 +211,36 @@ def _need_core(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["plain", "no-pingpong", "persistent"])
+@pytest.mark.parametrize("grid", ["plain", "no-pingpong", "persistent", "three-plain", "three-persistent"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_matches_float64(case, dtype, grid):
     """Every case on the plain grid with and without ping-pong, and persistent on 7 programs (several items
-    each, the last round partial; causal rounds alternate direction), whatever persistent_default would pick."""
+    each, the last round partial; causal rounds alternate direction), whatever persistent_default would pick; at
+    THREE_CONSUMER_DIMS with three consumer warpgroups too (192-row CTAs), whatever consumers_for would pick."""
     _need_core("cuda")
     b, hq, hkv, nq, nk, d, causal = case
+    three = grid.startswith("three")
+    if three and d not in gc.THREE_CONSUMER_DIMS:
+        pytest.skip(f"three consumers run at head dims {gc.THREE_CONSUMER_DIMS}")
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, "cuda")
-    out, lse = gc.gluon_fwd(q, k, v, causal, pingpong=grid != "no-pingpong", return_lse=True,
-                            persistent=grid == "persistent", programs=7)
+    out, lse = gc.gluon_fwd(q, k, v, causal, consumers=3 if three else 2, pingpong=grid != "no-pingpong",
+                            return_lse=True, persistent=grid.endswith("persistent"), programs=7)
     _assert_out_and_lse_match_float64(out, lse, q, k, v, causal, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(4, 8, 2, 2048, 2048, 64, True), (3, 8, 8, 3000, 3000, 128, False),
-                                  (3, 8, 1, 777, 1500, 128, True)], ids=_case_id)
+                                  (3, 8, 1, 777, 1500, 128, True), (4, 8, 2, 4000, 4000, 64, False)], ids=_case_id)
 def test_gpu_persistent_on_every_sm(case):
-    """The persistent launch at its default size (one program per SM) over more items than SMs."""
+    """The persistent launch at its default size (one program per SM) over more items than SMs, with the consumer
+    count consumers_for picks (three in the last case)."""
     _need_core("cuda")
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.float16, "cuda")
-    assert -(-nq // gc.CTA_ROWS) * b * hq > torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = 64 * gc.consumers_for(d, b * hq * nq, sms)
+    assert -(-nq // rows) * b * hq > sms
     out, lse = gc.gluon_fwd(q, k, v, causal, return_lse=True, persistent=True)
     _assert_out_and_lse_match_float64(out, lse, q, k, v, causal, torch.float16)
 
@@ -239,6 +270,30 @@ def test_gpu_elsa_phase1_on_the_core(monkeypatch, batch, n, causal, dtype, grid)
     assert plan.plan.gluon
     assert (plan.plan.parts >= 2) == (n >= elsa_config.LONG_N)
     _assert_elsa_matches_float64(q, k, v, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["plain", "persistent"])
+@pytest.mark.parametrize("n, causal", [(8192, False), (8192, True), (3000, True)])
+def test_gpu_elsa_with_three_consumers(monkeypatch, n, causal, grid):
+    """ELSA at D = 64 with 192-row CTAs (three consumer warpgroups, forced at any size): partitions merged by phase 2
+    (8192) or one partition written by phase 1 (3000), plain grid and persistent, bf16, grouped-query, forward and
+    gradients against float64."""
+    _need_core("cuda")
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0)
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
+    monkeypatch.setattr(gc, "persistent_default", lambda *a: grid == "persistent")
+    elsa_config.plan_forward.cache_clear()
+    elsa_host.clear_plans()
+    try:
+        q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 2, n, n, 64, torch.bfloat16, "cuda"))
+        plan = elsa_host.forward_plan(q, k, v, None, causal, 64 ** -0.5, "tf32x3", "", True)
+        assert plan.plan.gluon and plan.plan.block_m == 192
+        assert (plan.plan.parts >= 2) == (n >= elsa_config.LONG_N)
+        _assert_elsa_matches_float64(q, k, v, causal, torch.bfloat16)
+    finally:
+        elsa_config.plan_forward.cache_clear()
+        elsa_host.clear_plans()
 
 
 @pytest.mark.gpu
@@ -287,22 +342,22 @@ def test_gpu_elsa_on_the_core_compiled_and_graphed():
 
 # --- ELSA's host wiring of the core, on the CPU: the core's launch replaced by a float64 emulation of what it writes ---
 
-def _walk_visits(items, ranges, item, n_q, n_k, block_n, causal):
-    """The (row, key) pairs program `item` of a tile walk scores, as the kernel walks them: [CTA_ROWS, n_k] visit
-    counts for its rows row_start + [0, 128) (rows past n_q count nothing). Each tile t of range r is keys
+def _walk_visits(items, ranges, item, n_q, n_k, block_n, causal, cta_rows):
+    """The (row, key) pairs program `item` of a tile walk scores, as the kernel walks them: [cta_rows, n_k] visit
+    counts for its rows row_start + [0, cta_rows) (rows past n_q count nothing). Each tile t of range r is keys
     start + t * block_n + [0, block_n), all of them where t is below the range's unmasked tiles, else those below
     the range's end (and, causal, within the range's shift of the row). A key the kernel would read past the head's
     keys is an error."""
     rs, _, r, n_tiles = (int(x) for x in items[item])
-    rows = torch.arange(rs, rs + gc.CTA_ROWS)
-    counts = torch.zeros(gc.CTA_ROWS, n_k, dtype=torch.int64)
+    rows = torch.arange(rs, rs + cta_rows)
+    counts = torch.zeros(cta_rows, n_k, dtype=torch.int64)
     t = 0
     for _ in range(n_tiles):
         lo, hi, shift, tiles, unmasked = (int(x) for x in ranges[r])
         cols = lo + t * block_n + torch.arange(block_n)
-        keep = torch.ones(gc.CTA_ROWS, block_n, dtype=torch.bool)
+        keep = torch.ones(cta_rows, block_n, dtype=torch.bool)
         if t >= unmasked:
-            keep = (cols[None, :] < hi).expand(gc.CTA_ROWS, -1).clone()
+            keep = (cols[None, :] < hi).expand(cta_rows, -1).clone()
             if causal:
                 keep &= cols[None, :] <= rows[:, None] + shift
         keep &= (rows < n_q)[:, None]
@@ -316,18 +371,19 @@ def _walk_visits(items, ranges, item, n_q, n_k, block_n, causal):
 
 
 def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0=0, n_blocks=0, parts=1, width=0, n_slots=0,
-                     summary=False, lse_mode, walk=None, tiles=None, **_):
-    """What _gluon_fwd_kernel writes, computed in float64: per (row block, head, partition) the state of 128 rows
-    over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in q's dtype, partition
-    0's in out's rows), or out
-    and the base-2 lse (+inf for a row that sees no key); with a tile walk, per (item, head) out and the natural-log
-    lse (-inf) of the item's rows over the keys its walk scores (_walk_visits)."""
+                     summary=False, lse_mode, walk=None, tiles=None, consumers=2, **_):
+    """What _gluon_fwd_kernel writes, computed in float64: per (row block, head, partition) the state of its rows (64
+    a consumer warpgroup) over the partition's keys into ELSA's slots (SUMMARY: fp32 m and l, the normalised output in
+    q's dtype, partition 0's in out's rows), or out and the base-2 lse (+inf for a row that sees no key); with a tile
+    walk, per (item, head) out and the natural-log lse (-inf) of the item's rows over the keys its walk scores
+    (_walk_visits)."""
     if walk is not None:
-        _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, (tiles or gc.TILES[q.shape[-1]])[0])
+        _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, (tiles or gc.TILES[q.shape[-1]])[0],
+                       64 * consumers)
         return
     b_, hq, n_q, d = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
-    rows_per_block = gc.CTA_ROWS
+    rows_per_block = 64 * consumers
     for part, qb, bh in ((p, i, j) for p in range(parts) for i in range(n_blocks) for j in range(b_ * hq)):
         b, h = divmod(bh, hq)
         row0 = q0 + qb * rows_per_block
@@ -364,13 +420,13 @@ def _emulated_launch(q, k, v, out, lse, sbuf, *, causal, qk_scale, q0=0, n_block
                                                     float("inf"))[keep].float()
 
 
-def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n):
+def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n, cta_rows):
     items, ranges = walk
     b_, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     for item in range(items.shape[0]):
         rs, re = int(items[item, 0]), int(items[item, 1])
-        seen = _walk_visits(items, ranges, item, n_q, n_k, block_n, causal)[:re - rs] > 0
+        seen = _walk_visits(items, ranges, item, n_q, n_k, block_n, causal, cta_rows)[:re - rs] > 0
         for bh in range(b_ * hq):
             b, h = divmod(bh, hq)
             x = (q[b, h, rs:re].double() @ k[b, h // (hq // hkv)].double().T) * qk_scale
@@ -390,16 +446,19 @@ def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n):
     dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config={"plan": {"partition_width": 128}}),   # phase 2 merges
     dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config={"plan": {"partition_width": 128}}),    # GQA, bottom-right
     dict(nq=390, nk=260, hq=2, hkv=1, causal=True, config={"plan": {"partition_width": 128}}),    # rows see no key
-    dict(nq=300, nk=300, hq=2, hkv=2, causal=True,
-         config={"plan": {"q_chunk": 128, "partition_width": 128}}),                             # three q-chunks
+    dict(nq=500, nk=500, hq=2, hkv=2, causal=True,
+         config={"plan": {"q_chunk": 128, "partition_width": 128}}),                       # q-chunks of one CTA
     dict(nq=300, nk=300, hq=2, hkv=2, causal=True,
          config={"plan": {"partition_width": 4096}}),                           # one partition: the core writes out
 ], ids=["parts", "gqa-causal", "no-key-rows", "q-chunks", "final"])
-def test_elsa_host_wiring_of_the_core(monkeypatch, case):
-    """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64:
-    the grid, q-chunks, partitions and slot counts the host passes are what phase 2 reads."""
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_elsa_host_wiring_of_the_core(monkeypatch, case, consumers):
+    """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64,
+    with CTAs of two and of three consumer warpgroups (128 and 192 rows): the grid, q-chunks, partitions and slot
+    counts the host passes are what phase 2 reads."""
     monkeypatch.setattr(gc, "available", lambda *a: True)
     monkeypatch.setattr(gc, "launch", _emulated_launch)
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0 if consumers == 3 else 2**40)
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     monkeypatch.setattr(elsa_config, "SHORT_N", 0)
@@ -411,7 +470,10 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case):
         config = elsa_config.canonical_config(case["config"], q.dtype, 64)
         plan = elsa_host.forward_plan(q, k, v, None, case["causal"], 64 ** -0.5, "tf32x3", config, True)
         assert plan.plan.gluon and plan.plan.final == (case["config"]["plan"]["partition_width"] >= case["nk"])
-        assert len(plan.chunks) == (3 if "q_chunk" in case["config"]["plan"] else 1)
+        rows = 64 * consumers
+        assert plan.plan.block_m == rows
+        chunk = -(-case["config"]["plan"].get("q_chunk", case["nq"]) // rows) * rows      # whole CTAs a chunk
+        assert len(plan.chunks) == -(-case["nq"] // chunk)
         out, lse = plan(q, k, v, None)
         ref = reference_attention(q, k, v, causal=case["causal"])
         assert _rel_rms(out, ref) <= TOL[torch.float16]
@@ -439,7 +501,7 @@ def test_tile_walk_masks_exactly_the_keys_a_row_cannot_see(causal):
     causal_off = 7
     items, walk = tile_walk(joined, ranges, block_n, causal, causal_off)
     for item, (rs, re) in enumerate(blocks):
-        counts = _walk_visits(items, walk, item, n, n, block_n, causal)[:re - rs]
+        counts = _walk_visits(items, walk, item, n, n, block_n, causal, 128)[:re - rs]
         expect = torch.zeros(re - rs, n, dtype=torch.int64)
         for lo, hi, delta in ranges:
             keys = torch.arange(lo, hi)
@@ -460,13 +522,14 @@ def test_tile_walk_masks_exactly_the_keys_a_row_cannot_see(causal):
     (300, 300, 2, 1, 7, True, 80),           # causal: ranges past a block's horizon left out; split head dim
     (1000, 1000, 1, 1, 3, True, 128),        # several tiles per range, unmasked ones among them
     (260, 390, 4, 2, 7, True, 96),           # GQA, bottom-right causal
-    (390, 260, 2, 1, 3, True, 64),           # rows that see no key: an empty masked range
+    (390, 260, 2, 1, 3, True, 64),           # rows that see no key: an empty masked range; three consumers
     (200, 700, 2, 2, 13, False, 256),        # Nq != Nk, another chunk count
 ])
 def test_cqsa_resident_forward_walks_every_visible_key_once(monkeypatch, nq, nk, hq, hkv, c, causal, d):
     """The tile walk of CQSA's joined slot waves (schedule.tile_walk) scores every (row, key) pair a row sees
     exactly once and no other (each row in one item), and CQSA's resident forward on it (the core's launch
-    emulated) matches float64 in out and lse."""
+    emulated) matches float64 in out and lse. On the CPU consumers_for counts one SM: 780 rows at D = 64 take
+    three consumer warpgroups (192-row blocks), 600 two."""
     from kernels.cqsa import attention as cqsa_host
     from kernels.cqsa import cqsa_attention
     monkeypatch.setattr(gc, "available", lambda *a: True)
@@ -474,14 +537,16 @@ def test_cqsa_resident_forward_walks_every_visible_key_once(monkeypatch, nq, nk,
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     q, k, v = (t.half() for t in _inputs(1, hq, hkv, nq, nk, d, torch.float32, "cpu", seed=nq + d))
     block_n = gc.TILES[d][0]
-    items, ranges = cqsa_host._walk(nq, nk, c, causal, d, q.device)
+    consumers = gc.consumers_for(d, hq * nq, 1)
+    assert consumers == (3 if (d, hq * nq) == (64, 780) else 2)
+    items, ranges = cqsa_host._walk(nq, nk, c, causal, d, consumers, q.device)
     assert ranges[-1].eq(0).all() and (items[:, 3] >= 1).all()
     rows_seen = torch.zeros(nq, dtype=torch.int64)
     for item in range(items.shape[0]):
         rs, re = int(items[item, 0]), int(items[item, 1])
-        assert 0 < re - rs <= gc.CTA_ROWS
+        assert 0 < re - rs <= 64 * consumers
         rows_seen[rs:re] += 1
-        counts = _walk_visits(items, ranges, item, nq, nk, block_n, causal)[:re - rs]
+        counts = _walk_visits(items, ranges, item, nq, nk, block_n, causal, 64 * consumers)[:re - rs]
         expect = torch.ones(re - rs, nk, dtype=torch.int64)
         if causal:
             expect = (torch.arange(nk)[None, :] <= torch.arange(rs, re)[:, None] + nk - nq).long()
@@ -541,6 +606,18 @@ def test_gpu_cqsa_on_the_core_at_every_head_dim(monkeypatch, d, dtype):
     _need_core("cuda")
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     _cqsa_on_the_core_matches_float64(*_inputs(2, 4, 2, 1531, 1531, d, dtype, "cuda"), True, 7, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cqsa_walk_with_three_consumers(monkeypatch, causal):
+    """CQSA's resident forward on the core's tile walk at D = 64 with 192-row items (three consumer warpgroups,
+    forced): ragged pieces, grouped-query, against float64."""
+    _need_core("cuda")
+    monkeypatch.setattr(gc, "MIN_WORK", 0)
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0)
+    _cqsa_on_the_core_matches_float64(*_inputs(2, 4, 2, 1531, 1531, 64, torch.float16, "cuda"), causal, 7,
+                                      torch.float16)
 
 
 @pytest.mark.gpu

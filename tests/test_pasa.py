@@ -476,7 +476,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert seen["pasa_c"] == float({"fp16": np.float16, "fp32": np.float32}[state](ideal_invariance(beta)))
     assert seen["pasa_state"] == state
     assert seen["qk_scale"] == LOG2E and seen["causal"] == causal and seen["lse_mode"] == 0
-    assert seen["width"] == nk and seen["n_blocks"] == -(-nq // gluon_core.CTA_ROWS)
+    assert seen["width"] == nk and seen["n_blocks"] == -(-nq // 128)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]
@@ -823,8 +823,9 @@ def on_the_core(monkeypatch):
 
 
 def _core_model(q, k, v, causal, d, **kw):
-    """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA."""
-    return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=gluon_core.CTA_ROWS,
+    """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA (PASA runs
+    two consumer warpgroups)."""
+    return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=128,
                         variant="fused", **kw)
 
 

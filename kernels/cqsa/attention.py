@@ -31,7 +31,7 @@ import torch
 from .. import _flash_core as core
 from .. import _gluon_core as gluon_core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
-                       in_place, layout, signature)
+                       in_place, layout, signature, sm_count)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .checks import check_call
 from .kernel import (constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, default_tiles,
@@ -83,13 +83,14 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
-def _walk(n, n_kv, c, causal, head_dim, device):
-    """The joined slot waves of 128-row blocks as the Gluon core's tile walk on the device ((items, ranges):
-    schedule.tile_walk with the core's key tile at this head dim), or None where the waves do not join."""
-    block_n = gluon_core.TILES[head_dim][0]
-    key = ("walk", n, n_kv, c, causal, block_n, device)
+def _walk(n, n_kv, c, causal, head_dim, consumers, device):
+    """The joined slot waves of the Gluon core's row blocks (64 rows a consumer warpgroup) as its tile walk on the
+    device ((items, ranges): schedule.tile_walk with the core's key tile at this head dim), or None where the waves
+    do not join."""
+    rows, block_n = consumers * gluon_core.ROWS_PER_CONSUMER, gluon_core.TILES[head_dim][0]
+    key = ("walk", n, n_kv, c, causal, rows, block_n, device)
     if key not in _tables:
-        sched = resident_schedule(n, c, 1, gluon_core.CTA_ROWS, causal, n_kv, "q")
+        sched = resident_schedule(n, c, 1, rows, causal, n_kv, "q")
         walk = None
         if sched.joined is not None:
             walk = tuple(torch.from_numpy(t).to(device) for t in tile_walk(sched.joined, sched.ranges, block_n, causal,
@@ -125,7 +126,7 @@ class _Forward(LaunchPlan):
 
     Joined waves of 16-bit inputs run on the Gluon Hopper core (kernels/_gluon_core.py) where it takes them (sm_90,
     contiguous inputs, its head dims), from its MIN_WORK and with the default tiles (a ``config`` override keeps
-    this package's kernel): one program per 128-row block walks the block's column ranges of every wave
+    this package's kernel): one program per row block (the core's CTA) walks the block's column ranges of every wave
     (schedule.tile_walk), merging them in registers as the Triton kernel's joined waves do."""
 
     def __init__(self, q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
@@ -141,9 +142,10 @@ class _Forward(LaunchPlan):
         self.walk = None
         if (itr == 1 and gluon_core.available(q, k, v) and B * H * N * Nk * D >= gluon_core.MIN_WORK
                 and tiles == default_tiles(D, q.dtype, q.device.type)):
-            self.walk = _walk(N, Nk, c, causal, D, q.device)
+            consumers = gluon_core.consumers_for(D, B * H * N, sm_count(q.device, 1))
+            self.walk = _walk(N, Nk, c, causal, D, consumers, q.device)
         if self.walk is not None:
-            self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1)
+            self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1, consumers=consumers)
             return
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N

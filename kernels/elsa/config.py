@@ -367,7 +367,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
     gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
     descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least its MIN_WORK,
-    unless the caller overrides the forward tiles (its CTA is 128 query rows, its key tile gluon_core.TILES')."""
+    unless the caller overrides the forward tiles (its CTA is 64 query rows a consumer warpgroup, as many as
+    gluon_core.consumers_for chooses, its key tile gluon_core.TILES')."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
@@ -386,7 +387,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
     if gluon:
-        bm, (bn, stages), warps, ws = gluon_core.CTA_ROWS, gluon_core.TILES[d], 4, False
+        bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, bh * nq, sms)
+        (bn, stages), warps, ws = gluon_core.TILES[d], 4, False
     plan_given = overrides.get("plan", {})
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)

@@ -191,7 +191,8 @@ class _FwdPlan(LaunchPlan):
             grid1 = (QB, c.BH, P)
             if plan.gluon:
                 p1 = _GluonPhase1(causal=causal, qk_scale=c.qk_scale, q0=q0, n_blocks=QB, parts=P, width=W,
-                                  n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0)
+                                  n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0,
+                                  consumers=bm // gluon_core.ROWS_PER_CONSUMER)
             else:
                 p1 = Prepared(_elsa_phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
                                                     c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
@@ -268,7 +269,8 @@ class _FwdPlan(LaunchPlan):
 
 class _GluonPhase1:
     """Phase 1 on the Gluon Hopper core (kernels/_gluon_core.py), called like the Prepared _elsa_phase1 it
-    replaces: the same grid (QB, B*Hq, P) of 128-row blocks, the same summary slots, out and base-2 lse."""
+    replaces: the same grid (QB, B*Hq, P) of the plan's row blocks (the core's CTA), the same summary slots, out
+    and base-2 lse."""
 
     __slots__ = ("fixed",)
     jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None

@@ -236,8 +236,10 @@ class _Forward(LaunchPlan):
         self.head_dim = d
         # the state format's c, as the kernels use it (an fp32 kernel argument either way)
         c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
-        self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // gluon_core.CTA_ROWS), width=len_k,
-                          lse_mode=0, pasa_c=c_state, pasa_state=state)
+        # two consumer warpgroups (launch's default): PASA's step lost without their overlap (gluon_core's
+        # THREE_CONSUMER_DIMS)
+        self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
+                          width=len_k, lse_mode=0, pasa_c=c_state, pasa_state=state)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
