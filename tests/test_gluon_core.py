@@ -246,13 +246,15 @@ def test_gpu_persistent_on_every_sm(case):
 
 
 @pytest.mark.gpu
-def test_gpu_rejects_a_one_percent_scale_error():
-    """The bound is tight enough to see a 1 % error in the softmax scale."""
+@pytest.mark.parametrize("d, consumers", [(128, 2), (64, 3)])
+def test_gpu_rejects_a_one_percent_scale_error(d, consumers):
+    """The bound is tight enough to see a 1 % error in the softmax scale, with two consumer warpgroups and with
+    three."""
     _need_core("cuda")
-    q, k, v = _inputs(1, 4, 4, 2048, 2048, 128, torch.float16, "cuda")
+    q, k, v = _inputs(1, 4, 4, 2048, 2048, d, torch.float16, "cuda")
     ref = reference_attention(q, k, v)
-    assert _rel_rms(gc.gluon_fwd(q, k, v), ref) <= TOL[torch.float16]
-    assert _rel_rms(gc.gluon_fwd(q, k, v, scale=1.01 / 128 ** 0.5), ref) > TOL[torch.float16]
+    assert _rel_rms(gc.gluon_fwd(q, k, v, consumers=consumers), ref) <= TOL[torch.float16]
+    assert _rel_rms(gc.gluon_fwd(q, k, v, scale=1.01 / d ** 0.5, consumers=consumers), ref) > TOL[torch.float16]
 
 
 @pytest.mark.gpu
