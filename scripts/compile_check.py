@@ -8,13 +8,15 @@ line says so (PASA's fused loop with the fp16 state is one: its roundings throug
 core's PASA step had them before kernels/_gluon_core.py's _round16).
 
     python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|gluon_core|all [--json OUT] [--tiles]
-        [--ws-only] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
+        [--ws-only] [--sass] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
 candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
 4/8 warps × 2/3 stages, PASA's sweep candidates, the flash core's (scripts/flash_core_sweep.py), the Gluon
 backward's. Exit 1 if any kernel fails to compile; spills are reported,
-not failed (some are known and allowed: kernels/elsa/NOTES.md).
+not failed (some are known and allowed: kernels/elsa/NOTES.md). ``--sass`` prints each job's SASS digest (the
+``--json`` rows always hold it): the same digest on two trees means the same sm_90 code, so a refactor can be shown
+to change nothing without a GPU.
 
 Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit target) with the arguments
 specialised as a launch on contiguous [B, H, N, D] tensors specialises them (pointers and strides divisible
@@ -28,6 +30,7 @@ past its own. ``--ws-only`` compiles only the warp-specialized variants (quick: 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -155,6 +158,10 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     # in-flight accumulator, or believes it does; in a Gluon kernel that undoes the hand-written GEMM/softmax overlap
     hgmma = sass.count("HGMMA.")
     usage["wgmma_serialized"] = hgmma > 1 and sass.count("WARPGROUP.DEPBAR") >= hgmma
+    # the instructions' digest (cuobjdump's /* offset */ lines, addresses and encodings included): equal digests of
+    # one job on two trees mean the same sm_90 code, which is how a refactor is shown to change nothing
+    code = "\n".join(line for line in sass.splitlines() if line.strip().startswith("/*"))
+    usage["sass_sha256"] = hashlib.sha256(code.encode()).hexdigest()[:16]
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m:
         usage.update(regs=int(m.group(1)), spill_stack=int(m.group(2)))
@@ -470,6 +477,8 @@ def main(argv=None) -> int:
     p.add_argument("--ws-only", action="store_true",
                    help="only the warp-specialized variants (their row double-offset audit, quickly)")
     p.add_argument("--target", default="cuda:90:32", help="backend:arch:warp size")
+    p.add_argument("--sass", action="store_true",
+                   help="print each job's SASS digest too (in --json always): equal on two trees = the same code")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
     dtypes = [x for x in a.dtypes.split(",") if x]
@@ -499,7 +508,8 @@ def main(argv=None) -> int:
                 print(f"{job.kernel} {job.name} {job.dtype} {what}: regs={row.get('regs')} "
                       f"spill_stack={row.get('spill_stack')} shared={row['shared']} warps={row['warps']} wgmma={row['wgmma']} "
                       f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)")
-                      + (" (wgmma serialized by ptxas)" if row["wgmma_serialized"] and not job.gluon else ""), flush=True)
+                      + (" (wgmma serialized by ptxas)" if row["wgmma_serialized"] and not job.gluon else "")
+                      + (f" sass={row['sass_sha256']}" if a.sass else ""), flush=True)
                 for hazard in row["ws_hazards"]:
                     failures += 1
                     print(f"  warp-specialization row double offset: {hazard}", flush=True)

@@ -252,6 +252,24 @@ def test_shipped_warp_specialized_kernels_pass_the_audit():
     assert "2 compiled for cuda:90:32: 0 failed" in proc.stdout and "warps=12" in proc.stdout
 
 
+def test_sass_digest_names_the_code(tmp_path):
+    """--sass / --json: each job's SASS digest is the same when the same tree is compiled again (a refactor that
+    keeps every digest changed no instruction) and differs between two jobs whose code differs (causal or not)."""
+    def digests(name):
+        out = tmp_path / f"{name}.json"
+        proc = subprocess.run([sys.executable, str(REPO / "scripts/compile_check.py"), "--kernel", "flash_core",
+                               "--ws-only", "--dims", "128", "--dtypes", "fp16", "--sass", "--json", str(out)],
+                              capture_output=True, text=True, timeout=600, env=_no_interpreter_env(), cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        rows = json.loads(out.read_text())["rows"]
+        assert all(f"sass={r['sass_sha256']}" in proc.stdout for r in rows)
+        return [r["sass_sha256"] for r in rows]
+
+    first, again = digests("first"), digests("again")
+    assert len(first) == 2 and all(len(d) == 16 and int(d, 16) >= 0 for d in first)
+    assert first == again and first[0] != first[1]
+
+
 def test_short_call_tiles_compile_without_spills():
     """ELSA's short calls' tiles (config.SHORT_ONE_LAUNCH_BWD with Swin's bias gradient, config.WINDOW_FWD_TILES),
     compiled for sm_90 by the installed triton: they compile and spill nothing."""
