@@ -307,6 +307,18 @@ if HAS_GLUON:
         return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), gl.load(entry + 3), gl.load(entry + 4)
 
     @gluon.jit
+    def _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked, RANGES: gl.constexpr):
+        """The consumers' cursor at an item's first tile, (t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked): tile t of
+        key range r holds keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi, causal shift
+        r_shift, masked from its r_unmasked-th tile. A walk (RANGES) starts at its range r0 and steps the cursor
+        through its table (_next_tile); otherwise the partition is the one range and t the tile index."""
+        if RANGES:
+            r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r0)
+        else:
+            r_lo, r_hi, r_shift, r_tiles, r_unmasked = lo, n_k, causal_shift, 0, n_unmasked
+        return 0, r0, r_lo, r_hi, r_shift, r_tiles, r_unmasked
+
+    @gluon.jit
     def _next_tile(Ranges, r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked):
         """The walk's cursor one tile on: tile t + 1 of range r, or tile 0 of range r + 1 (after the last tile it
         reads the table's sentinel row, never used)."""
@@ -542,15 +554,8 @@ if HAS_GLUON:
             if PERSISTENT:
                 if n_tiles == 1:
                     mbarrier.arrive(q_empty, count=1)       # the item's last read of Q is done
-            # tile t of key range r: keys from r_lo + t * BLOCK_N (PASA: from its window's start), bounded by r_hi,
-            # causal shift r_shift, masked from its r_unmasked-th tile. A walk (RANGES) steps the cursor through its
-            # table; otherwise the partition is the one range and t the tile index
-            t = 0
-            if RANGES:
-                r = r0
-                r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
-            else:
-                r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
+            t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked,
+                                                                         RANGES)
             p, m_i, l_i, g_i, alpha = _tile_step(qk, m_i, l_i, g_i, t >= r_unmasked, t, pasa_c,
                                                  _first_key(r_lo, t, r_hi, BLOCK_N, PASA), my_row0, r_hi, r_shift,
                                                  qk_scale, s_layout, BLOCK_M, BLOCK_N, CAUSAL, PASA)
@@ -618,12 +623,8 @@ if HAS_GLUON:
             # three consumers (consumers_for): no overlap inside a warpgroup and no turns; per tile S_j, its softmax,
             # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile
             gl.static_assert(D1 == 0, "three consumers: head dims of one column tile")
-            t = 0
-            if RANGES:
-                r = r0
-                r_lo, r_hi, r_shift, r_tiles, r_unmasked = _range_at(Ranges, r)
-            else:
-                r_lo, r_hi, r_shift, r_unmasked = lo, n_k, causal_shift, n_unmasked
+            t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked,
+                                                                         RANGES)
             for j in range(n_tiles):
                 s = (g + j) % STAGES
                 phase = ((g + j) // STAGES) & 1
