@@ -14,9 +14,9 @@ each consumer runs its two GEMMs and its softmax in sequence. Here the partition
   layout), and the softmax of S_j runs while that second GEMM is in flight;
 - PINGPONG (FA3's inter-warpgroup schedule): the two consumers take turns to issue their GEMMs, handing a token
   through two mbarriers, so one consumer's softmax runs while the other's GEMMs use the tensor cores;
-- at D = 64 with enough work (consumers_for; never for PASA) three consumers instead, 192 query rows a CTA, each
-  running S_j, its softmax and O += P_j V_j in turn with neither overlap nor turns: their softmaxes interleave on
-  the SM while another's GEMMs run.
+- at D = 64, where their items fill the SMs about as well (consumers_for; never for PASA), three consumers
+  instead, 192 query rows a CTA, each running S_j, its softmax and O += P_j V_j in turn with neither overlap nor
+  turns: their softmaxes interleave on the SM while another's GEMMs run.
 
 The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
@@ -57,7 +57,9 @@ host time did not fall everywhere (results/dev/gluon_core/device_descriptors_per
 from __future__ import annotations
 
 import functools
+import heapq
 
+import numpy as np
 import torch
 import triton
 
@@ -89,27 +91,52 @@ ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
 # Consumer warpgroups a CTA: a work item is 64 x that many query rows. Two overlap their GEMMs with their softmax
 # inside each warpgroup and take turns at the tensor cores (the module's docstring). At D = 64 the softmax outlasts
 # the GEMMs it overlaps, and three warpgroups of 160 registers that interleave freely (each S_j, its softmax and
-# O += P_j V_j in turn: S, P and O fit without the overlap's second tile) took, persistent, 0.89-0.97 of two's
-# time alone and in ELSA from 16K tokens on the H200, 0.91 in CQSA's resident walk
-# (results/dev/gluon_core/three_consumers_h200.json; the plain-grid prototype before it, with and without turns:
-# three_consumers_plain_grid_h200.json). With few items a SM their rounds quantise badly (4K, B=1, H=8: 176 items
-# of 192 rows on 132 SMs, 1.3x two's time), and PASA's step, which needs the overlap more, lost with three (16K:
-# 1.25x in its fp16 state, 1.06x hybrid), so three run at THREE_CONSUMER_DIMS from THREE_CONSUMERS_MIN_ROWS query
-# rows (B x Hq x Nq) a SM (consumers_for), PASA on two. At D = 128 three do not fit with 128-key tiles and lost
-# with 64 (the prototype).
+# O += P_j V_j in turn: S, P and O fit without the overlap's second tile) run a query row's keys in 0.91 of two's
+# time: ELSA's forward on the H200 where both counts' items fill their SMs alike (B = 1, H = 8: 6K 0.91, 12K 0.92,
+# 12K causal 0.91; results/dev/gluon_core/three_consumers_rule_h200.json). But a CTA of 192 rows makes 2/3 as many
+# items, and where their last round fills worse, three lose: the core alone at 4K (176 items on 132 SMs: 1.3x two's
+# time, three_consumers_h200.json), CQSA's walk at 12K (1.07x). So consumers_for weighs the busiest SM's work under
+# either count (busiest_sm, from the caller's items) by THREE_CONSUMERS_ROW_TIME. It picks the faster count, or
+# one within 1 %, at all 21 of that file's shapes (ELSA 4K-16K, B x H 8-32, causal, fwd+bwd; CQSA 8K-32K, causal)
+# and at ELSA's, CQSA's and the core's in three_consumers_h200.json but one: the core alone at 16K (1,024 items of
+# 16K keys), where it picks two and three took 0.97 of their time (only gluon_fwd, tests and probes, runs that).
+# PASA's step, which needs the overlap more, lost with three (16K: 1.25x in its fp16 state, 1.06x hybrid) and runs
+# two. At D = 128 three do not fit with 128-key tiles and lost with 64 (three_consumers_plain_grid_h200.json).
 THREE_CONSUMER_DIMS = (64,)
-THREE_CONSUMERS_MIN_ROWS = 768            # four rounds of 192-row items a SM in one partition
+THREE_CONSUMERS_ROW_TIME = 0.91
 # (consumer, loader) registers a thread by consumer count: 2 x 128 x 240 + 128 x 24, 3 x 128 x 160 + 128 x 24
 # (the loader's warpgroup is one warp and three parked ones) within sm_90's 65,536 a CTA
 REGS = {2: (240, 24), 3: (160, 24)}
+# busiest_sm takes the mean from this many items a SM: their last round's rounding is then under 2 %
+FLUID_ROUNDS = 64
 
 
-def consumers_for(d: int, rows: int, sms: int) -> int:
-    """Consumer warpgroups a CTA for an online-softmax call (not PASA's) at head dim d over `rows` query rows
-    (B x Hq x Nq) on `sms` SMs: three at THREE_CONSUMER_DIMS from THREE_CONSUMERS_MIN_ROWS rows a SM, else two."""
-    if d in THREE_CONSUMER_DIMS and rows >= THREE_CONSUMERS_MIN_ROWS * sms:
+def busiest_sm(costs, sms: int) -> float:
+    """The work of the busiest of `sms` SMs when the items (their costs, in launch order) each go to the SM that is
+    free first, one CTA a SM: the plain grid's hardware scheduler, and for items of one cost the persistent launch's
+    rounds. From FLUID_ROUNDS items a SM, the mean."""
+    costs = np.asarray(costs, dtype=np.float64).ravel()
+    if costs.size >= FLUID_ROUNDS * sms:
+        return float(costs.sum()) / sms
+    loads = [0.0] * min(sms, max(costs.size, 1))
+    for cost in costs.tolist():
+        heapq.heapreplace(loads, loads[0] + cost)
+    return max(loads)
+
+
+def consumers_for(d: int, busiest) -> int:
+    """Consumer warpgroups a CTA for an online-softmax call (not PASA's) at head dim d: three at THREE_CONSUMER_DIMS
+    where their busiest SM's work, weighed by THREE_CONSUMERS_ROW_TIME, is below two's, else two. busiest(consumers):
+    the caller's busiest_sm of its items (query rows x keys each) with CTAs of 64 x consumers rows."""
+    if d in THREE_CONSUMER_DIMS and THREE_CONSUMERS_ROW_TIME * busiest(3) < busiest(2):
         return 3
     return 2
+
+
+def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int) -> int:
+    """consumers_for of gluon_fwd's items: each row block of each of the bh heads against every key."""
+    return consumers_for(d, lambda c: busiest_sm(
+        [c * ROWS_PER_CONSUMER * len_kv] * (-(-len_q // (c * ROWS_PER_CONSUMER)) * bh), sms))
 
 
 # (BLOCK_N, STAGES) per head dim: shared memory holds Q (64 rows a consumer x D) and STAGES K and V tiles (<= 227
@@ -900,7 +927,7 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | Non
               programs: int | None = None):
     """Softmax attention forward (no autograd) on sm_90: q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D], contiguous,
     float16 / bfloat16, D in HEAD_DIMS. Causal is bottom-right aligned. consumers: the CTA's consumer warpgroups
-    (None: consumers_for's choice), tiles=(BLOCK_N, STAGES) overrides TILES, regs=(consumer, loader) the partitions'
+    (None: core_consumers' choice), tiles=(BLOCK_N, STAGES) overrides TILES, regs=(consumer, loader) the partitions'
     registers, persistent and programs the launch's grid (launch).
     Returns out (and the natural-log LSE [B, Hq, Nq] in fp32 with return_lse)."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
@@ -915,7 +942,8 @@ def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | Non
         out.zero_()
         return (out, lse.fill_(float("-inf"))) if return_lse else out
     if consumers is None:
-        consumers = consumers_for(shape.head_dim, q.shape[0] * q.shape[1] * shape.len_q, sm_count(q.device, 1))
+        consumers = core_consumers(shape.head_dim, q.shape[0] * q.shape[1], shape.len_q, shape.len_kv,
+                                   sm_count(q.device, 1))
     with on_device(q):
         launch(q, k, v, out, lse, out, causal=causal, qk_scale=scale * LOG2E, q0=0,
                n_blocks=triton.cdiv(shape.len_q, consumers * ROWS_PER_CONSUMER), parts=1, width=shape.len_kv,

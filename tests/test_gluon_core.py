@@ -92,25 +92,57 @@ def test_head_dim_splits_are_whole_wgmma_tiles():
             assert 128 * (consumers * consumer_regs + loader_regs) <= 65536, d
 
 
+def test_busiest_sm_hands_each_item_to_the_first_free_sm():
+    """busiest_sm: items of one cost fill ceil(n / sms) rounds; mixed costs go to the SM that frees first (in launch
+    order, so a long item last lands on top of a full SM); from FLUID_ROUNDS items a SM, the mean."""
+    assert gc.busiest_sm([5] * 264, 132) == 10 and gc.busiest_sm([5] * 265, 132) == 15
+    assert gc.busiest_sm([5] * 3, 132) == 5 and gc.busiest_sm([], 4) == 0
+    assert gc.busiest_sm([4, 1, 1, 1, 4], 2) == 7        # 4 | 1 + 1 + 1, then the last 4 on the SM at 3
+    n = gc.FLUID_ROUNDS * 132
+    assert gc.busiest_sm([2] * (n - 2) + [3], 132) == 129   # below: two SMs at 126 when the 3 comes, one takes it
+    assert gc.busiest_sm([2] * n + [133], 132) == pytest.approx((2 * n + 133) / 132)   # from it: the mean
+
+
 def test_three_consumers_where_measured():
-    """Three consumer warpgroups only at THREE_CONSUMER_DIMS and from THREE_CONSUMERS_MIN_ROWS query rows a SM
-    (B=1, H=8: from 16K tokens, not at 4K); ELSA's plan takes the CTA rows that choice gives."""
-    sms, rows = 132, gc.THREE_CONSUMERS_MIN_ROWS * 132
+    """The consumer count at the shapes of results/dev/gluon_core/three_consumers_rule_h200.json (132 SMs, D = 64):
+    ELSA's forward (B = 1, H = 8) three at 6K, 12K and 16K and causal 8K, two at 8K (a tie: three's items fill
+    their rounds 12.5 % worse); CQSA's walk three at 8K and 16K, two at 12K; the core alone (gluon_fwd) two at 4K,
+    three at 64K (three_consumers_h200.json); never at another head dim. The rule moves with
+    THREE_CONSUMERS_ROW_TIME: at 0.93 ELSA's causal 8K takes two (three measured 0.98 of two's time), at 0.88 its
+    8K three (measured 1.00)."""
+    from kernels.cqsa import attention as cqsa_host
+
+    def elsa_rows(n, causal=False, d=64, bh=8):
+        elsa_config.plan_forward.cache_clear()
+        plan = elsa_config.plan_forward(n, n, bh, d, torch.float16, 132, "", causal, False, True, True)
+        assert plan.gluon
+        return plan.block_m
+
     assert gc.THREE_CONSUMER_DIMS == (64,)
-    assert gc.consumers_for(64, rows, sms) == 3 and gc.consumers_for(64, rows - 1, sms) == 2
-    assert gc.consumers_for(64, 8 * 16384, sms) == 3 and gc.consumers_for(64, 8 * 4096, sms) == 2
-    assert all(gc.consumers_for(d, 100 * rows, sms) == 2 for d in gc.HEAD_DIMS if d != 64)
-    for d, block_m in ((64, 192), (128, 128)):
-        plan = elsa_config.plan_forward(16384, 16384, 8, d, torch.float16, sms, "", False, False, True, True)
-        assert plan.gluon and plan.block_m == block_m
+    try:
+        assert [elsa_rows(n) for n in (6144, 8192, 12288, 16384)] == [192, 128, 192, 192]
+        assert elsa_rows(8192, causal=True) == 192 and elsa_rows(12288, causal=True) == 192
+        assert elsa_rows(8192, bh=16) == 192 and elsa_rows(4096, bh=32) == 192
+        assert all(elsa_rows(16384, d=d) == 128 for d in gc.HEAD_DIMS if d != 64)
+        cqsa = {n: cqsa_host._walk_consumers(n, n, 7, False, 64, 8, 132) for n in (8192, 12288, 16384)}
+        assert cqsa == {8192: 3, 12288: 2, 16384: 3}
+        assert gc.core_consumers(64, 8, 4096, 4096, 132) == 2 and gc.core_consumers(64, 8, 65536, 65536, 132) == 3
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0.93)
+            assert elsa_rows(8192, causal=True) == 128
+            mp.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0.88)
+            assert elsa_rows(8192) == 192
+    finally:
+        elsa_config.plan_forward.cache_clear()
 
 
 @pytest.mark.parametrize("d", gc.HEAD_DIMS)
 def test_elsa_plan_takes_the_core_only_where_it_can(d):
     plan = elsa_config.plan_forward(8192, 8192, 8, d, torch.float16, 132, "", False, False, True, True)
     assert plan.gluon and not plan.warp_specialize
-    assert (plan.block_m, plan.block_n, plan.num_stages) == (64 * gc.consumers_for(d, 8 * 8192, 132),
-                                                              *gc.TILES[d])
+    # 8K at B x H = 8: two consumer warpgroups at every head dim (at D = 64 three's items would fill their rounds
+    # 12.5 % worse: test_three_consumers_where_measured)
+    assert (plan.block_m, plan.block_n, plan.num_stages) == (128, *gc.TILES[d])
     assert plan.width % plan.block_n == 0 and plan.parts >= 2
     for args in [(8192, 8192, 8, d, torch.float16, 132, "", False, True, True, True),     # a bias
                  (8192, 8192, 8, d, torch.float32, 132, "", False, False, True, True),    # float32
@@ -234,12 +266,12 @@ def test_gpu_matches_float64(case, dtype, grid):
                                   (3, 8, 1, 777, 1500, 128, True), (4, 8, 2, 4000, 4000, 64, False)], ids=_case_id)
 def test_gpu_persistent_on_every_sm(case):
     """The persistent launch at its default size (one program per SM) over more items than SMs, with the consumer
-    count consumers_for picks (three in the last case)."""
+    count gluon_fwd picks (core_consumers: three in the last case)."""
     _need_core("cuda")
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.float16, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = 64 * gc.consumers_for(d, b * hq * nq, sms)
+    rows = 64 * gc.core_consumers(d, b * hq, nq, nk, sms)
     assert -(-nq // rows) * b * hq > sms
     out, lse = gc.gluon_fwd(q, k, v, causal, return_lse=True, persistent=True)
     _assert_out_and_lse_match_float64(out, lse, q, k, v, causal, torch.float16)
@@ -282,7 +314,7 @@ def test_gpu_elsa_with_three_consumers(monkeypatch, n, causal, grid):
     (8192) or one partition written by phase 1 (3000), plain grid and persistent, bf16, grouped-query, forward and
     gradients against float64."""
     _need_core("cuda")
-    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0)
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0)
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     monkeypatch.setattr(gc, "persistent_default", lambda *a: grid == "persistent")
     elsa_config.plan_forward.cache_clear()
@@ -460,7 +492,7 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case, consumers):
     counts the host passes are what phase 2 reads."""
     monkeypatch.setattr(gc, "available", lambda *a: True)
     monkeypatch.setattr(gc, "launch", _emulated_launch)
-    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0 if consumers == 3 else 2**40)
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0 if consumers == 3 else 2**40)
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     monkeypatch.setattr(elsa_config, "SHORT_N", 0)
@@ -530,8 +562,8 @@ def test_tile_walk_masks_exactly_the_keys_a_row_cannot_see(causal):
 def test_cqsa_resident_forward_walks_every_visible_key_once(monkeypatch, nq, nk, hq, hkv, c, causal, d):
     """The tile walk of CQSA's joined slot waves (schedule.tile_walk) scores every (row, key) pair a row sees
     exactly once and no other (each row in one item), and CQSA's resident forward on it (the core's launch
-    emulated) matches float64 in out and lse. On the CPU consumers_for counts one SM: 780 rows at D = 64 take
-    three consumer warpgroups (192-row blocks), 600 two."""
+    emulated) matches float64 in out and lse. On the CPU the consumer count weighs one SM's work: the 780 rows at
+    D = 64 take three consumer warpgroups (192-row blocks: 2304 row-tiles against two's 3072), the 600 two."""
     from kernels.cqsa import attention as cqsa_host
     from kernels.cqsa import cqsa_attention
     monkeypatch.setattr(gc, "available", lambda *a: True)
@@ -539,7 +571,7 @@ def test_cqsa_resident_forward_walks_every_visible_key_once(monkeypatch, nq, nk,
     monkeypatch.setattr(gc, "MIN_WORK", 0)
     q, k, v = (t.half() for t in _inputs(1, hq, hkv, nq, nk, d, torch.float32, "cpu", seed=nq + d))
     block_n = gc.TILES[d][0]
-    consumers = gc.consumers_for(d, hq * nq, 1)
+    consumers = cqsa_host._walk_consumers(nq, nk, c, causal, d, hq, 1)
     assert consumers == (3 if (d, hq * nq) == (64, 780) else 2)
     items, ranges = cqsa_host._walk(nq, nk, c, causal, d, consumers, q.device)
     assert ranges[-1].eq(0).all() and (items[:, 3] >= 1).all()
@@ -617,7 +649,7 @@ def test_gpu_cqsa_walk_with_three_consumers(monkeypatch, causal):
     forced): ragged pieces, grouped-query, against float64."""
     _need_core("cuda")
     monkeypatch.setattr(gc, "MIN_WORK", 0)
-    monkeypatch.setattr(gc, "THREE_CONSUMERS_MIN_ROWS", 0)
+    monkeypatch.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0)
     _cqsa_on_the_core_matches_float64(*_inputs(2, 4, 2, 1531, 1531, 64, torch.float16, "cuda"), causal, 7,
                                       torch.float16)
 

@@ -26,6 +26,10 @@ autograd layer is kernels/_ops.py's pattern.
 """
 from __future__ import annotations
 
+import functools
+import math
+
+import numpy as np
 import torch
 
 from .. import _flash_core as core
@@ -83,20 +87,38 @@ def _schedule(n, n_kv, c, itr, causal, tiles, head_dim, precision, device, backw
     return t
 
 
+@functools.lru_cache(maxsize=64)
+def _host_walk(n, n_kv, c, causal, rows, block_n):
+    """The joined slot waves as the Gluon core's tile walk over row blocks of `rows` with `block_n`-key tiles (numpy
+    (items, ranges): schedule.tile_walk), or None where the waves do not join."""
+    sched = resident_schedule(n, c, 1, rows, causal, n_kv, "q")
+    if sched.joined is None:
+        return None
+    return tile_walk(sched.joined, sched.ranges, block_n, causal, n_kv - n)
+
+
 def _walk(n, n_kv, c, causal, head_dim, consumers, device):
-    """The joined slot waves of the Gluon core's row blocks (64 rows a consumer warpgroup) as its tile walk on the
-    device ((items, ranges): schedule.tile_walk with the core's key tile at this head dim), or None where the waves
-    do not join."""
+    """_host_walk of the Gluon core's row blocks (64 rows a consumer warpgroup) and key tile at this head dim, on the
+    device, or None where the waves do not join."""
     rows, block_n = consumers * gluon_core.ROWS_PER_CONSUMER, gluon_core.TILES[head_dim][0]
     key = ("walk", n, n_kv, c, causal, rows, block_n, device)
     if key not in _tables:
-        sched = resident_schedule(n, c, 1, rows, causal, n_kv, "q")
-        walk = None
-        if sched.joined is not None:
-            walk = tuple(torch.from_numpy(t).to(device) for t in tile_walk(sched.joined, sched.ranges, block_n, causal,
-                                                                          n_kv - n))
-        _tables.put(key, walk)
+        walk = _host_walk(n, n_kv, c, causal, rows, block_n)
+        _tables.put(key, None if walk is None else tuple(torch.from_numpy(t).to(device) for t in walk))
     return _tables[key]
+
+
+def _walk_consumers(n, n_kv, c, causal, head_dim, heads, sms) -> int:
+    """The core's consumer warpgroups for this walk on `sms` SMs (gluon_core.consumers_for): its items' tiles times
+    their rows, one item a CTA in the launch's order (items fastest, then the B x H heads)."""
+    block_n = gluon_core.TILES[head_dim][0]
+
+    def busiest(consumers):
+        rows = consumers * gluon_core.ROWS_PER_CONSUMER
+        walk = _host_walk(n, n_kv, c, causal, rows, block_n)
+        return math.inf if walk is None else gluon_core.busiest_sm(np.tile(walk[0][:, 3] * rows, heads), sms)
+
+    return gluon_core.consumers_for(head_dim, busiest)
 
 
 def _launches(kernel, tables, programs: int, fixed: tuple, consts: dict) -> list:
@@ -142,7 +164,7 @@ class _Forward(LaunchPlan):
         self.walk = None
         if (itr == 1 and gluon_core.available(q, k, v) and B * H * N * Nk * D >= gluon_core.MIN_WORK
                 and tiles == default_tiles(D, q.dtype, q.device.type)):
-            consumers = gluon_core.consumers_for(D, B * H * N, sm_count(q.device, 1))
+            consumers = _walk_consumers(N, Nk, c, causal, D, B * H, sm_count(q.device, 1))
             self.walk = _walk(N, Nk, c, causal, D, consumers, q.device)
         if self.walk is not None:
             self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1, consumers=consumers)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import _flash_core as core
@@ -386,10 +387,28 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         bm, bn, warps, stages = WINDOW_FWD_TILES[(cls, bd)]
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
-    if gluon:
-        bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, bh * nq, sms)
-        (bn, stages), warps, ws = gluon_core.TILES[d], 4, False
     plan_given = overrides.get("plan", {})
+    if gluon:
+        (bn, stages), warps, ws = gluon_core.TILES[d], 4, False
+
+        def busiest(consumers):
+            rows = gluon_core.ROWS_PER_CONSUMER * consumers
+            return _busiest_sm_work(nq, nk, bh, rows, bn, *_partitions(nq, nk, bh, rows, bn, d, dtype, sms,
+                                                                      plan_given), causal, sms)
+
+        bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, busiest)
+    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given)
+    rows = min(PHASE2_ROWS[cls][bd], bm)
+    kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
+
+
+def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torch.dtype, sms: int,
+                plan_given: dict) -> tuple[int, int, int]:
+    """(W, P, q_chunk) of a forward with bm-row blocks and bn-key tiles: config's plan overrides where given, else
+    one partition below LONG_N keys and enough for TARGET_WAVES waves from it; q-chunks within the summary budget
+    but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk)."""
+    cls = dtype_class(dtype)
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
     elif nk < LONG_N:
@@ -412,10 +431,25 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         qc_parallel = bm * -(-CHUNK_MIN_WAVES[cls] * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
         qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms) * bm
-    qc = min(qc, all_rows)
-    rows = min(PHASE2_ROWS[cls][bd], bm)
-    kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
+    return width, parts, min(qc, all_rows)
+
+
+def _busiest_sm_work(nq: int, nk: int, bh: int, bm: int, bn: int, width: int, parts: int, q_chunk: int,
+                     causal: bool, sms: int) -> float:
+    """The busiest SM's work (query rows x keys) in phase 1 on the Gluon core, its q-chunks' launches one after
+    the other: each chunk's items (bm rows of a head against one partition; causal, the keys up to the rows'
+    horizon, at least one tile) in the plain grid's order (query blocks fastest, the longest first when causal),
+    gluon_core.busiest_sm."""
+    total = 0.0
+    lo = np.arange(parts)[:, None] * width
+    for q0 in range(0, nq, q_chunk):
+        r0 = q0 + np.arange(-(-min(q_chunk, nq - q0) // bm))[None, :] * bm
+        hi = np.minimum(lo + width, nk)
+        if causal:
+            hi = np.minimum(hi, r0 + bm + (nk - nq))[:, ::-1]
+        keys = np.broadcast_to(np.maximum(hi - lo, bn), (parts, r0.shape[1]))
+        total += gluon_core.busiest_sm(np.broadcast_to(bm * keys[:, None, :], (parts, bh, r0.shape[1])), sms)
+    return total
 
 
 def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms: int) -> int:
