@@ -179,7 +179,7 @@ BIAS_UNIT_STRIDE = {"sbj": 1}
 def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels import _flash_core as core
     from kernels._common import block_d
-    from kernels.elsa import config
+    from kernels.elsa import config, gluon_phase1
     from kernels.elsa import kernel as K
 
     fp32_ptrs = {"Lse", "Delta", "dS", "Sbuf"}
@@ -221,6 +221,23 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                     label["final"] = True
                 jobs.append(Job("elsa", name, fn, dtype, meta, w, st, ptrs, fp32_ptrs, floats={"qk_scale", "sm_scale"},
                                 div16=stride, label=label))
+        if not tiles and fp32 and d in gluon_phase1.HEAD_DIMS:
+            if not (gluon_phase1.HAS_GLUON and triton.__version__.startswith(gluon_phase1.GLUON_VERSION)):
+                print(f"elsa phase1_tf32: written for triton {gluon_phase1.GLUON_VERSION}'s Gluon, this is "
+                      f"{triton.__version__}: skipped", flush=True)
+            else:
+                # float32's phase 1 on wgmma (kernels/elsa/gluon_phase1.py), with summaries and as the single
+                # partition, causal and not, with ragged key tiles
+                for final in (False, True):
+                    meta = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=gluon_phase1.BLOCK_M, BLOCK_N=gluon_phase1.TILES[d],
+                                CAUSAL=final, HAS_BIAS=False, FOLD_Q=True, SCALE_IN_EXP=False, DOT_PREC="tf32x3",
+                                FINAL=final, STORE_LSE=True, KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False)
+                    label = dict(D=d, cfg=[gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1])
+                    if final:
+                        label.update(final=True, causal=True)
+                    jobs.append(Job("elsa", "phase1_tf32", gluon_phase1._elsa_phase1_tf32, dtype, meta,
+                                    gluon_phase1.NUM_WARPS, 1, ptrs, fp32_ptrs, floats={"qk_scale"}, div16=stride,
+                                    label=label, gluon=True))
         if not tiles and not fp32:
             # the 16-bit backward in one launch (config.backward_launches): both jobs' tiles, the larger warp count,
             # the smaller stage count; the table's, and the short calls' (config.SHORT_ONE_LAUNCH_BWD) with Swin's

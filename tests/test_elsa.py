@@ -15,6 +15,8 @@ import torch
 from kernels._common import HEAD_DIMS
 from kernels.elsa import BACKENDS, elsa_attention, trace_launches
 from kernels.elsa import config as elsa_config
+from kernels.elsa import gluon_phase1
+from kernels.elsa import host as elsa_host
 from kernels.elsa import ops
 from kernels.elsa.config import dtype_class, plan_forward
 from kernels.reference import reference_attention
@@ -972,6 +974,51 @@ def test_gpu_decode_and_prefill_lengths():
         out = elsa_attention(q, k, v, causal=True)
         rows = torch.arange(0, nq, max(1, nq // 64), device=dev)
         assert _max_err(out[:, :, rows], _rows_reference(q, k, v, True, rows)) <= FWD_TOL[torch.float16]
+
+
+def test_float32_phase1_on_wgmma_only_where_it_can():
+    """The plan runs float32's phase 1 on wgmma (gluon_phase1) for tf32x3 calls the host says it can take, without a
+    bias, at its head dims, from its MIN_WORK and without a forward tile override; its CTA is 128 rows, and the
+    partitions and q-chunks are planned for them as for any phase 1."""
+    def plan(nq=16384, d=128, dtype=torch.float32, config="", bias=False, capable=True):
+        return plan_forward(nq, nq, 8, d, dtype, 132, config, False, bias, False, False, capable)
+
+    assert gluon_phase1.TAKEN_DIMS == (64,)
+    p = plan(d=64)
+    assert p.tf32_gluon and not p.gluon and p.parts >= 2
+    assert (p.block_m, p.block_n, p.num_warps) == (128, gluon_phase1.TILES[64], gluon_phase1.NUM_WARPS)
+    assert p.q_chunk % 128 == 0 and p.width % p.block_n == 0
+    assert plan(nq=6144, d=64).tf32_gluon and not plan(nq=4096, d=64).tf32_gluon    # from 2^34 of work
+    for p in (plan(capable=False), plan(d=64, dtype=torch.float16), plan(d=64, bias=True), plan(d=128), plan(d=96),
+              plan(d=64, config=elsa_config.canonical_config({"fwd": {"BLOCK_M": 32}}, torch.float32, 64))):
+        assert not p.tf32_gluon
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq, hkv, nq, nk", [(4, 2, 4100, 4200), (2, 2, 1500, 700)], ids=["parts", "final"])
+def test_gpu_float32_phase1_on_wgmma(monkeypatch, D, causal, hq, hkv, nq, nk):
+    """ELSA's float32 forward with phase 1 on tf32x3 wgmma (gluon_phase1, its MIN_WORK set to 0 so these shapes take
+    it, and at D = 128 too, which the plan does not take by default): two partitions merged by phase 2 (4200 keys)
+    or one written by phase 1 (700), grouped K/V, ragged query and key tiles, causal and not; out and gradients
+    against float64 within float32's tolerances, which a 1 % error in the softmax scale breaks."""
+    dev = torch.device("cuda")
+    if not gluon_phase1.eligible(torch.empty(1, 1, 1, D, device=dev)):
+        pytest.skip("needs triton 3.6's Gluon and an sm_90 GPU")
+    monkeypatch.setattr(gluon_phase1, "MIN_WORK", 0)
+    monkeypatch.setattr(gluon_phase1, "TAKEN_DIMS", gluon_phase1.HEAD_DIMS)
+    elsa_config.plan_forward.cache_clear()
+    elsa_host.clear_plans()
+    try:
+        q, k, v = _qkv(1, hq, hkv, nq, nk, D, torch.float32, dev)
+        plan = elsa_host.forward_plan(q, k, v, None, causal, D ** -0.5, "tf32x3", "", True).plan
+        assert plan.tf32_gluon and (plan.parts >= 2) == (nk >= elsa_config.LONG_N)
+        _assert_exact(q, k, v, causal)
+        assert _check(q, k, v, causal, grad=False, scale=1.01 / math.sqrt(D), ref_scale=1 / math.sqrt(D)) > 1.0
+    finally:
+        elsa_config.plan_forward.cache_clear()
+        elsa_host.clear_plans()
 
 
 @pytest.mark.gpu

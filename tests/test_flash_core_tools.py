@@ -287,6 +287,29 @@ def test_short_call_tiles_compile_without_spills():
         assert line is not None and " spill_stack=0 " in line, (job, proc.stdout[-2000:])
 
 
+def test_elsa_float32_on_wgmma_compiles_or_says_why_not():
+    """scripts/compile_check.py --kernel elsa at float32 D = 128: with triton 3.6 ELSA's phase 1 on wgmma
+    (kernels/elsa/gluon_phase1.py) compiles for sm_90 with summaries and as the single partition, within shared
+    memory and spilling at most 40 bytes; with another triton one line says why it is not compiled."""
+    import triton
+
+    from kernels.elsa import gluon_phase1
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/compile_check.py"), "--kernel", "elsa",
+                           "--dims", "128", "--dtypes", "fp32"], capture_output=True, text=True, timeout=600,
+                          env=_no_interpreter_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if gluon_phase1.HAS_GLUON and triton.__version__.startswith(gluon_phase1.GLUON_VERSION):
+        lines = [row for row in proc.stdout.splitlines() if row.startswith("elsa phase1_tf32 fp32 D=128 ")]
+        assert len(lines) == 2 and any("final=True" in row for row in lines), proc.stdout[-2000:]
+        for row in lines:
+            assert "over sm_90's shared memory" not in row and " wgmma=60 " in row, row
+            assert int(row.split("spill_stack=")[1].split()[0]) <= 40, row
+    else:
+        assert (f"elsa phase1_tf32: written for triton {gluon_phase1.GLUON_VERSION}'s Gluon, this is "
+                f"{triton.__version__}: skipped") in proc.stdout
+
+
 def test_gluon_core_compile_check_compiles_or_says_why_not():
     """scripts/compile_check.py --kernel gluon_core: with triton 3.6 (the H100's; the Gluon API the core is written
     against) every shipped variant, the backward's too, compiles for sm_90 and fits its shared memory; with another

@@ -27,6 +27,7 @@ import torch
 from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
+from . import gluon_phase1
 from .._common import block_d, tile_config
 from .._tuning import TuningFileError, parse_dim_key, read_configs
 
@@ -346,6 +347,7 @@ class FwdPlan:
     p2_kbt: int
     warp_specialize: bool = False   # phase 1 runs the flash core's warp-specialized loop
     gluon: bool = False             # phase 1 runs the Gluon Hopper core (kernels/_gluon_core.py)
+    tf32_gluon: bool = False        # float32 phase 1 runs on wgmma (gluon_phase1.py)
 
     @property
     def final(self) -> bool:
@@ -360,7 +362,7 @@ def _next_pow2(x: int) -> int:
 @functools.lru_cache(maxsize=1024)   # a pure function of its arguments
 def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "",
                  causal: bool = False, bias: bool = False, ws_capable: bool = False,
-                 gluon_capable: bool = False) -> FwdPlan:
+                 gluon_capable: bool = False, tf32_capable: bool = False) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
     streaming multiprocessors; ``config`` a canonical override string (canonical_config); ws_capable: the call's
     tensors and device can take the flash core's warp-specialized loop (core.warp_specialize_ok with descriptors).
@@ -369,12 +371,16 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
     descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least its MIN_WORK,
     unless the caller overrides the forward tiles (its CTA is 64 query rows a consumer warpgroup, as many as
-    gluon_core.consumers_for chooses, its key tile gluon_core.TILES')."""
+    gluon_core.consumers_for chooses, its key tile gluon_core.TILES'). tf32_capable: float32 inputs with tf32x3
+    products on a GPU gluon_phase1 takes; phase 1 then runs it without a bias, at its TAKEN_DIMS, from its MIN_WORK,
+    unless the caller overrides the forward tiles."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
     gluon = (gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
              and bh * nq * nk * d >= gluon_core.MIN_WORK)
+    tf32_gluon = (tf32_capable and cls == "32" and not bias and d in gluon_phase1.TAKEN_DIMS
+                  and "fwd" not in overrides and bh * nq * nk * d >= gluon_phase1.MIN_WORK)
     ws_tiles = core_tiles(dtype, d, bias, True)
     ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N
           and core.ws_proven(causal, nk % ws_tiles[1] == 0))
@@ -388,6 +394,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
     plan_given = overrides.get("plan", {})
+    if tf32_gluon:
+        bm, bn, warps, stages = gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1
     if gluon:
         (bn, stages), warps, ws = gluon_core.TILES[d], 4, False
 
@@ -400,7 +408,7 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given)
     rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon)
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon)
 
 
 def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torch.dtype, sms: int,

@@ -8,7 +8,9 @@ Forward, per q-chunk of rows [q0, q0 + q_chunk):
            partitions of each row (causal: only partitions at or before the block's diagonal) and
            writes out = s / z (0 for a row with no visible key), plus lse = m + log2 z for training.
 With a single partition (P = 1, short key lengths) there is nothing to merge: phase 1 writes out and lse
-itself, one launch and no summary buffer.
+itself, one launch and no summary buffer. On sm_90 phase 1 runs the Gluon core for 16-bit inputs without a bias
+(_GluonPhase1) and, for float32 at gluon_phase1.TAKEN_DIMS, gluon_phase1.py's wgmma kernel in _elsa_phase1's place
+(the plan decides both, from their MIN_WORK).
 Backward: a dQ kernel (which also stores Delta = rowsum(dO * O)) then a dK/dV kernel, both rebuilding every
 softmax weight as 2^(x - lse); for 16-bit calls up to config.ONE_LAUNCH_MAX_WORK, one kernel whose programs do
 either job (its dK/dV programs compute Delta from O themselves): one launch and no Delta buffer where the host
@@ -30,7 +32,7 @@ from .. import _gluon_core as gluon_core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, sm_count, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, layout
 from .._ops import traceable
-from . import trace
+from . import gluon_phase1, trace
 from .config import DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
@@ -167,11 +169,12 @@ class _FwdPlan(LaunchPlan):
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
+        tf32_ok = c.prec == "tf32x3" and bias is None and gluon_phase1.eligible(q)   # read() gives unit strides
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device, DEFAULT_SM_COUNT), config,
                                         causal, bias is not None, core.warp_specialize_ok(c.device, use_desc),
-                                        gluon_ok)
-        if traced:          # the Gluon core's launch (host-made descriptors) is not a Triton kernel inductor can take
-            self.traceable = self.traceable and not plan.gluon
+                                        gluon_ok, tf32_ok)
+        if traced:          # a Gluon kernel (the core's, float32's) is not a Triton kernel inductor can take
+            self.traceable = self.traceable and not (plan.gluon or plan.tf32_gluon)
         bm, W, P = plan.block_m, plan.width, plan.parts
         out_strides = self.out_strides[:3]
         qb_max = _cdiv(min(plan.q_chunk, c.NQ), bm) if c.NQ else 0
@@ -179,7 +182,12 @@ class _FwdPlan(LaunchPlan):
         self.sbuf_numel = summary_numel(plan, c.NQ, c.BH, c.D, c.dtype)
         p1_const = dict(c.flags, BLOCK_M=bm, BLOCK_N=plan.block_n, FINAL=plan.final, STORE_LSE=need_lse,
                         KEYS_EVEN=c.NK % plan.block_n == 0, USE_DESC=use_desc, WARP_SPECIALIZE=plan.warp_specialize,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        num_warps=plan.num_warps)
+        if plan.tf32_gluon:
+            phase1 = gluon_phase1._elsa_phase1_tf32      # _elsa_phase1's arguments (a Gluon kernel: no stages)
+        else:
+            phase1 = _elsa_phase1
+            p1_const["num_stages"] = plan.num_stages
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
@@ -194,8 +202,8 @@ class _FwdPlan(LaunchPlan):
                                   n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0,
                                   consumers=bm // gluon_core.ROWS_PER_CONSUMER)
             else:
-                p1 = Prepared(_elsa_phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
-                                                    c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
+                p1 = Prepared(phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
+                                              c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
             p2 = None
             grid2 = (QB * (bm // plan.p2_rows), c.BH)
             if not plan.final:
