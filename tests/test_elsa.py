@@ -978,8 +978,9 @@ def test_gpu_decode_and_prefill_lengths():
 
 def test_float32_phase1_on_wgmma_only_where_it_can():
     """The plan runs float32's phase 1 on wgmma (gluon_phase1) for tf32x3 calls the host says it can take, without a
-    bias, at its head dims, from its MIN_WORK and without a forward tile override; its CTA is 128 rows, and the
-    partitions and q-chunks are planned for them as for any phase 1."""
+    bias, at its TAKEN_DIMS (D = 64: at D = 128 it lost to the Triton phase 1 but at 16K), from its MIN_WORK and
+    without a forward tile override; its CTA is 128 rows, and the partitions and q-chunks are planned for them as
+    for any phase 1."""
     def plan(nq=16384, d=128, dtype=torch.float32, config="", bias=False, capable=True):
         return plan_forward(nq, nq, 8, d, dtype, 132, config, False, bias, False, False, capable)
 
