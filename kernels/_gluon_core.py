@@ -136,7 +136,7 @@ def consumers_for(d: int, busiest) -> int:
 def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int) -> int:
     """consumers_for of gluon_fwd's items: each row block of each of the bh heads against every key."""
     return consumers_for(d, lambda c: busiest_sm(
-        [c * ROWS_PER_CONSUMER * len_kv] * (-(-len_q // (c * ROWS_PER_CONSUMER)) * bh), sms))
+        np.full(-(-len_q // (c * ROWS_PER_CONSUMER)) * bh, c * ROWS_PER_CONSUMER * len_kv), sms))
 
 
 # (BLOCK_N, STAGES) per head dim: shared memory holds Q (64 rows a consumer x D) and STAGES K and V tiles (<= 227
@@ -826,12 +826,15 @@ def available(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def eligible(q: torch.Tensor) -> bool:
     """What ``available`` asks of the call short of its tensors' layout (a traced call's fake tensors have no data
-    pointer): triton 3.6's Gluon, an sm_90 device (Hopper: wgmma), 16-bit, a head dim of HEAD_DIMS."""
-    if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or q.device.type != "cuda":
+    pointer): gluon_on (Gluon, sm_90), 16-bit, a head dim of HEAD_DIMS."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS and gluon_on(q.device)
+
+
+def gluon_on(device: torch.device) -> bool:
+    """Whether this file's Gluon (triton 3.6's API) runs on the device: a CUDA device of sm_90 (Hopper: wgmma)."""
+    if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or device.type != "cuda":
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] == 9
 
 

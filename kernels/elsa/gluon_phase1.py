@@ -24,10 +24,8 @@ partition (FINAL) the output and lse; its arguments are _elsa_phase1's, so the h
 from __future__ import annotations
 
 import torch
-import triton
 
-from .._flash_core import _capability
-from .._gluon_core import GLUON_VERSION, HAS_GLUON
+from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 
 HEAD_DIMS = (64, 128)        # what the kernel takes
 # where ELSA's plan takes it: against the Triton phase 1 at B = 1, H = 8 (results/dev/elsa/fp32_on_wgmma_h200.json,
@@ -49,14 +47,9 @@ MIN_WORK = 2**34
 
 
 def eligible(q) -> bool:
-    """Whether this kernel can run a call with this q: triton 3.6's Gluon, an sm_90 GPU, float32, a head dim of
-    HEAD_DIMS (its loads take any strides but the last, which ELSA's host makes 1)."""
-    if not HAS_GLUON or not triton.__version__.startswith(GLUON_VERSION) or q.device.type != "cuda":
-        return False
-    if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] == 9
+    """Whether this kernel can run a call with this q: float32, a head dim of HEAD_DIMS, on a device the Gluon core's
+    code runs on (gluon_core.gluon_on; its loads take any strides but the last, which ELSA's host makes 1)."""
+    return q.dtype == torch.float32 and q.shape[-1] in HEAD_DIMS and gluon_on(q.device)
 
 
 if HAS_GLUON:

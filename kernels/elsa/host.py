@@ -169,7 +169,7 @@ class _FwdPlan(LaunchPlan):
         # ViT-H/14's 1025 tokens (B=32, H=16, D=80) phase 1 on it took 0.57 ms against 0.83 with pointer loads
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
-        tf32_ok = c.prec == "tf32x3" and bias is None and gluon_phase1.eligible(q)   # read() gives unit strides
+        tf32_ok = c.prec == "tf32x3" and gluon_phase1.eligible(q)   # read() gives unit strides; the plan: no bias
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device, DEFAULT_SM_COUNT), config,
                                         causal, bias is not None, core.warp_specialize_ok(c.device, use_desc),
                                         gluon_ok, tf32_ok)
