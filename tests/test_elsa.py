@@ -889,6 +889,11 @@ def test_q_chunks_fill_whole_waves():
     for blocks, total, per in [(5, 100, 7), (33, 128, 16), (17, 64, 32), (9, 40, 132), (3, 1000, 1)]:
         got = fit(blocks, 2, total, per, 132)
         assert blocks <= got <= 2 * blocks
+    # one program a SM (ELSA's float32 phase 1 on wgmma): down to the whole waves below. 8K queries of 8 heads, two
+    # partitions (16 programs a block): 17 blocks are 272 programs, three waves (the third 8 programs); 16 are two
+    assert fit(17, 1, 64, 16, 132, True) == 16
+    assert fit(16, 1, 64, 16, 132, True) == 16 and fit(33, 1, 128, 16, 132, True) == 33   # already whole waves
+    assert fit(5, 1, 100, 7, 132, True) == 5                   # fewer programs than one wave: nothing below
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -978,19 +983,29 @@ def test_gpu_decode_and_prefill_lengths():
 
 def test_float32_phase1_on_wgmma_only_where_it_can():
     """The plan runs float32's phase 1 on wgmma (gluon_phase1) for tf32x3 calls the host says it can take, without a
-    bias, at its TAKEN_DIMS (D = 64: at D = 128 it lost to the Triton phase 1 but at 16K), from its MIN_WORK and
-    without a forward tile override; its CTA is 128 rows, and the partitions and q-chunks are planned for them as
-    for any phase 1."""
-    def plan(nq=16384, d=128, dtype=torch.float32, config="", bias=False, capable=True):
-        return plan_forward(nq, nq, 8, d, dtype, 132, config, False, bias, False, False, capable)
+    bias, at its TAKEN_DIMS (D = 64 and 128), from its MIN_WORK and without a forward tile override; its CTA is 128
+    rows, and the partitions are planned for them as for any phase 1, the q-chunks to whole waves of one program a
+    SM (8 heads, two partitions: 16 programs a block): at 8K 16 blocks, two waves, where the two waves' minimum of
+    programs that share a SM (17 blocks) would take three, the third all but empty; at 4K the memory budget's 8
+    blocks, one wave (the minimum where a program holds a SM), causal two waves' 16 (half its programs are empty or
+    short)."""
+    def plan(nq=16384, d=128, dtype=torch.float32, config="", bias=False, capable=True, causal=False):
+        return plan_forward(nq, nq, 8, d, dtype, 132, config, causal, bias, False, False, capable)
 
-    assert gluon_phase1.TAKEN_DIMS == (64,)
-    p = plan(d=64)
-    assert p.tf32_gluon and not p.gluon and p.parts >= 2
-    assert (p.block_m, p.block_n, p.num_warps) == (128, gluon_phase1.TILES[64], gluon_phase1.NUM_WARPS)
-    assert p.q_chunk % 128 == 0 and p.width % p.block_n == 0
-    assert plan(nq=6144, d=64).tf32_gluon and not plan(nq=4096, d=64).tf32_gluon    # from 2^34 of work
-    for p in (plan(capable=False), plan(d=64, dtype=torch.float16), plan(d=64, bias=True), plan(d=128), plan(d=96),
+    assert gluon_phase1.TAKEN_DIMS == (64, 128)
+    for d in (64, 128):
+        p = plan(d=d)
+        assert p.tf32_gluon and not p.gluon and p.parts >= 2
+        assert (p.block_m, p.block_n, p.num_warps) == (128, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS)
+        assert p.q_chunk % 128 == 0 and p.width % p.block_n == 0
+        for nq, blocks in ((4096, 8), (8192, 16)):
+            p = plan(nq=nq, d=d)
+            assert p.parts == 2 and p.q_chunk == blocks * 128
+            # programs that share a SM: at least two waves, 17 blocks
+            assert elsa_config._partitions(nq, nq, 8, 128, p.block_n, d, torch.float32, 132, {})[2] == 17 * 128
+            assert plan(nq=nq, d=d, causal=True).q_chunk == 16 * 128
+    assert plan(nq=2048, d=64).tf32_gluon and not plan(nq=1536, d=64).tf32_gluon    # from 2^31 of work
+    for p in (plan(capable=False), plan(d=64, dtype=torch.float16), plan(d=64, bias=True), plan(d=96),
               plan(d=64, config=elsa_config.canonical_config({"fwd": {"BLOCK_M": 32}}, torch.float32, 64))):
         assert not p.tf32_gluon
 
@@ -1213,9 +1228,13 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
 # - float32 phase 1 at D <= 64 as the only partition (below LONG_N keys) spills 6 with triton 3.6 and is faster than
 #   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE);
 # - the Gluon core's persistent launch in ELSA's summary mode at D=128 spills 2 with triton 3.6 and runs ELSA's
-#   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS)
+#   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS);
+# - float32's phase 1 on wgmma holding the next K tile in registers spills 2 at D=64 and 16 at D=128 (8 and 64 bytes,
+#   scripts/compile_check.py with triton 3.6; without the early K it spilled 0 and 2) and runs 7-11 % faster
+#   (kernels/elsa/gluon_phase1.py)
 SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6,
-                   ("_gluon_fwd_kernel", "16", 128): 2}
+                   ("_gluon_fwd_kernel", "16", 128): 2, ("_elsa_phase1_tf32", "32", 64): 2,
+                   ("_elsa_phase1_tf32", "32", 128): 16}
 
 
 @pytest.mark.gpu

@@ -236,9 +236,15 @@ MAX_P = 16
 # output's bytes (extra memory O(N): peak above the inputs ~ (1 + budget) x the output's), but never below
 # CHUNK_MIN_WAVES waves of phase-1 programs per launch (fewer leave SMs idle in each chunk's last wave). float32:
 # the memory target (peak above the inputs <= 1.3 x SDPA efficient's) with chunks of ~15 waves of its small tiles
-# anyway; 16-bit: speed first, 4 waves of 128-row programs per chunk.
+# anyway; 16-bit: speed first, 4 waves of 128-row programs per chunk. Where each program holds a SM alone (float32's
+# phase 1 on wgmma, 128-row programs) and the chunks are fitted to whole waves below, a wave is exact and one is enough:
+# at 4K (B=1, H=8) the budget's chunks of 8 blocks (one wave each) instead of two waves' 16 (peak above the inputs
+# 1.53 -> 1.27 x efficient's, 1-2 % slower: runs/20261129T105145Z_hopper, 20261129T105649Z_hopper). Causal, twice
+# that: half a causal chunk's programs are empty or short (4K D=128: 1.42 x efficient's time in one-wave chunks, 1.22
+# in two-wave ones; results/dev/elsa/fp32_phase1_prefetch_h200.json).
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
+ONE_CTA_PER_SM_MIN_WAVES = 1
 # ... and then fit the chunks to whole waves: a chunk of QB query blocks launches QB x bh x P programs, and a
 # chunk whose last wave is part-full leaves SMs idle until the next chunk's launch. On the H100 at 8K, bh=16, P=2,
 # D=128, chunks of 17 blocks (4.1 waves each) held ELSA's forward to 480 TFLOP/s against the Gluon core's 605 alone
@@ -405,17 +411,19 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
                                                                       plan_given), causal, sms)
 
         bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, busiest)
-    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given)
+    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given, tf32_gluon, causal)
     rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
     return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon)
 
 
 def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torch.dtype, sms: int,
-                plan_given: dict) -> tuple[int, int, int]:
+                plan_given: dict, one_cta_per_sm: bool = False, causal: bool = False) -> tuple[int, int, int]:
     """(W, P, q_chunk) of a forward with bm-row blocks and bn-key tiles: config's plan overrides where given, else
     one partition below LONG_N keys and enough for TARGET_WAVES waves from it; q-chunks within the summary budget
-    but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk)."""
+    but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk; one_cta_per_sm: phase 1's programs
+    run one a SM, so a wave is exactly `sms` programs, the fit may go down to the whole waves below and one wave
+    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES)."""
     cls = dtype_class(dtype)
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -436,9 +444,11 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         out_bytes = bh * nq * d * dtype.itemsize
         row_bytes = bh * summary_row_bytes(parts, d, dtype)  # summary bytes per query row
         qc_budget = int(SUMMARY_BUDGET[cls] * out_bytes) // max(1, row_bytes)
-        qc_parallel = bm * -(-CHUNK_MIN_WAVES[cls] * sms // max(1, bh * parts))
+        min_waves = ONE_CTA_PER_SM_MIN_WAVES * (2 if causal else 1) if one_cta_per_sm else CHUNK_MIN_WAVES[cls]
+        qc_parallel = bm * -(-min_waves * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
-        qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms) * bm
+        qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms,
+                       one_cta_per_sm) * bm
     return width, parts, min(qc, all_rows)
 
 
@@ -460,10 +470,13 @@ def _busiest_sm_work(nq: int, nk: int, bh: int, bm: int, bn: int, width: int, pa
     return total
 
 
-def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms: int) -> int:
+def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms: int,
+              down_to_whole_waves: bool = False) -> int:
     """Query blocks per q-chunk: from `blocks` to growth x blocks, the count whose chunks (the last one holding the
     rest of `total`) take the fewest wave slots of `sms` programs, counting CHUNK_COST_WAVES per chunk; the
-    smallest count on a tie."""
+    smallest count on a tie. down_to_whole_waves: from the count that fills the whole waves below `blocks`' instead
+    (where a program holds a SM alone, 17 blocks of 16 programs on 132 SMs take three waves, the third nearly empty;
+    16 take two)."""
     def cost(per_chunk):
         full, rest = divmod(total, per_chunk)
         slots = full * -(-per_chunk * programs_per_block // sms) + -(-rest * programs_per_block // sms)
@@ -471,7 +484,8 @@ def fit_chunk(blocks: int, growth: int, total: int, programs_per_block: int, sms
 
     if blocks >= total:
         return blocks
-    return min(range(blocks, min(blocks * growth, total) + 1), key=lambda c: (cost(c), c))
+    low = max(1, blocks * programs_per_block // sms * sms // programs_per_block) if down_to_whole_waves else blocks
+    return min(range(min(low, blocks), min(blocks * growth, total) + 1), key=lambda c: (cost(c), c))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   P V, and S by D-chunks of CHUNK columns, go to fresh accumulators (12 chained products each) that the CUDA cores
   add, rounding to nearest.
 - Two warpgroups, 128 query rows a CTA, share every K and V tile; S's chunks run at once while the warps split and
-  store V.
+  store V and load the next K tile into registers, which they split and store while P V runs: no tile waits on K's
+  global loads (that took 7-10 % off the time at D = 64 and D = 128; loading the next V early too lost 1-13 %).
+  With Q's hi and lo resident a CTA holds a SM alone (shared memory and registers), so ELSA's plan fits its q-chunks
+  to whole waves of one program a SM (config._partitions' one_cta_per_sm).
 
 It writes exactly what the Triton phase 1 (kernel.py's _elsa_phase1) writes for a float32 output: (m, z) to the
 summary slots and the partition's sum s to the output rows (partition 0) or to slot part - 1 of S, or with one
@@ -28,12 +31,11 @@ import torch
 from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 
 HEAD_DIMS = (64, 128)        # what the kernel takes
-# where ELSA's plan takes it: against the Triton phase 1 at B = 1, H = 8 (results/dev/elsa/fp32_on_wgmma_h200.json,
-# CUDA-graph time over efficient's) D = 64 ran 0.76 against 0.82 at 8K, 0.59 against 0.79 at 16K, causal 0.62
-# against 0.78; D = 128 won only at 16K (1.03 against 1.10) and lost at 4K (1.31 / 1.26), 8K (1.44 / 1.18) and
-# causal 16K (1.21 / 1.17): its 32-key tiles (all that fits shared memory beside Q's hi and lo) make S's wgmmas wait on
-# shared memory, and one CTA a SM fills its rounds badly at 4K-8K
-TAKEN_DIMS = (64,)
+# where ELSA's plan takes it: both head dims. Against the Triton phase 1 at B = 1, H = 8 (CUDA-graph time over
+# efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling whole waves) it ran
+# 0.90 / 0.97 / 0.96 / 0.93 against 1.13 / 1.27 / 1.18 / 1.09 at D = 128, 2K / 4K / 8K / 16K, and tied causal 16K
+# (1.18); 0.47 / 0.48 / 0.52 / 0.52 against 0.67 / 1.00 / 0.82 / 0.80 at D = 64, causal 16K 0.60 against 0.78
+TAKEN_DIMS = (64, 128)
 BLOCK_M = 128               # two warpgroups of 64 rows
 NUM_WARPS = 8
 # BLOCK_N per head dim: Q's hi and lo, and K's and V's tiles with their lo parts, in shared memory (<= 227 KB)
@@ -42,8 +44,9 @@ TILES = {64: 64, 128: 32}
 # the tensor core's float32 accumulation truncates, and over all of D = 128 (16 wgmma K steps, three products each)
 # the scores came out with a relative error of 2e-6 against Triton's tf32x3 dots' 1e-7 (the probe)
 CHUNK = 32
-# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the Gluon core's threshold
-MIN_WORK = 2**34
+# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8,
+# 0.47 against the Triton phase 1's 0.67 of efficient's time)
+MIN_WORK = 2**31
 
 
 def eligible(q) -> bool:
@@ -64,6 +67,18 @@ if HAS_GLUON:
     def _lo(x):
         """x minus its tf32 part (the low 13 bits of the mantissa cleared): exact in float32."""
         return x - (x.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _k_chunk(k_base, t, keys_c, offs_c, skn, NK, c: gl.constexpr):
+        """D-chunk c of the K tile from key t, in registers (keys >= NK load 0)."""
+        return gl.load(k_base + (t + keys_c)[:, None] * skn + c * _CHUNK + offs_c[None, :],
+                       mask=(t + keys_c < NK)[:, None], other=0.0)
+
+    @gluon.jit
+    def _put(kh_s, kl_s, c: gl.constexpr, kc):
+        """K's D-chunk c into shared memory: raw (the tensor core's tf32 hi part) and its lo part."""
+        kh_s.index(c).store(kc)
+        kl_s.index(c).store(_lo(kc))
 
     @gluon.jit
     def _scores_issue(qh_s, ql_s, kh_s, kl_s, c: gl.constexpr, zero_s):
@@ -103,6 +118,10 @@ if HAS_GLUON:
 
         qk_scale = qk_scale.to(gl.float32)
         qb = gl.program_id(0)
+        if CAUSAL:
+            # the longest row blocks first: a causal block's keys grow with qb, and the SMs that take the last
+            # programs should get short ones (2-4 % of the time at 4K-16K, results/dev/elsa/fp32_phase1_prefetch_h200.json)
+            qb = gl.num_programs(0) - 1 - qb
         bh = gl.program_id(1)
         part = gl.program_id(2)
         b = bh // H
@@ -141,16 +160,20 @@ if HAS_GLUON:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             z_i = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
+            # K's first tile; each next one is loaded while this tile's S products run and stored while its P V
+            # runs, so no tile waits on K's global loads (the chunks are separate values: Gluon loops carry tensors)
+            kn0 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 0)
+            kn1 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 1)
+            _put(kh_s, kl_s, 0, kn0)
+            _put(kh_s, kl_s, 1, kn1)
+            if CH == 4:
+                kn2 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 2)
+                kn3 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 3)
+                _put(kh_s, kl_s, 2, kn2)
+                _put(kh_s, kl_s, 3, kn3)
+            fence_async_shared()
+            gl.thread_barrier()
             for t0 in range(lo, hi, BLOCK_N):
-                gl.thread_barrier()                           # the last tile's wgmmas have read K and V
-                for c in gl.static_range(CH):
-                    key_ok = (t0 + keys_c < NK)[:, None]
-                    kc = gl.load(k_base + (t0 + keys_c)[:, None] * skn + c * _CHUNK + offs_c[None, :], mask=key_ok,
-                                 other=0.0)
-                    kh_s.index(c).store(kc)
-                    kl_s.index(c).store(_lo(kc))
-                fence_async_shared()
-                gl.thread_barrier()
                 zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
                 # every chunk's products in flight at once, each into its own accumulator, while V is split
                 s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 0, zero_s)
@@ -160,6 +183,12 @@ if HAS_GLUON:
                     s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 3, zero_s)
                 v = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :],
                             mask=(t0 + keys_b < NK)[:, None], other=0.0)
+                t1 = t0 + BLOCK_N                             # the next tile (past hi on the last: not used)
+                kn0 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 0)
+                kn1 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 1)
+                if CH == 4:
+                    kn2 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 2)
+                    kn3 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 3)
                 vh_s.store(v)
                 vl_s.store(_lo(v))
                 if CH == 4:
@@ -183,13 +212,20 @@ if HAS_GLUON:
                 p_lo = gl.convert_layout(_lo(p), p_l)
                 p_hi = gl.convert_layout(p, p_l)
                 fence_async_shared()
-                gl.thread_barrier()                           # every warp's V stores before the wgmmas read them
+                gl.thread_barrier()           # V's stores seen by every warp; every warpgroup's S products done with K
                 zero_o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
                 pv = warpgroup_mma(p_hi, vh_s, zero_o, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_hi, vl_s, pv, is_async=True)
                 pv = warpgroup_mma(p_lo, vh_s, pv, is_async=True)
+                _put(kh_s, kl_s, 0, kn0)
+                _put(kh_s, kl_s, 1, kn1)
+                if CH == 4:
+                    _put(kh_s, kl_s, 2, kn2)
+                    _put(kh_s, kl_s, 3, kn3)
                 pv, p_hi, p_lo = warpgroup_mma_wait(0, deps=[pv, p_hi, p_lo])
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
+                fence_async_shared()
+                gl.thread_barrier()           # the next K's stores seen; every warpgroup's P V done with V
             # the epilogue: _write_output (FINAL) or _store_summary's float32 case
             offs_m = gl.arange(0, BLOCK_M, layout=row_o)
             offs_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
