@@ -444,7 +444,10 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         out_bytes = bh * nq * d * dtype.itemsize
         row_bytes = bh * summary_row_bytes(parts, d, dtype)  # summary bytes per query row
         qc_budget = int(SUMMARY_BUDGET[cls] * out_bytes) // max(1, row_bytes)
-        min_waves = ONE_CTA_PER_SM_MIN_WAVES * (2 if causal else 1) if one_cta_per_sm else CHUNK_MIN_WAVES[cls]
+        if one_cta_per_sm:
+            min_waves = ONE_CTA_PER_SM_MIN_WAVES * (2 if causal else 1)
+        else:
+            min_waves = CHUNK_MIN_WAVES[cls]
         qc_parallel = bm * -(-min_waves * sms // max(1, bh * parts))
         qc = max(qc_budget, qc_parallel)
         qc = fit_chunk(-(-qc // bm), CHUNK_FIT_GROWTH[cls], -(-max(nq, 1) // bm), bh * parts, sms,

@@ -16,7 +16,7 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   add, rounding to nearest.
 - Two warpgroups, 128 query rows a CTA, share every K and V tile; S's chunks run at once while the warps split and
   store V and load the next K tile into registers, which they split and store while P V runs: no tile waits on K's
-  global loads (that took 7-10 % off the time at D = 64 and D = 128; loading the next V early too lost 1-13 %).
+  global loads (that took 7-11 % off the time at D = 64 and D = 128; loading the next V early too lost 1-13 %).
   With Q's hi and lo resident a CTA holds a SM alone (shared memory and registers), so ELSA's plan fits its q-chunks
   to whole waves of one program a SM (config._partitions' one_cta_per_sm).
 
@@ -33,8 +33,9 @@ from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 HEAD_DIMS = (64, 128)        # what the kernel takes
 # where ELSA's plan takes it: both head dims. Against the Triton phase 1 at B = 1, H = 8 (CUDA-graph time over
 # efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling whole waves) it ran
-# 0.90 / 0.97 / 0.96 / 0.93 against 1.13 / 1.27 / 1.18 / 1.09 at D = 128, 2K / 4K / 8K / 16K, and tied causal 16K
-# (1.18); 0.47 / 0.48 / 0.52 / 0.52 against 0.67 / 1.00 / 0.82 / 0.80 at D = 64, causal 16K 0.60 against 0.78
+# 0.90 / 0.97 / 0.96 / 0.93 against 1.13 / 1.27 / 1.18 / 1.09 at D = 128, 2K / 4K / 8K / 16K, causal 1.19 / 1.15 /
+# 1.14 against 1.25 / 1.25 / 1.18 at 4K / 8K / 16K; 0.47 / 0.48 / 0.52 / 0.52 against 0.67 / 1.00 / 0.82 / 0.80 at
+# D = 64, causal 16K 0.59 against 0.78
 TAKEN_DIMS = (64, 128)
 BLOCK_M = 128               # two warpgroups of 64 rows
 NUM_WARPS = 8
@@ -120,7 +121,7 @@ if HAS_GLUON:
         qb = gl.program_id(0)
         if CAUSAL:
             # the longest row blocks first: a causal block's keys grow with qb, and the SMs that take the last
-            # programs should get short ones (2-4 % of the time at 4K-16K, results/dev/elsa/fp32_phase1_prefetch_h200.json)
+            # programs should get short ones (2-4 % of the time at 4K-16K: fp32_phase1_prefetch_h200.json)
             qb = gl.num_programs(0) - 1 - qb
         bh = gl.program_id(1)
         part = gl.program_id(2)
