@@ -241,7 +241,7 @@ MAX_P = 16
 # at 4K (B=1, H=8) the budget's chunks of 8 blocks (one wave each) instead of two waves' 16 (peak above the inputs
 # 1.53 -> 1.27 x efficient's, 1-2 % slower: runs/20261129T105145Z_hopper, 20261129T105649Z_hopper). Causal, twice
 # that: half a causal chunk's programs are empty or short (4K D=128: 1.42 x efficient's time in one-wave chunks, 1.22
-# in two-wave ones; results/dev/elsa/fp32_phase1_prefetch_h200.json).
+# in two-wave ones, whose summaries are twice the budget there; results/dev/elsa/fp32_phase1_prefetch_h200.json).
 SUMMARY_BUDGET = {"32": 0.25, "16": 0.5}
 CHUNK_MIN_WAVES = {"32": 2, "16": 4}
 ONE_CTA_PER_SM_MIN_WAVES = 1
