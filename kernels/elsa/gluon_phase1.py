@@ -15,8 +15,11 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   P V, and S by D-chunks of CHUNK columns, go to fresh accumulators (12 chained products each) that the CUDA cores
   add, rounding to nearest.
 - Two warpgroups, 128 query rows a CTA, share every K and V tile; S's chunks run at once while the warps split and
-  store V and load the next K tile into registers, which they split and store while P V runs: no tile waits on K's
-  global loads (that took 7-11 % off the time at D = 64 and D = 128; loading the next V early too lost 1-13 %).
+  store V, and load the next K tile and split and store it into K's other buffer: no tile waits on K's global loads,
+  and the next tile's registers are free again before the softmax (no spill). Measured against the alternatives
+  (results/dev/elsa/fp32_phase1_prefetch_h200.json): K loaded and stored between the tiles' GEMMs was 7-11 % slower;
+  the next K held in registers until this tile's P V, into one buffer, spilled 64 bytes at D = 128 and was 3-7 %
+  slower there (1.5-2.3 % faster at D = 64); loading the next V early too lost 1-13 %.
   With Q's hi and lo resident a CTA holds a SM alone (shared memory and registers), so ELSA's plan fits its q-chunks
   to whole waves of one program a SM (config._partitions' one_cta_per_sm).
 
@@ -32,21 +35,23 @@ from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 
 HEAD_DIMS = (64, 128)        # what the kernel takes
 # where ELSA's plan takes it: both head dims. Against the Triton phase 1 at B = 1, H = 8 (CUDA-graph time over
-# efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling whole waves) it ran
-# 0.90 / 0.97 / 0.96 / 0.93 against 1.13 / 1.27 / 1.18 / 1.09 at D = 128, 2K / 4K / 8K / 16K, causal 1.19 / 1.15 /
-# 1.14 against 1.25 / 1.25 / 1.18 at 4K / 8K / 16K; 0.47 / 0.48 / 0.52 / 0.52 against 0.67 / 1.00 / 0.82 / 0.80 at
-# D = 64, causal 16K 0.59 against 0.78
+# efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling whole waves): D = 128
+# 0.95 / 0.91 against 1.25 / 1.10 at 4K / 16K, causal 16K 1.05 against 1.17; D = 64 0.50 / 0.53 against 1.01 / 0.79,
+# causal 16K 0.59 against 0.78 (and, with the next K held in registers until P V, which differs from this by the
+# percent or two above: D = 128 0.90 / 0.96 against 1.13 / 1.18 at 2K / 8K, causal 1.19 / 1.15 against 1.25 / 1.25
+# at 4K / 8K; D = 64 0.47 / 0.52 against 0.67 / 0.82 at 2K / 8K)
 TAKEN_DIMS = (64, 128)
 BLOCK_M = 128               # two warpgroups of 64 rows
 NUM_WARPS = 8
-# BLOCK_N per head dim: Q's hi and lo, and K's and V's tiles with their lo parts, in shared memory (<= 227 KB)
+# BLOCK_N per head dim: Q's hi and lo, K's two tiles and V's with their lo parts, in shared memory (<= 227 KB: 224 at
+# D = 128)
 TILES = {64: 64, 128: 32}
 # S = Q K^T's products by D-chunks of this many columns, each into a fresh accumulator added by the CUDA cores:
 # the tensor core's float32 accumulation truncates, and over all of D = 128 (16 wgmma K steps, three products each)
 # the scores came out with a relative error of 2e-6 against Triton's tf32x3 dots' 1e-7 (the probe)
 CHUNK = 32
 # ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8,
-# 0.47 against the Triton phase 1's 0.67 of efficient's time)
+# 0.47 against the Triton phase 1's 0.67 of efficient's time, above)
 MIN_WORK = 2**31
 
 
@@ -76,17 +81,17 @@ if HAS_GLUON:
                        mask=(t + keys_c < NK)[:, None], other=0.0)
 
     @gluon.jit
-    def _put(kh_s, kl_s, c: gl.constexpr, kc):
-        """K's D-chunk c into shared memory: raw (the tensor core's tf32 hi part) and its lo part."""
+    def _put(kh_s, kl_s, c, kc):
+        """K's D-chunk into shared memory slot c: raw (the tensor core's tf32 hi part) and its lo part."""
         kh_s.index(c).store(kc)
         kl_s.index(c).store(_lo(kc))
 
     @gluon.jit
-    def _scores_issue(qh_s, ql_s, kh_s, kl_s, c: gl.constexpr, zero_s):
-        """The three tf32 products of D-chunk c of S = Q K^T into a fresh accumulator (async: three groups)."""
-        s = warpgroup_mma(qh_s.index(c), kh_s.index(c).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qh_s.index(c), kl_s.index(c).permute((1, 0)), s, is_async=True)
-        return warpgroup_mma(ql_s.index(c), kh_s.index(c).permute((1, 0)), s, is_async=True)
+    def _scores_issue(qh_s, ql_s, kh_s, kl_s, c: gl.constexpr, kb, zero_s):
+        """The three tf32 products of D-chunk c of S = Q K^T (K from buffer slot kb + c) into a fresh accumulator."""
+        s = warpgroup_mma(qh_s.index(c), kh_s.index(kb + c).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qh_s.index(c), kl_s.index(kb + c).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(ql_s.index(c), kh_s.index(kb + c).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _elsa_phase1_tf32(Q, K, V, Bias, Sbuf, Out, Lse,
@@ -146,8 +151,8 @@ if HAS_GLUON:
             keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
             qh_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_M, _CHUNK], q_l)
             ql_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_M, _CHUNK], q_l)
-            kh_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_N, _CHUNK], k_l)
-            kl_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_N, _CHUNK], k_l)
+            kh_s = gl.allocate_shared_memory(gl.float32, [2 * CH, BLOCK_N, _CHUNK], k_l)   # two buffers of CH
+            kl_s = gl.allocate_shared_memory(gl.float32, [2 * CH, BLOCK_N, _CHUNK], k_l)
             vh_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM], v_l)
             vl_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM], v_l)
             for c in gl.static_range(CH):
@@ -161,8 +166,7 @@ if HAS_GLUON:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             z_i = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
-            # K's first tile; each next one is loaded while this tile's S products run and stored while its P V
-            # runs, so no tile waits on K's global loads (the chunks are separate values: Gluon loops carry tensors)
+            # K's first tile into buffer 0; each next one goes to the other buffer while this tile's S products run
             kn0 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 0)
             kn1 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 1)
             _put(kh_s, kl_s, 0, kn0)
@@ -175,13 +179,15 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             for t0 in range(lo, hi, BLOCK_N):
+                kb = (((t0 - lo) // BLOCK_N) % 2) * CH           # this tile's K buffer; the next tile's: CH - kb
                 zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
-                # every chunk's products in flight at once, each into its own accumulator, while V is split
-                s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 0, zero_s)
-                s1 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 1, zero_s)
+                # every chunk's products in flight at once, each into its own accumulator, while V is split and the
+                # next K tile loaded and split into the other buffer (its registers free again before the softmax)
+                s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 0, kb, zero_s)
+                s1 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 1, kb, zero_s)
                 if CH == 4:
-                    s2 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 2, zero_s)
-                    s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 3, zero_s)
+                    s2 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 2, kb, zero_s)
+                    s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 3, kb, zero_s)
                 v = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :],
                             mask=(t0 + keys_b < NK)[:, None], other=0.0)
                 t1 = t0 + BLOCK_N                             # the next tile (past hi on the last: not used)
@@ -192,6 +198,12 @@ if HAS_GLUON:
                     kn3 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 3)
                 vh_s.store(v)
                 vl_s.store(_lo(v))
+                nb = CH - kb
+                _put(kh_s, kl_s, nb, kn0)
+                _put(kh_s, kl_s, nb + 1, kn1)
+                if CH == 4:
+                    _put(kh_s, kl_s, nb + 2, kn2)
+                    _put(kh_s, kl_s, nb + 3, kn3)
                 if CH == 4:
                     s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[s0, s1, s2, s3])
                     s = (s0 + s1) + (s2 + s3)
@@ -218,11 +230,6 @@ if HAS_GLUON:
                 pv = warpgroup_mma(p_hi, vh_s, zero_o, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_hi, vl_s, pv, is_async=True)
                 pv = warpgroup_mma(p_lo, vh_s, pv, is_async=True)
-                _put(kh_s, kl_s, 0, kn0)
-                _put(kh_s, kl_s, 1, kn1)
-                if CH == 4:
-                    _put(kh_s, kl_s, 2, kn2)
-                    _put(kh_s, kl_s, 3, kn3)
                 pv, p_hi, p_lo = warpgroup_mma_wait(0, deps=[pv, p_hi, p_lo])
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
                 fence_async_shared()
