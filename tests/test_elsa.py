@@ -901,11 +901,14 @@ def test_q_chunks_fill_whole_waves():
 def test_float32_summaries_stay_within_a_quarter_of_the_output(N, D):
     """The memory target for float32 (peak above the inputs <= 1.3 x SDPA efficient's, which holds the output):
     the summary buffer of a chunk (partition 0's s lives in the fp32 output itself) is at most 0.3 x the output's bytes
-    at the benchmark's shapes (B=1, H=8): the budget's 0.25 and a chunk's rounding to whole waves of programs."""
-    plan = plan_forward(N, N, 8, D, torch.float32, 132)
-    assert plan.parts >= 2
-    assert elsa_config.summary_bytes(plan, N, 8, D, torch.float32) <= 0.3 * (8 * N * D * 4)
-    assert elsa_config.summary_row_bytes(plan.parts, D, torch.float32) == (2 * plan.parts + (plan.parts - 1) * D) * 4
+    at the benchmark's shapes (B=1, H=8): the budget's 0.25 and a chunk's rounding to whole waves of programs, for
+    the Triton phase 1's plan and for the wgmma phase 1's (128-row programs, one a SM: one wave's minimum)."""
+    for tf32_capable in (False, True):
+        plan = plan_forward(N, N, 8, D, torch.float32, 132, tf32_capable=tf32_capable)
+        assert plan.parts >= 2 and plan.tf32_gluon == tf32_capable
+        assert elsa_config.summary_bytes(plan, N, 8, D, torch.float32) <= 0.3 * (8 * N * D * 4)
+        row_bytes = (2 * plan.parts + (plan.parts - 1) * D) * 4
+        assert elsa_config.summary_row_bytes(plan.parts, D, torch.float32) == row_bytes
 
 
 def test_every_head_dim_has_tiles():
