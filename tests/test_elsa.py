@@ -986,7 +986,7 @@ def test_gpu_decode_and_prefill_lengths():
 
 def test_float32_phase1_on_wgmma_only_where_it_can():
     """The plan runs float32's phase 1 on wgmma (gluon_phase1) for tf32x3 calls the host says it can take, without a
-    bias, at its TAKEN_DIMS (D = 64 and 128), from its MIN_WORK and without a forward tile override; its CTA is 128
+    bias, at its HEAD_DIMS (D = 64 and 128), from its MIN_WORK and without a forward tile override; its CTA is 128
     rows, and the partitions are planned for them as for any phase 1, the q-chunks to whole waves of one program a
     SM (8 heads, two partitions: 16 programs a block): at 8K 16 blocks, two waves, where the two waves' minimum of
     programs that share a SM (17 blocks) would take three, the third all but empty; at 4K the memory budget's 8
@@ -995,7 +995,7 @@ def test_float32_phase1_on_wgmma_only_where_it_can():
     def plan(nq=16384, d=128, dtype=torch.float32, config="", bias=False, capable=True, causal=False):
         return plan_forward(nq, nq, 8, d, dtype, 132, config, causal, bias, False, False, capable)
 
-    assert gluon_phase1.TAKEN_DIMS == (64, 128)
+    assert gluon_phase1.HEAD_DIMS == (64, 128)
     for d in (64, 128):
         p = plan(d=d)
         assert p.tf32_gluon and not p.gluon and p.parts >= 2
@@ -1019,14 +1019,13 @@ def test_float32_phase1_on_wgmma_only_where_it_can():
 @pytest.mark.parametrize("hq, hkv, nq, nk", [(4, 2, 4100, 4200), (2, 2, 1500, 700)], ids=["parts", "final"])
 def test_gpu_float32_phase1_on_wgmma(monkeypatch, D, causal, hq, hkv, nq, nk):
     """ELSA's float32 forward with phase 1 on tf32x3 wgmma (gluon_phase1, its MIN_WORK set to 0 so these shapes take
-    it, and at D = 128 too, which the plan does not take by default): two partitions merged by phase 2 (4200 keys)
-    or one written by phase 1 (700), grouped K/V, ragged query and key tiles, causal and not; out and gradients
-    against float64 within float32's tolerances, which a 1 % error in the softmax scale breaks."""
+    it): two partitions merged by phase 2 (4200 keys) or one written by phase 1 (700), grouped K/V, ragged query and
+    key tiles, causal and not; out and gradients against float64 within float32's tolerances, which a 1 % error in
+    the softmax scale breaks."""
     dev = torch.device("cuda")
     if not gluon_phase1.eligible(torch.empty(1, 1, 1, D, device=dev)):
         pytest.skip("needs triton 3.6's Gluon and an sm_90 GPU")
     monkeypatch.setattr(gluon_phase1, "MIN_WORK", 0)
-    monkeypatch.setattr(gluon_phase1, "TAKEN_DIMS", gluon_phase1.HEAD_DIMS)
     elsa_config.plan_forward.cache_clear()
     elsa_host.clear_plans()
     try:

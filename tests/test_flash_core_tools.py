@@ -290,7 +290,8 @@ def test_short_call_tiles_compile_without_spills():
 def test_elsa_float32_on_wgmma_compiles_or_says_why_not():
     """scripts/compile_check.py --kernel elsa at float32 D = 128: with triton 3.6 ELSA's phase 1 on wgmma
     (kernels/elsa/gluon_phase1.py) compiles for sm_90 with summaries and as the single partition, within shared
-    memory and spilling at most 40 bytes; with another triton one line says why it is not compiled."""
+    memory (224 KB: K in two buffers) and without spilling; with another triton one line says why it is not
+    compiled."""
     import triton
 
     from kernels.elsa import gluon_phase1
@@ -304,7 +305,7 @@ def test_elsa_float32_on_wgmma_compiles_or_says_why_not():
         assert len(lines) == 2 and any("final=True" in row for row in lines), proc.stdout[-2000:]
         for row in lines:
             assert "over sm_90's shared memory" not in row and " wgmma=60 " in row, row
-            assert int(row.split("spill_stack=")[1].split()[0]) <= 40, row
+            assert " spill_stack=0 " in row, row
     else:
         assert (f"elsa phase1_tf32: written for triton {gluon_phase1.GLUON_VERSION}'s Gluon, this is "
                 f"{triton.__version__}: skipped") in proc.stdout

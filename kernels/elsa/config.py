@@ -378,14 +378,14 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     descriptors); phase 1 then runs it for 16-bit inputs without a bias, N > SHORT_N and at least its MIN_WORK,
     unless the caller overrides the forward tiles (its CTA is 64 query rows a consumer warpgroup, as many as
     gluon_core.consumers_for chooses, its key tile gluon_core.TILES'). tf32_capable: float32 inputs with tf32x3
-    products on a GPU gluon_phase1 takes; phase 1 then runs it without a bias, at its TAKEN_DIMS, from its MIN_WORK,
+    products on a GPU gluon_phase1 takes; phase 1 then runs it without a bias, at its HEAD_DIMS, from its MIN_WORK,
     unless the caller overrides the forward tiles."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
     gluon = (gluon_capable and cls == "16" and not bias and nq > SHORT_N and "fwd" not in overrides
              and bh * nq * nk * d >= gluon_core.MIN_WORK)
-    tf32_gluon = (tf32_capable and cls == "32" and not bias and d in gluon_phase1.TAKEN_DIMS
+    tf32_gluon = (tf32_capable and cls == "32" and not bias and d in gluon_phase1.HEAD_DIMS
                   and "fwd" not in overrides and bh * nq * nk * d >= gluon_phase1.MIN_WORK)
     ws_tiles = core_tiles(dtype, d, bias, True)
     ws = (ws_capable and cls == "16" and not bias and (cls, bd) in core.WS_TILES and nq > SHORT_N

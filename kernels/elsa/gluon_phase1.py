@@ -33,14 +33,13 @@ import torch
 
 from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 
-HEAD_DIMS = (64, 128)        # what the kernel takes
-# where ELSA's plan takes it: both head dims. Against the Triton phase 1 at B = 1, H = 8 (CUDA-graph time over
-# efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling whole waves): D = 128
-# 0.95 / 0.91 against 1.25 / 1.10 at 4K / 16K, causal 16K 1.05 against 1.17; D = 64 0.50 / 0.53 against 1.01 / 0.79,
-# causal 16K 0.59 against 0.78 (and, with the next K held in registers until P V, which differs from this by the
-# percent or two above: D = 128 0.90 / 0.96 against 1.13 / 1.18 at 2K / 8K, causal 1.19 / 1.15 against 1.25 / 1.25
-# at 4K / 8K; D = 64 0.47 / 0.52 against 0.67 / 0.82 at 2K / 8K)
-TAKEN_DIMS = (64, 128)
+# what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). Against the Triton phase 1 at B = 1, H = 8
+# (CUDA-graph time over efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling
+# whole waves): D = 128 0.95 / 0.91 against 1.25 / 1.10 at 4K / 16K, causal 16K 1.05 against 1.17; D = 64 0.50 / 0.53
+# against 1.01 / 0.79, causal 16K 0.59 against 0.78 (and, with the next K held in registers until P V, which differs
+# from this by the percent or two above: D = 128 0.90 / 0.96 against 1.13 / 1.18 at 2K / 8K, causal 1.19 / 1.15
+# against 1.25 / 1.25 at 4K / 8K; D = 64 0.47 / 0.52 against 0.67 / 0.82 at 2K / 8K)
+HEAD_DIMS = (64, 128)
 BLOCK_M = 128               # two warpgroups of 64 rows
 NUM_WARPS = 8
 # BLOCK_N per head dim: Q's hi and lo, K's two tiles and V's with their lo parts, in shared memory (<= 227 KB: 224 at

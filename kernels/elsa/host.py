@@ -9,7 +9,7 @@ Forward, per q-chunk of rows [q0, q0 + q_chunk):
            writes out = s / z (0 for a row with no visible key), plus lse = m + log2 z for training.
 With a single partition (P = 1, short key lengths) there is nothing to merge: phase 1 writes out and lse
 itself, one launch and no summary buffer. On sm_90 phase 1 runs the Gluon core for 16-bit inputs without a bias
-(_GluonPhase1) and, for float32 at gluon_phase1.TAKEN_DIMS, gluon_phase1.py's wgmma kernel in _elsa_phase1's place
+(_GluonPhase1) and, for float32 at gluon_phase1.HEAD_DIMS, gluon_phase1.py's wgmma kernel in _elsa_phase1's place
 (the plan decides both, from their MIN_WORK).
 Backward: a dQ kernel (which also stores Delta = rowsum(dO * O)) then a dK/dV kernel, both rebuilding every
 softmax weight as 2^(x - lse); for 16-bit calls up to config.ONE_LAUNCH_MAX_WORK, one kernel whose programs do

@@ -233,7 +233,7 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     SCALE_IN_EXP (16-bit, no bias) runs the shared flash core's loop (_core_scan): KEYS_EVEN (NK a multiple of
     BLOCK_N: no ragged tile), USE_DESC (tensor descriptors) and WARP_SPECIALIZE are its switches (the host's plan
     decides them); fp32 and the bias path keep this file's loop (_scan_partition), but for float32 on sm_90 at
-    gluon_phase1.TAKEN_DIMS, where the host launches gluon_phase1.py's wgmma kernel with these arguments instead.
+    gluon_phase1.HEAD_DIMS, where the host launches gluon_phase1.py's wgmma kernel with these arguments instead.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)     # _FP32_SCALARS
     qb = tl.program_id(0)
