@@ -42,14 +42,17 @@ D = 64 the diagonal is its whole mask (a key past NK lies above it for every rea
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
 from ._flash_core import _tma_layout_ok
-from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, tile_descriptor
+from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, rows_descriptor
 from ._gluon_core import eligible as core_eligible
+from ._launch import Prepared
 from ._launch import launch as _launch
 
 NAME = "gluon_bwd"
@@ -343,25 +346,44 @@ def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
 
 
 def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
-    """gluon_bwd without its checks, for a caller that made them once (ELSA's backward plan: usable, its tiles, out
-    with a unit last stride): the prologue, the kernel, dQ cast to the inputs' dtype."""
-    grad_out = grad_out.contiguous()
-    b, hq, n_q, d = q.shape
-    hkv, n_k = k.shape[1], k.shape[2]
-    block_m, block_n, stages, dq_cols = tiles
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if q.numel() == 0 or n_k == 0:
-        return torch.zeros_like(q), dk.zero_(), dv.zero_()
-    delta, dq32 = delta_and_zeroed_dq(grad_out, out)
-    with on_device(q):
-        _launch(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
-            tile_descriptor(q.view(-1, d), block_m, d), tile_descriptor(k.view(-1, d), block_n, d),
-            tile_descriptor(v.view(-1, d), block_n, d), tile_descriptor(grad_out.view(-1, d), block_m, d),
-            tile_descriptor(dq32.view(-1, d), block_m, dq_cols),
-            lse2.contiguous(), delta, dk, dv, hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
-            dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS,
-                 LOADER_REGS=LOADER_REGS, num_warps=4))
-    return dq32.to(q.dtype), dk, dv
+    """gluon_bwd without its checks, for a caller that made them (usable, its tiles, out with a unit last stride):
+    Launch's work, made for this call alone. Returns (dq, dk, dv)."""
+    return Launch(q, k, causal, scale, tiles)(grad_out, q, k, v, out, lse2)
+
+
+class Launch:
+    """gluon_bwd's launches for q, k, v laid out as those it is made with (a caller that checked them once: ELSA's
+    backward plan), called as ``go(grad_out, q, k, v, out, lse2)`` -> (dq, dk, dv): the prologue, the kernel, dQ
+    cast to the inputs' dtype. The kernel is a Prepared launch whose five TMA maps (q, k, v, dO, the fp32 dQ) are
+    re-encoded at each call's tensors (kernels/_launch.py)."""
+
+    __slots__ = ("kernel", "empty")
+
+    def __init__(self, q, k, causal: bool, scale: float, tiles):
+        b, hq, n_q, d = q.shape
+        hkv, n_k = k.shape[1], k.shape[2]
+        block_m, block_n, stages, dq_cols = tiles
+        self.empty = q.numel() == 0 or n_k == 0
+
+        def rows_of(i, rows, cols):
+            return i, functools.partial(rows_descriptor, d=d, rows=rows, cols=cols)
+        # the call's tensors: q, k, v, dO, dQ (described), then lse2, Delta, dK, dV
+        self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
+            hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
+            dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4),
+            describe=(rows_of(0, block_m, d), rows_of(1, block_n, d), rows_of(2, block_n, d), rows_of(3, block_m, d),
+                      rows_of(4, block_m, dq_cols)))
+
+    def __call__(self, grad_out, q, k, v, out, lse2):
+        grad_out = grad_out.contiguous()
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if self.empty:
+            return torch.zeros_like(q), dk.zero_(), dv.zero_()
+        delta, dq32 = delta_and_zeroed_dq(grad_out, out)
+        with on_device(q):
+            self.kernel(q, k, v, grad_out, dq32, lse2.contiguous(), delta, dk, dv)
+        return dq32.to(q.dtype), dk, dv
+
 
 def usable(q, k, v, grad_out) -> bool:
     """Whether gluon_bwd can run these inputs: the Gluon core's conditions on q, k, v (gluon_core.available: sm_90,

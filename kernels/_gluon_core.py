@@ -65,7 +65,7 @@ import triton
 
 from ._common import LOG2E, PASA_M_INIT, check_inputs, default_scale, on_device, sm_count
 from ._flash_core import _capability, _tma_layout_ok
-from ._launch import launch as _launch
+from ._launch import Prepared
 
 NAME = "gluon_core"
 # head dim -> (D0, D1): the columns of every Q/K/V row as two tiles of power-of-two widths (Gluon's register tensors
@@ -145,11 +145,16 @@ def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int) -> int:
 # 128-key tiles and still ran 7-8 % faster than with 64 on the H100 (results/dev/gluon_core/head_dims_h100.json,
 # "tiles", where the other head dims' candidates lost)
 TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2), 192: (64, 2), 256: (64, 2)}
-# A caller takes this core only from this much work (B*Hq * Nq * Nk * D): a launch builds its host-side descriptors
-# (three, six at a split head dim) and their TMA maps, ~100-160 us of CPU per ELSA forward against ~40-50 on the
-# Triton core (results/dev/gluon_core/elsa_host_time_h100.json); below it that host time is the call's time and the
-# Triton core is about as fast on the GPU too (kernels/elsa/config.py has the measurements)
-MIN_WORK = 2**34
+# ELSA's phase 1 and CQSA's resident forward take this core from this much work (B*Hq * Nq * Nk * D; PASA has its
+# own, kernels/pasa/ops.py). It was 2^34 while each launch built its host-side descriptor objects (~48 us of CPU per
+# launch on the H200 host, ~100-160 us per ELSA forward on the H100's: results/dev/gluon_core/elsa_host_time_h100.json).
+# A prepared launch re-encodes only the TMA maps (kernels/_launch.py; ELSA's forward 83-97 -> 30-45 us of host time,
+# results/dev/gluon_core/launch_host_time_h200.json), and then the core is faster than the Triton core or as fast
+# from 2^31 (the same file, "min_work"; fp16 over cuDNN, eager / CUDA graph): ELSA at B=1, H=8, 2K, D=64 0.95 / 1.06
+# against 0.97 / 1.51, 4K D=64 1.18 / 1.14 against 1.22 / 1.18, H=1 8K D=64 0.76 against 0.92; below 2^31 the same
+# (H=1 4K D=64, 2^30: 0.73 against 0.72). CQSA over flash: 2K D=64 1.03 against 1.23, 4K D=128 0.92 against 1.34,
+# H=1 4K D=128 0.83 against 0.94, one loss, 32 heads of 2K at D=64 (1.26 against 1.17)
+MIN_WORK = 2**31
 # The persistent launch (launch(persistent=...)): a program per SM walks the work items, so an item's epilogue
 # overlaps the next one's loads and no last wave runs part-empty. Measured against the plain grid on the H200
 # (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal; causal, the items' costs
@@ -853,14 +858,19 @@ def tile_descriptor(t2d: torch.Tensor, rows: int, cols: int):
                             descriptor_layout(rows, cols, t2d.dtype))
 
 
-def _descriptors(q, k, v, block_n):
-    """(q, k, v, q2, k2, v2) descriptors: each row's first D0 columns, then its next D1 (None when D1 = 0)."""
-    d = q.shape[-1]
+def _describe(d: int, block_n: int) -> tuple:
+    """A launch's six leading descriptor arguments as Prepared's ``describe`` (q, k, v: the call's tensors 0-2):
+    each row's first D0 columns, then its next D1 (None when D1 = 0), in tiles of a consumer's rows (q) or BLOCK_N."""
     d0, d1 = SPLITS[d]
-    tensors = ((q.view(-1, d), ROWS_PER_CONSUMER), (k.view(-1, d), block_n), (v.view(-1, d), block_n))
-    firsts = tuple(tile_descriptor(t, rows, d0) for t, rows in tensors)
-    seconds = tuple(tile_descriptor(t, rows, d1) for t, rows in tensors) if d1 else (None, None, None)
-    return firsts + seconds
+    rows = (ROWS_PER_CONSUMER, block_n, block_n)
+    firsts = tuple((i, functools.partial(rows_descriptor, d=d, rows=rows[i], cols=d0)) for i in range(3))
+    seconds = tuple((i, functools.partial(rows_descriptor, d=d, rows=rows[i], cols=d1)) for i in range(3))
+    return firsts + (seconds if d1 else (None, None, None))
+
+
+def rows_descriptor(t: torch.Tensor, d: int, rows: int, cols: int):
+    """tile_descriptor over t's rows of d columns (t [..., rows, d], rows of every head one after the other)."""
+    return tile_descriptor(t.view(-1, d), rows, cols)
 
 
 def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
@@ -872,23 +882,33 @@ def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
     return not causal or items <= PERSISTENT_CAUSAL_ROUNDS * sms
 
 
-def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0,
-           parts: int = 1, width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int,
-           consumers: int = 2, pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None,
-           pasa_state: str = "fp16", persistent: bool | None = None, programs: int | None = None):
-    """One launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
+def launch(q, k, v, out, lse, sbuf, **options):
+    """One launch (prepare's, made for this call alone) over q, k, v into out, lse, sbuf. Returns the
+    CompiledKernel."""
+    items, ranges = options.get("walk") or (out, out)
+    return prepare(q, k, v, **options)(q, k, v, out, lse, sbuf, items, ranges)
+
+
+def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0, parts: int = 1,
+            width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int, consumers: int = 2,
+            pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None, pasa_state: str = "fp16",
+            persistent: bool | None = None, programs: int | None = None) -> Prepared:
+    """The launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
     parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default)
     `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
-    holds every key), on q's device made current by the caller; or, with walk=(items, ranges) (int32 tables on q's
-    device, built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's BLOCK_N), one program
-    per item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE are written for its
-    rows. The caller checked available(q, k, v). With pasa_c (PASA's recovery constant in the state format) the
-    programs take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv, whole
-    windows of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition,
-    out only. Through kernels/_launch.py: after the first call of a signature the compiled kernel is launched directly
-    (the descriptors' TMA maps are built by its launcher). consumers: the consumer warpgroups of a CTA, 2 or (at
-    THREE_CONSUMER_DIMS) 3 (consumers_for chooses); pingpong: two consumers' turns (three take none); regs: (consumer,
-    loader) registers, REGS' for the consumer count by default. Returns the CompiledKernel."""
+    holds every key), for inputs laid out as q, k, v: a Prepared launch (kernels/_launch.py), called as
+    ``go(q, k, v, out, lse, sbuf, items, ranges)`` with tensors of these shapes and strides (items, ranges: walk's
+    tables, else any tensor: never read), on q's device made current by the caller, which checked available(q, k,
+    v). After its first call it encodes the three (six at a split head dim) TMA maps at the call's pointers and calls
+    the launcher's C entry: no descriptor objects, no key (its host time: kernels/_launch.py). With walk=(items,
+    ranges) (int32 tables on q's device, built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this
+    launch's BLOCK_N), one program per item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out
+    and the LSE are written for its rows. With pasa_c (PASA's recovery constant in the state format) the programs
+    take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv, whole windows
+    of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition, out
+    only. consumers: the consumer warpgroups of a CTA, 2 or (at THREE_CONSUMER_DIMS) 3 (consumers_for chooses);
+    pingpong: two consumers' turns (three take none); regs: (consumer, loader) registers, REGS' for the consumer
+    count by default."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     if consumers not in (2, 3) or (consumers == 3 and d not in THREE_CONSUMER_DIMS):
@@ -901,7 +921,6 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
     heads, n_q, n_k = q.shape[1], q.shape[2], v.shape[2]
     bh = q.shape[0] * heads
     if walk is None:
-        items = ranges = out                          # never read
         grid = (n_blocks, bh, parts)
         work = n_blocks * bh * parts
         sms = sm_count(q.device, 1)
@@ -914,15 +933,14 @@ def launch(q, k, v, out, lse, sbuf, *, causal: bool, qk_scale: float, q0: int = 
     else:
         if persistent:
             raise ValueError(f"{NAME}: a tile walk runs on the plain grid, not persistent")
-        items, ranges = walk
-        grid = (items.shape[0], bh, 1)
-    return _launch(_gluon_fwd_kernel, grid, (
-        *_descriptors(q, k, v, block_n), out, lse, sbuf, items, ranges, heads, heads // k.shape[1], bh, n_q, n_k,
-        k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c, q0, n_blocks, width, parts, n_slots),
+        grid = (walk[0].shape[0], bh, 1)
+    return Prepared(_gluon_fwd_kernel, grid, (
+        heads, heads // k.shape[1], bh, n_q, n_k, k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c,
+        q0, n_blocks, width, parts, n_slots),
         dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
              LSE_MODE=lse_mode, RANGES=walk is not None,
              PASA=pasa, PERSISTENT=bool(persistent), CONSUMERS=consumers, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1],
-             num_warps=4))
+             num_warps=4), describe=_describe(d, block_n))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | None = None, pingpong: bool = True,

@@ -39,6 +39,14 @@ CudaLauncher, recognised by its source), Prepared does that ``__call__``'s work 
 first call and calls the C launch entry directly: the scratch for device-side tensor descriptors from Triton's
 allocator, as Triton asks for it, and no second Python frame with two closures per launch (~3 us of host time
 per launch on the H100 host). Any other launcher (another triton, profile scratch) is called as it is.
+A Prepared launch may take host-side tensor descriptors (the Gluon kernels' TMA loads: ``describe``): each is made
+from one of the call's tensors. Where triton's launcher would turn each into its TMA map in Python at every launch
+(``KNOWN_DESCRIPTOR_EXPANSIONS``: triton 3.6's make_tensordesc_arg), Prepared, whose caller fixes the tensors'
+shapes and strides, keeps what that expansion gives apart from the map itself, and per launch only encodes each map
+again at the tensor's data pointer (the driver's fill_tma_descriptor, ~0.3 us) and calls the C entry: no descriptor
+object, no key. Through ``launch`` the Gluon core's forward launch cost ~48 us of host time on the H200's host, ~13 us
+of it making its three descriptor objects; ELSA's forward on it now costs what it does on the Triton core
+(results/dev/gluon_core/launch_host_time_h200.json).
 Every kernel's op bodies work that way (the one pattern):
 
     _plans = SignatureCache()
@@ -76,6 +84,7 @@ _get_device = None
 _get_stream = None
 _knobs = None
 _scratch_allocator = None       # triton.runtime._allocation._allocator: the ContextVar of triton.set_allocator's
+_fill_tma_descriptor = None     # the driver's TMA map encoder (a host-side descriptor's map: tensor_maps)
 
 # Launcher classes whose __call__ Prepared may do itself, by the SHA-1 of that __call__'s source with each line
 # stripped and blank lines dropped (launcher_fingerprint). triton 3.6.0's CudaLauncher.__call__ allocates the global
@@ -84,6 +93,12 @@ _scratch_allocator = None       # triton.runtime._allocation._allocator: the Con
 # global_scratch, profile_scratch, *args). A triton whose __call__ differs in any character is called as it is.
 KNOWN_LAUNCHERS = {"eb7e90457f5c7cb798c88f5fed3fb62aa2cd3ff3"}
 _direct_classes: dict = {}      # launcher class -> whether its __call__ is a known one
+# Host-side tensor descriptor expansions Prepared may do itself, by the SHA-1 (source_fingerprint) of the wrapper
+# the launcher's ``launch`` is (triton 3.6.0: wrap_handle_tensordesc's inner) followed by the function it calls per
+# descriptor (make_tensordesc_arg), which turns a descriptor whose tensordesc_meta entry is given into [its TMA map
+# (fill_tma_descriptor of base pointer, swizzle, element size, TMA dtype, block, shape, strides, padding), *shape,
+# *strides] and passes everything else on; the wrapper's closure holds the C entry as ``launcher``.
+KNOWN_DESCRIPTOR_EXPANSIONS = {"72e448e521c78a6f4b1fb42d7bc2c59da3a75ea8"}
 
 
 def set_enabled(on: bool) -> None:
@@ -125,8 +140,9 @@ def _eligible(jit_fn) -> bool:
             return False
     except Exception:          # no active driver: the JIT will report it
         return False
-    global _scratch_allocator
+    global _scratch_allocator, _fill_tma_descriptor
     _get_device, _get_stream, _knobs = driver.active.get_current_device, driver.active.get_current_stream, knobs
+    _fill_tma_descriptor = getattr(driver.active.utils, "fill_tma_descriptor", None)
     try:
         from triton.runtime import _allocation
         _scratch_allocator = _allocation._allocator
@@ -140,13 +156,19 @@ def _eligible(jit_fn) -> bool:
     return True
 
 
-def launcher_fingerprint(cls) -> str | None:
-    """The SHA-1 of cls.__call__'s source, each line stripped, blank lines dropped (None: no source)."""
+def source_fingerprint(*fns) -> str | None:
+    """The SHA-1 of the functions' sources one after the other, each line stripped, blank lines dropped (None: one
+    has no source)."""
     try:
-        src = inspect.getsource(cls.__call__)
+        src = "".join(inspect.getsource(fn) for fn in fns)
     except (OSError, TypeError):
         return None
     return hashlib.sha1("".join(ln.strip() for ln in src.splitlines() if ln.strip()).encode()).hexdigest()
+
+
+def launcher_fingerprint(cls) -> str | None:
+    """The SHA-1 of cls.__call__'s source, each line stripped, blank lines dropped (None: no source)."""
+    return source_fingerprint(cls.__call__)
 
 
 def direct_launch(launcher, grid3: tuple):
@@ -166,6 +188,42 @@ def direct_launch(launcher, grid3: tuple):
         scratch = (grid3[0] * grid3[1] * grid3[2] * launcher.num_ctas * launcher.global_scratch_size,
                    launcher.global_scratch_align)
     return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl, scratch
+
+
+def tensor_maps(launch, metadata, made: tuple, sources: tuple):
+    """(C entry, fill_tma_descriptor, maps) for launching with the descriptors ``made`` (a launch's leading
+    arguments, None for an absent one) re-encoded at each call's tensors: ``launch`` is a launcher's ``launch`` (the
+    descriptor wrapper of KNOWN_DESCRIPTOR_EXPANSIONS), ``metadata`` its kernel's, ``sources`` the tensor each
+    descriptor was made from (None where it is absent). maps: per leading argument None, or (the descriptor's byte
+    offset from its source's data pointer, fill_tma_descriptor's arguments after the pointer, the [*shape, *strides]
+    the launcher passes after the map). None where the wrapper is not a known one or a descriptor is not lowered to
+    a TMA map."""
+    closure = getattr(launch, "__closure__", None)
+    code = getattr(launch, "__code__", None)
+    names = getattr(launch, "__globals__", {})
+    expand, to_host = names.get("make_tensordesc_arg"), names.get("TMA_DTYPE_DEVICE_TO_HOST")
+    if (closure is None or expand is None or to_host is None or _fill_tma_descriptor is None
+            or "launcher" not in code.co_freevars):
+        return None
+    if source_fingerprint(launch, expand) not in KNOWN_DESCRIPTOR_EXPANSIONS:
+        return None
+    meta = list(getattr(metadata, "tensordesc_meta", None) or ())
+    present = [(i, d) for i, d in enumerate(made) if d is not None]
+    if len(meta) != len(present) or any(m is None for m in meta):
+        return None
+    maps = [None] * len(made)
+    for (i, d), m in zip(present, meta):
+        shape = list(d.shape)
+        if m["fp4_padded"]:
+            shape[-1] *= 2
+        strides = list(d.strides)
+        rest = (m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], shape, strides,
+                1 if d.padding == "nan" else 0)
+        tail = (*shape, *strides)
+        if tuple(expand(d, m)[1:]) != tail:      # the expansion's own [*shape, *strides] must be ours
+            return None
+        maps[i] = (d.base.data_ptr() - sources[i].data_ptr(), rest, tail)
+    return closure[code.co_freevars.index("launcher")].cell_contents, _fill_tma_descriptor, tuple(maps)
 
 
 def _hook_set(hook) -> bool:
@@ -295,29 +353,44 @@ class Prepared:
     """One launch site whose grid, trailing non-tensor arguments and constexprs are fixed:
     ``Prepared(jit_fn, grid, fixed, constexprs)(*tensors)`` is ``jit_fn[grid](*tensors, *fixed, **constexprs)``.
 
+    ``describe`` (optional): the launch's leading arguments are host-side tensor descriptors made from the call's
+    first tensors, one entry per argument: None (an absent descriptor, passed as None) or (i, make), the argument
+    being make(tensors[i]); those first tensors are not passed themselves. ``Prepared(jit_fn, grid, fixed, cx,
+    ((0, mk), None))(a, b, x)`` is ``jit_fn[grid](mk(a), None, x, *fixed, **cx)`` when a, b are the described ones
+    (the described tensors are tensors[:1 + the largest i]).
+
     The caller guarantees that every call passes tensors with the dtypes, the 16-byte alignment of the data
-    pointer and the device of its first call (the caller's own cache key holds them), on that device made
-    current. The first call goes through ``launch`` (the JIT compiles or finds the kernel); later calls launch
-    the stored CompiledKernel directly. Disabled fast path, hooks or other JIT state than at the first call,
-    the interpreter and torch.compile tracing take ``launch``'s path every time."""
+    pointer, the device, and for a described tensor the shape and strides, of its first call (the caller's own cache
+    key holds them), on that device made current. The first call goes through ``launch`` (the JIT compiles or finds
+    the kernel); later calls launch the stored CompiledKernel directly. Disabled fast path, hooks or other JIT state
+    than at the first call, the interpreter and torch.compile tracing take ``launch``'s path every time."""
 
-    __slots__ = ("jit_fn", "grid", "fixed", "constexprs", "_ck", "_tail", "_state", "_device", "_grid3", "_direct")
+    __slots__ = ("jit_fn", "grid", "fixed", "constexprs", "describe", "_described", "_ck", "_tail", "_state",
+                 "_device", "_grid3", "_direct", "_maps")
 
-    def __init__(self, jit_fn, grid: tuple, fixed: tuple, constexprs: dict):
+    def __init__(self, jit_fn, grid: tuple, fixed: tuple, constexprs: dict, describe: tuple = ()):
         self.jit_fn, self.grid, self.fixed, self.constexprs = jit_fn, tuple(grid), tuple(fixed), constexprs
+        self.describe = tuple(describe)
+        self._described = 1 + max((d[0] for d in self.describe if d is not None), default=-1)
         self._grid3 = self.grid + (1,) * (3 - len(self.grid))
         self._ck = None
         self._direct = None
+        self._maps = None
+
+    def _made(self, tensors) -> tuple:
+        """The descriptor arguments of this call (describe's)."""
+        return tuple(None if d is None else d[1](tensors[d[0]]) for d in self.describe)
 
     def __call__(self, *tensors):
         ck = self._ck
+        n = self._described
         if ck is not None and _enabled and _state_key(self.jit_fn) == self._state:
             g = self._grid3
             stream = _get_stream(self._device)
             direct = self._direct
             if direct is None:
                 ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None,
-                       *map(_data_ptr, tensors), *self._tail)
+                       *(self._made(tensors) if n else ()), *map(_data_ptr, tensors[n:]), *self._tail)
                 return ck
             c_launch, cooperative, pdl, scratch = direct
             buffer = None
@@ -325,24 +398,48 @@ class Prepared:
                 # held until the launch is queued; passed as its pointer, like the tensors
                 buffer = _scratch_allocator.get()(scratch[0], scratch[1], stream)
                 scratch = buffer.data_ptr()
+            head = ()
+            if n:
+                # each descriptor as the launcher's expansion passes it: its TMA map, encoded again at this call's
+                # data pointer (the map object is copied into the launch's parameters), then its shape and strides
+                fill, maps = self._maps
+                head = []
+                for m, d in zip(maps, self.describe):
+                    if m is None:
+                        head.append(None)
+                    else:
+                        head.append(fill(tensors[d[0]].data_ptr() + m[0], *m[1]))
+                        head += m[2]
             c_launch(g[0], g[1], g[2], stream, ck.function, cooperative, pdl, scratch, None, ck.packed_metadata,
-                   None, None, None, *map(_data_ptr, tensors), *self._tail)
+                     None, None, None, *head, *map(_data_ptr, tensors[n:]), *self._tail)
             return ck
-        ck = launch(self.jit_fn, self.grid, tensors + self.fixed, self.constexprs)
+        made = self._made(tensors) if n else ()
+        ck = launch(self.jit_fn, self.grid, made + tensors[n:] + self.fixed, self.constexprs)
         if ck is not None and _enabled and not _is_compiling():
             slot = _caches.get(id(self.jit_fn))
             if slot is not None and slot[1] is not False:      # eligible: a real CUDA JITFunction
                 state = _state_key(self.jit_fn)
                 if state is not None:
                     self._state, self._device = state, _get_device()
-                    self._tail = self.fixed + _tail(self.jit_fn, len(tensors) + len(self.fixed), self.constexprs)
-                    self._direct = direct_launch(ck.run, self._grid3)
+                    self._tail = self.fixed + _tail(self.jit_fn, len(made) + len(tensors) - n + len(self.fixed),
+                                                    self.constexprs)
+                    direct = direct_launch(ck.run, self._grid3)
+                    if direct is not None and n:
+                        # the descriptors re-encoded here, the launcher's C entry under its expansion called
+                        sources = tuple(None if d is None else tensors[d[0]] for d in self.describe)
+                        found = tensor_maps(direct[0], ck.metadata, made, sources)
+                        direct = None if found is None else (found[0], *direct[1:])
+                        self._maps = None if found is None else found[1:]
+                    self._direct = direct
                     self._ck = ck
         return ck
 
     def traced(self, *tensors) -> None:
         """The same launch for torch.compile's trace (kernels/_ops.py, decompose_when_traced): through
         ``torch.library.wrap_triton``, which records it for inductor to emit, and launches it when not tracing."""
+        if self.describe:
+            raise ValueError("a launch with host-side tensor descriptors (a Gluon kernel) is not traced: inductor "
+                             "does not take Gluon kernels")
         torch.library.wrap_triton(self.jit_fn)[self.grid](*tensors, *self.fixed, **self.constexprs)
 
 

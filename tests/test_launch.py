@@ -531,6 +531,130 @@ def test_launcher_fingerprint_ignores_indentation_and_blank_lines_only(tmp_path)
     assert L.launcher_fingerprint(ns["A"]) is None          # no source: never known
 
 
+# ---- Prepared with host-side tensor descriptors (the Gluon kernels' leading arguments) ----
+
+def _desc(t, offset=0):
+    """A host-side descriptor as the launcher's expansion reads it: base, shape, strides, padding."""
+    return types.SimpleNamespace(base=t[offset:], shape=[t.numel() - offset, 1], strides=[1, 1], padding="zero")
+
+
+def _describe():
+    """Three leading arguments: a descriptor of tensor 0 (4 elements in), none, one of tensor 1."""
+    return ((0, lambda t: _desc(t, 4)), None, (1, _desc))
+
+
+def test_prepared_makes_its_descriptors_at_every_call_without_a_known_expansion(fast):
+    """The first call passes the descriptors `describe` makes from the first tensors, then the other tensors; later
+    calls run the stored kernel with the descriptors made again from that call's tensors (the launcher expands
+    them), the other tensors as pointers, then the tail (six positional arguments: the fake's last, FLAG)."""
+    jit = FakeJIT()
+    a, b, x = torch.zeros(64, dtype=torch.float16), torch.zeros(32), torch.zeros(8)
+    go = L.Prepared(jit, (3,), (128, 0.5), CX, describe=_describe())
+    go(a, b, x)
+    (grid, args, kw), = jit.jit_calls
+    assert args[1] is None and args[3:] == (x, 128, 0.5) and kw == CX
+    assert args[0].base.data_ptr() == a.data_ptr() + 8 and args[2].base.data_ptr() == b.data_ptr()
+    a2, b2, x2 = torch.zeros(64, dtype=torch.float16), torch.zeros(32), torch.zeros(8)
+    go(a2, b2, x2)
+    (call,) = jit.ck.calls
+    assert call[9].base.data_ptr() == a2.data_ptr() + 8 and call[10] is None
+    assert call[11].base.data_ptr() == b2.data_ptr() and call[12:] == (x2.data_ptr(), 128, 0.5, True)
+    with pytest.raises(ValueError, match="not traced"):
+        go.traced(a2, b2, x2)
+
+
+FAKE_DRIVER = """
+TMA_DTYPE_DEVICE_TO_HOST = {6: 7}
+
+
+def make_tensordesc_arg(arg, metadata):
+    shape = list(arg.shape)
+    if metadata["fp4_padded"]:
+        shape[-1] *= 2
+    return [("map", arg.base.data_ptr()), *shape, *arg.strides]
+
+
+def wrap(launcher):
+    def inner(*args):
+        return launcher(*args)
+    return inner
+"""
+
+
+@pytest.fixture
+def fake_driver(known, tmp_path, monkeypatch):
+    """A launcher module like triton 3.6's driver (its expansion known), the map encoder recorded."""
+    import importlib.util
+
+    path = tmp_path / "fake_driver.py"
+    path.write_text(FAKE_DRIVER)
+    spec = importlib.util.spec_from_file_location("fake_driver", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(L, "KNOWN_DESCRIPTOR_EXPANSIONS", {L.source_fingerprint(mod.wrap(None),
+                                                                                mod.make_tensordesc_arg)})
+    monkeypatch.setattr(L, "_fill_tma_descriptor", lambda ptr, *rest: ("map", ptr, rest))
+    return mod
+
+
+META = {"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [64, 64], "fp4_padded": False}
+
+
+def _jit_with_wrapped_launcher(mod):
+    """A FakeJIT whose kernel's launcher is a known one with the fake driver's wrapper as its ``launch`` (the C
+    entry inside records its calls) and two descriptors in its metadata."""
+    jit = FakeJIT()
+    jit.ck.run = launcher = FakeLauncher()
+    raw = []
+    launcher.launch = mod.wrap(lambda *args: raw.append(args))
+    jit.ck.metadata = types.SimpleNamespace(tensordesc_meta=[META, dict(META, fp4_padded=True)])
+    return jit, launcher, raw
+
+
+def test_prepared_encodes_each_map_again_at_the_calls_pointers(fake_driver):
+    """With a known expansion, a later call passes the C entry under the wrapper, per descriptor its map encoded at
+    this call's pointer (plus the descriptor's offset) with the metadata's swizzle, element size, host dtype, block,
+    shape (its last doubled where fp4-padded), strides and padding, then its shape and strides; None for an absent
+    one; then the pointers and the tail. No descriptor is made and the launcher's __call__ never runs."""
+    jit, launcher, raw = _jit_with_wrapped_launcher(fake_driver)
+    a, b, x = torch.zeros(64, dtype=torch.float16), torch.zeros(32), torch.zeros(8)
+    made = []
+    describe = ((0, lambda t: made.append(0) or _desc(t, 4)), None, (1, lambda t: made.append(1) or _desc(t)))
+    go = L.Prepared(jit, (3, 2), (128, 0.5), CX, describe=describe)
+    go(a, b, x)
+    assert made == [0, 1]
+    a2, b2, x2 = torch.zeros(64, dtype=torch.float16), torch.zeros(32), torch.zeros(8)
+    go(a2, b2, x2)
+    assert made == [0, 1] and launcher.called == 0
+    (args,) = raw
+    assert args[:13] == (3, 2, 1, 1000, "cufunction", False, True, None, None, ("packed",), None, None, None)
+    map_a = ("map", a2.data_ptr() + 8, (3, 2, 7, [64, 64], [60, 1], [1, 1], 0))
+    map_b = ("map", b2.data_ptr(), (3, 2, 7, [64, 64], [32, 2], [1, 1], 0))
+    assert args[13:] == (map_a, 60, 1, 1, 1, None, map_b, 32, 2, 1, 1, x2.data_ptr(), 128, 0.5, True)
+
+
+@pytest.mark.parametrize("case", ["unknown", "other_tail", "meta_missing"])
+def test_prepared_leaves_other_expansions_to_the_launcher(fake_driver, monkeypatch, case):
+    """An expansion whose source is not a known one, one that passes another shape or strides than ours, and a
+    kernel whose metadata has no map for a descriptor: later calls go through the launcher's own __call__ with the
+    descriptors made again."""
+    jit, launcher, raw = _jit_with_wrapped_launcher(fake_driver)
+    jit.ck.metadata.tensordesc_meta = [META, META]
+    if case == "unknown":
+        monkeypatch.setattr(L, "KNOWN_DESCRIPTOR_EXPANSIONS", {"0" * 40})
+    elif case == "other_tail":
+        monkeypatch.setattr(fake_driver, "make_tensordesc_arg", lambda arg, m: [None, *arg.shape, 9, 9])
+        monkeypatch.setattr(L, "KNOWN_DESCRIPTOR_EXPANSIONS", {L.source_fingerprint(fake_driver.wrap(None),
+                                                                                    fake_driver.make_tensordesc_arg)})
+    else:
+        jit.ck.metadata.tensordesc_meta = [META, None]
+    a, b, x = torch.zeros(64, dtype=torch.float16), torch.zeros(32), torch.zeros(8)
+    go = L.Prepared(jit, (3,), (128, 0.5), CX, describe=_describe())
+    go(a, b, x)
+    go(a, b, x)
+    assert launcher.called == 1 and raw == []
+
+
 # ---- layout keys, signature caches, plans ----
 
 def _misaligned(shape, dtype=torch.float16):

@@ -456,14 +456,16 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     # λM and c for β solved at that n (c in the state format), the state, qk_scale log2 e, one partition of every
     # key, the CTA's row blocks.
     monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
-    monkeypatch.setattr(gluon_core, "MIN_WORK", 0)
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
     seen = {}
 
-    def record(q, k, v, out, lse, sbuf, **kw):
-        seen.update(kw, k_shift=k.clone(), v=v)
-        out.zero_()
+    def record(q, k, v, **kw):              # gluon_core.prepare's stand-in: its launch records what it is given
+        def go(q, k, v, out, lse, sbuf, items, ranges):
+            seen.update(kw, k_shift=k.clone(), v=v)
+            out.zero_()
+        return go
 
-    monkeypatch.setattr(gluon_core, "launch", record)
+    monkeypatch.setattr(gluon_core, "prepare", record)
     _launch.clear()
     q, k, v = _randn_inputs(4, 2, nq, nk, d, "cpu", seed=nq)
     pasa_attention(q, k, v, causal=causal, state_dtype=state)
@@ -728,7 +730,7 @@ def test_gpu_large_n(dtype, d, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["triton", "core"])
 def test_gpu_overflow_and_emulation_gate(request, path):
-    # the default call on its Triton kernel (this shape is below the core's MIN_WORK) and on the Gluon core
+    # the default call on its Triton kernel (this shape is below PASA's CORE_MIN_WORK) and on the Gluon core
     if path == "core":
         request.getfixturevalue("on_the_core")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -809,12 +811,12 @@ def test_gpu_inline_and_prepass_shift_agree(dtype, d, causal, nq, nk):
 
 @pytest.fixture
 def on_the_core(monkeypatch):
-    """Default PASA calls take the Gluon core at any size (MIN_WORK 0), plans made afresh; on teardown, every PASA
+    """Default PASA calls take the Gluon core at any size (CORE_MIN_WORK 0), plans made afresh; on teardown, every PASA
     plan the test made must have taken it."""
     probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
     if not gluon_core.available(probe, probe, probe):
         pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
-    monkeypatch.setattr(gluon_core, "MIN_WORK", 0)
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
     _launch.clear()
     yield
     made = _pasa_plans()

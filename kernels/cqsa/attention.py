@@ -168,6 +168,7 @@ class _Forward(LaunchPlan):
             self.walk = _walk(N, Nk, c, causal, D, consumers, q.device)
         if self.walk is not None:
             self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1, consumers=consumers)
+            self.gluon_launch = None    # gluon_core.prepare's launch, made at the first run
             return
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
@@ -193,7 +194,10 @@ class _Forward(LaunchPlan):
         if self.empty:
             return out, lse
         if self.walk is not None:
-            gluon_core.launch(q, k, v, out, lse, out, walk=self.walk, **self.gluon_options)
+            go = self.gluon_launch
+            if go is None:
+                go = self.gluon_launch = gluon_core.prepare(q, k, v, walk=self.walk, **self.gluon_options)
+            go(q, k, v, out, lse, out, *self.walk)
             return out, lse
         if self.copy is not None:
             cq, ck, cv = self.copy

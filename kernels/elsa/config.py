@@ -117,14 +117,12 @@ SHORT_BIAS_TILES = {
     ("32", 32): {"fwd": (64, 32, 4, 2)},
     ("32", 64): {"fwd": (64, 32, 4, 1), "bwd": ((64, 16, 4, 1), (16, 64, 4, 1))},
 }
-# Phase 1 takes the Gluon core (kernels/_gluon_core.py) only from its MIN_WORK (2^34 of B*Hq * Nq * Nk * D): its
-# launch builds three host-side tensor descriptors and their TMA maps, ~100-160 us of CPU per forward against ~40-50 on
-# the Triton core (results/dev/gluon_core/elsa_host_time_h100.json). Below it that host time is the call's time: in
-# the H100 nightly gate the D=64 4K forward (B=1, H=8: 2^33) went from 0.86x to 1.07x flash on the core
-# (runs/20261125T005121Z_nightly); D=128 4K (2^34) and the Llama-3 cells from 2K (2^34) gained
-# (runs/20261125T003931Z_hopper, runs/20261125T004722Z_full). Below it the Triton core is about as fast on the GPU
-# too: at D=64 4K ELSA took 0.101 ms on it against 0.112 on the core with in-kernel descriptors (the same file,
-# "rows"; those descriptors cost the core ~6 % there, "gpu_time_per_descriptor_kind").
+# Phase 1 takes the Gluon core (kernels/_gluon_core.py) from its MIN_WORK (2^31 of B*Hq * Nq * Nk * D; the
+# measurements are there). It was 2^34 while the core's launch built its descriptor objects at every call, ~100-160 us
+# of CPU per forward against ~40-50 on the Triton core (results/dev/gluon_core/elsa_host_time_h100.json): in the H100
+# nightly gate the D=64 4K forward (B=1, H=8: 2^33) then went from 0.86x to 1.07x flash on the core
+# (runs/20261125T005121Z_nightly). Its prepared launch re-encodes the TMA maps alone (kernels/_launch.py): ELSA's
+# forward on the core costs 30-45 us of host time on the H200 host, as on the Triton core.
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.

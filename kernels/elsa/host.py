@@ -280,14 +280,18 @@ class _GluonPhase1:
     replaces: the same grid (QB, B*Hq, P) of the plan's row blocks (the core's CTA), the same summary slots, out
     and base-2 lse."""
 
-    __slots__ = ("fixed",)
+    __slots__ = ("fixed", "go")
     jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None
 
     def __init__(self, **fixed):
         self.fixed = fixed
+        self.go = None          # gluon_core.prepare's launch, made at the first call (the plan's layout)
 
     def __call__(self, q, k, v, b, sbuf, out, lse):
-        return gluon_core.launch(q, k, v, out, lse, sbuf, **self.fixed)
+        go = self.go
+        if go is None:
+            go = self.go = gluon_core.prepare(q, k, v, **self.fixed)
+        return go(q, k, v, out, lse, sbuf, out, out)
 
 
 def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):
@@ -373,9 +377,10 @@ class _BwdPlan(LaunchPlan):
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
         if plan.gluon:
-            # checked here once (gluon_capable); each run builds the descriptors and launches (gluon_bwd.launch)
-            self.gluon_tiles = gluon_bwd.TILES[(c.D, causal)]
-            self.grid = gluon_bwd.grid(c.B, c.HKV, c.NK, self.gluon_tiles)
+            # checked here once (gluon_capable): the launches of run()'s tensors (c.read's, laid out as read)
+            tiles = gluon_bwd.TILES[(c.D, causal)]
+            self.gluon = gluon_bwd.Launch(read[0], read[1], causal, c.scale, tiles)
+            self.grid = gluon_bwd.grid(c.B, c.HKV, c.NK, tiles)
         elif self.launches == 1:
             # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
             kv_programs = kv_blocks * c.B * c.HKV
@@ -416,7 +421,7 @@ class _BwdPlan(LaunchPlan):
         if self.plan.gluon:
             tracing = trace.active()
             ev = trace.start_event(dev) if tracing else None
-            grads = gluon_bwd.launch(do, q, k, v, out, lse, c.causal, c.scale, self.gluon_tiles)
+            grads = self.gluon(do, q, k, v, out, lse)
             if tracing:
                 trace.record(start=ev, phase="bwd", kernel="_gluon_bwd_kernel", grid=self.grid,
                              programs=self.grid[0] * self.grid[1])

@@ -26,7 +26,7 @@ either path with shift="inline" / "prepass", which is how scripts/tune.py times 
 kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
 
 The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gluon_core.py) takes the inputs (sm_90,
-contiguous, its head dims) and from its MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
+contiguous, its head dims) and from CORE_MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
 the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
 used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
 in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile
@@ -63,6 +63,12 @@ SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memo
 # these built-in values (an entry for 64 also sets 16 and 32 unless they have their own). On the H100 it found
 # the same 512 and 128 (results/dev/pasa/shift_inline_tune_h100.json: inline 0.47-0.95x the pre-pass's time up to
 # 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
+# The main loop runs on the Gluon core from this much work (B*Hq * Nq * Nk * D), not from the core's own MIN_WORK:
+# PASA's step fills the core's CTAs more slowly, and below it the Triton loop was faster or the grid too small for
+# the core (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa"; fp16, eager time over cuDNN's,
+# Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K D=128 1.18 /
+# 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50)
+CORE_MIN_WORK = 2**34
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -195,7 +201,7 @@ class _Forward(LaunchPlan):
             return
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
-                and bsz * heads_q * len_q * len_k * d >= gluon_core.MIN_WORK):
+                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
@@ -240,6 +246,7 @@ class _Forward(LaunchPlan):
         # THREE_CONSUMER_DIMS)
         self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
                           width=len_k, lse_mode=0, pasa_c=c_state, pasa_state=state)
+        self.gluon_launch = None        # gluon_core.prepare's launch, made at the first run (K̃ is its input)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
@@ -256,7 +263,11 @@ class _Forward(LaunchPlan):
         if self.gluon is None:
             self.main(q, k_shift, v, out)
         else:
-            gluon_core.launch(q, k_shift[..., :self.head_dim], v, out, out, out, **self.gluon)
+            k_shift = k_shift[..., :self.head_dim]
+            go = self.gluon_launch
+            if go is None:
+                go = self.gluon_launch = gluon_core.prepare(q, k_shift, v, **self.gluon)
+            go(q, k_shift, v, out, out, out, out, out)
         return out
 
 
