@@ -42,15 +42,13 @@ D = 64 the diagonal is its whole mask (a key past NK lies above it for every rea
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ._common import LOG2E, check_inputs, default_scale, on_device
 from ._flash_core import _tma_layout_ok
-from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, rows_descriptor
+from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, described_rows
 from ._gluon_core import eligible as core_eligible
 from ._launch import Prepared
 from ._launch import launch as _launch
@@ -364,15 +362,12 @@ class Launch:
         hkv, n_k = k.shape[1], k.shape[2]
         block_m, block_n, stages, dq_cols = tiles
         self.empty = q.numel() == 0 or n_k == 0
-
-        def rows_of(i, rows, cols):
-            return i, functools.partial(rows_descriptor, d=d, rows=rows, cols=cols)
         # the call's tensors: q, k, v, dO, dQ (described), then lse2, Delta, dK, dV
         self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
             hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
             dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4),
-            describe=(rows_of(0, block_m, d), rows_of(1, block_n, d), rows_of(2, block_n, d), rows_of(3, block_m, d),
-                      rows_of(4, block_m, dq_cols)))
+            describe=tuple(described_rows(i, d, rows, cols) for i, (rows, cols) in enumerate(
+                ((block_m, d), (block_n, d), (block_n, d), (block_m, d), (block_m, dq_cols)))))
 
     def __call__(self, grad_out, q, k, v, out, lse2):
         grad_out = grad_out.contiguous()

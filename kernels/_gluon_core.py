@@ -148,7 +148,7 @@ TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2),
 # ELSA's phase 1 and CQSA's resident forward take this core from this much work (B*Hq * Nq * Nk * D; PASA has its
 # own, kernels/pasa/ops.py). It was 2^34 while each launch built its host-side descriptor objects (~48 us of CPU per
 # launch on the H200 host, ~100-160 us per ELSA forward on the H100's: results/dev/gluon_core/elsa_host_time_h100.json).
-# A prepared launch re-encodes only the TMA maps (kernels/_launch.py; ELSA's forward 83-97 -> 30-45 us of host time,
+# A prepared launch re-encodes only the TMA maps (kernels/_launch.py; ELSA's forward 83-157 -> 30-55 us of host time,
 # results/dev/gluon_core/launch_host_time_h200.json), and then the core is faster than the Triton core or as fast
 # from 2^31 (the same file, "min_work"; fp16 over cuDNN, eager / CUDA graph): ELSA at B=1, H=8, 2K, D=64 0.95 / 1.06
 # against 0.97 / 1.51, 4K D=64 1.18 / 1.14 against 1.22 / 1.18, H=1 8K D=64 0.76 against 0.92; below 2^31 the same
@@ -863,13 +863,18 @@ def _describe(d: int, block_n: int) -> tuple:
     each row's first D0 columns, then its next D1 (None when D1 = 0), in tiles of a consumer's rows (q) or BLOCK_N."""
     d0, d1 = SPLITS[d]
     rows = (ROWS_PER_CONSUMER, block_n, block_n)
-    firsts = tuple((i, functools.partial(rows_descriptor, d=d, rows=rows[i], cols=d0)) for i in range(3))
-    seconds = tuple((i, functools.partial(rows_descriptor, d=d, rows=rows[i], cols=d1)) for i in range(3))
-    return firsts + (seconds if d1 else (None, None, None))
+    firsts = tuple(described_rows(i, d, rows[i], d0) for i in range(3))
+    seconds = tuple(described_rows(i, d, rows[i], d1) for i in range(3)) if d1 else (None, None, None)
+    return firsts + seconds
 
 
-def rows_descriptor(t: torch.Tensor, d: int, rows: int, cols: int):
-    """tile_descriptor over t's rows of d columns (t [..., rows, d], rows of every head one after the other)."""
+def described_rows(i: int, d: int, rows: int, cols: int) -> tuple:
+    """A ``describe`` entry of a Prepared launch: the descriptor of [rows, cols] tiles over the rows of d columns of
+    the call's tensor i (t [..., rows, d], the rows of every head one after the other)."""
+    return i, functools.partial(_rows_descriptor, d=d, rows=rows, cols=cols)
+
+
+def _rows_descriptor(t: torch.Tensor, d: int, rows: int, cols: int):
     return tile_descriptor(t.view(-1, d), rows, cols)
 
 

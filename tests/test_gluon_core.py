@@ -76,6 +76,37 @@ def test_backward_not_available_on_the_cpu():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.skipif(not gc.HAS_GLUON, reason="this triton has no Gluon")
+@pytest.mark.parametrize("d", [64, 80])
+def test_prepared_launches_describe_the_right_tensors(d):
+    """What the prepared launches' descriptors are made from, checked without a GPU (the kernels' TMA loads read
+    them by position): the forward's q, k, v in tiles of a consumer's 64 rows or BLOCK_N keys, each row's first D0
+    columns, then (D = 80) its next D1 from the same tensors; the backward's q, k, v, dO in [BLOCK_M or BLOCK_N, D]
+    tiles and its fp32 dQ in [BLOCK_M, DQ_COLS] (the columns one TMA reduce-add writes), over every head's rows."""
+    q = torch.zeros(2, 4, 256, d, dtype=torch.float16)
+    k = torch.zeros(2, 2, 300, d, dtype=torch.float16)
+    fwd = gc.prepare(q, k, k, causal=False, qk_scale=1.0, n_blocks=2, width=300, lse_mode=0, persistent=False)
+    made = fwd._made((q, k, k))
+    block_n = gc.TILES[d][0]
+    d0, d1 = gc.SPLITS[d]
+    firsts = [([2048, d], [64, d0], q), ([1200, d], [block_n, d0], k), ([1200, d], [block_n, d0], k)]
+    seconds = [([2048, d], [64, d1], q), ([1200, d], [block_n, d1], k), ([1200, d], [block_n, d1], k)] if d1 else []
+    assert [(list(x.shape), list(x.block_shape), x.base.data_ptr()) for x in made if x is not None] == [
+        (shape, block, t.data_ptr()) for shape, block, t in firsts + seconds]
+    if not d1:
+        assert made[3:] == (None, None, None)
+    if d not in gb.HEAD_DIMS:
+        return
+    block_m, block_n, _, dq_cols = tiles = gb.TILES[(d, False)]
+    bwd = gb.Launch(q, k, False, d ** -0.5, tiles)
+    dq32 = torch.zeros(q.shape)
+    made = bwd.kernel._made((q, k, k, q, dq32))
+    assert [(list(x.shape), list(x.block_shape), x.base.data_ptr()) for x in made] == [
+        ([2048, d], [block_m, d], q.data_ptr()), ([1200, d], [block_n, d], k.data_ptr()),
+        ([1200, d], [block_n, d], k.data_ptr()), ([2048, d], [block_m, d], q.data_ptr()),
+        ([2048, d], [block_m, dq_cols], dq32.data_ptr())]
+
+
 def test_head_dim_splits_are_whole_wgmma_tiles():
     """What SPLITS and TILES must hold for the kernel to compile and fit, checked without a GPU: each head dim is
     D0 + D1 with power-of-two column tiles (Gluon's register shapes), D1 a multiple of wgmma's K step (16) and

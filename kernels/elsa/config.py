@@ -122,7 +122,7 @@ SHORT_BIAS_TILES = {
 # of CPU per forward against ~40-50 on the Triton core (results/dev/gluon_core/elsa_host_time_h100.json): in the H100
 # nightly gate the D=64 4K forward (B=1, H=8: 2^33) then went from 0.86x to 1.07x flash on the core
 # (runs/20261125T005121Z_nightly). Its prepared launch re-encodes the TMA maps alone (kernels/_launch.py): ELSA's
-# forward on the core costs 30-45 us of host time on the H200 host, as on the Triton core.
+# forward on the core costs 30-55 us of host time on the H200 host, as on the Triton core.
 
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
