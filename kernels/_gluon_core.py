@@ -894,6 +894,24 @@ def launch(q, k, v, out, lse, sbuf, **options):
     return prepare(q, k, v, **options)(q, k, v, out, lse, sbuf, items, ranges)
 
 
+class PlannedLaunch:
+    """A plan's launch of the core, its options fixed when the plan is made and prepared (``prepare``) at its first
+    call, from that call's tensors (ELSA's phase 1 and CQSA's walk, on the tensors the plan reads; PASA's main loop,
+    on the K̃ each call makes): ``go = PlannedLaunch(**options); go(q, k, v, out, lse, sbuf, items, ranges)``."""
+
+    __slots__ = ("options", "prepared")
+
+    def __init__(self, **options):
+        self.options = options
+        self.prepared = None
+
+    def __call__(self, q, k, v, out, lse, sbuf, items, ranges):
+        go = self.prepared
+        if go is None:
+            go = self.prepared = prepare(q, k, v, **self.options)
+        return go(q, k, v, out, lse, sbuf, items, ranges)
+
+
 def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0, parts: int = 1,
             width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int, consumers: int = 2,
             pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None, pasa_state: str = "fp16",

@@ -167,8 +167,8 @@ class _Forward(LaunchPlan):
             consumers = _walk_consumers(N, Nk, c, causal, D, B * H, sm_count(q.device, 1))
             self.walk = _walk(N, Nk, c, causal, D, consumers, q.device)
         if self.walk is not None:
-            self.gluon_options = dict(causal=causal, qk_scale=scale * LOG2E, lse_mode=1, consumers=consumers)
-            self.gluon_launch = None    # gluon_core.prepare's launch, made at the first run
+            self.gluon_launch = gluon_core.PlannedLaunch(walk=self.walk, causal=causal, qk_scale=scale * LOG2E,
+                                                         lse_mode=1, consumers=consumers)
             return
         t = _schedule(N, Nk, c, itr, causal, tiles, D, precision, q.device, False)
         rows = B * H * N
@@ -194,10 +194,7 @@ class _Forward(LaunchPlan):
         if self.empty:
             return out, lse
         if self.walk is not None:
-            go = self.gluon_launch
-            if go is None:
-                go = self.gluon_launch = gluon_core.prepare(q, k, v, walk=self.walk, **self.gluon_options)
-            go(q, k, v, out, lse, out, *self.walk)
+            self.gluon_launch(q, k, v, out, lse, out, *self.walk)
             return out, lse
         if self.copy is not None:
             cq, ck, cv = self.copy

@@ -280,18 +280,14 @@ class _GluonPhase1:
     replaces: the same grid (QB, B*Hq, P) of the plan's row blocks (the core's CTA), the same summary slots, out
     and base-2 lse."""
 
-    __slots__ = ("fixed", "go")
+    __slots__ = ("go",)
     jit_fn = gluon_core._gluon_fwd_kernel if gluon_core.HAS_GLUON else None
 
-    def __init__(self, **fixed):
-        self.fixed = fixed
-        self.go = None          # gluon_core.prepare's launch, made at the first call (the plan's layout)
+    def __init__(self, **options):
+        self.go = gluon_core.PlannedLaunch(**options)
 
     def __call__(self, q, k, v, b, sbuf, out, lse):
-        go = self.go
-        if go is None:
-            go = self.go = gluon_core.prepare(q, k, v, **self.fixed)
-        return go(q, k, v, out, lse, sbuf, out, out)
+        return self.go(q, k, v, out, lse, sbuf, out, out)
 
 
 def forward_plan(q, k, v, bias, causal: bool, scale: float, precision: str, config: str, need_lse: bool):

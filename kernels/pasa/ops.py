@@ -246,7 +246,7 @@ class _Forward(LaunchPlan):
         # THREE_CONSUMER_DIMS)
         self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
                           width=len_k, lse_mode=0, pasa_c=c_state, pasa_state=state)
-        self.gluon_launch = None        # gluon_core.prepare's launch, made at the first run (K̃ is its input)
+        self.gluon_launch = gluon_core.PlannedLaunch(**self.gluon)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
@@ -263,11 +263,7 @@ class _Forward(LaunchPlan):
         if self.gluon is None:
             self.main(q, k_shift, v, out)
         else:
-            k_shift = k_shift[..., :self.head_dim]
-            go = self.gluon_launch
-            if go is None:
-                go = self.gluon_launch = gluon_core.prepare(q, k_shift, v, **self.gluon)
-            go(q, k_shift, v, out, out, out, out, out)
+            self.gluon_launch(q, k_shift[..., :self.head_dim], v, out, out, out, out, out)
         return out
 
 
