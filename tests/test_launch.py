@@ -5,7 +5,9 @@ CPU tests drive the keying and caching with a fake JIT function and a fake Compi
 kernels with the interpreter's launches replaced by a recording stand-in: after the first call of a signature every
 launch takes the Prepared fast path with the arguments the JIT got (tensors as their data pointers), and a call
 whose layout differs in anything Triton specialises on (a tensor's alignment, strides) plans and compiles again.
-The `-m gpu` test runs every kernel with the fast path off and on and asserts bit-identical outputs and gradients.
+Prepared launches with host-side tensor descriptors (the Gluon kernels') run against a fake driver module whose
+expansion is made known: their TMA maps encoded again at each call's pointers (tests/test_gluon_core.py runs the
+real ones on the GPU). The `-m gpu` test runs every kernel with the fast path off and on and asserts bit-identical outputs and gradients.
 """
 import os
 import subprocess
