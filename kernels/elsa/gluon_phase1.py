@@ -80,10 +80,25 @@ if HAS_GLUON:
                        mask=(t + keys_c < NK)[:, None], other=0.0)
 
     @gluon.jit
+    def _k_tile(k_base, t, keys_c, offs_c, skn, NK, CH: gl.constexpr):
+        """The K tile from key t in registers, as a tuple of its CH D-chunks (_k_chunk's)."""
+        if CH == 4:
+            return (_k_chunk(k_base, t, keys_c, offs_c, skn, NK, 0), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 1),
+                    _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 2), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 3))
+        else:
+            return _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 0), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 1)
+
+    @gluon.jit
     def _put(kh_s, kl_s, c, kc):
         """K's D-chunk into shared memory slot c: raw (the tensor core's tf32 hi part) and its lo part."""
         kh_s.index(c).store(kc)
         kl_s.index(c).store(_lo(kc))
+
+    @gluon.jit
+    def _put_tile(kh_s, kl_s, slot, kn, CH: gl.constexpr):
+        """A K tile's CH D-chunks (_k_tile's) into shared memory slots slot .. slot + CH - 1 (_put)."""
+        for c in gl.static_range(CH):
+            _put(kh_s, kl_s, slot + c, kn[c])
 
     @gluon.jit
     def _scores_issue(qh_s, ql_s, kh_s, kl_s, c: gl.constexpr, kb, zero_s):
@@ -166,15 +181,10 @@ if HAS_GLUON:
             z_i = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
             # K's first tile into buffer 0; each next one goes to the other buffer while this tile's S products run
-            kn0 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 0)
-            kn1 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 1)
-            _put(kh_s, kl_s, 0, kn0)
-            _put(kh_s, kl_s, 1, kn1)
-            if CH == 4:
-                kn2 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 2)
-                kn3 = _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, 3)
-                _put(kh_s, kl_s, 2, kn2)
-                _put(kh_s, kl_s, 3, kn3)
+            # by pairs of D-chunks, each pair's loads before its stores: the order of the sm_90 code the GPU ran
+            for c in gl.static_range(0, CH, 2):
+                _put_tile(kh_s, kl_s, c, (_k_chunk(k_base, lo, keys_c, offs_c, skn, NK, c),
+                                          _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, c + 1)), 2)
             fence_async_shared()
             gl.thread_barrier()
             for t0 in range(lo, hi, BLOCK_N):
@@ -190,19 +200,10 @@ if HAS_GLUON:
                 v = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :],
                             mask=(t0 + keys_b < NK)[:, None], other=0.0)
                 t1 = t0 + BLOCK_N                             # the next tile (past hi on the last: not used)
-                kn0 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 0)
-                kn1 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 1)
-                if CH == 4:
-                    kn2 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 2)
-                    kn3 = _k_chunk(k_base, t1, keys_c, offs_c, skn, NK, 3)
+                kn = _k_tile(k_base, t1, keys_c, offs_c, skn, NK, CH)
                 vh_s.store(v)
                 vl_s.store(_lo(v))
-                nb = CH - kb
-                _put(kh_s, kl_s, nb, kn0)
-                _put(kh_s, kl_s, nb + 1, kn1)
-                if CH == 4:
-                    _put(kh_s, kl_s, nb + 2, kn2)
-                    _put(kh_s, kl_s, nb + 3, kn3)
+                _put_tile(kh_s, kl_s, CH - kb, kn, CH)
                 if CH == 4:
                     s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[s0, s1, s2, s3])
                     s = (s0 + s1) + (s2 + s3)

@@ -374,9 +374,8 @@ class _BwdPlan(LaunchPlan):
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
         if plan.gluon:
             # checked here once (gluon_capable): the launches of run()'s tensors (c.read's, laid out as read)
-            tiles = gluon_bwd.TILES[(c.D, causal)]
-            self.gluon = gluon_bwd.Launch(read[0], read[1], causal, c.scale, tiles)
-            self.grid = gluon_bwd.grid(c.B, c.HKV, c.NK, tiles)
+            self.gluon = gluon_bwd.Launch(read[0], read[1], causal, c.scale, gluon_bwd.TILES[(c.D, causal)])
+            self.grid = self.gluon.kernel.grid
         elif self.launches == 1:
             # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
             kv_programs = kv_blocks * c.B * c.HKV
