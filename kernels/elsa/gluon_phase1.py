@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
+from .kernel import phase1_block
 
 # what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). Against the Triton phase 1 at B = 1, H = 8
 # (CUDA-graph time over efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling
@@ -144,15 +145,7 @@ if HAS_GLUON:
             qb = gl.num_programs(0) - 1 - qb
         bh = gl.program_id(1)
         part = gl.program_id(2)
-        b = bh // H
-        h = bh % H
-        hk = h // GROUP
-        off = NK - NQ                                         # bottom-right causal alignment
-        r0 = q0 + qb * BLOCK_M
-        lo = part * W
-        hi = gl.minimum(lo + W, NK)
-        if CAUSAL:
-            hi = gl.minimum(hi, r0 + BLOCK_M + off)
+        b, h, hk, off, r0, lo, hi = phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M, CAUSAL)
         # a causal partition past the block's horizon stores nothing (phase 2 never reads it), as _elsa_phase1
         if FINAL or lo < hi:
             q_base = Q + b.to(gl.int64) * sqb + h.to(gl.int64) * sqh

@@ -210,6 +210,24 @@ def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NRO
     tl.store(dst + offs_m[:, None] * row_stride + offs_d[None, :], part_out, mask=mask)
 
 
+@triton.jit
+def phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Phase-1 program (qb, bh, part) of a q-chunk from row q0: (b, h, hk, off, r0, lo, hi), its batch, query head
+    and key/value head, the bottom-right causal offset NK - NQ, its first row and its partition's keys [lo, hi).
+    Causal, hi ends at the block's last row's last visible key: a partition that starts there does no work and
+    stores nothing (phase 2 never reads it). Integer arithmetic only: gluon_phase1.py's kernel calls it too."""
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    off = NK - NQ
+    r0 = q0 + qb * BLOCK_M
+    lo = part * W
+    hi = tl.minimum(lo + W, NK)
+    if CAUSAL:
+        hi = tl.minimum(hi, r0 + BLOCK_M + off)
+    return b, h, hk, off, r0, lo, hi
+
+
 @triton.jit(do_not_specialize=["H", "GROUP", "NQ", "NK", "q0", "QB", "BH", "W"])
 def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
@@ -239,17 +257,7 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     part = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    off = NK - NQ                                 # bottom-right causal alignment
-    r0 = q0 + qb * BLOCK_M
-    lo = part * W                                 # this partition's keys: [lo, hi)
-    hi = tl.minimum(lo + W, NK)
-    if CAUSAL:
-        # keys after the block's last row's last visible key are future for every row of the block; a
-        # partition that starts there does no work and stores nothing: phase 2 never reads it
-        hi = tl.minimum(hi, r0 + BLOCK_M + off)
+    b, h, hk, off, r0, lo, hi = phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M, CAUSAL)
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
