@@ -730,7 +730,7 @@ if HAS_GLUON:
                           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
                           LSE_MODE: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr,
                           PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          LOADER_REGS: gl.constexpr):
+                          LOADER_REGS: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = False):
         """Work items of ROWS = CONSUMERS x 64 query rows q0 + qb * ROWS + [0, ROWS) of head bh (of bh_total) against
         the keys [part * width, part * width + width) (one partition holding every key: width >= n_k), n_blocks row
         blocks per head and parts partitions: the plain grid (n_blocks, bh_total, parts) runs one per program;
@@ -746,7 +746,13 @@ if HAS_GLUON:
         PASA (one partition, out only; 0 = not PASA, else its state: PASA_STATES): k_desc reads PASA's shifted keys
         K̃ (k_rows rows per kv head: whole windows of BLOCK_N, which is PASA's window n), v_desc V at each window's
         start, and the consumers take PASA's step with its recovery constant pasa_c, qk_scale being log2 e.
-        Otherwise k_rows is n_k and pasa_c unused."""
+        Otherwise k_rows is n_k and pasa_c unused.
+        LAUNCH_DEPENDENTS: each program lets the next kernel on the stream start at once if it was launched as a
+        programmatic dependent (griddepcontrol.launch_dependents; ELSA's phase 2, which waits for this kernel's
+        stores before it reads): its launch then overlaps this kernel's last programs instead of following them."""
+        if LAUNCH_DEPENDENTS:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
@@ -915,7 +921,8 @@ class PlannedLaunch:
 def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0, parts: int = 1,
             width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int, consumers: int = 2,
             pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None, pasa_state: str = "fp16",
-            persistent: bool | None = None, programs: int | None = None) -> Prepared:
+            persistent: bool | None = None, programs: int | None = None,
+            launch_dependents: bool = False) -> Prepared:
     """The launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
     parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default)
     `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
@@ -931,7 +938,8 @@ def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: in
     of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition, out
     only. consumers: the consumer warpgroups of a CTA, 2 or (at THREE_CONSUMER_DIMS) 3 (consumers_for chooses);
     pingpong: two consumers' turns (three take none); regs: (consumer, loader) registers, REGS' for the consumer
-    count by default."""
+    count by default. launch_dependents: the next kernel, launched as a programmatic dependent (one that waits for
+    this one's stores itself: ELSA's phase 2), may start as soon as every program has started."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     if consumers not in (2, 3) or (consumers == 3 and d not in THREE_CONSUMER_DIMS):
@@ -963,7 +971,7 @@ def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: in
         dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
              LSE_MODE=lse_mode, RANGES=walk is not None,
              PASA=pasa, PERSISTENT=bool(persistent), CONSUMERS=consumers, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1],
-             num_warps=4), describe=_describe(d, block_n))
+             LAUNCH_DEPENDENTS=launch_dependents, num_warps=4), describe=_describe(d, block_n))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | None = None, pingpong: bool = True,

@@ -101,6 +101,19 @@ _direct_classes: dict = {}      # launcher class -> whether its __call__ is a kn
 KNOWN_DESCRIPTOR_EXPANSIONS = {"72e448e521c78a6f4b1fb42d7bc2c59da3a75ea8"}
 
 
+# Programmatic dependent launch (sm_90 and later): a kernel launched with triton's launch_pdl=True may start while
+# the kernel before it on the stream still runs (from when every program of that one has started, if it asks so:
+# griddepcontrol.launch_dependents, else from its end), and must wait itself (tl.extra.cuda.gdc_wait) before it
+# reads what that kernel wrote; its launch latency then overlaps the kernel before. ATTNBENCH_DEPENDENT_LAUNCH=0
+# (read at import) or DEPENDENT_LAUNCH = False: every launch waits for the one before, as a plain launch does.
+DEPENDENT_LAUNCH = os.environ.get("ATTNBENCH_DEPENDENT_LAUNCH", "1") != "0"
+
+
+def dependent_launch_ok(device: torch.device) -> bool:
+    """Whether launches on ``device`` may be programmatic dependents (DEPENDENT_LAUNCH, a CUDA GPU of sm_90 on)."""
+    return DEPENDENT_LAUNCH and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def set_enabled(on: bool) -> None:
     """Turn the fast path on or off for this process (overrides ATTNBENCH_FAST_LAUNCH)."""
     global _enabled

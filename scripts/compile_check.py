@@ -262,11 +262,12 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             floats={"qk_scale", "sm_scale"}, div16=stride,
                             label=dict(D=d, cfg=[bm, bn, w, st], final=True, bias=True)))
         if not tiles:
-            # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse
+            # phase 2 after 128-row phase-1 blocks (the core's, the Gluon core's), with the training lse, as the
+            # programmatic dependent of phase 1 that eager calls on sm_90 launch (PDL: it waits for phase 1's stores)
             rows = config.PHASE2_ROWS[key[0]][block_d(d)]
             kbt = config.PHASE2_KBT[key[0]][block_d(d)]
             meta = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=128, ROWS=rows, KBT=kbt, CAUSAL=False,
-                        STORE_LSE=True)
+                        STORE_LSE=True, PDL=True)
             jobs.append(Job("elsa", "phase2", K._elsa_phase2, dtype, meta, config.PHASE2_WARPS, 2, ptrs, fp32_ptrs,
                             div16=stride, label=dict(D=d, rows=rows, kbt=kbt)))
     return jobs
@@ -451,7 +452,7 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                             RANGES=mode == "walk",
                             PASA={"pasa": gc.PASA_STATES["fp16"], "pasa_fp32": gc.PASA_STATES["fp32"]}.get(mode, 0),
                             PERSISTENT=persistent, CONSUMERS=consumers, CONSUMER_REGS=gc.REGS[consumers][0],
-                            LOADER_REGS=gc.REGS[consumers][1])
+                            LOADER_REGS=gc.REGS[consumers][1], LAUNCH_DEPENDENTS=mode == "summary")
                 label = dict(D=d, causal=causal, mode=mode, persistent=persistent, cfg=[block_n, stages])
                 if consumers != 2:
                     label["consumers"] = consumers

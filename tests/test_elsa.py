@@ -984,6 +984,78 @@ def test_gpu_decode_and_prefill_lengths():
         assert _max_err(out[:, :, rows], _rows_reference(q, k, v, True, rows)) <= FWD_TOL[torch.float16]
 
 
+def test_phase2_is_a_programmatic_dependent_only_in_eager_sm90_plans(monkeypatch):
+    """Phase 2 is launched as a programmatic dependent of phase 1 (PDL: launch_pdl, and it waits for phase 1's stores
+    itself) only where kernels/_launch.py's dependent_launch_ok says the device takes it, and never in a traced plan
+    (inductor launches what it is handed) or a one-partition plan (no phase 2). The CPU never takes it."""
+    from kernels import _launch
+
+    q, k, v = _qkv(1, 2, 2, 64, 64, 32, torch.float16, torch.device("cpu"), grad=False)
+    assert not _launch.dependent_launch_ok(torch.device("cpu"))
+    split = elsa_config.canonical_config({"plan": {"partition_width": 32}, "fwd": {"BLOCK_N": 16, "BLOCK_M": 16}},
+                                         q.dtype, 32)
+
+    def phase2(ok, traced=False, config=split):
+        monkeypatch.setattr(elsa_host, "dependent_launch_ok", lambda device: ok)
+        plan = elsa_host._FwdPlan(q, k, v, None, False, 0.125, "tf32x3", config, False, traced=traced)
+        return [p2 for _, p2, _ in plan.chunks]
+
+    dependent = phase2(True)
+    assert len(dependent) == 1 and all(p2.constexprs["PDL"] and p2.constexprs["launch_pdl"] for p2 in dependent)
+    plain = phase2(False) + phase2(True, traced=True)
+    assert len(plain) == 2 and not any({"PDL", "launch_pdl"} & set(p2.constexprs) for p2 in plain)
+    assert phase2(True, config=elsa_config.canonical_config(None, q.dtype, 32)) == [None]   # 64 keys: one partition
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+    assert not _launch.dependent_launch_ok(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, D, N, causal, H", [
+    (torch.float16, 64, 4096, False, 8), (torch.bfloat16, 128, 5000, True, 3), (torch.float32, 64, 4096, True, 8),
+    (torch.float16, 96, 4200, False, 4), (torch.float16, 128, 16384, False, 8)])
+def test_gpu_phase2_as_a_dependent_launch_is_exact(monkeypatch, dtype, D, N, causal, H):
+    """On sm_90 phase 2 is a programmatic dependent of phase 1 (it may start before phase 1 ends and waits for its
+    stores in the kernel): the output is bit-identical to plain launches', in one call, in calls back to back (a
+    call's phase 1 must not overwrite the summaries the last call's phase 2 reads) and replayed in a CUDA graph;
+    phase 2 is compiled with launch_pdl; and it is exact against float64 (rows sampled). Shapes: 16-bit and
+    float32 phase 1 (the Gluon core, which lets phase 2 launch as soon as its programs start, and float32's wgmma
+    kernel, which does not), causal, a split head dim, two q-chunks (16K)."""
+    from kernels import _launch
+
+    dev = torch.device("cuda")
+    if not _launch.dependent_launch_ok(dev):
+        pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    q, k, v = _qkv(1, H, H, N, N, D, dtype, dev, grad=False)
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", False)
+    elsa_host.clear_plans()
+    plain = elsa_attention(q, k, v, causal=causal)
+    monkeypatch.setattr(_launch, "DEPENDENT_LAUNCH", True)
+    elsa_host.clear_plans()
+    with trace_launches() as events:
+        out = elsa_attention(q, k, v, causal=causal)
+    phase2 = [e for e in events if e["phase"] == 2]
+    assert phase2 and all(e["compiled"].metadata.launch_pdl for e in phase2)
+    assert torch.equal(out, plain)
+    again = [elsa_attention(q, k, v, causal=causal) for _ in range(6)]
+    assert all(torch.equal(o, plain) for o in again)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        elsa_attention(q, k, v, causal=causal)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = elsa_attention(q, k, v, causal=causal)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, plain)
+    rows = torch.cat([torch.arange(0, 64), torch.arange(N - 64, N), torch.randint(0, N, (64,))]).to(dev)
+    err = _max_err(out[:, :, rows], _rows_reference(q, k, v, causal, rows))
+    assert err <= FWD_TOL[dtype], f"max_abs {err:.2e}"
+    elsa_host.clear_plans()
+
+
 def test_float32_phase1_on_wgmma_only_where_it_can():
     """The plan runs float32's phase 1 on wgmma (gluon_phase1) for tf32x3 calls the host says it can take, without a
     bias, at its HEAD_DIMS (D = 64 and 128), from its MIN_WORK and without a forward tile override; its CTA is 128

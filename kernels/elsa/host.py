@@ -30,7 +30,7 @@ from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, sm_count, unit_last
-from .._launch import LaunchPlan, Prepared, SignatureCache, layout
+from .._launch import LaunchPlan, Prepared, SignatureCache, dependent_launch_ok, layout
 from .._ops import traceable
 from . import gluon_phase1, trace
 from .config import DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward, summary_numel
@@ -190,6 +190,11 @@ class _FwdPlan(LaunchPlan):
             p1_const["num_stages"] = plan.num_stages
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
+        # phase 2 as a programmatic dependent of phase 1 (eager, sm_90): its launch overlaps phase 1's last programs,
+        # and it waits for phase 1's stores in the kernel (PDL). Not when traced: inductor launches what it is handed.
+        dependent = not traced and not plan.final and dependent_launch_ok(c.device)
+        if dependent:
+            p2_const.update(PDL=True, launch_pdl=True)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
         if c.BH == 0:
             return
@@ -200,7 +205,7 @@ class _FwdPlan(LaunchPlan):
             if plan.gluon:
                 p1 = _GluonPhase1(causal=causal, qk_scale=c.qk_scale, q0=q0, n_blocks=QB, parts=P, width=W,
                                   n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0,
-                                  consumers=bm // gluon_core.ROWS_PER_CONSUMER)
+                                  consumers=bm // gluon_core.ROWS_PER_CONSUMER, launch_dependents=dependent)
             else:
                 p1 = Prepared(phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
                                               c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)

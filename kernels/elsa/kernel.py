@@ -304,12 +304,46 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
 # (non-causal: all P; causal: those at or before the block's diagonal) and writes out = s / z, lse.
 # ------------------------------------------------------------------------------------------------
 
+@triton.jit
+def _slab_mz(Sbuf, z_base, pk, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M: tl.constexpr):
+    """m and z of partitions pk ([n, ROWS]; -inf and 0 from p_end on) and their slot indices."""
+    valid = pk[:, None] < p_end
+    idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
+    mk = tl.load(Sbuf + idx, mask=valid, other=float("-inf"))
+    zk = tl.load(z_base + idx, mask=valid, other=0.0)
+    return mk, zk, idx, valid
+
+
+@triton.jit
+def _slab_parts(s_base, idx, valid, offs_d, QB, BH,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The parts in S of partitions >= 1 at slot indices idx ([n, ROWS, BLOCK_D]; 0 where not valid): partition
+    p's part is S's slab p - 1."""
+    mask = valid[:, :, None]
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d[None, None, :] < HEAD_DIM)
+    idx = idx - QB * BH * BLOCK_M
+    return tl.load(s_base + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _weights(mk, zk, m_ref, FP32_PARTS: tl.constexpr):
+    """w_p = 2^(m_p - M*) (0 for identity summaries) and the weight of p's part: w_p for a float32 output, whose
+    part is s_p, w_p z_p for a 16-bit one, whose part is o_p = s_p / z_p (S = sum w s = sum (w z) o)."""
+    w = tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
+    if FP32_PARTS:
+        return w, w
+    return w, w * zk
+
+
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "q0", "QB", "BH", "P", "W"])
 def _elsa_phase2(Sbuf, Out, Lse,
                  sob, soh, son,
                  H, NQ, NK, q0, QB, BH, P, W, NROWS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                 KBT: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr):
+                 KBT: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr = False):
+    """PDL: launched as a programmatic dependent of phase 1 (sm_90, host.py): the program may start while phase 1
+    still runs, so it waits for phase 1's completion and its stores (griddepcontrol.wait) before its first load."""
     rb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -322,51 +356,56 @@ def _elsa_phase2(Sbuf, Out, Lse,
         # of the block's last row (exactly as phase 1 decided); none when that row sees no key at all
         last = tl.minimum(q0 + (qb + 1) * BLOCK_M, NQ) - 1 + (NK - NQ)
         p_end = tl.where(last < 0, 0, tl.minimum(tl.maximum(last, 0) // W + 1, P))
+    # slabs: KBT partitions' m and z, SBT partitions' parts in S (partitions 1.. : partition 0's part is in the
+    # output rows, so half as many)
+    SBT: tl.constexpr = (KBT + 1) // 2
     offs_k = tl.arange(0, KBT)
+    offs_s = 1 + tl.arange(0, SBT)
     offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     z_base = Sbuf + tl.cast(NROWS, tl.int64)
     s_base = _partials(Sbuf, NROWS, Out)
-    # Slabs of KBT partitions are reduced with tl.max / tl.sum over axis 0 (a tree inside the
-    # program); slabs are merged into a running total. Pass 1: the row max M* over partitions.
-    m_star = tl.full([ROWS], float("-inf"), tl.float32)
-    for p0 in range(0, p_end, KBT):
-        pk = p0 + offs_k
-        idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
-        mk = tl.load(Sbuf + idx, mask=pk[:, None] < p_end, other=float("-inf"))
-        m_star = tl.maximum(m_star, tl.max(mk, 0))
-    m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
-    # Pass 2: weights w_p = 2^(m_p - M*) (0 for identity summaries), Z = sum w z, S = sum w s. A float32 output's
-    # part is s_p itself, a 16-bit one's o_p = s_p / z_p, so its weight is w z: S = sum (w z) o_p. The output rows
-    # hold partition 0's part (read back after the slabs, then overwritten by the result); slot p of S holds
-    # partition p + 1's.
-    FP32_PARTS: tl.constexpr = Out.dtype.element_ty == tl.float32
-    z = tl.zeros([ROWS], tl.float32)
-    s = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    w0 = tl.zeros([ROWS], tl.float32)
-    for p0 in range(0, p_end, KBT):
-        pk = p0 + offs_k
-        valid = pk[:, None] < p_end
-        idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
-        mk = tl.load(Sbuf + idx, mask=valid, other=float("-inf"))
-        zk = tl.load(z_base + idx, mask=valid, other=0.0)
-        w = tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
-        z += tl.sum(w * zk, 0)
-        if not FP32_PARTS:
-            w = w * zk
-        w0 += tl.sum(tl.where(pk[:, None] == 0, w, 0.0), 0)
-        s_mask = (valid & (pk[:, None] > 0))[:, :, None]
-        if BLOCK_D != HEAD_DIM:
-            s_mask = s_mask & (offs_d[None, None, :] < HEAD_DIM)
-        idx = idx - QB * BH * BLOCK_M
-        sk = tl.load(s_base + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_mask, other=0.0)
-        s += tl.sum(w[:, :, None] * sk.to(tl.float32), 0)
     rows = q0 + qb * BLOCK_M + i0 + offs_r
     o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
-    o_mask = (rows[:, None] < NQ) & (w0[:, None] > 0)
+    o_mask = rows[:, None] < NQ
     if BLOCK_D != HEAD_DIM:
         o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-    s += w0[:, None] * tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # The first slabs' loads (every partition, usually: P <= KBT, P - 1 <= SBT) and partition 0's part in the output
+    # rows are issued at once, before anything waits on one: one round trip to memory where a pass for the row max,
+    # then one for the sums, then the output's read would make three. Slabs are reduced with tl.max / tl.sum over
+    # axis 0 (a tree inside the program) and merged into running totals.
+    mk0, zk0, idx0, valid0 = _slab_mz(Sbuf, z_base, offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+    ms0, zs0, sidx0, svalid0 = _slab_mz(Sbuf, z_base, offs_s, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+    ss0 = _slab_parts(s_base, sidx0, svalid0, offs_d, QB, BH, HEAD_DIM, BLOCK_D, BLOCK_M)
+    o0 = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    # the row max M* over partitions
+    m_star = tl.max(mk0, 0)
+    for p0 in tl.range(KBT, p_end, KBT, num_stages=1):
+        mk, zk, idx, valid = _slab_mz(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+        m_star = tl.maximum(m_star, tl.max(mk, 0))
+    m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
+    FP32_PARTS: tl.constexpr = Out.dtype.element_ty == tl.float32
+    # Z = sum w z over the partitions; partition 0's part weight w0
+    w, wpart = _weights(mk0, zk0, m_ref, FP32_PARTS)
+    z = tl.sum(w * zk0, 0)
+    w0 = tl.sum(tl.where(offs_k[:, None] == 0, wpart, 0.0), 0)
+    for p0 in tl.range(KBT, p_end, KBT, num_stages=1):
+        mk, zk, idx, valid = _slab_mz(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+        w, wk = _weights(mk, zk, m_ref, FP32_PARTS)
+        z += tl.sum(w * zk, 0)
+    # S = sum over partitions >= 1 of (their part's weight) x part, then partition 0's (read before its weight was
+    # known: rows it did not store, w0 = 0, may hold anything)
+    ws, wpart = _weights(ms0, zs0, m_ref, FP32_PARTS)
+    s = tl.sum(wpart[:, :, None] * ss0.to(tl.float32), 0)
+    for p0 in tl.range(1 + SBT, p_end, SBT, num_stages=1):
+        ms, zs, sidx, svalid = _slab_mz(Sbuf, z_base, p0 + tl.arange(0, SBT), p_end, qb, bh, i0, QB, BH, offs_r,
+                                      BLOCK_M)
+        ss = _slab_parts(s_base, sidx, svalid, offs_d, QB, BH, HEAD_DIM, BLOCK_D, BLOCK_M)
+        ws, wpart = _weights(ms, zs, m_ref, FP32_PARTS)
+        s += tl.sum(wpart[:, :, None] * ss.to(tl.float32), 0)
+    s += w0[:, None] * tl.where(w0[:, None] > 0, o0.to(tl.float32), 0.0)
     _write_output(Out, Lse, m_star, z, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
 
 
