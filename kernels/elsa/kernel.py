@@ -305,8 +305,8 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _slab_mz(Sbuf, z_base, pk, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M: tl.constexpr):
-    """m and z of partitions pk ([n, ROWS]; -inf and 0 from p_end on) and their slot indices."""
+def _slab(Sbuf, z_base, pk, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M: tl.constexpr):
+    """Partitions pk's m and z ([n, ROWS]; -inf and 0 from p_end on), their slot indices and which are valid."""
     valid = pk[:, None] < p_end
     idx = ((pk[:, None] * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M + i0 + offs_r[None, :]
     mk = tl.load(Sbuf + idx, mask=valid, other=float("-inf"))
@@ -327,13 +327,18 @@ def _slab_parts(s_base, idx, valid, offs_d, QB, BH,
 
 
 @triton.jit
-def _weights(mk, zk, m_ref, FP32_PARTS: tl.constexpr):
-    """w_p = 2^(m_p - M*) (0 for identity summaries) and the weight of p's part: w_p for a float32 output, whose
-    part is s_p, w_p z_p for a 16-bit one, whose part is o_p = s_p / z_p (S = sum w s = sum (w z) o)."""
-    w = tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
+def _weight(mk, zk, m_ref):
+    """w_p = 2^(m_p - M*), 0 for identity summaries."""
+    return tl.where(zk > 0, tl.exp2(mk - m_ref[None, :]), 0.0)
+
+
+@triton.jit
+def _part_weight(w, zk, FP32_PARTS: tl.constexpr):
+    """The weight of partition p's part: w_p for a float32 output, whose part is s_p; w_p z_p for a 16-bit one, whose
+    part is o_p = s_p / z_p (S = sum w s = sum (w z) o)."""
     if FP32_PARTS:
-        return w, w
-    return w, w * zk
+        return w
+    return w * zk
 
 
 @triton.jit(do_not_specialize=["H", "NQ", "NK", "q0", "QB", "BH", "P", "W"])
@@ -376,35 +381,31 @@ def _elsa_phase2(Sbuf, Out, Lse,
     # rows are issued at once, before anything waits on one: one round trip to memory where a pass for the row max,
     # then one for the sums, then the output's read would make three. Slabs are reduced with tl.max / tl.sum over
     # axis 0 (a tree inside the program) and merged into running totals.
-    mk0, zk0, idx0, valid0 = _slab_mz(Sbuf, z_base, offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
-    ms0, zs0, sidx0, svalid0 = _slab_mz(Sbuf, z_base, offs_s, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+    mk0, zk0, idx0, valid0 = _slab(Sbuf, z_base, offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+    ms0, zs0, sidx0, svalid0 = _slab(Sbuf, z_base, offs_s, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
     ss0 = _slab_parts(s_base, sidx0, svalid0, offs_d, QB, BH, HEAD_DIM, BLOCK_D, BLOCK_M)
     o0 = tl.load(o_ptrs, mask=o_mask, other=0.0)
     # the row max M* over partitions
     m_star = tl.max(mk0, 0)
-    for p0 in tl.range(KBT, p_end, KBT, num_stages=1):
-        mk, zk, idx, valid = _slab_mz(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+    for p0 in range(KBT, p_end, KBT):
+        mk, zk, idx, valid = _slab(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
         m_star = tl.maximum(m_star, tl.max(mk, 0))
     m_ref = tl.where(m_star == float("-inf"), 0.0, m_star)
     FP32_PARTS: tl.constexpr = Out.dtype.element_ty == tl.float32
-    # Z = sum w z over the partitions; partition 0's part weight w0
-    w, wpart = _weights(mk0, zk0, m_ref, FP32_PARTS)
+    # Z = sum w z over the partitions, and partition 0's part weight w0
+    w = _weight(mk0, zk0, m_ref)
     z = tl.sum(w * zk0, 0)
-    w0 = tl.sum(tl.where(offs_k[:, None] == 0, wpart, 0.0), 0)
-    for p0 in tl.range(KBT, p_end, KBT, num_stages=1):
-        mk, zk, idx, valid = _slab_mz(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
-        w, wk = _weights(mk, zk, m_ref, FP32_PARTS)
-        z += tl.sum(w * zk, 0)
-    # S = sum over partitions >= 1 of (their part's weight) x part, then partition 0's (read before its weight was
-    # known: rows it did not store, w0 = 0, may hold anything)
-    ws, wpart = _weights(ms0, zs0, m_ref, FP32_PARTS)
-    s = tl.sum(wpart[:, :, None] * ss0.to(tl.float32), 0)
-    for p0 in tl.range(1 + SBT, p_end, SBT, num_stages=1):
-        ms, zs, sidx, svalid = _slab_mz(Sbuf, z_base, p0 + tl.arange(0, SBT), p_end, qb, bh, i0, QB, BH, offs_r,
-                                      BLOCK_M)
+    w0 = tl.sum(tl.where(offs_k[:, None] == 0, _part_weight(w, zk0, FP32_PARTS), 0.0), 0)
+    for p0 in range(KBT, p_end, KBT):
+        mk, zk, idx, valid = _slab(Sbuf, z_base, p0 + offs_k, p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
+        z += tl.sum(_weight(mk, zk, m_ref) * zk, 0)
+    # S: the parts of partitions >= 1 by their weights, then partition 0's (read before its weight was known: rows it
+    # did not store, w0 = 0, may hold anything)
+    s = tl.sum(_part_weight(_weight(ms0, zs0, m_ref), zs0, FP32_PARTS)[:, :, None] * ss0.to(tl.float32), 0)
+    for p0 in range(1 + SBT, p_end, SBT):
+        ms, zs, sidx, svalid = _slab(Sbuf, z_base, p0 + tl.arange(0, SBT), p_end, qb, bh, i0, QB, BH, offs_r, BLOCK_M)
         ss = _slab_parts(s_base, sidx, svalid, offs_d, QB, BH, HEAD_DIM, BLOCK_D, BLOCK_M)
-        ws, wpart = _weights(ms, zs, m_ref, FP32_PARTS)
-        s += tl.sum(wpart[:, :, None] * ss.to(tl.float32), 0)
+        s += tl.sum(_part_weight(_weight(ms, zs, m_ref), zs, FP32_PARTS)[:, :, None] * ss.to(tl.float32), 0)
     s += w0[:, None] * tl.where(w0[:, None] > 0, o0.to(tl.float32), 0.0)
     _write_output(Out, Lse, m_star, z, s, bh, b, h, rows, sob, soh, son, NQ, HEAD_DIM, BLOCK_D, STORE_LSE)
 
