@@ -290,8 +290,8 @@ class Runner:
                          **({"max_cpu_pct": self.opt.clean_check.max_cpu_pct} if self.opt.device == "cpu" else {})},
                 "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown,
                 "python_executable": sys.executable,
-                # the kernels' environment switches (ATTNBENCH_FAST_LAUNCH, ATTNBENCH_TRACED_LAUNCHES): a run made
-                # with one set measured other code paths than the defaults
+                # the kernels' environment switches (ATTNBENCH_FAST_LAUNCH, ATTNBENCH_TRACED_LAUNCHES,
+                # ATTNBENCH_DEPENDENT_LAUNCH): a run made with one set measured other code paths than the defaults
                 "kernel_switches": {k: v for k, v in sorted(os.environ.items())
                                     if k.startswith("ATTNBENCH_") and k != "ATTNBENCH_GIT_COMMIT"}}
 
