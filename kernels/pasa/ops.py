@@ -244,9 +244,9 @@ class _Forward(LaunchPlan):
         c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
         # two consumer warpgroups (launch's default): PASA's step lost without their overlap (gluon_core's
         # THREE_CONSUMER_DIMS)
-        self.gluon = dict(causal=causal, qk_scale=LOG2E, n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
-                          width=len_k, lse_mode=0, pasa_c=c_state, pasa_state=state)
-        self.gluon_launch = gluon_core.PlannedLaunch(**self.gluon)
+        self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
+                                              n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
+                                              pasa_c=c_state, pasa_state=state)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
@@ -263,7 +263,7 @@ class _Forward(LaunchPlan):
         if self.gluon is None:
             self.main(q, k_shift, v, out)
         else:
-            self.gluon_launch(q, k_shift[..., :self.head_dim], v, out, out, out, out, out)
+            self.gluon(q, k_shift[..., :self.head_dim], v, out, out, out, out, out)
         return out
 
 
