@@ -248,7 +248,9 @@ ONE_CTA_PER_SM_MIN_WAVES = 1
 # D=128, chunks of 17 blocks (4.1 waves each) held ELSA's forward to 480 TFLOP/s against the Gluon core's 605 alone
 # (results/dev/gluon_core/head_dims_h100.json); two chunks of 32 blocks: 580 (runs/20261125T062122Z_full). Up to
 # CHUNK_FIT_GROWTH x the chunk above is searched for the fewest wave slots (+ CHUNK_COST_WAVES per chunk: its
-# phase-2 launch and pipeline ramp), the smallest chunk on a tie; float32 keeps its memory target (no growth).
+# phase-2 launch and pipeline ramp), the smallest chunk on a tie; float32 keeps its memory target (no growth). The
+# 16-bit budget's two chunks cost nothing measurable: one chunk of every row at 16K D = 128 (B=1, H=8, twice the
+# summaries) took 1.03-1.12x cuDNN's time against 1.00-1.02 (results/dev/elsa/one_q_chunk_h200.json).
 CHUNK_FIT_GROWTH = {"32": 1, "16": 2}
 CHUNK_COST_WAVES = 0.25
 # Phase 2: rows per program, per dtype class and BLOCK_D, and partitions reduced per slab (the m and z of KBT
