@@ -255,9 +255,11 @@ CHUNK_FIT_GROWTH = {"32": 1, "16": 2}
 CHUNK_COST_WAVES = 0.25
 # Phase 2: rows per program, per dtype class and BLOCK_D, and partitions reduced per slab (the m and z of KBT
 # partitions; the parts of (KBT + 1) // 2 partitions from partition 1, ROWS x BLOCK_D values each). These were timed
-# on the H100 with the phase 2 before its loads were issued at once (kernel.py), when its S slabs were KBT wide, and
-# not re-timed since (results/dev/elsa/phase2_one_round_trip_h200.json timed that change with them). 16-bit (partials in 16 bits): 64 rows at D=64 and 32 at D=128 took 10-16 % less phase-2 time on
-# the H100 than 32 and 16 (4K-16K, and Llama-3's causal GQA at 8K; results/dev/elsa/phase2_16bit_partials_h100.json).
+# on the H100 with the phase 2 before its loads were issued at once (kernel.py), when its S slabs were KBT wide. 16-bit
+# (partials in 16 bits): 64 rows at D=64 and 32 at D=128 took 10-16 % less phase-2 time on the H100 than 32 and 16
+# (4K-16K, and Llama-3's causal GQA at 8K; results/dev/elsa/phase2_16bit_partials_h100.json). Re-timed on the H200 with
+# the one-round-trip phase 2 (results/dev/elsa/phase2_retime_h200.json, every spill-free (ROWS, KBT), 4K and 16K):
+# within 1-7 % of the fastest ((32, 2) at D=64, (16, 2) at D=128), under 1 us a call, below the harness's noise: kept.
 # float32 keeps the smaller slabs: 64 rows at D=64 spill there (sm_90 compile check, scripts/compile_check.py).
 PHASE2_ROWS = {"16": {16: 64, 32: 64, 64: 64, 128: 32, 256: 16},
                "32": {16: 64, 32: 64, 64: 32, 128: 16, 256: 8}}
