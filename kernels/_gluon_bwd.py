@@ -325,7 +325,7 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
     ELSA's forward stores it, +inf for a row that sees no key). Causal is bottom-right aligned. dk, dv are summed
     over each key/value head's query group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
-    if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: launch copies it
+    if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: Launch copies it
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
                          f"{HEAD_DIMS} and contiguous, 16-byte aligned inputs (got {q.dtype}, D={shape.head_dim}, "
                          f"{q.device}, triton {triton.__version__})")
@@ -335,18 +335,12 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
                          f"dQ (head dim {shape.head_dim})")
     if out.stride(-1) != 1:
         out = out.contiguous()
-    return launch(grad_out, q, k, v, out, lse2, causal, default_scale(scale, shape.head_dim), tiles)
+    return Launch(q, k, causal, default_scale(scale, shape.head_dim), tiles)(grad_out, q, k, v, out, lse2)
 
 
 def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
     """The launch grid: (blocks of 2 x BLOCK_N keys, batch x key/value heads)."""
     return triton.cdiv(n_k, 2 * tiles[1]), batch * kv_heads
-
-
-def launch(grad_out, q, k, v, out, lse2, causal: bool, scale: float, tiles):
-    """gluon_bwd without its checks, for a caller that made them (usable, its tiles, out with a unit last stride):
-    Launch's work, made for this call alone. Returns (dq, dk, dv)."""
-    return Launch(q, k, causal, scale, tiles)(grad_out, q, k, v, out, lse2)
 
 
 class Launch:
