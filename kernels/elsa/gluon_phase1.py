@@ -14,12 +14,15 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   error 3e-5 at 4K keys, 1.2e-4 at 16K in the probe), and over all of D = 128 it put S's at 2e-6. So each tile's
   P V, and S by D-chunks of CHUNK columns, go to fresh accumulators (12 chained products each) that the CUDA cores
   add, rounding to nearest.
-- Two warpgroups, 128 query rows a CTA, share every K and V tile; S's chunks run at once while the warps split and
-  store V, and load the next K tile and split and store it into K's other buffer: no tile waits on K's global loads,
-  and the next tile's registers are free again before the softmax (no spill). Measured against the alternatives
-  (results/dev/elsa/fp32_phase1_prefetch_h200.json): K loaded and stored between the tiles' GEMMs was 7-11 % slower;
-  the next K held in registers until this tile's P V, into one buffer, spilled 64 bytes at D = 128 and was 3-7 %
-  slower there (1.5-2.3 % faster at D = 64); loading the next V early too lost 1-13 %.
+- Three warpgroups a CTA (gl.warp_specialize): a producer loads each K tile, splits it and stores its raw and lo
+  parts into K's ring (two buffers), then V's into V's (one buffer at D = 128, where shared memory is full; two at
+  D = 64), each slot's ready / empty mbarriers handing it over; two consumers of 64 query rows each (128 a CTA)
+  share every tile and only issue the wgmmas, wait and run the softmax. Before, the same two warpgroups loaded and
+  stored the tiles themselves between their GEMMs (the next K during S's products), meeting at two thread barriers
+  a tile: their warps waited most on the shared-memory store queue and on the loads (Nsight Compute, kernels/elsa/
+  NOTES.md). Moved to a producer, 0.85-0.88x that kernel's time at D = 64 and 0.96-0.98x at D = 128
+  (results/dev/elsa/fp32_producer_warpgroup_h200.json); FA3's ping-pong of the consumers' GEMMs on top lost 6-7 %
+  at D = 128, K in one buffer and V in two 1-3 %.
   With Q's hi and lo resident a CTA holds a SM alone (shared memory and registers), so ELSA's plan fits its q-chunks
   to whole waves of one program a SM (config._partitions' one_cta_per_sm).
 
@@ -34,24 +37,28 @@ import torch
 from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 from .kernel import phase1_block
 
-# what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). Against the Triton phase 1 at B = 1, H = 8
-# (CUDA-graph time over efficient's, results/dev/elsa/fp32_phase1_prefetch_h200.json, with the plan's q-chunks filling
-# whole waves): D = 128 0.95 / 0.91 against 1.25 / 1.10 at 4K / 16K, causal 16K 1.05 against 1.17; D = 64 0.50 / 0.53
-# against 1.01 / 0.79, causal 16K 0.59 against 0.78 (and, with the next K held in registers until P V, which differs
-# from this by the percent or two above: D = 128 0.90 / 0.96 against 1.13 / 1.18 at 2K / 8K, causal 1.19 / 1.15
-# against 1.25 / 1.25 at 4K / 8K; D = 64 0.47 / 0.52 against 0.67 / 0.82 at 2K / 8K)
+# what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). CUDA-graph time over efficient's at B = 1,
+# H = 8 (results/dev/elsa/fp32_producer_warpgroup_h200.json): D = 128 0.91 / 0.87 at 4K / 16K, causal 16K 1.01; D = 64
+# 0.43 / 0.45 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
 HEAD_DIMS = (64, 128)
-BLOCK_M = 128               # two warpgroups of 64 rows
-NUM_WARPS = 8
-# BLOCK_N per head dim: Q's hi and lo, K's two tiles and V's with their lo parts, in shared memory (<= 227 KB: 224 at
+BLOCK_M = 128               # two consumer warpgroups of 64 rows
+NUM_WARPS = 4               # the launch's: the default partition (consumer 0); consumer 1 and the producer are workers
+K_STAGES = 2                # K's ring: the next tile stored while this one's S products run
+V_STAGES = {64: 2, 128: 1}  # V's: one at D = 128 (224 KB of shared memory with Q's hi and lo and K's two buffers)
+# (consumer, producer) registers a thread, 2 x 128 x 216 + 128 x 80 = 65,536: at D = 128 the consumers spill a few
+# loop-invariant values and the producer a few addresses (104 bytes of stack; 144 as the single partition), and it
+# ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of (208, 96) (the file above); at D = 64
+# nothing spills
+REGS = (216, 80)
+# BLOCK_N per head dim: Q's hi and lo, K's and V's rings with their lo parts, in shared memory (<= 227 KB: 224 at
 # D = 128)
 TILES = {64: 64, 128: 32}
 # S = Q K^T's products by D-chunks of this many columns, each into a fresh accumulator added by the CUDA cores:
 # the tensor core's float32 accumulation truncates, and over all of D = 128 (16 wgmma K steps, three products each)
 # the scores came out with a relative error of 2e-6 against Triton's tf32x3 dots' 1e-7 (the probe)
 CHUNK = 32
-# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8,
-# 0.47 against the Triton phase 1's 0.67 of efficient's time, above)
+# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8:
+# 0.47 against the Triton phase 1's 0.67 of efficient's time, before the producer: fp32_phase1_prefetch_h200.json)
 MIN_WORK = 2**31
 
 
@@ -64,10 +71,15 @@ def eligible(q) -> bool:
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
     _CHUNK = gl.constexpr(CHUNK)          # (a Gluon kernel reads globals only as constexprs)
+    _K_STAGES = gl.constexpr(K_STAGES)
+    _V_STAGES_64 = gl.constexpr(V_STAGES[64])
+    _V_STAGES_128 = gl.constexpr(V_STAGES[128])
+    _CONSUMER_REGS = gl.constexpr(REGS[0])
+    _PRODUCER_REGS = gl.constexpr(REGS[1])
 
     @gluon.jit
     def _lo(x):
@@ -102,11 +114,158 @@ if HAS_GLUON:
             _put(kh_s, kl_s, slot + c, kn[c])
 
     @gluon.jit
-    def _scores_issue(qh_s, ql_s, kh_s, kl_s, c: gl.constexpr, kb, zero_s):
-        """The three tf32 products of D-chunk c of S = Q K^T (K from buffer slot kb + c) into a fresh accumulator."""
-        s = warpgroup_mma(qh_s.index(c), kh_s.index(kb + c).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qh_s.index(c), kl_s.index(kb + c).permute((1, 0)), s, is_async=True)
-        return warpgroup_mma(ql_s.index(c), kh_s.index(kb + c).permute((1, 0)), s, is_async=True)
+    def _scores_issue(qh_s, ql_s, kh_s, kl_s, q: gl.constexpr, k, zero_s):
+        """The three tf32 products of one D-chunk of S = Q K^T (Q's chunk from slot q, K's from slot k) into a fresh
+        accumulator."""
+        s = warpgroup_mma(qh_s.index(q), kh_s.index(k).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qh_s.index(q), kl_s.index(k).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(ql_s.index(q), kh_s.index(k).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _released(bar):
+        """This partition's shared-memory stores made visible to the tensor cores' reads, then bar's arrive."""
+        fence_async_shared()
+        gl.thread_barrier()                  # every thread's stores before the one arrive (the partition's warps)
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _producer(K, V, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh, svn,
+                  b, hk, NK, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The producer warpgroup: every K tile of [lo, hi) split into its raw and lo parts in K's ring, every V
+        tile's in V's (keys-contiguous), each slot refilled once both consumers released it. Each tile's global loads
+        are issued before the wait for its slot."""
+        CH: gl.constexpr = HEAD_DIM // _CHUNK
+        K_STAGES: gl.constexpr = kh_s.shape[0] // CH
+        V_STAGES: gl.constexpr = vh_s.shape[0]
+        blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [1, 0])
+        blk_c: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (_CHUNK // 4), _CHUNK // 4], [4, 1], [1, 0])
+        k_base = K + b.to(gl.int64) * skb + hk.to(gl.int64) * skh
+        v_base = V + b.to(gl.int64) * svb + hk.to(gl.int64) * svh
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+        offs_c = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, blk_c))
+        keys_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk_c))
+        keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+        for i in range(gl.cdiv(hi - lo, BLOCK_N)):
+            t0 = lo + i * BLOCK_N
+            kn = _k_tile(k_base, t0, keys_c, offs_c, skn, NK, CH)
+            s = i % K_STAGES
+            mbarrier.wait(k_empty.index(s), ((i // K_STAGES) & 1) ^ 1)     # a slot starts empty: phase 1 passes
+            _put_tile(kh_s, kl_s, s * CH, kn, CH)
+            _released(k_ready.index(s))
+            vn = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
+                         other=0.0)
+            sv = i % V_STAGES
+            mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
+            vh_s.index(sv).store(vn)
+            vl_s.index(sv).store(_lo(vn))
+            _released(v_ready.index(sv))
+
+    @gluon.jit
+    def _consumer(Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+                  sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0, lo, hi,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                  FINAL: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: query rows r0 + WG * 64 + [0, 64) of the CTA's BLOCK_M against every tile of the
+        rings, then their summaries (or, FINAL, their output and lse)."""
+        ROWS: gl.constexpr = 64
+        CH: gl.constexpr = HEAD_DIM // _CHUNK
+        K_STAGES: gl.constexpr = kh_s.shape[0] // CH
+        V_STAGES: gl.constexpr = vh_s.shape[0]
+        blk_c: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (_CHUNK // 4), _CHUNK // 4], [4, 1], [1, 0])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 8])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HEAD_DIM, 8])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=1)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        qk_scale = qk_scale.to(gl.float32)
+        rw = r0 + WG * ROWS                               # this warpgroup's first row
+        q_base = Q + b.to(gl.int64) * sqb + h.to(gl.int64) * sqh
+        offs_c = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, blk_c))
+        rows_c = rw + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk_c))
+        for c in gl.static_range(CH):
+            # rows >= NQ load Q = 0: their summaries are finite and never written out
+            qc = gl.load(q_base + rows_c[:, None] * sqn + c * _CHUNK + offs_c[None, :],
+                         mask=(rows_c < NQ)[:, None], other=0.0) * qk_scale
+            qh_s.index(WG * CH + c).store(qc)
+            ql_s.index(WG * CH + c).store(_lo(qc))
+        fence_async_shared()
+        gl.thread_barrier()                               # every thread's Q stored before the warpgroup's wgmmas
+        rows = rw + gl.arange(0, ROWS, layout=row_s)
+        cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+        z_i = gl.zeros([ROWS], gl.float32, row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_l)
+        for i in range(gl.cdiv(hi - lo, BLOCK_N)):
+            t0 = lo + i * BLOCK_N
+            zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_l)
+            s = i % K_STAGES
+            kb = s * CH
+            mbarrier.wait(k_ready.index(s), (i // K_STAGES) & 1)
+            # every chunk's products in flight at once, each into its own accumulator
+            s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 0, kb + 0, zero_s)
+            s1 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 1, kb + 1, zero_s)
+            if CH == 4:
+                s2 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 2, kb + 2, zero_s)
+                s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 3, kb + 3, zero_s)
+                s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[s0, s1, s2, s3])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                x = (s0 + s1) + (s2 + s3)
+            else:
+                s0, s1 = warpgroup_mma_wait(0, deps=[s0, s1])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                x = s0 + s1
+            cols = t0 + cols0
+            if t0 + BLOCK_N > NK:
+                x = gl.where((cols < NK)[None, :], x, float("-inf"))
+            if CAUSAL:
+                if t0 + BLOCK_N - 1 > rw + off:           # a tile on the diagonal: future keys masked
+                    x = gl.where(cols[None, :] <= rows[:, None] + off, x, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(x, 1))
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_ref)                  # 0 while the state is the identity
+            p = gl.exp2(x - m_ref[:, None])               # masked keys: 0
+            z_i = z_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            p_lo = gl.convert_layout(_lo(p), p_l)
+            p_hi = gl.convert_layout(p, p_l)
+            sv = i % V_STAGES
+            mbarrier.wait(v_ready.index(sv), (i // V_STAGES) & 1)
+            zero_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_l)
+            pv = warpgroup_mma(p_hi, vh_s.index(sv), zero_o, use_acc=False, is_async=True)
+            pv = warpgroup_mma(p_hi, vl_s.index(sv), pv, is_async=True)
+            pv = warpgroup_mma(p_lo, vh_s.index(sv), pv, is_async=True)
+            pv, p_hi, p_lo = warpgroup_mma_wait(0, deps=[pv, p_hi, p_lo])
+            mbarrier.arrive(v_empty.index(sv), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
+        # a causal partition past the block's horizon stores nothing (phase 2 never reads it), as _elsa_phase1
+        if FINAL or lo < hi:
+            # the epilogue: _write_output (FINAL) or _store_summary's float32 case
+            offs_m = gl.arange(0, ROWS, layout=row_o)
+            offs_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
+            z_o = gl.convert_layout(z_i, row_o)
+            row_ok = (offs_m < NQ - rw)[:, None]
+            if FINAL:
+                out = gl.where(z_o[:, None] > 0, acc / gl.where(z_o > 0, z_o, 1.0)[:, None], 0.0)
+                o_base = Out + b.to(gl.int64) * sob + h.to(gl.int64) * soh + rw.to(gl.int64) * son
+                gl.store(o_base + offs_m[:, None] * son + offs_o[None, :], out, mask=row_ok)
+                if STORE_LSE:
+                    # +inf makes the backward's 2^(x - lse) = 0 for every key of a row that sees none
+                    lse = gl.where(z_i > 0, m_i + gl.log2(gl.where(z_i > 0, z_i, 1.0)), float("inf"))
+                    gl.store(Lse + bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
+            else:
+                base = ((part * QB + qb) * BH + bh).to(gl.int64) * BLOCK_M + WG * ROWS
+                offs_r = gl.arange(0, ROWS, layout=row_s)
+                gl.store(Sbuf + base + offs_r, m_i)
+                gl.store(Sbuf + NROWS.to(gl.int64) + base + offs_r, z_i)
+                if part == 0:                                 # partition 0's sum in the output rows
+                    dst = Out + b.to(gl.int64) * sob + h.to(gl.int64) * soh + rw.to(gl.int64) * son
+                    gl.store(dst + offs_m[:, None] * son + offs_o[None, :], acc, mask=row_ok)
+                else:                                         # the others' in slot part - 1 of S
+                    s_slot = (((part - 1) * QB + qb) * BH + bh).to(gl.int64) * BLOCK_M * HEAD_DIM
+                    dst = Sbuf + 2 * NROWS.to(gl.int64) + s_slot + WG * ROWS * HEAD_DIM
+                    gl.store(dst + offs_m[:, None] * HEAD_DIM + offs_o[None, :], acc, mask=row_ok)
 
     @gluon.jit
     def _elsa_phase1_tf32(Q, K, V, Bias, Sbuf, Out, Lse,
@@ -119,25 +278,16 @@ if HAS_GLUON:
                           FINAL: gl.constexpr, STORE_LSE: gl.constexpr, KEYS_EVEN: gl.constexpr,
                           USE_DESC: gl.constexpr, WARP_SPECIALIZE: gl.constexpr):
         """Program (qb, bh, part): the summaries of BLOCK_M query rows over keys [part*W, part*W + W), as
-        _elsa_phase1 (float32, no bias; the flags it does not use are accepted and ignored)."""
+        _elsa_phase1 (float32, no bias; the flags it does not use are accepted and ignored): a producer warpgroup
+        and two consumer warpgroups of 64 rows (_producer, _consumer)."""
         gl.static_assert(BLOCK_D == HEAD_DIM)
-        WARPS: gl.constexpr = BLOCK_M // 16                  # a warpgroup per 64 rows
+        gl.static_assert(BLOCK_M == 128)
         CH: gl.constexpr = HEAD_DIM // _CHUNK                 # S's products by D-chunks (CHUNK's comment)
         gl.static_assert(CH == 2 or CH == 4)
-        blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [WARPS, 1], [1, 0])
-        blk_c: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (_CHUNK // 4), _CHUNK // 4], [WARPS, 1], [1, 0])
-        q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, _CHUNK], gl.float32)
+        V_ST: gl.constexpr = _V_STAGES_128 if HEAD_DIM == 128 else _V_STAGES_64
+        q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, _CHUNK], gl.float32)
         k_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, _CHUNK], gl.float32)
         v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float32, transposed=True)
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, BLOCK_N, 8])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                      instr_shape=[16, HEAD_DIM, 8])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=1)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-
-        qk_scale = qk_scale.to(gl.float32)
         qb = gl.program_id(0)
         if CAUSAL:
             # the longest row blocks first: a causal block's keys grow with qb, and the SMs that take the last
@@ -146,109 +296,32 @@ if HAS_GLUON:
         bh = gl.program_id(1)
         part = gl.program_id(2)
         b, h, hk, off, r0, lo, hi = phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M, CAUSAL)
-        # a causal partition past the block's horizon stores nothing (phase 2 never reads it), as _elsa_phase1
-        if FINAL or lo < hi:
-            q_base = Q + b.to(gl.int64) * sqb + h.to(gl.int64) * sqh
-            k_base = K + b.to(gl.int64) * skb + hk.to(gl.int64) * skh
-            v_base = V + b.to(gl.int64) * svb + hk.to(gl.int64) * svh
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-            offs_c = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, blk_c))
-            rows_c = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk_c))
-            keys_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk_c))
-            keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
-            qh_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_M, _CHUNK], q_l)
-            ql_s = gl.allocate_shared_memory(gl.float32, [CH, BLOCK_M, _CHUNK], q_l)
-            kh_s = gl.allocate_shared_memory(gl.float32, [2 * CH, BLOCK_N, _CHUNK], k_l)   # two buffers of CH
-            kl_s = gl.allocate_shared_memory(gl.float32, [2 * CH, BLOCK_N, _CHUNK], k_l)
-            vh_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM], v_l)
-            vl_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM], v_l)
-            for c in gl.static_range(CH):
-                # rows >= NQ load Q = 0: their summaries are finite and never written out
-                qc = gl.load(q_base + rows_c[:, None] * sqn + c * _CHUNK + offs_c[None, :],
-                             mask=(rows_c < NQ)[:, None], other=0.0) * qk_scale
-                qh_s.index(c).store(qc)
-                ql_s.index(c).store(_lo(qc))
-            rows = r0 + gl.arange(0, BLOCK_M, layout=row_s)
-            cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-            z_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
-            # K's first tile into buffer 0; each next one goes to the other buffer while this tile's S products run
-            # by pairs of D-chunks, each pair's loads before its stores: the order of the sm_90 code the GPU ran
-            for c in gl.static_range(0, CH, 2):
-                _put_tile(kh_s, kl_s, c, (_k_chunk(k_base, lo, keys_c, offs_c, skn, NK, c),
-                                          _k_chunk(k_base, lo, keys_c, offs_c, skn, NK, c + 1)), 2)
-            fence_async_shared()
-            gl.thread_barrier()
-            for t0 in range(lo, hi, BLOCK_N):
-                kb = (((t0 - lo) // BLOCK_N) % 2) * CH           # this tile's K buffer; the next tile's: CH - kb
-                zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_l)
-                # every chunk's products in flight at once, each into its own accumulator, while V is split and the
-                # next K tile loaded and split into the other buffer (its registers free again before the softmax)
-                s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 0, kb, zero_s)
-                s1 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 1, kb, zero_s)
-                if CH == 4:
-                    s2 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 2, kb, zero_s)
-                    s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, 3, kb, zero_s)
-                v = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :],
-                            mask=(t0 + keys_b < NK)[:, None], other=0.0)
-                t1 = t0 + BLOCK_N                             # the next tile (past hi on the last: not used)
-                kn = _k_tile(k_base, t1, keys_c, offs_c, skn, NK, CH)
-                vh_s.store(v)
-                vl_s.store(_lo(v))
-                _put_tile(kh_s, kl_s, CH - kb, kn, CH)
-                if CH == 4:
-                    s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[s0, s1, s2, s3])
-                    s = (s0 + s1) + (s2 + s3)
-                else:
-                    s0, s1 = warpgroup_mma_wait(0, deps=[s0, s1])
-                    s = s0 + s1
-                cols = t0 + cols0
-                if t0 + BLOCK_N > NK:
-                    s = gl.where((cols < NK)[None, :], s, float("-inf"))
-                if CAUSAL:
-                    if t0 + BLOCK_N - 1 > r0 + off:           # a tile on the diagonal: future keys masked
-                        s = gl.where(cols[None, :] <= rows[:, None] + off, s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_ref)                  # 0 while the state is the identity
-                p = gl.exp2(s - m_ref[:, None])               # masked keys: 0
-                z_i = z_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                p_lo = gl.convert_layout(_lo(p), p_l)
-                p_hi = gl.convert_layout(p, p_l)
-                fence_async_shared()
-                gl.thread_barrier()           # V's stores seen by every warp; every warpgroup's S products done with K
-                zero_o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_l)
-                pv = warpgroup_mma(p_hi, vh_s, zero_o, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p_hi, vl_s, pv, is_async=True)
-                pv = warpgroup_mma(p_lo, vh_s, pv, is_async=True)
-                pv, p_hi, p_lo = warpgroup_mma_wait(0, deps=[pv, p_hi, p_lo])
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
-                fence_async_shared()
-                gl.thread_barrier()           # the next K's stores seen; every warpgroup's P V done with V
-            # the epilogue: _write_output (FINAL) or _store_summary's float32 case
-            offs_m = gl.arange(0, BLOCK_M, layout=row_o)
-            offs_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_l))
-            z_o = gl.convert_layout(z_i, row_o)
-            row_ok = (offs_m < NQ - r0)[:, None]
-            if FINAL:
-                out = gl.where(z_o[:, None] > 0, acc / gl.where(z_o > 0, z_o, 1.0)[:, None], 0.0)
-                o_base = Out + b.to(gl.int64) * sob + h.to(gl.int64) * soh + r0.to(gl.int64) * son
-                gl.store(o_base + offs_m[:, None] * son + offs_o[None, :], out, mask=row_ok)
-                if STORE_LSE:
-                    # +inf makes the backward's 2^(x - lse) = 0 for every key of a row that sees none
-                    lse = gl.where(z_i > 0, m_i + gl.log2(gl.where(z_i > 0, z_i, 1.0)), float("inf"))
-                    gl.store(Lse + bh.to(gl.int64) * NQ + rows, lse, mask=rows < NQ)
-            else:
-                base = ((part * QB + qb) * BH + bh).to(gl.int64) * BLOCK_M
-                offs_r = gl.arange(0, BLOCK_M, layout=row_s)
-                gl.store(Sbuf + base + offs_r, m_i)
-                gl.store(Sbuf + NROWS.to(gl.int64) + base + offs_r, z_i)
-                if part == 0:                                 # partition 0's sum in the output rows
-                    dst = Out + b.to(gl.int64) * sob + h.to(gl.int64) * soh + r0.to(gl.int64) * son
-                    gl.store(dst + offs_m[:, None] * son + offs_o[None, :], acc, mask=row_ok)
-                else:                                         # the others' in slot part - 1 of S
-                    s_slot = (((part - 1) * QB + qb) * BH + bh).to(gl.int64) * BLOCK_M * HEAD_DIM
-                    dst = Sbuf + 2 * NROWS.to(gl.int64) + s_slot
-                    gl.store(dst + offs_m[:, None] * HEAD_DIM + offs_o[None, :], acc, mask=row_ok)
+        qh_s = gl.allocate_shared_memory(gl.float32, [2 * CH, 64, _CHUNK], q_l)      # consumer w: slots w * CH + c
+        ql_s = gl.allocate_shared_memory(gl.float32, [2 * CH, 64, _CHUNK], q_l)
+        kh_s = gl.allocate_shared_memory(gl.float32, [_K_STAGES * CH, BLOCK_N, _CHUNK], k_l)
+        kl_s = gl.allocate_shared_memory(gl.float32, [_K_STAGES * CH, BLOCK_N, _CHUNK], k_l)
+        vh_s = gl.allocate_shared_memory(gl.float32, [V_ST, BLOCK_N, HEAD_DIM], v_l)
+        vl_s = gl.allocate_shared_memory(gl.float32, [V_ST, BLOCK_N, HEAD_DIM], v_l)
+        k_ready = gl.allocate_shared_memory(gl.int64, [_K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [_K_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_ST, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_ST, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_K_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)              # both consumers release every slot
+        for i in gl.static_range(V_ST):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+        WG0: gl.constexpr = 0       # the warpgroups' indices as constexprs (a literal reaches _consumer as a value)
+        WG1: gl.constexpr = 1
+        gl.warp_specialize([
+            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+                         sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0,
+                         lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, FINAL, STORE_LSE, WG0)),
+            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+                         sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0,
+                         lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, FINAL, STORE_LSE, WG1)),
+            (_producer, (K, V, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh,
+                         svn, b, hk, NK, lo, hi, HEAD_DIM, BLOCK_N)),
+        ], [4, 4], [_CONSUMER_REGS, _PRODUCER_REGS])
