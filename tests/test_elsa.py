@@ -1302,9 +1302,11 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
 # - float32 phase 1 at D <= 64 as the only partition (below LONG_N keys) spills 6 with triton 3.6 and is faster than
 #   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE);
 # - the Gluon core's persistent launch in ELSA's summary mode at D=128 spills 2 with triton 3.6 and runs ELSA's
-#   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS)
+#   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS);
+# - float32 phase 1 on wgmma at D=128 spills 28 with triton 3.6 at its register split between the consumer and producer
+#   warpgroups (kernels/elsa/gluon_phase1.py, REGS), which ran faster than the splits that spill less
 SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6,
-                   ("_gluon_fwd_kernel", "16", 128): 2}
+                   ("_gluon_fwd_kernel", "16", 128): 2, ("_elsa_phase1_tf32", "32", 128): 28}
 
 
 @pytest.mark.gpu
