@@ -31,7 +31,9 @@ With one warpgroup waiting on each GEMM and per-element fp32 atomics for dQ, the
 lse2 is the base-2 row statistic ELSA's forward stores (p = exp2(x * qk_scale - lse2), +inf for a row that sees no
 key). Before the launch one Triton kernel (_prologue) writes Delta = rowsum(dO * O) in fp32 and zeroes dQ's fp32
 buffer: in torch that was five launches and three fp32 tensors of O's size (at D = 128, 16K, H = 8 three times the
-buffer's 67 MB at once). dQ's buffer is cast to the inputs' dtype after it.
+buffer's 67 MB at once). Both launches are prepared once per layout (Launch): the prologue through the keyed launch()
+took 17.8 us of host time a call, prepared 9.0 (results/dev/gluon_bwd/prologue_prepared_h200.json). dQ's buffer is
+cast to the inputs' dtype after it.
 
 Masks: a key past NK (a tile running past its head's keys reads the next head's rows, or TMA's zeros at the end) has
 its P^T row set to 0, so it adds nothing to dQ, and its dK/dV rows are not stored; a query row past NQ has lse2 = +inf
@@ -51,7 +53,6 @@ from ._flash_core import _tma_layout_ok
 from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, described_rows
 from ._gluon_core import eligible as core_eligible
 from ._launch import Prepared
-from ._launch import launch as _launch
 
 NAME = "gluon_bwd"
 HEAD_DIMS = (64, 128)
@@ -304,20 +305,6 @@ def _prologue(DO, O, Delta, DQ, heads, n_q, so_b, so_h, so_n, D: tl.constexpr, R
 PROLOGUE_ROWS = 32
 
 
-def delta_and_zeroed_dq(grad_out, out):
-    """(Delta [B, H, N] fp32 = rowsum(grad_out * out), a zeroed fp32 buffer shaped like grad_out) in one launch;
-    grad_out contiguous, out any strides with a unit last one, D a power of two."""
-    b, h, n, d = grad_out.shape
-    delta = torch.empty((b, h, n), dtype=torch.float32, device=grad_out.device)
-    dq32 = torch.empty(grad_out.shape, dtype=torch.float32, device=grad_out.device)
-    if grad_out.numel():
-        with on_device(grad_out):
-            _launch(_prologue, (triton.cdiv(n, PROLOGUE_ROWS), b * h),
-                    (grad_out, out, delta, dq32, h, n, out.stride(0), out.stride(1), out.stride(2)),
-                    dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
-    return delta, dq32
-
-
 def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None):
     """(dq, dk, dv) of softmax attention on sm_90 (no autograd): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D]
     contiguous, float16 / bfloat16, D in HEAD_DIMS; out, grad_out [B, Hq, Nq, D] (any strides; grad_out is copied
@@ -335,7 +322,8 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
                          f"dQ (head dim {shape.head_dim})")
     if out.stride(-1) != 1:
         out = out.contiguous()
-    return Launch(q, k, causal, default_scale(scale, shape.head_dim), tiles)(grad_out, q, k, v, out, lse2)
+    return Launch(q, k, out.stride()[:3], causal, default_scale(scale, shape.head_dim), tiles)(
+        grad_out, q, k, v, out, lse2)
 
 
 def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
@@ -344,18 +332,23 @@ def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
 
 
 class Launch:
-    """gluon_bwd's launches for q, k, v laid out as those it is made with (a caller that checked them once: ELSA's
-    backward plan), called as ``go(grad_out, q, k, v, out, lse2)`` -> (dq, dk, dv): the prologue, the kernel, dQ
-    cast to the inputs' dtype. The kernel is a Prepared launch whose five TMA maps (q, k, v, dO, the fp32 dQ) are
-    re-encoded at each call's tensors (kernels/_launch.py)."""
+    """gluon_bwd's launches for q, k, v laid out as those it is made with and an out of the strides o_strides (its
+    batch, head and row strides; the last is 1): a caller that checked them once (ELSA's backward plan), called as
+    ``go(grad_out, q, k, v, out, lse2)`` -> (dq, dk, dv). Two Prepared launches: the prologue (_prologue: Delta and
+    the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps (q, k, v, dO, the fp32 dQ) are re-encoded at each
+    call's tensors (kernels/_launch.py); then dQ cast to the inputs' dtype."""
 
-    __slots__ = ("kernel", "empty")
+    __slots__ = ("prologue", "kernel", "empty", "stats_shape")
 
-    def __init__(self, q, k, causal: bool, scale: float, tiles):
+    def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles):
         b, hq, n_q, d = q.shape
         hkv, n_k = k.shape[1], k.shape[2]
         block_m, block_n, stages, dq_cols = tiles
         self.empty = q.numel() == 0 or n_k == 0
+        self.stats_shape = (b, hq, n_q)
+        # the call's tensors: dO, O, Delta, the fp32 dQ
+        self.prologue = Prepared(_prologue, (triton.cdiv(n_q, PROLOGUE_ROWS), b * hq), (hq, n_q, *o_strides),
+                                 dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
         # the call's tensors: q, k, v, dO, dQ (described), then lse2, Delta, dK, dV
         self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
             hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
@@ -368,8 +361,10 @@ class Launch:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         if self.empty:
             return torch.zeros_like(q), dk.zero_(), dv.zero_()
-        delta, dq32 = delta_and_zeroed_dq(grad_out, out)
+        delta = q.new_empty(self.stats_shape, dtype=torch.float32)
+        dq32 = q.new_empty(q.shape, dtype=torch.float32)
         with on_device(q):
+            self.prologue(grad_out, out, delta, dq32)
             self.kernel(q, k, v, grad_out, dq32, lse2.contiguous(), delta, dk, dv)
         return dq32.to(q.dtype), dk, dv
 

@@ -98,7 +98,7 @@ def test_prepared_launches_describe_the_right_tensors(d):
     if d not in gb.HEAD_DIMS:
         return
     block_m, block_n, _, dq_cols = tiles = gb.TILES[(d, False)]
-    bwd = gb.Launch(q, k, False, d ** -0.5, tiles)
+    bwd = gb.Launch(q, k, q.stride()[:3], False, d ** -0.5, tiles)
     dq32 = torch.zeros(q.shape)
     made = bwd.kernel._made((q, k, k, q, dq32))
     assert [(list(x.shape), list(x.block_shape), x.base.data_ptr()) for x in made] == [
@@ -762,18 +762,19 @@ def test_gpu_cqsa_on_the_core_compiled():
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_prologue_writes_delta_and_zeroes_dq(device, d):
-    """The Gluon backward's prologue (one Triton launch): Delta = rowsum(dO * O) in fp32 against float64's, O read
-    through strides (heads inside its rows, as ELSA's output can be laid out), a ragged last row block; and every
-    row of dQ's fp32 buffer zeroed, whatever it held."""
+    """The Gluon backward's prologue (one Triton launch, prepared by its Launch for O's strides): Delta =
+    rowsum(dO * O) in fp32 against float64's, O read through strides (heads inside its rows, as ELSA's output can be
+    laid out), a ragged last row block; and every row of dQ's fp32 buffer zeroed, whatever it held."""
     g = torch.randn(2, 3, 37, d, device=device).half()
     o = torch.randn(2, 37, 3, d, device=device).half().transpose(1, 2)
-    delta, dq32 = gb.delta_and_zeroed_dq(g, o)
+    bwd = gb.Launch(g, g, o.stride()[:3], False, d ** -0.5, gb.TILES[(d, False)])
+    assert bwd.prologue.grid == (2, 6)
+    delta = torch.full(g.shape[:3], float("nan"), device=device)
+    dq32 = torch.full(g.shape, float("nan"), device=device)
+    bwd.prologue(g, o, delta, dq32)
     want = (g.double() * o.double()).sum(-1)
-    assert delta.dtype == torch.float32 and dq32.dtype == torch.float32 and dq32.shape == g.shape
     assert ((delta.double() - want).abs().max() / want.abs().max()).item() <= 1e-6
-    held = torch.full(g.shape, float("nan"), device=device)
-    gb._launch(gb._prologue, (2, 6), (g, o, delta, held, 3, 37, *o.stride()[:3]), dict(D=d, ROWS=32, num_warps=4))
-    assert held.eq(0).all()
+    assert dq32.eq(0).all()
 
 
 # The backward (kernels/_gluon_bwd.py) on the forward's cases at its head dims: whole and ragged key and query

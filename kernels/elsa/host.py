@@ -378,8 +378,10 @@ class _BwdPlan(LaunchPlan):
         kv_m, kv_n, kv_warps, kv_stages = plan.dkdv
         q_blocks, kv_blocks = _cdiv(c.NQ, dq_m), _cdiv(c.NK, kv_n)
         if plan.gluon:
-            # checked here once (gluon_capable): the launches of run()'s tensors (c.read's, laid out as read)
-            self.gluon = gluon_bwd.Launch(read[0], read[1], causal, c.scale, gluon_bwd.TILES[(c.D, causal)])
+            # checked here once (gluon_capable): the launches of run()'s tensors (c.read's, laid out as read; out
+            # with o_strides)
+            self.gluon = gluon_bwd.Launch(read[0], read[1], o_strides, causal, c.scale,
+                                          gluon_bwd.TILES[(c.D, causal)])
             self.grid = self.gluon.kernel.grid
         elif self.launches == 1:
             # one set of warps and stages for both jobs: the larger warp count, the smaller stage count
