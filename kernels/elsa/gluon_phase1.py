@@ -9,11 +9,17 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   part (measured: the same products as an explicit x & ~0x1fff, results/dev/elsa/fp32_on_wgmma_h200.json); only
   lo = x - hi is computed and stored beside it. V's tiles are stored keys-contiguous (tf32 wgmma takes its B
   operand K-major only), P's hi and lo come from registers.
-- S = Qh Kh^T + Qh Kl^T + Ql Kh^T and P V the same way: three wgmmas each (lo x lo is below float32's rounding).
+- S = Qh Kh^T + Qh Kl^T + Ql Kh^T and P V the same way (lo x lo is below float32's rounding). K's raw rows and
+  its lo rows lie in one buffer, so the first two are one wgmma a K step, Qh [Kh; Kl]^T (N = 2 x BLOCK_N: Q's
+  operand read from shared memory once for both), and Ql Kh^T another on the raw rows; P V is three.
 - The tensor core's float32 accumulation truncates: chained over a whole row of tiles it biases the sum (relative
-  error 3e-5 at 4K keys, 1.2e-4 at 16K in the probe), and over all of D = 128 it put S's at 2e-6. So each tile's
-  P V, and S by D-chunks of CHUNK columns, go to fresh accumulators (12 chained products each) that the CUDA cores
-  add, rounding to nearest.
+  error 3e-5 at 4K keys, 1.2e-4 at 16K in the probe), and all three products chained over D = 128 put S's at 2e-6.
+  So each tile's P V goes to a fresh accumulator, and each of S's products to its own (Qh Kh^T and Qh Kl^T the two
+  column halves of one), chained over D only; the CUDA cores add them, rounding to nearest, so the small lo
+  products never add into a large truncating sum. Against S by 32-column D-chunks of all three products (12
+  chained each, four accumulators), which this replaced: relative RMS error 1.0-1.5e-6 against 1.1-1.8e-6 at
+  D = 128 and 1.6-1.7e-6 against 2.1-2.2e-6 at D = 64; 0.95-0.96x the time at D = 128 (a third fewer wgmmas, a
+  fifth less of S's operand traffic), 0.98-1.01x at D = 64 (results/dev/elsa/fp32_producer_warpgroup_h200.json).
 - Three warpgroups a CTA (gl.warp_specialize): a producer loads each K tile, splits it and stores its raw and lo
   parts into K's ring (two buffers), then V's into V's (one buffer at D = 128, where shared memory is full; two at
   D = 64), each slot's ready / empty mbarriers handing it over; two consumers of 64 query rows each (128 a CTA)
@@ -38,25 +44,21 @@ from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 from .kernel import phase1_block
 
 # what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). CUDA-graph time over efficient's at B = 1,
-# H = 8 (results/dev/elsa/fp32_producer_warpgroup_h200.json): D = 128 0.91 / 0.87 at 4K / 16K, causal 16K 1.01; D = 64
-# 0.43 / 0.45 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
+# H = 8 (results/dev/elsa/fp32_producer_warpgroup_h200.json): D = 128 0.87 / 0.83 at 4K / 16K, causal 16K 0.97; D = 64
+# 0.43 / 0.43 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows
 NUM_WARPS = 4               # the launch's: the default partition (consumer 0); consumer 1 and the producer are workers
 K_STAGES = 2                # K's ring: the next tile stored while this one's S products run
 V_STAGES = {64: 2, 128: 1}  # V's: one at D = 128 (224 KB of shared memory with Q's hi and lo and K's two buffers)
 # (consumer, producer) registers a thread, 2 x 128 x 216 + 128 x 80 = 65,536: at D = 128 the consumers spill a few
-# loop-invariant values and the producer a few addresses (104 bytes of stack; 144 as the single partition), and it
-# ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of (208, 96) (the file above); at D = 64
-# nothing spills
+# loop-invariant values and the producer a few addresses (120 bytes of stack, 30 registers; 160 bytes as the single
+# partition); with S by D-chunks it ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of
+# (208, 96) (the file above); at D = 64 nothing spills
 REGS = (216, 80)
 # BLOCK_N per head dim: Q's hi and lo, K's and V's rings with their lo parts, in shared memory (<= 227 KB: 224 at
 # D = 128)
 TILES = {64: 64, 128: 32}
-# S = Q K^T's products by D-chunks of this many columns, each into a fresh accumulator added by the CUDA cores:
-# the tensor core's float32 accumulation truncates, and over all of D = 128 (16 wgmma K steps, three products each)
-# the scores came out with a relative error of 2e-6 against Triton's tf32x3 dots' 1e-7 (the probe)
-CHUNK = 32
 # ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8:
 # 0.47 against the Triton phase 1's 0.67 of efficient's time, before the producer: fp32_phase1_prefetch_h200.json)
 MIN_WORK = 2**31
@@ -74,8 +76,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    _CHUNK = gl.constexpr(CHUNK)          # (a Gluon kernel reads globals only as constexprs)
-    _K_STAGES = gl.constexpr(K_STAGES)
+    _K_STAGES = gl.constexpr(K_STAGES)      # (a Gluon kernel reads globals only as constexprs)
     _V_STAGES_64 = gl.constexpr(V_STAGES[64])
     _V_STAGES_128 = gl.constexpr(V_STAGES[128])
     _CONSUMER_REGS = gl.constexpr(REGS[0])
@@ -87,41 +88,6 @@ if HAS_GLUON:
         return x - (x.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _k_chunk(k_base, t, keys_c, offs_c, skn, NK, c: gl.constexpr):
-        """D-chunk c of the K tile from key t, in registers (keys >= NK load 0)."""
-        return gl.load(k_base + (t + keys_c)[:, None] * skn + c * _CHUNK + offs_c[None, :],
-                       mask=(t + keys_c < NK)[:, None], other=0.0)
-
-    @gluon.jit
-    def _k_tile(k_base, t, keys_c, offs_c, skn, NK, CH: gl.constexpr):
-        """The K tile from key t in registers, as a tuple of its CH D-chunks (_k_chunk's)."""
-        if CH == 4:
-            return (_k_chunk(k_base, t, keys_c, offs_c, skn, NK, 0), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 1),
-                    _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 2), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 3))
-        else:
-            return _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 0), _k_chunk(k_base, t, keys_c, offs_c, skn, NK, 1)
-
-    @gluon.jit
-    def _put(kh_s, kl_s, c, kc):
-        """K's D-chunk into shared memory slot c: raw (the tensor core's tf32 hi part) and its lo part."""
-        kh_s.index(c).store(kc)
-        kl_s.index(c).store(_lo(kc))
-
-    @gluon.jit
-    def _put_tile(kh_s, kl_s, slot, kn, CH: gl.constexpr):
-        """A K tile's CH D-chunks (_k_tile's) into shared memory slots slot .. slot + CH - 1 (_put)."""
-        for c in gl.static_range(CH):
-            _put(kh_s, kl_s, slot + c, kn[c])
-
-    @gluon.jit
-    def _scores_issue(qh_s, ql_s, kh_s, kl_s, q: gl.constexpr, k, zero_s):
-        """The three tf32 products of one D-chunk of S = Q K^T (Q's chunk from slot q, K's from slot k) into a fresh
-        accumulator."""
-        s = warpgroup_mma(qh_s.index(q), kh_s.index(k).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qh_s.index(q), kl_s.index(k).permute((1, 0)), s, is_async=True)
-        return warpgroup_mma(ql_s.index(q), kh_s.index(k).permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
     def _released(bar):
         """This partition's shared-memory stores made visible to the tensor cores' reads, then bar's arrive."""
         fence_async_shared()
@@ -129,28 +95,26 @@ if HAS_GLUON:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _producer(K, V, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh, svn,
+    def _producer(K, V, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh, svn,
                   b, hk, NK, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The producer warpgroup: every K tile of [lo, hi) split into its raw and lo parts in K's ring, every V
-        tile's in V's (keys-contiguous), each slot refilled once both consumers released it. Each tile's global loads
-        are issued before the wait for its slot."""
-        CH: gl.constexpr = HEAD_DIM // _CHUNK
-        K_STAGES: gl.constexpr = kh_s.shape[0] // CH
+        """The producer warpgroup: every K tile of [lo, hi) into K's ring, its raw rows then its lo rows in one
+        buffer, every V tile's raw and lo parts into V's (keys-contiguous), each slot refilled once both consumers
+        released it. Each tile's global loads are issued before the wait for its slot."""
+        K_STAGES: gl.constexpr = k_s.shape[0]
         V_STAGES: gl.constexpr = vh_s.shape[0]
         blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [1, 0])
-        blk_c: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (_CHUNK // 4), _CHUNK // 4], [4, 1], [1, 0])
         k_base = K + b.to(gl.int64) * skb + hk.to(gl.int64) * skh
         v_base = V + b.to(gl.int64) * svb + hk.to(gl.int64) * svh
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-        offs_c = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, blk_c))
-        keys_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk_c))
         keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
         for i in range(gl.cdiv(hi - lo, BLOCK_N)):
             t0 = lo + i * BLOCK_N
-            kn = _k_tile(k_base, t0, keys_c, offs_c, skn, NK, CH)
+            kn = gl.load(k_base + (t0 + keys_b)[:, None] * skn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
+                         other=0.0)
             s = i % K_STAGES
             mbarrier.wait(k_empty.index(s), ((i // K_STAGES) & 1) ^ 1)     # a slot starts empty: phase 1 passes
-            _put_tile(kh_s, kl_s, s * CH, kn, CH)
+            k_s.index(s).slice(0, BLOCK_N, dim=0).store(kn)
+            k_s.index(s).slice(BLOCK_N, BLOCK_N, dim=0).store(_lo(kn))
             _released(k_ready.index(s))
             vn = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
                          other=0.0)
@@ -161,19 +125,20 @@ if HAS_GLUON:
             _released(v_ready.index(sv))
 
     @gluon.jit
-    def _consumer(Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+    def _consumer(Q, Sbuf, Out, Lse, qh_s, ql_s, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
                   sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0, lo, hi,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                   FINAL: gl.constexpr, STORE_LSE: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup WG: query rows r0 + WG * 64 + [0, 64) of the CTA's BLOCK_M against every tile of the
         rings, then their summaries (or, FINAL, their output and lse)."""
         ROWS: gl.constexpr = 64
-        CH: gl.constexpr = HEAD_DIM // _CHUNK
-        K_STAGES: gl.constexpr = kh_s.shape[0] // CH
+        K_STAGES: gl.constexpr = k_s.shape[0]
         V_STAGES: gl.constexpr = vh_s.shape[0]
-        blk_c: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (_CHUNK // 4), _CHUNK // 4], [4, 1], [1, 0])
+        blk_q: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [1, 0])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 8])
+        w_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 2 * BLOCK_N, 8])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HEAD_DIM, 8])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=1)
@@ -182,14 +147,12 @@ if HAS_GLUON:
         qk_scale = qk_scale.to(gl.float32)
         rw = r0 + WG * ROWS                               # this warpgroup's first row
         q_base = Q + b.to(gl.int64) * sqb + h.to(gl.int64) * sqh
-        offs_c = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, blk_c))
-        rows_c = rw + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk_c))
-        for c in gl.static_range(CH):
-            # rows >= NQ load Q = 0: their summaries are finite and never written out
-            qc = gl.load(q_base + rows_c[:, None] * sqn + c * _CHUNK + offs_c[None, :],
-                         mask=(rows_c < NQ)[:, None], other=0.0) * qk_scale
-            qh_s.index(WG * CH + c).store(qc)
-            ql_s.index(WG * CH + c).store(_lo(qc))
+        offs_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk_q))
+        rows_q = rw + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk_q))
+        # rows >= NQ load Q = 0: their summaries are finite and never written out
+        q = gl.load(q_base + rows_q[:, None] * sqn + offs_q[None, :], mask=(rows_q < NQ)[:, None], other=0.0) * qk_scale
+        qh_s.index(WG).store(q)
+        ql_s.index(WG).store(_lo(q))
         fence_async_shared()
         gl.thread_barrier()                               # every thread's Q stored before the warpgroup's wgmmas
         rows = rw + gl.arange(0, ROWS, layout=row_s)
@@ -200,22 +163,18 @@ if HAS_GLUON:
         for i in range(gl.cdiv(hi - lo, BLOCK_N)):
             t0 = lo + i * BLOCK_N
             zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_l)
+            zero_w = gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, w_l)
             s = i % K_STAGES
-            kb = s * CH
             mbarrier.wait(k_ready.index(s), (i // K_STAGES) & 1)
-            # every chunk's products in flight at once, each into its own accumulator
-            s0 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 0, kb + 0, zero_s)
-            s1 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 1, kb + 1, zero_s)
-            if CH == 4:
-                s2 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 2, kb + 2, zero_s)
-                s3 = _scores_issue(qh_s, ql_s, kh_s, kl_s, WG * CH + 3, kb + 3, zero_s)
-                s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=[s0, s1, s2, s3])
-                mbarrier.arrive(k_empty.index(s), count=1)
-                x = (s0 + s1) + (s2 + s3)
-            else:
-                s0, s1 = warpgroup_mma_wait(0, deps=[s0, s1])
-                mbarrier.arrive(k_empty.index(s), count=1)
-                x = s0 + s1
+            # Qh [Kh; Kl]^T: both products in one wgmma a K step, Q's operand read once; Ql Kh^T on the raw rows
+            qk2 = warpgroup_mma(qh_s.index(WG), k_s.index(s).permute((1, 0)), zero_w, use_acc=False, is_async=True)
+            qlk = warpgroup_mma(ql_s.index(WG), k_s.index(s).slice(0, BLOCK_N, dim=0).permute((1, 0)), zero_s,
+                                use_acc=False, is_async=True)
+            qk2, qlk = warpgroup_mma_wait(0, deps=[qk2, qlk])
+            mbarrier.arrive(k_empty.index(s), count=1)
+            # qk2's two column halves (Qh Kh^T, Qh Kl^T) lie in each thread's registers: split without data movement
+            qhk, qhkl = gl.split(gl.permute(gl.reshape(qk2, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
+            x = (gl.convert_layout(qhk, s_l) + gl.convert_layout(qhkl, s_l)) + qlk
             cols = t0 + cols0
             if t0 + BLOCK_N > NK:
                 x = gl.where((cols < NK)[None, :], x, float("-inf"))
@@ -282,11 +241,9 @@ if HAS_GLUON:
         and two consumer warpgroups of 64 rows (_producer, _consumer)."""
         gl.static_assert(BLOCK_D == HEAD_DIM)
         gl.static_assert(BLOCK_M == 128)
-        CH: gl.constexpr = HEAD_DIM // _CHUNK                 # S's products by D-chunks (CHUNK's comment)
-        gl.static_assert(CH == 2 or CH == 4)
         V_ST: gl.constexpr = _V_STAGES_128 if HEAD_DIM == 128 else _V_STAGES_64
-        q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, _CHUNK], gl.float32)
-        k_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, _CHUNK], gl.float32)
+        q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], gl.float32)
+        k_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, HEAD_DIM], gl.float32)
         v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float32, transposed=True)
         qb = gl.program_id(0)
         if CAUSAL:
@@ -296,10 +253,9 @@ if HAS_GLUON:
         bh = gl.program_id(1)
         part = gl.program_id(2)
         b, h, hk, off, r0, lo, hi = phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M, CAUSAL)
-        qh_s = gl.allocate_shared_memory(gl.float32, [2 * CH, 64, _CHUNK], q_l)      # consumer w: slots w * CH + c
-        ql_s = gl.allocate_shared_memory(gl.float32, [2 * CH, 64, _CHUNK], q_l)
-        kh_s = gl.allocate_shared_memory(gl.float32, [_K_STAGES * CH, BLOCK_N, _CHUNK], k_l)
-        kl_s = gl.allocate_shared_memory(gl.float32, [_K_STAGES * CH, BLOCK_N, _CHUNK], k_l)
+        qh_s = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM], q_l)
+        ql_s = gl.allocate_shared_memory(gl.float32, [2, 64, HEAD_DIM], q_l)
+        k_s = gl.allocate_shared_memory(gl.float32, [_K_STAGES, 2 * BLOCK_N, HEAD_DIM], k_l)    # raw rows, lo rows
         vh_s = gl.allocate_shared_memory(gl.float32, [V_ST, BLOCK_N, HEAD_DIM], v_l)
         vl_s = gl.allocate_shared_memory(gl.float32, [V_ST, BLOCK_N, HEAD_DIM], v_l)
         k_ready = gl.allocate_shared_memory(gl.int64, [_K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -316,12 +272,12 @@ if HAS_GLUON:
         WG0: gl.constexpr = 0       # the warpgroups' indices as constexprs (a literal reaches _consumer as a value)
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
                          sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0,
                          lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, FINAL, STORE_LSE, WG0)),
-            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
+            (_consumer, (Q, Sbuf, Out, Lse, qh_s, ql_s, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
                          sqb, sqh, sqn, sob, soh, son, NQ, NK, QB, BH, NROWS, qk_scale, b, h, bh, qb, part, off, r0,
                          lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, FINAL, STORE_LSE, WG1)),
-            (_producer, (K, V, kh_s, kl_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh,
+            (_producer, (K, V, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh,
                          svn, b, hk, NK, lo, hi, HEAD_DIM, BLOCK_N)),
         ], [4, 4], [_CONSUMER_REGS, _PRODUCER_REGS])
