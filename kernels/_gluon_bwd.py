@@ -338,14 +338,13 @@ class Launch:
     the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps (q, k, v, dO, the fp32 dQ) are re-encoded at each
     call's tensors (kernels/_launch.py); then dQ cast to the inputs' dtype."""
 
-    __slots__ = ("prologue", "kernel", "empty", "stats_shape")
+    __slots__ = ("prologue", "kernel", "empty")
 
     def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles):
         b, hq, n_q, d = q.shape
         hkv, n_k = k.shape[1], k.shape[2]
         block_m, block_n, stages, dq_cols = tiles
         self.empty = q.numel() == 0 or n_k == 0
-        self.stats_shape = (b, hq, n_q)
         # the call's tensors: dO, O, Delta, the fp32 dQ
         self.prologue = Prepared(_prologue, (triton.cdiv(n_q, PROLOGUE_ROWS), b * hq), (hq, n_q, *o_strides),
                                  dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
@@ -361,7 +360,7 @@ class Launch:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         if self.empty:
             return torch.zeros_like(q), dk.zero_(), dv.zero_()
-        delta = q.new_empty(self.stats_shape, dtype=torch.float32)
+        delta = q.new_empty(q.shape[:3], dtype=torch.float32)
         dq32 = q.new_empty(q.shape, dtype=torch.float32)
         with on_device(q):
             self.prologue(grad_out, out, delta, dq32)
