@@ -8,7 +8,10 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   and the tensor core reads a float32 operand as tf32 by dropping its low 13 bits, so a raw tile is its own hi
   part (measured: the same products as an explicit x & ~0x1fff, results/dev/elsa/fp32_on_wgmma_h200.json); only
   lo = x - hi is computed and stored beside it. V's tiles are stored keys-contiguous (tf32 wgmma takes its B
-  operand K-major only), P's hi and lo come from registers.
+  operand K-major only), P's hi and lo come from registers. V's rows are stored in the order of P's columns as
+  the S accumulator leaves them in a thread's registers (_pv_order), so P is the A operand as it lies; the plain
+  conversion to the operand's layout took ~100 shuffles and selects a tile (0.97-0.98x the time at D = 128,
+  0.88-0.94x at D = 64: results/dev/elsa/fp32_pv_order_h200.json).
 - S = Qh Kh^T + Qh Kl^T + Ql Kh^T and P V the same way (lo x lo is below float32's rounding). K's raw rows and
   its lo rows lie in one buffer, so the first two are one wgmma a K step, Qh [Kh; Kl]^T (N = 2 x BLOCK_N: Q's
   operand read from shared memory once for both), and Ql Kh^T another on the raw rows; P V is three.
@@ -29,6 +32,10 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   NOTES.md). Moved to a producer, 0.85-0.88x that kernel's time at D = 64 and 0.96-0.98x at D = 128
   (results/dev/elsa/fp32_producer_warpgroup_h200.json); FA3's ping-pong of the consumers' GEMMs on top lost 6-7 %
   at D = 128, K in one buffer and V in two 1-3 %.
+  The consumers index Q's and V's buffers by a zero the compiler cannot fold (_zero_of), so the wgmmas' shared-
+  memory descriptors are rebuilt every tile instead of hoisted out of the loop, where at D = 128 they overflowed
+  the consumers' registers (30 spilled, ~10 local loads a tile in front of the wgmmas; Nsight Compute had those
+  loads as the consumers' top stall): 0.93-0.94x the time at D = 128, nothing spills in the consumers.
   With Q's hi and lo resident a CTA holds a SM alone (shared memory and registers), so ELSA's plan fits its q-chunks
   to whole waves of one program a SM (config._partitions' one_cta_per_sm).
 
@@ -44,17 +51,18 @@ from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 from .kernel import phase1_block
 
 # what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). CUDA-graph time over efficient's at B = 1,
-# H = 8 (results/dev/elsa/fp32_producer_warpgroup_h200.json): D = 128 0.87 / 0.83 at 4K / 16K, causal 16K 0.97; D = 64
-# 0.43 / 0.43 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
+# H = 8 (results/dev/elsa/fp32_pv_order_h200.json): D = 128 0.80 / 0.76 at 4K / 16K, causal 16K 0.88; D = 64
+# 0.38 / 0.41 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows
 NUM_WARPS = 4               # the launch's: the default partition (consumer 0); consumer 1 and the producer are workers
 K_STAGES = 2                # K's ring: the next tile stored while this one's S products run
 V_STAGES = {64: 2, 128: 1}  # V's: one at D = 128 (224 KB of shared memory with Q's hi and lo and K's two buffers)
-# (consumer, producer) registers a thread, 2 x 128 x 216 + 128 x 80 = 65,536: at D = 128 the consumers spill a few
-# loop-invariant values and the producer a few addresses (120 bytes of stack, 30 registers; 160 bytes as the single
-# partition); with S by D-chunks it ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of
-# (208, 96) (the file above); at D = 64 nothing spills
+# (consumer 1, producer) registers a thread; consumer 0, the default partition, gets what the launch's 168 x 384 leave,
+# 208. At D = 128 only the producer spills: 8 values it reads once before its loop (32 bytes of stack); at D = 64
+# nothing spills. (216, 72), both consumers at 216, ran within 1 % of this (fp32_pv_order_h200.json); with S by
+# D-chunks this split ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of (208, 96)
+# (fp32_producer_warpgroup_h200.json)
 REGS = (216, 80)
 # BLOCK_N per head dim: Q's hi and lo, K's and V's rings with their lo parts, in shared memory (<= 227 KB: 224 at
 # D = 128)
@@ -88,6 +96,24 @@ if HAS_GLUON:
         return x - (x.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _pv_order(x):
+        """x [R, N] with its columns (keys) reordered in each 8 as 0 2 4 6 1 3 5 7, in registers only (a reshape
+        and a permute move nothing). A thread's accumulator registers hold S's columns 2t and 2t + 1 of every 8,
+        the tf32 A operand's its columns t and t + 4: P in this order is the A operand as it lies, where the plain
+        conversion took ~100 shuffles and selects a tile; V's rows are stored in the same order."""
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(x, [R, N // 8, 4, 2]), (0, 1, 3, 2)), [R, N])
+
+    @gluon.jit
+    def _zero_of(i):
+        """0 for any tile index i (< 2^30), as a value the compiler cannot prove constant. Added to the index of a
+        shared-memory buffer the loop reads every tile, it keeps LLVM from hoisting the wgmmas' descriptors of that
+        buffer (one a K step) out of the loop: hoisted, at D = 128 they overflowed the consumers' registers, and
+        ~10 local loads a tile stood in front of the wgmmas; rebuilt each tile, they are a few uniform adds."""
+        return i >> 30
+
+    @gluon.jit
     def _released(bar):
         """This partition's shared-memory stores made visible to the tensor cores' reads, then bar's arrive."""
         fence_async_shared()
@@ -118,6 +144,7 @@ if HAS_GLUON:
             _released(k_ready.index(s))
             vn = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
                          other=0.0)
+            vn = gl.permute(_pv_order(gl.permute(vn, (1, 0))), (1, 0))        # V's rows (keys) in _pv_order
             sv = i % V_STAGES
             mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
             vh_s.index(sv).store(vn)
@@ -165,10 +192,11 @@ if HAS_GLUON:
             zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_l)
             zero_w = gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, w_l)
             s = i % K_STAGES
+            wq = WG + _zero_of(i)                          # Q's buffers, their descriptors not hoisted (_zero_of)
             mbarrier.wait(k_ready.index(s), (i // K_STAGES) & 1)
             # Qh [Kh; Kl]^T: both products in one wgmma a K step, Q's operand read once; Ql Kh^T on the raw rows
-            qk2 = warpgroup_mma(qh_s.index(WG), k_s.index(s).permute((1, 0)), zero_w, use_acc=False, is_async=True)
-            qlk = warpgroup_mma(ql_s.index(WG), k_s.index(s).slice(0, BLOCK_N, dim=0).permute((1, 0)), zero_s,
+            qk2 = warpgroup_mma(qh_s.index(wq), k_s.index(s).permute((1, 0)), zero_w, use_acc=False, is_async=True)
+            qlk = warpgroup_mma(ql_s.index(wq), k_s.index(s).slice(0, BLOCK_N, dim=0).permute((1, 0)), zero_s,
                                 use_acc=False, is_async=True)
             qk2, qlk = warpgroup_mma_wait(0, deps=[qk2, qlk])
             mbarrier.arrive(k_empty.index(s), count=1)
@@ -187,9 +215,10 @@ if HAS_GLUON:
             p = gl.exp2(x - m_ref[:, None])               # masked keys: 0
             z_i = z_i * alpha + gl.sum(p, 1)
             m_i = m_new
+            p = _pv_order(p)                              # V's row order: the conversions below move nothing
             p_lo = gl.convert_layout(_lo(p), p_l)
             p_hi = gl.convert_layout(p, p_l)
-            sv = i % V_STAGES
+            sv = i % V_STAGES + _zero_of(i)               # (one stage at D = 128: the same)
             mbarrier.wait(v_ready.index(sv), (i // V_STAGES) & 1)
             zero_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_l)
             pv = warpgroup_mma(p_hi, vh_s.index(sv), zero_o, use_acc=False, is_async=True)
