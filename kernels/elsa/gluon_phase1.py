@@ -218,7 +218,7 @@ if HAS_GLUON:
             p = _pv_order(p)                              # V's row order: the conversions below move nothing
             p_lo = gl.convert_layout(_lo(p), p_l)
             p_hi = gl.convert_layout(p, p_l)
-            sv = i % V_STAGES + _zero_of(i)               # (one stage at D = 128: the same)
+            sv = i % V_STAGES + _zero_of(i)               # V's buffers, their descriptors not hoisted
             mbarrier.wait(v_ready.index(sv), (i // V_STAGES) & 1)
             zero_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_l)
             pv = warpgroup_mma(p_hi, vh_s.index(sv), zero_o, use_acc=False, is_async=True)
