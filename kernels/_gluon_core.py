@@ -174,6 +174,14 @@ if HAS_GLUON:
     PASA_FP16_STATE = gl.constexpr(PASA_STATES["fp16"])
 
     @gluon.jit
+    def released(bar):
+        """A partition's shared-memory stores made visible to the tensor cores' reads, then one arrive on bar for
+        the whole partition: how ELSA's float32 phase 1 and the Gluon backward hand over a buffer they wrote."""
+        fence_async_shared()
+        gl.thread_barrier()                  # every thread's stores before the one arrive (the partition's warps)
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
     def _rounds(n_items, CAUSAL: gl.constexpr):
         """A persistent program's item count: items go out in rounds of one per program (_work), and the last
         round is partial; causal rounds alternate their direction, so who gets one of the last round does too."""

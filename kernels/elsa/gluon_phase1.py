@@ -84,6 +84,8 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from .._gluon_core import released
+
     _K_STAGES = gl.constexpr(K_STAGES)      # (a Gluon kernel reads globals only as constexprs)
     _V_STAGES_64 = gl.constexpr(V_STAGES[64])
     _V_STAGES_128 = gl.constexpr(V_STAGES[128])
@@ -114,13 +116,6 @@ if HAS_GLUON:
         return i >> 30
 
     @gluon.jit
-    def _released(bar):
-        """This partition's shared-memory stores made visible to the tensor cores' reads, then bar's arrive."""
-        fence_async_shared()
-        gl.thread_barrier()                  # every thread's stores before the one arrive (the partition's warps)
-        mbarrier.arrive(bar, count=1)
-
-    @gluon.jit
     def _producer(K, V, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh, svn,
                   b, hk, NK, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
         """The producer warpgroup: every K tile of [lo, hi) into K's ring, its raw rows then its lo rows in one
@@ -141,7 +136,7 @@ if HAS_GLUON:
             mbarrier.wait(k_empty.index(s), ((i // K_STAGES) & 1) ^ 1)     # a slot starts empty: phase 1 passes
             k_s.index(s).slice(0, BLOCK_N, dim=0).store(kn)
             k_s.index(s).slice(BLOCK_N, BLOCK_N, dim=0).store(_lo(kn))
-            _released(k_ready.index(s))
+            released(k_ready.index(s))
             vn = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
                          other=0.0)
             vn = gl.permute(_pv_order(gl.permute(vn, (1, 0))), (1, 0))        # V's rows (keys) in _pv_order
@@ -149,7 +144,7 @@ if HAS_GLUON:
             mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
             vh_s.index(sv).store(vn)
             vl_s.index(sv).store(_lo(vn))
-            _released(v_ready.index(sv))
+            released(v_ready.index(sv))
 
     @gluon.jit
     def _consumer(Q, Sbuf, Out, Lse, qh_s, ql_s, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty,
