@@ -98,6 +98,11 @@ if HAS_GLUON:
         return x - (x.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _rows(base, rows, cols, row_stride, n_rows):
+        """The [rows, cols] block at base (columns contiguous), rows >= n_rows read as 0."""
+        return gl.load(base + rows[:, None] * row_stride + cols[None, :], mask=(rows < n_rows)[:, None], other=0.0)
+
+    @gluon.jit
     def _pv_order(x):
         """x [R, N] with its columns (keys) reordered in each 8 as 0 2 4 6 1 3 5 7, in registers only (a reshape
         and a permute move nothing). A thread's accumulator registers hold S's columns 2t and 2t + 1 of every 8,
@@ -130,15 +135,13 @@ if HAS_GLUON:
         keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
         for i in range(gl.cdiv(hi - lo, BLOCK_N)):
             t0 = lo + i * BLOCK_N
-            kn = gl.load(k_base + (t0 + keys_b)[:, None] * skn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
-                         other=0.0)
+            kn = _rows(k_base, t0 + keys_b, offs_d, skn, NK)
             s = i % K_STAGES
             mbarrier.wait(k_empty.index(s), ((i // K_STAGES) & 1) ^ 1)     # a slot starts empty: phase 1 passes
             k_s.index(s).slice(0, BLOCK_N, dim=0).store(kn)
             k_s.index(s).slice(BLOCK_N, BLOCK_N, dim=0).store(_lo(kn))
             released(k_ready.index(s))
-            vn = gl.load(v_base + (t0 + keys_b)[:, None] * svn + offs_d[None, :], mask=(t0 + keys_b < NK)[:, None],
-                         other=0.0)
+            vn = _rows(v_base, t0 + keys_b, offs_d, svn, NK)
             vn = gl.permute(_pv_order(gl.permute(vn, (1, 0))), (1, 0))        # V's rows (keys) in _pv_order
             sv = i % V_STAGES
             mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
@@ -172,7 +175,7 @@ if HAS_GLUON:
         offs_q = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk_q))
         rows_q = rw + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk_q))
         # rows >= NQ load Q = 0: their summaries are finite and never written out
-        q = gl.load(q_base + rows_q[:, None] * sqn + offs_q[None, :], mask=(rows_q < NQ)[:, None], other=0.0) * qk_scale
+        q = _rows(q_base, rows_q, offs_q, sqn, NQ) * qk_scale
         qh_s.index(WG).store(q)
         ql_s.index(WG).store(_lo(q))
         fence_async_shared()
