@@ -8,7 +8,7 @@ line says so (PASA's fused loop with the fp16 state is one: its roundings throug
 core's PASA step had them before kernels/_gluon_core.py's _round16).
 
     python3 scripts/compile_check.py --kernel elsa|cron_root|pasa|cqsa|flash_core|gluon_core|all [--json OUT] [--tiles]
-        [--ws-only] [--sass] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
+        [--ws-only] [--sass] [--inductor-writes] [--dtypes fp16,bf16,fp32] [--dims 64,128] [--target cuda:90:32]
 
 By default it compiles the tiles each kernel ships (what a launch on an H100 uses). ``--tiles`` compiles the
 candidate tiles instead, as a filter before a tuning sweep: ELSA's grid of (BLOCK_M, BLOCK_N) in 32/64/128 ×
@@ -22,6 +22,10 @@ Method: Triton's ahead-of-time path (ASTSource + triton.compile for an explicit 
 specialised as a launch on contiguous [B, H, N, D] tensors specialises them (pointers and strides divisible
 by 16, lengths and counts plain i32), and the cuobjdump shipped with Triton for the resource usage.
 
+``--inductor-writes`` compiles nothing: for the kernels torch.compile's graphs launch themselves (ELSA's Triton
+kernels, handed to inductor by kernels/_ops.py's decompose_when_traced) it prints what torch's analysis of their
+TTIR counts as written, and fails (exit 1) where that includes a tensor the kernel only reads (inductor_writes).
+
 Warp-specialized kernels (their TTGIR has ttg.warp_specialize) are also audited for the row double-offset hazard
 (kernels/_flash_core.py, row_index): a tt.splat of a value that a descriptor load/store of the same partition uses
 as its row coordinate. Each one is a failure (exit 1): the second consumer warpgroup would read or write rows 64
@@ -30,6 +34,7 @@ past its own. ``--ws-only`` compiles only the warp-specialized variants (quick: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -126,6 +131,56 @@ def ws_row_hazards(ttgir: str) -> list[str]:
         splats.update(_SPLAT.findall(line))
     close()
     return hazards
+
+
+# The tensors a kernel handed to inductor only reads: its caller's inputs (and the backward's saved forward output and
+# lse). ELSA's Triton kernels are handed over (kernels/_ops.py, decompose_when_traced: torch.library.wrap_triton);
+# where torch's analysis counts one of these as written, AOTAutograd copies into it, and a leaf that requires grad
+# fails the compile.
+READ_ONLY = {"Q", "K", "V", "Bias", "dOut"}
+READ_ONLY_BACKWARD = {"Out", "Lse"}
+TRACED_KERNELS = {"elsa"}
+
+
+def read_only(job: Job) -> set:
+    """The arguments of this job's kernel that must not count as written (READ_ONLY)."""
+    return READ_ONLY | (READ_ONLY_BACKWARD if job.name in ("dq", "dkdv") or job.name.startswith("bwd_") else set())
+
+
+def inductor_writes(job: Job, target: GPUTarget) -> set:
+    """The tensor arguments torch's analysis of a Triton kernel handed to inductor counts as written, for this job
+    with pointer loads (the traced launches take no descriptors; kernels/_launch.py, Prepared.traced). The analysis
+    reads the kernel's TTIR; a value that a called @triton.jit function returns and that builds a store's address
+    makes it count every tensor passed to that function as written, so such a helper must take the indices it
+    would return (kernels/elsa/kernel.py, _key_tile). No GPU needed: the TTIR is made for `target`."""
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    kwargs = {}
+    for name, param in zip(job.fn.arg_names, job.fn.params):
+        if name in job.constexprs:
+            kwargs[name] = job.constexprs[name]
+        elif param.is_constexpr:
+            kwargs[name] = param.default
+        elif name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
+            dtype = torch.float32 if name in job.fp32_ptrs else torch.int32 if name in job.i32_ptrs else \
+                TORCH_DTYPES[job.dtype]
+            kwargs[name] = torch.empty(64, dtype=dtype)
+        else:
+            kwargs[name] = 0.5 if name in job.floats else 64
+    for flag in ("USE_DESC", "WARP_SPECIALIZE"):
+        if flag in kwargs:
+            kwargs[flag] = False
+
+    class _Target:       # the analysis asks the active driver for its target: this one, GPU or not (this
+        def get_current_target(self):              # script launches nothing, so the driver is not restored)
+            return target
+
+    triton.runtime.driver.set_active(_Target())
+    if hasattr(tkw, "identify_accessed_tensors"):     # torch >= 2.12
+        written = {dep.name for dep in tkw.identify_accessed_tensors(job.fn, kwargs, {}).read_writes.writes}
+    else:
+        written = set(tkw.identify_mutated_tensors(job.fn, kwargs, {}))
+    return {name for name in written if isinstance(kwargs.get(name), torch.Tensor)}
 
 
 def compile_job(job: Job, target: GPUTarget) -> dict:
@@ -482,6 +537,38 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
+ASKED = dict(HAS_BIAS=True, BIAS_GRAD=True, CAUSAL=True)
+
+
+def check_inductor_writes(kernel: str, dtypes, dims, target: GPUTarget) -> int:
+    """--inductor-writes: each shipped Triton kernel of the packages handed to inductor, once per job (Gluon
+    kernels are never handed over): the tensors torch's analysis counts as written; 1 if any is read-only."""
+    failures, seen = 0, set()
+    for name in sorted(TRACED_KERNELS if kernel == "all" else {kernel} & TRACED_KERNELS):
+        jobs = KERNELS[name](dtypes, dims, False)
+        # and each kernel that takes a bias causal with the bias and its gradient, which the shipped jobs leave out
+        jobs += [dataclasses.replace(job, constexprs={**job.constexprs, **ASKED},
+                                     label={**job.label, "bias": True, "causal": True})
+                 for job in jobs if not job.gluon and "HAS_BIAS" in job.fn.arg_names and
+                 not job.constexprs.get("HAS_BIAS")]
+        for job in jobs:
+            what = f"{job.kernel} {job.name} {job.dtype} " + " ".join(f"{k}={v}" for k, v in job.label.items()
+                                                                        if k != "ws")
+            if job.gluon or what in seen:
+                continue
+            seen.add(what)
+            written = inductor_writes(job, target)
+            wrong = sorted(written & read_only(job))
+            failures += bool(wrong)
+            print(f"{what}: writes {', '.join(sorted(written)) or 'nothing'}"
+                  + (f" (and reads only {', '.join(wrong)}: a compiled graph would copy into them)" if wrong else ""),
+                  flush=True)
+    if kernel != "all" and kernel not in TRACED_KERNELS:
+        print(f"{kernel}: its kernels are launched directly, not handed to inductor: nothing to check", flush=True)
+    print(f"{len(seen)} kernels analysed: {failures} write a tensor they only read", flush=True)
+    return 1 if failures else 0
+
+
 KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "cqsa": cqsa_jobs,
            "flash_core": flash_core_jobs, "gluon_core": gluon_core_jobs}
 
@@ -498,6 +585,9 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true",
                    help="print each job's SASS digest too (in --json always): equal on two trees = the same code")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--inductor-writes", action="store_true",
+                   help="compile nothing: what torch's analysis counts as written by each kernel handed to inductor "
+                        "(ELSA's Triton kernels); exit 1 where that includes a tensor the kernel only reads")
     a = p.parse_args(argv)
     dtypes = [x for x in a.dtypes.split(",") if x]
     dims = [int(x) for x in a.dims.split(",") if x]
@@ -506,6 +596,8 @@ def main(argv=None) -> int:
         p.error(f"--dtypes {bad[0]!r}: allowed {', '.join(TORCH_DTYPES)}")
     backend, arch, warp = a.target.split(":")
     target = GPUTarget(backend, int(arch), int(warp))
+    if a.inductor_writes:
+        return check_inductor_writes(a.kernel, dtypes, dims, target)
     rows, failures = [], 0
     for kernel in (KERNELS if a.kernel == "all" else [a.kernel]):
         jobs = KERNELS[kernel](dtypes, dims, a.tiles)

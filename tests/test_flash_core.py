@@ -339,7 +339,8 @@ def test_gpu_float32_tf32x3(d, causal):
 def test_gpu_kernels_read_short_rows_through_pointers():
     """ELSA's and CQSA's plans take descriptors from their measured lengths on (host.DESC_MIN_ROWS,
     attention.DESC_MIN_KEYS), pointers below, and compute the same either way. The plan checked is the one the
-    public call made (looked up by its own key afterwards: no new plan appears)."""
+    public call made (looked up by its own key afterwards: no new plan appears). CQSA's calls override a tile, which
+    keeps its Triton kernel: from the Gluon core's MIN_WORK its walk runs instead (no descriptor choice to make)."""
     from kernels.cqsa import attention as cqsa
     from kernels.cqsa import cqsa_attention
     from kernels.elsa import elsa_attention, host as elsa
@@ -354,11 +355,12 @@ def test_gpu_kernels_read_short_rows_through_pointers():
         assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
     for n, on in ((cqsa.DESC_MIN_KEYS // 2, False), (cqsa.DESC_MIN_KEYS, True)):
         q, k, v = _inputs(1, 1, 1, n, n, 64, torch.float16, torch.device("cuda"))
-        out = cqsa_attention(q, k, v, scale=0.125)
+        config = {"fwd": {"BLOCK_M": 64 if cqsa.resolve_tiles(64, torch.float16, "cuda")[0] != 64 else 128}}
+        out = cqsa_attention(q, k, v, scale=0.125, config=config)
         made = len(cqsa._fwd_plans)
-        tiles = cqsa.resolve_tiles(64, torch.float16, "cuda")
+        tiles = cqsa.resolve_tiles(64, torch.float16, "cuda", config)
         plan = cqsa.forward_plan(q, k, v, False, 0.125, 7, 1, "tf32", tiles)           # 16-bit dots: "tf32"
-        assert len(cqsa._fwd_plans) == made and plan.use_desc is on, n
+        assert len(cqsa._fwd_plans) == made and plan.walk is None and plan.use_desc is on, n
         assert _rel_rms(out, reference_attention(q, k, v, scale=0.125)) <= TOL[torch.float16]
 
 

@@ -271,6 +271,73 @@ def test_sass_digest_names_the_code(tmp_path):
     assert first == again and first[0] != first[1]
 
 
+_STORE_INDEX_KERNELS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows_and_values(X, n, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return rows, tl.load(X + rows, mask=rows < n)
+
+
+@triton.jit
+def _values(X, rows, n):
+    return tl.load(X + rows, mask=rows < n)
+
+
+@triton.jit
+def copy(X, Y, n, BLOCK: tl.constexpr, RETURNED: tl.constexpr):
+    if RETURNED:            # Y's store address built from a helper's result
+        rows, x = _rows_and_values(X, n, BLOCK)
+    else:                   # the helper takes the rows
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = _values(X, rows, n)
+    tl.store(Y + rows, x, mask=rows < n)
+'''
+
+_WRITES = '''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from scripts.compile_check import Job, inductor_writes, GPUTarget
+import store_index_kernels as sk
+for returned in (True, False):
+    job = Job("t", "copy", sk.copy, "fp32", dict(BLOCK=64, RETURNED=returned), 4, 1, {"X", "Y"})
+    print(returned, ",".join(sorted(inductor_writes(job, GPUTarget("cuda", 90, 32)))))
+'''
+
+
+def test_inductor_writes_counts_an_address_from_a_helper(tmp_path):
+    """compile_check's inductor_writes (no GPU needed) is what torch's analysis of a kernel handed to inductor
+    says it writes: a kernel that stores Y at rows a helper returned counts X, which the helper read, as written
+    too; the same kernel with the rows passed to the helper writes Y only."""
+    (tmp_path / "store_index_kernels.py").write_text(_STORE_INDEX_KERNELS)
+    proc = subprocess.run([sys.executable, "-c", _WRITES, str(REPO), str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=_no_interpreter_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "X,Y", "False", "Y"], proc.stdout
+
+
+def test_elsa_kernels_handed_to_inductor_write_only_their_outputs():
+    """scripts/compile_check.py --inductor-writes: ELSA's Triton kernels, which torch.compile's graphs launch
+    themselves (kernels/_ops.py, decompose_when_traced), write only their outputs in torch's analysis, with and
+    without a bias and its gradient; a kernel seen writing Q, K, V, the bias, dO or (backward) O and the lse made
+    compiled training steps fail (AOTAutograd copied into a leaf that requires grad)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/compile_check.py"), "--kernel", "elsa",
+                           "--inductor-writes", "--dims", "32,64,128", "--dtypes", "fp16,fp32"], capture_output=True,
+                          text=True, timeout=600, env=_no_interpreter_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " 0 write a tensor they only read" in proc.stdout
+    lines = proc.stdout.splitlines()
+    for head, writes in (("elsa phase1 fp16 D=64 ", "writes Out, Sbuf"),
+                         ("elsa dq fp32 D=128 ", "writes Delta, dQ, dS"),
+                         ("elsa bwd_one_launch_short fp16 D=32 ", "writes dK, dQ, dS, dV"),
+                         ("elsa phase1_window fp16 D=32 ", "writes Lse, Out")):
+        assert any(row.startswith(head) and row.endswith(writes) for row in lines), (head, proc.stdout[-3000:])
+
+
 def test_short_call_tiles_compile_without_spills():
     """ELSA's short calls' tiles (config.SHORT_ONE_LAUNCH_BWD with Swin's bias gradient, config.WINDOW_FWD_TILES),
     compiled for sm_90 by the installed triton: they compile and spill nothing."""

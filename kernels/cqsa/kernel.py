@@ -76,18 +76,6 @@ def _read_range(RANGES, idx, causal_off, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _item(ITEMS, n_waves):
-    """Program axis 0's item of the joined waves (ITEMS [I, n_waves, 5], schedule.join_waves: the same rows in
-    each wave): its records, its rows [rs, re) and their shift (output row = input row - shift: global ->
-    task-local)."""
-    it = ITEMS + tl.program_id(0) * (n_waves * 5)
-    rs = tl.load(it)
-    re = tl.load(it + 1)
-    shift = tl.load(it + 4)
-    return it, rs, re, shift
-
-
-@triton.jit
 def _log2_lse(lse):
     """Natural-log lse -> log2 units; -inf (a row without a key) -> +inf, so exp2(s - lse2) is 0."""
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -107,11 +95,15 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     so that the range end bounds the rows a tile reads (zero past it, masked by fold_keys like the pointer path).
     ITEMS [I, n_waves, 5]: a program folds the column ranges of its row block's item in each of the n_waves
     joined waves (schedule.join_waves: the same rows in each) in turn, in registers."""
-    it, rs, re, shift = _item(ITEMS, n_waves)
+    item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_m = rs + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < re
@@ -206,18 +198,6 @@ def _dq_tile(dq, q, do, lse2, delta, K, V, kbase, vbase, skn, svn, start, hi, of
     return dq
 
 
-@triton.jit
-def _carry(x, WS, OUT, obase, orow, offs_d, row_ok, first, last, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A gradient tile across the joined waves: x plus what the earlier waves left in the fp32 workspace WS
-    (unless first), stored to OUT on the last wave, else back to WS for the next."""
-    if first == 0:
-        x += _load_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-    if last != 0:
-        _store_tile(OUT, obase, orow, HEAD_DIM, offs_d, row_ok, x, HEAD_DIM, BLOCK_D)
-    else:
-        _store_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, x, HEAD_DIM, BLOCK_D)
-
-
 @triton.jit(do_not_specialize=["first", "last", "off_delta", "causal_off"])
 def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
@@ -228,11 +208,15 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     written at output rows (DQ [B,H,N_OUT,HEAD_DIM] contiguous). WS: fp32 workspace with the dQ accumulator
     [B,H,N_OUT,HEAD_DIM] at 0 and δ at off_delta; DELTA_FROM_O: the first wave computes δ and stores it.
     ITEMS [I, n_waves, 5]: joined waves, as in the forward."""
-    it, rs, re, shift = _item(ITEMS, n_waves)
+    item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_m = rs + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < re
@@ -275,7 +259,12 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     dq = dq * sm_scale
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
-    _carry(dq, WS, DQ, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
+    if first == 0:
+        dq += _load_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
+    if last != 0:
+        _store_tile(DQ, obase, orow, HEAD_DIM, offs_d, row_ok, dq, HEAD_DIM, BLOCK_D)
+    else:
+        _store_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, dq, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -332,10 +321,14 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
     summed here. LSE and δ (at WS + off_delta) are [B,Hq,N_ROWS]; DK, DV [B,HKV,N_OUT,HEAD_DIM] contiguous;
     the fp32 accumulators across waves at WS + off_dk and WS + off_dv, same shape. ITEMS [I, n_waves, 5]: joined
     waves, as in the forward."""
-    it, rs, re, shift = _item(ITEMS, n_waves)
+    item = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
+    it = ITEMS + item * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
     offs_n = rs + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_n < re
@@ -376,8 +369,15 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
     dk = dk * sm_scale
     orow = offs_n - shift
     obase = bhk.to(tl.int64) * N_OUT * HEAD_DIM
-    _carry(dk, WS + off_dk, DK, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
-    _carry(dv, WS + off_dv, DV, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
+    if first == 0:
+        dk += _load_tile(WS + off_dk, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
+        dv += _load_tile(WS + off_dv, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
+    if last != 0:
+        _store_tile(DK, obase, orow, HEAD_DIM, offs_d, row_ok, dk, HEAD_DIM, BLOCK_D)
+        _store_tile(DV, obase, orow, HEAD_DIM, offs_d, row_ok, dv, HEAD_DIM, BLOCK_D)
+    else:
+        _store_tile(WS + off_dk, obase, orow, HEAD_DIM, offs_d, row_ok, dk, HEAD_DIM, BLOCK_D)
+        _store_tile(WS + off_dv, obase, orow, HEAD_DIM, offs_d, row_ok, dv, HEAD_DIM, BLOCK_D)
 
 
 # --- tile configurations -----------------------------------------------------------------------------

@@ -47,15 +47,15 @@ def _store_rows(ptrs, val, rows, n, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _key_tile(q, rows, t0, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
-              DOT_PREC: tl.constexpr):
-    """Keys [t0, t0 + BLOCK_N) against the rows of q, for the forward's scan and the backward's dQ: their indices,
-    K and V rows and the scores x = q K^T with the bias added in log2 units, keys >= NK (MASK_KEYS) and future keys
-    (MASK_CAUSAL) at -inf. The scale is in q with FOLD_Q (float32), applied here with a bias, else by the caller
-    (the backward's exponent, SCALE_IN_EXP)."""
-    offs_n = t0 + tl.arange(0, BLOCK_N)
+def _key_tile(q, rows, offs_n, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+              HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Keys offs_n against the rows of q, for the forward's scan and the backward's dQ: their K and V rows and the
+    scores x = q K^T with the bias added in log2 units, keys >= NK (MASK_KEYS) and future keys (MASK_CAUSAL) at
+    -inf. The scale is in q with FOLD_Q (float32), applied here with a bias, else by the caller (the backward's
+    exponent, SCALE_IN_EXP). The caller makes offs_n: torch's analysis of what a kernel handed to inductor writes
+    counts a pointer built from a call's result as one into every tensor passed to the call, so dS's store with
+    offs_n from here made the backward seem to write Q, K, V and the bias (a compiled backward then failed)."""
     offs_d = tl.arange(0, BLOCK_D)
     k = load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
                   offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
@@ -72,7 +72,7 @@ def _key_tile(q, rows, t0, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_ba
         x = tl.where(offs_n[None, :] < NK, x, float("-inf"))
     if MASK_CAUSAL:
         x = tl.where(offs_n[None, :] <= rows[:, None] + off, x, float("-inf"))
-    return offs_n, k, v, x
+    return k, v, x
 
 
 @triton.jit
@@ -89,8 +89,9 @@ def _scan_tile(m_i, z_i, s_i, q, rows, t0, NQ, NK, off, qk_scale,
     tile's weighted sum is needed. m_ref guards the identity: if every key seen so far is masked,
     m_new = -inf and 2^(x - m_new) would be NaN; with m_ref = 0 it is 2^(-inf) = 0 and the state stays e.
     """
-    offs_n, k, v, x = _key_tile(q, rows, t0, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
-                                HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KEYS, MASK_CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    k, v, x = _key_tile(q, rows, offs_n, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
+                        HEAD_DIM, BLOCK_D, MASK_KEYS, MASK_CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
     m_new = tl.maximum(m_i, tl.max(x, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 when the state is still the identity
@@ -437,8 +438,9 @@ def _dq_tile(acc, q, do, l2, delta, rows, t0, NQ, NK, off, qk_scale,
              MASK_KEYS: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
              BIAS_GRAD: tl.constexpr, FOLD_Q: tl.constexpr, SCALE_IN_EXP: tl.constexpr,
              DOT_PREC: tl.constexpr):
-    offs_n, k, v, x = _key_tile(q, rows, t0, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
-                                HEAD_DIM, BLOCK_D, BLOCK_N, MASK_KEYS, MASK_CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
+    offs_n = t0 + tl.arange(0, BLOCK_N)
+    k, v, x = _key_tile(q, rows, offs_n, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, b_base, sbi, sbj,
+                        HEAD_DIM, BLOCK_D, MASK_KEYS, MASK_CAUSAL, HAS_BIAS, FOLD_Q, DOT_PREC)
     if SCALE_IN_EXP:
         p = tl.exp2(x * qk_scale - l2[:, None])       # exact softmax weights (one FMA)
     else:
