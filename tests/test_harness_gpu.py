@@ -86,16 +86,16 @@ def _flash_pair(n=4096, mode="fwd", name="flash"):
     return make(0), make(1)
 
 
-@pytest.mark.parametrize("n, factor, tolerance", [(4096, 1.0, 0.02), (4096, 1.15, 0.08),
+@pytest.mark.parametrize("n, factor, tolerance", [(4096, 1.0, 0.02), (4096, 1.15, 0.03),
                                                    (16384, 1.0, 0.02), (16384, 1.15, 0.03)])
 @pytest.mark.parametrize("timing_mode", ["eager", "graph"])
 def test_planted_slowdown_lands_at_its_factor(timing_mode, n, factor, tolerance, gpu_to_itself):
     """flash against flash (other inputs), one side slowed by `factor` (1.0: none): the median paired ratio is the
-    factor in both timing modes; flash against itself pairs to 1 within 2 %. At 4K (a 0.1 ms call) the planted
-    delay is a sleep kernel whose fixed cost is calibrated, not exact: 1.15 lands at 1.07-1.15 (the H100 gate proof
-    saw +8.6 % on ELSA's 4K forward), so the band there is wider; the gate's claim is that it reads as SLOWER. Below
-    4K (1K: 0.03 ms) the paired ratio of flash against itself is itself 5 % off in eager mode on the H100 (launch
-    jitter against the L2 flush), so no slowdown factor is claimed there."""
+    factor in both timing modes; flash against itself pairs to 1 within 2 %. At 4K (a 0.06-0.1 ms call) the planted
+    delay, a sleep kernel whose fixed cost was calibrated alone, landed at 1.07-1.15 on the H100 and 1.05-1.06 on the
+    H200 until measure_pair corrected it where it runs (pair._plant_delay). Below 4K (1K: 0.03 ms) the paired ratio
+    of flash against itself is itself 5 % off in eager mode on the H100 (launch jitter against the L2 flush), so no
+    slowdown factor is claimed there."""
     from attnbench.matrix import TIMING_DEFAULTS
     from attnbench.measure import measure_pair
 

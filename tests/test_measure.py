@@ -231,3 +231,29 @@ def test_planted_slowdown_scales_the_kernel_time_by_the_factor(monkeypatch, fact
     assert res.baseline.delay_ms is None
     assert np.median(res.ratios) == pytest.approx(factor, rel=0.02)
     assert timer.armed == 3       # both sides once, the slowed kernel side again with its delay
+
+
+class ShortDelay(FakeDelay):
+    """A delay that lands 0.1 ms short of what it is asked: a sleep kernel whose fixed cost, calibrated alone,
+    is not its cost behind the call."""
+
+    def __call__(self, ms):
+        FakeDelay.timer.last_ms += max(ms - 0.1, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_planted_delay_that_lands_short_is_corrected(monkeypatch, mode):
+    """The slowed call is timed where it runs and its delay corrected by what it missed: a delay landing 0.1 ms
+    short of the asked 0.3 (2 ms x 0.15) is asked 0.4 and the paired ratio is the factor, not 1.10; each
+    correction arms the call again (in graph mode: a new capture)."""
+    from attnbench.measure import pair as pair_mod
+
+    monkeypatch.setattr(pair_mod, "Delay", ShortDelay)
+    timer, clock = FakeTimer(mode), FakeClock()
+    FakeDelay.timer = timer
+    k, b = fake_workload(timer, clock, 2.0, 0.01, 1), fake_workload(timer, clock, 2.0, 0.01, 2)
+    res = measure_pair(k, b, kernel_name="k", baseline_name="b", timing=TIMING, device="cpu", mode=mode,
+                       timer=timer, clock=clock, slowdown={"kernel": 1.15})
+    assert res.kernel.delay_ms == pytest.approx(0.4, rel=0.1)
+    assert np.median(res.ratios) == pytest.approx(1.15, rel=0.01)
+    assert 4 <= timer.armed <= 2 + pair_mod.DELAY_ROUNDS

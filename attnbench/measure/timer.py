@@ -149,7 +149,8 @@ class Delay:
     SM clock cycles on the GPU, so it lands in the device time of eager calls and inside graph captures alike;
     a busy wait on the CPU. ``calibrate`` measures, right where it will be used (a warm GPU), the sleep kernel's
     fixed cost and its cycles per ms: a short call's delay is a few µs, where the fixed cost alone would
-    overshoot the factor (1.31 instead of 1.15 at N=1K on the H100 with a cycles-per-ms scale alone)."""
+    overshoot the factor (1.31 instead of 1.15 at N=1K on the H100 with a cycles-per-ms scale alone). Behind a
+    call the kernel costs less than alone, so measure_pair corrects the asked delay in place (pair._plant_delay)."""
 
     def __init__(self, device: str):
         self.device = device
