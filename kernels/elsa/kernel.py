@@ -54,8 +54,9 @@ def _key_tile(q, rows, offs_n, NQ, NK, off, qk_scale, k_base, v_base, skn, svn, 
     scores x = q K^T with the bias added in log2 units, keys >= NK (MASK_KEYS) and future keys (MASK_CAUSAL) at
     -inf. The scale is in q with FOLD_Q (float32), applied here with a bias, else by the caller (the backward's
     exponent, SCALE_IN_EXP). The caller makes offs_n: torch's analysis of what a kernel handed to inductor writes
-    counts a pointer built from a call's result as one into every tensor passed to the call, so dS's store with
-    offs_n from here made the backward seem to write Q, K, V and the bias (a compiled backward then failed)."""
+    counts a pointer built from a call's result as one into every tensor passed to the call: dS's store with
+    offs_n from here would write Q, K, V and the bias there, and a compiled training step fails on that
+    (scripts/compile_check.py --inductor-writes checks it)."""
     offs_d = tl.arange(0, BLOCK_D)
     k = load_tile(k_base + offs_n[:, None] * skn + offs_d[None, :],
                   offs_n < NK, offs_d, HEAD_DIM, BLOCK_D, MASK_KEYS)
