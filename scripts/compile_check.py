@@ -133,6 +133,14 @@ def ws_row_hazards(ttgir: str) -> list[str]:
     return hazards
 
 
+def declared_constexprs(job: Job) -> dict:
+    """The constexprs the job's kernel declares: the job's (one meta dict serves a package's several kernels), and
+    at its default each one the job leaves out, as a launch that leaves it out gets."""
+    constexprs = {k: v for k, v in job.constexprs.items() if k in job.fn.arg_names}
+    constexprs.update({p.name: p.default for p in job.fn.params if p.is_constexpr and p.name not in constexprs})
+    return constexprs
+
+
 # The tensors a kernel handed to inductor only reads: its caller's inputs (and the backward's saved forward output and
 # lse). ELSA's Triton kernels are handed over (kernels/_ops.py, decompose_when_traced: torch.library.wrap_triton);
 # where torch's analysis counts one of these as written, AOTAutograd copies into it, and a leaf that requires grad
@@ -155,21 +163,15 @@ def inductor_writes(job: Job, target: GPUTarget) -> set:
     would return (kernels/elsa/kernel.py, _key_tile). No GPU needed: the TTIR is made for `target`."""
     from torch._higher_order_ops import triton_kernel_wrap as tkw
 
-    kwargs = {}
-    for name, param in zip(job.fn.arg_names, job.fn.params):
-        if name in job.constexprs:
-            kwargs[name] = job.constexprs[name]
-        elif param.is_constexpr:
-            kwargs[name] = param.default
-        elif name in job.fp32_ptrs or name in job.i32_ptrs or name in job.ptrs:
-            dtype = torch.float32 if name in job.fp32_ptrs else torch.int32 if name in job.i32_ptrs else \
-                TORCH_DTYPES[job.dtype]
-            kwargs[name] = torch.empty(64, dtype=dtype)
-        else:
-            kwargs[name] = 0.5 if name in job.floats else 64
-    for flag in ("USE_DESC", "WARP_SPECIALIZE"):
-        if flag in kwargs:
-            kwargs[flag] = False
+    kwargs = declared_constexprs(job)
+    kwargs.update({flag: False for flag in ("USE_DESC", "WARP_SPECIALIZE") if flag in kwargs})
+    for name, kind in signature(job)[0].items():      # the other arguments as a launch's, of their types
+        if kind.startswith("*"):
+            kwargs[name] = torch.empty(64, dtype=TORCH_DTYPES.get(kind[1:], torch.int32))
+        elif kind in ("fp32", "i32"):
+            kwargs[name] = 0.5 if kind == "fp32" else 64
+        elif kind != "constexpr":
+            raise ValueError(f"{job.kernel} {job.name}: argument {name} ({kind}) is never handed to inductor")
 
     class _Target:       # the analysis asks the active driver for its target: this one, GPU or not (this
         def get_current_target(self):              # script launches nothing, so the driver is not restored)
@@ -185,10 +187,7 @@ def inductor_writes(job: Job, target: GPUTarget) -> set:
 
 def compile_job(job: Job, target: GPUTarget) -> dict:
     sig, attrs = signature(job)
-    # a kernel takes only the constexprs it declares (one meta dict serves a package's several kernels)
-    constexprs = {k: v for k, v in job.constexprs.items() if k in job.fn.arg_names}
-    # a declared constexpr the job leaves out takes its default, as a launch that leaves it out does
-    constexprs.update({p.name: p.default for p in job.fn.params if p.is_constexpr and p.name not in constexprs})
+    constexprs = declared_constexprs(job)
     backend = triton.compiler.make_backend(target)
     options = backend.parse_options({"num_warps": job.num_warps, "num_stages": job.num_stages})
     source = ASTSource

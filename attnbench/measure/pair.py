@@ -199,6 +199,13 @@ def measure_pair(kernel: Workload, baseline: Workload | None, *, kernel_name: st
         timer.disarm()
 
 
+def _trial_ms(side: _Side, timer, flush, n: int) -> list[float]:
+    """n timed calls of the side's armed call, as the loop times them: their times in ms, sorted."""
+    trial = [_timed(side, timer, flush) for _ in range(n)]
+    timer.sync()
+    return sorted(timer.elapsed_ms(t) for t in trial)
+
+
 # The planted delay, measured where it runs and corrected: up to DELAY_ROUNDS armings, until the slowed call's
 # median is within DELAY_TOLERANCE of factor x the side's own, or no further from it than their noise tells
 DELAY_ROUNDS = 3
@@ -219,9 +226,7 @@ def _plant_delay(side: _Side, delay: Delay, timer, flush, n_trial: int) -> None:
     side.res.delay_ms = (factor - 1) * side.estimate_ms
     for attempt in range(DELAY_ROUNDS):
         side.call = timer.arm(_body(side.wl, delay, side.res.delay_ms))
-        trial = [_timed(side, timer, flush) for _ in range(n_trial)]
-        timer.sync()
-        times = sorted(timer.elapsed_ms(t) for t in trial)
+        times = _trial_ms(side, timer, flush, n_trial)
         got, got_ci = times[len(times) // 2], median_ci(times)
         within_noise = base_ci is None or got_ci is None or (got_ci[0] <= factor * base_ci[1]
                                                              and got_ci[1] >= factor * base_ci[0])
@@ -254,9 +259,7 @@ def _warm_up(side: _Side, timer, flush, device: str, n_trial: int) -> None:
             stage = "graph capture: "
         side.call = timer.arm(side.wl.run)
         stage = ""
-        trial = [_timed(side, timer, flush) for _ in range(n_trial)]
-        timer.sync()
-        side.trial_ms = sorted(timer.elapsed_ms(t) for t in trial)
+        side.trial_ms = _trial_ms(side, timer, flush, n_trial)
         side.estimate_ms = max(side.trial_ms[len(side.trial_ms) // 2], 1e-3)
     except Exception as exc:  # an OOM or a kernel error is a result for this side, not a crash
         side.res.fail(exc, stage)
