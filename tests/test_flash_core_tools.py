@@ -359,9 +359,9 @@ def test_elsa_float32_on_wgmma_compiles_or_says_why_not():
     """scripts/compile_check.py --kernel elsa at float32 D = 128: with triton 3.6 ELSA's phase 1 on wgmma
     (kernels/elsa/gluon_phase1.py) compiles for sm_90 with summaries and as the single partition, within shared
     memory (224 KB: K in two buffers), its 44 wgmmas in each consumer warpgroup (S two a K step, P V three), and
-    spilling no more than 32 bytes (the producer's values read once before its loop: gluon_phase1.REGS; the wgmmas'
-    descriptors hoisted out of the consumers' loop spilled 120 and 160, gluon_phase1._zero_of); with another
-    triton one line says why it is not compiled."""
+    spilling nothing (the wgmmas' descriptors hoisted out of the consumers' loop spilled 120 and 160 bytes,
+    gluon_phase1._zero_of; V's tile loaded as [1, 4] rows, 32 in the producer); with another triton one line says
+    why it is not compiled."""
     import triton
 
     from kernels.elsa import gluon_phase1
@@ -375,7 +375,7 @@ def test_elsa_float32_on_wgmma_compiles_or_says_why_not():
         assert len(lines) == 2 and any("final=True" in row for row in lines), proc.stdout[-2000:]
         for row in lines:
             assert "over sm_90's shared memory" not in row and " wgmma=88 " in row, row
-            assert int(re.search(r" spill_stack=(\d+) ", row).group(1)) <= 32, row
+            assert " spill_stack=0 " in row, row
     else:
         assert (f"elsa phase1_tf32: written for triton {gluon_phase1.GLUON_VERSION}'s Gluon, this is "
                 f"{triton.__version__}: skipped") in proc.stdout

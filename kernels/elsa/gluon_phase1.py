@@ -11,7 +11,11 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   operand K-major only), P's hi and lo come from registers. V's rows are stored in the order of P's columns as
   the S accumulator leaves them in a thread's registers (_pv_order), so P is the A operand as it lies; the plain
   conversion to the operand's layout took ~100 shuffles and selects a tile (0.97-0.98x the time at D = 128,
-  0.88-0.94x at D = 64: results/dev/elsa/fp32_pv_order_h200.json).
+  0.88-0.94x at D = 64: results/dev/elsa/fp32_pv_order_h200.json). The producer loads V in that order, a thread
+  holding 8 consecutive positions of one head-dim column, so its stores into the keys-contiguous buffer are 16 bytes
+  and free of bank conflicts; loaded as K is (4 columns of one key a thread) they were 4-byte stores, 4-way
+  conflicted, and held the kernel at 0.80 of efficient's time at D = 128 (now 0.43; the tensor pipe 37 -> 69 % busy
+  at 16K: results/dev/elsa/fp32_v_stores_h200.json).
 - S = Qh Kh^T + Qh Kl^T + Ql Kh^T and P V the same way (lo x lo is below float32's rounding). K's raw rows and
   its lo rows lie in one buffer, so the first two are one wgmma a K step, Qh [Kh; Kl]^T (N = 2 x BLOCK_N: Q's
   operand read from shared memory once for both), and Ql Kh^T another on the raw rows; P V is three.
@@ -51,17 +55,17 @@ from .._gluon_core import GLUON_VERSION, HAS_GLUON, gluon_on
 from .kernel import phase1_block
 
 # what the kernel takes, and where ELSA's plan takes it (from MIN_WORK). CUDA-graph time over efficient's at B = 1,
-# H = 8 (results/dev/elsa/fp32_pv_order_h200.json): D = 128 0.80 / 0.76 at 4K / 16K, causal 16K 0.88; D = 64
-# 0.38 / 0.41 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
+# H = 8 (results/dev/elsa/fp32_v_stores_h200.json): D = 128 0.43 / 0.43 at 4K / 16K, causal 16K 0.48; D = 64
+# 0.30 / 0.34 (the Triton phase 1, fp32_phase1_prefetch_h200.json: D = 128 1.25 / 1.10, causal 1.17; D = 64 1.01 / 0.79)
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows
 NUM_WARPS = 4               # the launch's: the default partition (consumer 0); consumer 1 and the producer are workers
 K_STAGES = 2                # K's ring: the next tile stored while this one's S products run
 V_STAGES = {64: 2, 128: 1}  # V's: one at D = 128 (224 KB of shared memory with Q's hi and lo and K's two buffers)
 # (consumer 1, producer) registers a thread; consumer 0, the default partition, gets what the launch's 168 x 384 leave,
-# 208. At D = 128 only the producer spills: 8 values it reads once before its loop (32 bytes of stack); at D = 64
-# nothing spills. (216, 72), both consumers at 216, ran within 1 % of this (fp32_pv_order_h200.json); with S by
-# D-chunks this split ran 0.98-0.99x the time of (224, 64), and with ping-pong 0.95-0.98x that of (208, 96)
+# 208. At D = 128 nothing spills; at D = 64 the producer reloads one value once a tile (8 bytes of stack). (224, 64)
+# ran 1-4 % slower at D = 128 (fp32_v_stores_h200.json), (216, 72) within 1 % before V's stores changed
+# (fp32_pv_order_h200.json); with ping-pong this split ran 0.95-0.98x the time of (208, 96)
 # (fp32_producer_warpgroup_h200.json)
 REGS = (216, 80)
 # BLOCK_N per head dim: Q's hi and lo, K's and V's rings with their lo parts, in shared memory (<= 227 KB: 224 at
@@ -107,7 +111,7 @@ if HAS_GLUON:
         """x [R, N] with its columns (keys) reordered in each 8 as 0 2 4 6 1 3 5 7, in registers only (a reshape
         and a permute move nothing). A thread's accumulator registers hold S's columns 2t and 2t + 1 of every 8,
         the tf32 A operand's its columns t and t + 4: P in this order is the A operand as it lies, where the plain
-        conversion took ~100 shuffles and selects a tile; V's rows are stored in the same order."""
+        conversion took ~100 shuffles and selects a tile. The producer loads V's rows in the same order (its keys_v)."""
         R: gl.constexpr = x.shape[0]
         N: gl.constexpr = x.shape[1]
         return gl.reshape(gl.permute(gl.reshape(x, [R, N // 8, 4, 2]), (0, 1, 3, 2)), [R, N])
@@ -124,15 +128,23 @@ if HAS_GLUON:
     def _producer(K, V, k_s, vh_s, vl_s, k_ready, k_empty, v_ready, v_empty, skb, skh, skn, svb, svh, svn,
                   b, hk, NK, lo, hi, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
         """The producer warpgroup: every K tile of [lo, hi) into K's ring, its raw rows then its lo rows in one
-        buffer, every V tile's raw and lo parts into V's (keys-contiguous), each slot refilled once both consumers
-        released it. Each tile's global loads are issued before the wait for its slot."""
+        buffer, every V tile's raw and lo parts into V's (keys-contiguous, its rows in _pv_order), each slot refilled
+        once both consumers released it. Each tile's global loads are issued before the wait for its slot."""
         K_STAGES: gl.constexpr = k_s.shape[0]
         V_STAGES: gl.constexpr = vh_s.shape[0]
         blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [1, 0])
+        # V: a thread holds 8 consecutive positions of V's buffer (keys-contiguous) in one column d, the lanes
+        # consecutive columns, so its stores are 16 bytes and a warp's cover all 32 banks; loaded as K is (blk),
+        # they were 4-byte stores, 64 a thread a tile at D = 128, 4-way conflicted (now 16), and the kernel took
+        # 1.8x its time at D = 128. The warps split the keys, so a thread's 8 rows are its only row addresses.
+        blk_v: gl.constexpr = gl.BlockedLayout([8, 1], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [0, 1])
         k_base = K + b.to(gl.int64) * skb + hk.to(gl.int64) * skh
         v_base = V + b.to(gl.int64) * svb + hk.to(gl.int64) * svh
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
         keys_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
+        offs_dv = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk_v))
+        pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk_v))
+        keys_v = (pos // 8) * 8 + (pos % 4) * 2 + (pos % 8) // 4   # the key at each position (_pv_order)
         for i in range(gl.cdiv(hi - lo, BLOCK_N)):
             t0 = lo + i * BLOCK_N
             kn = _rows(k_base, t0 + keys_b, offs_d, skn, NK)
@@ -141,8 +153,7 @@ if HAS_GLUON:
             k_s.index(s).slice(0, BLOCK_N, dim=0).store(kn)
             k_s.index(s).slice(BLOCK_N, BLOCK_N, dim=0).store(_lo(kn))
             released(k_ready.index(s))
-            vn = _rows(v_base, t0 + keys_b, offs_d, svn, NK)
-            vn = gl.permute(_pv_order(gl.permute(vn, (1, 0))), (1, 0))        # V's rows (keys) in _pv_order
+            vn = _rows(v_base, t0 + keys_v, offs_dv, svn, NK)
             sv = i % V_STAGES
             mbarrier.wait(v_empty.index(sv), ((i // V_STAGES) & 1) ^ 1)
             vh_s.index(sv).store(vn)
