@@ -1079,7 +1079,7 @@ def test_float32_phase1_on_wgmma_only_where_it_can():
             # programs that share a SM: at least two waves, 17 blocks
             assert elsa_config._partitions(nq, nq, 8, 128, p.block_n, d, torch.float32, 132, {})[2] == 17 * 128
             assert plan(nq=nq, d=d, causal=True).q_chunk == 16 * 128
-    assert plan(nq=2048, d=64).tf32_gluon and not plan(nq=1536, d=64).tf32_gluon    # from 2^31 of work
+    assert plan(nq=256, d=64).tf32_gluon and not plan(nq=255, d=64).tf32_gluon      # from 2^25 of work
     for p in (plan(capable=False), plan(d=64, dtype=torch.float16), plan(d=64, bias=True), plan(d=96),
               plan(d=64, config=elsa_config.canonical_config({"fwd": {"BLOCK_M": 32}}, torch.float32, 64))):
         assert not p.tf32_gluon
@@ -1303,10 +1303,13 @@ def test_gpu_inductor_launches_the_kernels_of_short_calls(dtype):
 #   the tiles tried that do not spill (kernels/elsa/config.py, BUILTIN_FWD_TABLE);
 # - the Gluon core's persistent launch in ELSA's summary mode at D=128 spills 2 with triton 3.6 and runs ELSA's
 #   forward 2-7 % faster than the plain grid, which does not (kernels/_gluon_core.py, PERSISTENT_DIMS);
-# - float32 phase 1 on wgmma at D=64 spills 2 with triton 3.6: its producer warpgroup's first key of V's load, read
-#   back once a tile (kernels/elsa/gluon_phase1.py, _producer); the consumers spill nothing
+# - float32 phase 1 on wgmma spills 2 at D=64 with triton 3.6 (its producer warpgroup's first key of V's load, read
+#   back once a tile) and 14 at D=128 as the only partition, not causal (values of the launch's prologue its producer
+#   reads once before its loop), at the register split that ran fastest (kernels/elsa/gluon_phase1.py, REGS); the
+#   consumers spill nothing
 SPILL_ALLOWANCE = {("_elsa_bwd_dkdv", "16", 64): 2, ("_elsa_phase1", "32", 64): 6,
-                   ("_gluon_fwd_kernel", "16", 128): 2, ("_elsa_phase1_tf32", "32", 64): 2}
+                   ("_gluon_fwd_kernel", "16", 128): 2, ("_elsa_phase1_tf32", "32", 64): 2,
+                   ("_elsa_phase1_tf32", "32", 128): 14}
 
 
 @pytest.mark.gpu

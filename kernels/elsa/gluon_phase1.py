@@ -71,9 +71,11 @@ REGS = (216, 80)
 # BLOCK_N per head dim: Q's hi and lo, K's and V's rings with their lo parts, in shared memory (<= 227 KB: 224 at
 # D = 128)
 TILES = {64: 64, 128: 32}
-# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): the smallest measured (D = 64 at 2K, B = 1, H = 8:
-# 0.47 against the Triton phase 1's 0.67 of efficient's time, before the producer: fp32_phase1_prefetch_h200.json)
-MIN_WORK = 2**31
+# ELSA takes this kernel from this much work (B*Hq * Nq * Nk * D): below the smallest call measured, ViT-T's layer at
+# 224 pixels (batch 8, 3 heads, 197 tokens, D = 64: 2^25.8), where it ran 0.49 of efficient's time in CUDA graphs
+# against the Triton phase 1's 0.72 (eager, host-bound, 0.56-0.61 against 0.53-0.67); at 2^29-2^30.6 0.29-0.39
+# against 0.64-0.69 at D = 64 and 0.83 against 1.18 at D = 128 (results/dev/elsa/fp32_min_work_h200.json)
+MIN_WORK = 2**25
 
 
 def eligible(q) -> bool:
