@@ -281,14 +281,13 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                       f"{triton.__version__}: skipped", flush=True)
             else:
                 # float32's phase 1 on wgmma (kernels/elsa/gluon_phase1.py), with summaries and as the single
-                # partition, causal and not, with ragged key tiles
-                for final in (False, True):
+                # partition, each causal and not, with ragged key tiles
+                for final, causal in itertools.product((False, True), (False, True)):
                     meta = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=gluon_phase1.BLOCK_M, BLOCK_N=gluon_phase1.TILES[d],
-                                CAUSAL=final, HAS_BIAS=False, FOLD_Q=True, SCALE_IN_EXP=False, DOT_PREC="tf32x3",
+                                CAUSAL=causal, HAS_BIAS=False, FOLD_Q=True, SCALE_IN_EXP=False, DOT_PREC="tf32x3",
                                 FINAL=final, STORE_LSE=True, KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False)
                     label = dict(D=d, cfg=[gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1])
-                    if final:
-                        label.update(final=True, causal=True)
+                    label.update({"final": True} if final else {}, **({"causal": True} if causal else {}))
                     jobs.append(Job("elsa", "phase1_tf32", gluon_phase1._elsa_phase1_tf32, dtype, meta,
                                     gluon_phase1.NUM_WARPS, 1, ptrs, fp32_ptrs, floats={"qk_scale"}, div16=stride,
                                     label=label, gluon=True))
