@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile a kernel package's Triton code for sm_90 without a GPU and report, per kernel and tile config:
 registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and the wgmma / cp.async
-instructions in the PTX. It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
+instructions in the PTX; for a Gluon kernel also its shared-memory stores of 4 bytes or fewer in the SASS
+(``sts_narrow``: a tile stored from registers that way is usually a layout across the buffer's rows, bank-conflicted). It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
 spill or cannot launch, before any device time is spent. A Gluon kernel whose wgmmas ptxas serialized (a wait
 after each one in the SASS) fails: its hand-written overlap of the GEMMs with the softmax is gone; a Triton kernel's
 line says so (PASA's fused loop with the fp16 state is one: its roundings through 16-bit values, as the Gluon
@@ -216,6 +217,10 @@ def compile_job(job: Job, target: GPUTarget) -> dict:
     # one job on two trees mean the same sm_90 code, which is how a refactor is shown to change nothing
     code = "\n".join(line for line in sass.splitlines() if line.strip().startswith("/*"))
     usage["sass_sha256"] = hashlib.sha256(code.encode()).hexdigest()[:16]
+    # shared-memory stores of 4 bytes or fewer: where a Gluon kernel stores a tile from registers, a layout that puts
+    # a thread's elements across the buffer's rows makes them narrow and, swizzled, bank-conflicted (ELSA's float32
+    # phase 1 stored V so, 64 a thread a tile, and ran 1.8x its time: kernels/elsa/NOTES.md, "Precision")
+    usage["sts_narrow"] = len(re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?STS(?:\.[US](?:8|16))?\s", code))
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m:
         usage.update(regs=int(m.group(1)), spill_stack=int(m.group(2)))
@@ -617,6 +622,7 @@ def main(argv=None) -> int:
                       f"spill_stack={row.get('spill_stack')} shared={row['shared']} warps={row['warps']} wgmma={row['wgmma']} "
                       f"cp_async={row['cp_async']}" + ("" if row["fits_smem"] else " (over sm_90's shared memory)")
                       + (" (wgmma serialized by ptxas)" if row["wgmma_serialized"] and not job.gluon else "")
+                      + (f" sts_narrow={row['sts_narrow']}" if job.gluon else "")
                       + (f" sass={row['sass_sha256']}" if a.sass else ""), flush=True)
                 for hazard in row["ws_hazards"]:
                     failures += 1
