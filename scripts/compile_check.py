@@ -2,8 +2,9 @@
 """Compile a kernel package's Triton code for sm_90 without a GPU and report, per kernel and tile config:
 registers, spill stack, shared memory (and whether it fits sm_90's 227 KB), and the wgmma / cp.async
 instructions in the PTX; for a Gluon kernel also its shared-memory stores of 4 bytes or fewer in the SASS
-(``sts_narrow``: a tile stored from registers that way is usually a layout across the buffer's rows, bank-conflicted). It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that
-spill or cannot launch, before any device time is spent. A Gluon kernel whose wgmmas ptxas serialized (a wait
+(``sts_narrow``: a tile stored from registers that way is usually a layout across the buffer's rows,
+bank-conflicted). It catches GPU-only compile errors the CPU interpreter cannot see, and tiles that spill or cannot
+launch, before any device time is spent. A Gluon kernel whose wgmmas ptxas serialized (a wait
 after each one in the SASS) fails: its hand-written overlap of the GEMMs with the softmax is gone; a Triton kernel's
 line says so (PASA's fused loop with the fp16 state is one: its roundings through 16-bit values, as the Gluon
 core's PASA step had them before kernels/_gluon_core.py's _round16).
@@ -292,7 +293,10 @@ def elsa_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                                 CAUSAL=causal, HAS_BIAS=False, FOLD_Q=True, SCALE_IN_EXP=False, DOT_PREC="tf32x3",
                                 FINAL=final, STORE_LSE=True, KEYS_EVEN=False, USE_DESC=False, WARP_SPECIALIZE=False)
                     label = dict(D=d, cfg=[gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1])
-                    label.update({"final": True} if final else {}, **({"causal": True} if causal else {}))
+                    if final:
+                        label["final"] = True
+                    if causal:
+                        label["causal"] = True
                     jobs.append(Job("elsa", "phase1_tf32", gluon_phase1._elsa_phase1_tf32, dtype, meta,
                                     gluon_phase1.NUM_WARPS, 1, ptrs, fp32_ptrs, floats={"qk_scale"}, div16=stride,
                                     label=label, gluon=True))
