@@ -19,7 +19,8 @@ WarpStateStats, MemoryWorkloadAnalysis and LaunchStats sections plus the tensor-
 as the card has them (--clock-control none: the lent machines' rule is to leave clocks alone). The report is then
 read back (`ncu --import ... --csv --page raw`) and reduced to: duration, SM and DRAM throughput (% of peak),
 DRAM bytes, tensor-pipe utilisation (every tensor pipe the report has: on Hopper the wgmma path shows as gmma),
-the other busiest pipes, achieved vs theoretical occupancy, issue-slot use, registers, shared memory, grid, and
+the other busiest pipes, achieved vs theoretical occupancy, issue-slot use, registers, shared memory, grid,
+shared-memory stores and loads (wavefronts per instruction and bank conflicts: no stall reason names a conflict), and
 the top warp-stall reasons (warps stalled per issued instruction). Writes DIR/LABEL.md and DIR/LABEL.json, and
 DIR/LABEL.ncu-rep with --keep-report.
 --source-stalls adds the SourceCounters section (warp-stall sampling per SASS instruction) and a second table: the
@@ -60,12 +61,18 @@ WORKLOADS = {
 }
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis",
             "LaunchStats")
+# shared-memory stores and loads: instructions, the wavefronts they took, and the bank conflicts among those. No
+# warp-stall reason names a conflict (ELSA's float32 phase 1 stored V 4-way conflicted, 1.8x its time, and its
+# stalls read as waits elsewhere: kernels/elsa/NOTES.md, "Precision"); wavefronts per instruction do
+SHARED_OPS = {op: (f"smsp__inst_executed_op_shared_{op}.sum", f"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_{op}.sum",
+                   f"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{op}.sum") for op in ("st", "ld")}
 # counters added when this ncu knows them (asked by name, so each is checked against --query-metrics first)
 EXTRA_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
                  "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
                  "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
                  "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-                 "sm__ops_path_tensor_src_fp16_dst_fp32.sum", "sm__ops_path_tensor_src_bf16_dst_fp32.sum")
+                 "sm__ops_path_tensor_src_fp16_dst_fp32.sum", "sm__ops_path_tensor_src_bf16_dst_fp32.sum",
+                 *(m for names in SHARED_OPS.values() for m in names))
 # workload -> its backward's kernel-name regex with --backward (the first launch that matches is profiled: ELSA's
 # Gluon backward on sm_90 from its threshold, else the first of its Triton backward's launches)
 BACKWARD_KERNELS = {"elsa": "_gluon_bwd_kernel|_elsa_bwd", "sdpa_cudnn": "bprop", "sdpa_flash": "flash_bwd"}
@@ -213,6 +220,10 @@ def reduce_metrics(values: dict, units: dict) -> dict:
     out["tensor_pipes_pct"] = {p: v for p, v in pipes.items() if "tensor" in p}
     out["top_pipes_pct"] = dict(sorted(((p, v) for p, v in pipes.items() if "tensor" not in p),
                                        key=lambda kv: -kv[1])[:4])
+    for op, (inst, wavefronts, conflicts) in SHARED_OPS.items():
+        if all(m in values and _num(values[m]) is not None for m in (inst, wavefronts, conflicts)):
+            out[f"shared_{op}"] = {"inst": _num(values[inst]), "wavefronts": _num(values[wavefronts]),
+                                   "bank_conflicts": _num(values[conflicts])}
     stalls = {STALL.match(mt).group(1): _num(v) for mt, v in values.items() if STALL.match(mt) and _num(v) is not None}
     out["top_stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:6])
     return out
@@ -295,6 +306,14 @@ def source_table(stalls: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shared(c) -> str:
+    """A shared-memory op's counters as 'wavefronts per instruction, conflicts' (1 wavefront is a 128-byte access)."""
+    if not c:
+        return ""
+    per = c["wavefronts"] / c["inst"] if c["inst"] else 0.0
+    return f"{per:.2f}, {c['bank_conflicts']:,.0f}"
+
+
 def table(summaries: list[tuple[str, dict]]) -> str:
     """Markdown: one column per summary."""
     heads = [label for label, _ in summaries]
@@ -315,6 +334,8 @@ def table(summaries: list[tuple[str, dict]]) -> str:
             ("DRAM throughput (%)", lambda s: _f(s.get("dram_throughput_pct"))),
             ("DRAM read + write (MB)", lambda s: _f(((s.get("dram_read_bytes") or 0) + (s.get("dram_write_bytes") or 0))
                                                     / 1e6) if "dram_read_bytes" in s else ""),
+            ("shared memory: wavefronts per instruction, bank conflicts (stores · loads)",
+             lambda s: " · ".join(_shared(s.get(f"shared_{op}")) for op in ("st", "ld")) if "shared_st" in s else ""),
             ("top stalls (warps per issue)", lambda s: ", ".join(f"{k} {v:.2f}" for k, v in s.get("top_stalls", {}).items()))]
     lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for name, get in rows:

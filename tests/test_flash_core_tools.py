@@ -86,9 +86,9 @@ def test_sweep_refuses_to_run_without_a_gpu(tmp_path):
 
 
 RAW = '''==PROF== Connected to process 1234
-"ID","Kernel Name","Grid Size","Block Size","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","dram__throughput.avg.pct_of_peak_sustained_elapsed","sm__warps_active.avg.pct_of_peak_sustained_active","sm__maximum_warps_per_active_cycle_pct","launch__registers_per_thread","launch__shared_mem_per_block_dynamic","launch__shared_mem_per_block_static","dram__bytes_read.sum","dram__bytes_write.sum","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","sm__ops_path_tensor_src_fp16_dst_fp32.sum"
-"","","","","usecond","%","%","%","%","register/thread","Kbyte","byte","Mbyte","Kbyte","%","%","%","ratio","ratio","ratio","inst"
-"0","_elsa_phase1","(128, 8, 2)","(128, 1, 1)","2,500.5","71.2","9.8","12.4","12.5","255","98.3","0","300.5","40","58.3","41.0","22.5","0.31","1.20","0.05","1,099,511,627,776"
+"ID","Kernel Name","Grid Size","Block Size","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","dram__throughput.avg.pct_of_peak_sustained_elapsed","sm__warps_active.avg.pct_of_peak_sustained_active","sm__maximum_warps_per_active_cycle_pct","launch__registers_per_thread","launch__shared_mem_per_block_dynamic","launch__shared_mem_per_block_static","dram__bytes_read.sum","dram__bytes_write.sum","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","sm__ops_path_tensor_src_fp16_dst_fp32.sum","smsp__inst_executed_op_shared_st.sum","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum","smsp__inst_executed_op_shared_ld.sum","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
+"","","","","usecond","%","%","%","%","register/thread","Kbyte","byte","Mbyte","Kbyte","%","%","%","ratio","ratio","ratio","inst","inst","","","inst","",""
+"0","_elsa_phase1","(128, 8, 2)","(128, 1, 1)","2,500.5","71.2","9.8","12.4","12.5","255","98.3","0","300.5","40","58.3","41.0","22.5","0.31","1.20","0.05","1,099,511,627,776","1,000","4,000","3,000","500","1,000","0"
 '''
 
 
@@ -105,6 +105,9 @@ def test_ncu_raw_report_reduces_to_the_table():
     text = ncu.table([("before", s), ("after", dict(s, duration_us=2000.0))])
     assert "| duration (us) | 2500.5 | 2000.0 |" in text
     assert "tensor_op_gmma 58.3" in text and "wait 1.20" in text
+    # shared stores at 4 wavefronts an instruction, 3 of them conflicts; loads at 2, none
+    assert s["shared_st"] == {"inst": 1000, "wavefronts": 4000, "bank_conflicts": 3000}
+    assert "| 4.00, 3,000 · 2.00, 0 |" in text
     with pytest.raises(ValueError, match="no kernel row"):
         ncu.parse_raw_csv(RAW.splitlines()[0] + "\n")
 

@@ -13,9 +13,9 @@ attention's time at 16K on the H200. Here the operands live in shared memory, wh
   conversion to the operand's layout took ~100 shuffles and selects a tile (0.97-0.98x the time at D = 128,
   0.88-0.94x at D = 64: results/dev/elsa/fp32_pv_order_h200.json). The producer loads V in that order, a thread
   holding 8 consecutive positions of one head-dim column, so its stores into the keys-contiguous buffer are 16 bytes
-  and free of bank conflicts; loaded as K is (4 columns of one key a thread) they were 4-byte stores, 4-way
-  conflicted, and held the kernel at 0.80 of efficient's time at D = 128 (now 0.43; the tensor pipe 37 -> 69 % busy
-  at 16K: results/dev/elsa/fp32_v_stores_h200.json).
+  and free of bank conflicts; loaded as K is (4 columns of one key a thread) they were 4-byte stores,
+  bank-conflicted (15.3 wavefronts a store instruction, 5.8 now), and held the kernel at 0.80 of efficient's time at
+  D = 128 (now 0.43; the tensor pipe 37 -> 69 % busy at 16K: results/dev/elsa/fp32_v_stores_h200.json).
 - S = Qh Kh^T + Qh Kl^T + Ql Kh^T and P V the same way (lo x lo is below float32's rounding). K's raw rows and
   its lo rows lie in one buffer, so the first two are one wgmma a K step, Qh [Kh; Kl]^T (N = 2 x BLOCK_N: Q's
   operand read from shared memory once for both), and Ql Kh^T another on the raw rows; P V is three.
@@ -137,7 +137,7 @@ if HAS_GLUON:
         blk: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [1, 0])
         # V: a thread holds 8 consecutive positions of V's buffer (keys-contiguous) in one column d, the lanes
         # consecutive columns, so its stores are 16 bytes and a warp's cover all 32 banks; loaded as K is (blk),
-        # they were 4-byte stores, 64 a thread a tile at D = 128, 4-way conflicted (now 16), and the kernel took
+        # they were 4-byte stores, 64 a thread a tile at D = 128, bank-conflicted (now 16), and the kernel took
         # 1.8x its time at D = 128. The warps split the keys, so a thread's 8 rows are its only row addresses.
         blk_v: gl.constexpr = gl.BlockedLayout([8, 1], [32 // (HEAD_DIM // 4), HEAD_DIM // 4], [4, 1], [0, 1])
         k_base = K + b.to(gl.int64) * skb + hk.to(gl.int64) * skh
