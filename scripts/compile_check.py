@@ -544,7 +544,8 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
-ASKED = dict(HAS_BIAS=True, BIAS_GRAD=True, CAUSAL=True)
+# the variant --inductor-writes adds for each kernel that takes a bias: causal, with the bias and its gradient
+BIASED_CAUSAL = dict(HAS_BIAS=True, BIAS_GRAD=True, CAUSAL=True)
 
 
 def check_inductor_writes(kernel: str, dtypes, dims, target: GPUTarget) -> int:
@@ -554,7 +555,7 @@ def check_inductor_writes(kernel: str, dtypes, dims, target: GPUTarget) -> int:
     for name in sorted(TRACED_KERNELS if kernel == "all" else {kernel} & TRACED_KERNELS):
         jobs = KERNELS[name](dtypes, dims, False)
         # and each kernel that takes a bias causal with the bias and its gradient, which the shipped jobs leave out
-        jobs += [dataclasses.replace(job, constexprs={**job.constexprs, **ASKED},
+        jobs += [dataclasses.replace(job, constexprs={**job.constexprs, **BIASED_CAUSAL},
                                      label={**job.label, "bias": True, "causal": True})
                  for job in jobs if not job.gluon and "HAS_BIAS" in job.fn.arg_names and
                  not job.constexprs.get("HAS_BIAS")]
