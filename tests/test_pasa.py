@@ -575,15 +575,81 @@ def test_config_overrides_tiles(device):
 
 
 def test_fp16_path_never_reads_values_back(device, monkeypatch):
-    # the bfloat16 range check syncs with the device; float16 inputs must not pay for it
+    # the bfloat16 range check syncs with the device; float16 inputs must not pay for it, nor for the conversion
 
     def refuse(*args):
-        raise AssertionError("the float16 path converted or checked its inputs")
+        raise AssertionError("the float16 path checked its inputs")
 
-    monkeypatch.setattr(ops, "_to_fp16", refuse)
+    monkeypatch.setattr(ops._Forward, "_refuse_overflows", refuse)
     q, k, v = _randn_inputs(1, 1, 20, 20, 16, device, seed=8)
     pasa_attention(q, k, v)
     fa16_attention(q, k, v)
+    tiles = (32, 32, 4, 1)
+    for name, options in (("pasa", ops.pasa_options(None, "fp16", "ref", tiles)), ("fa16", ops.fa16_options(tiles))):
+        assert ops.forward_plan(name, q, k, v, False, 0.25, options).convert is None
+        assert ops.forward_plan(name, q.bfloat16(), k.bfloat16(), v.bfloat16(), False, 0.25, options).convert
+    # the check does run for bfloat16 inputs (so the patch above would have caught it)
+    with pytest.raises(AssertionError, match="checked its inputs"):
+        pasa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+
+
+def _convert(q, k, v):
+    """kernel._to_float16_kernel on 1-D bfloat16 q, k, v (k, v of one length): their float16 copies and the
+    per-tensor counts of finite values beyond float16's range."""
+    from kernels.pasa.kernel import _to_float16_kernel
+    copies = tuple(torch.empty_like(t, dtype=torch.float16) for t in (q, k, v))
+    counts = torch.zeros(3, dtype=torch.int32, device=q.device)
+    block = 64
+    _to_float16_kernel[(-(-max(q.numel(), k.numel()) // block), 3)](q, k, v, *copies, counts, q.numel(), k.numel(),
+                                                                    BLOCK=block)
+    return copies, counts.tolist()
+
+
+def test_bfloat16_conversion_rounds_as_torch_and_counts_what_float16_cannot_hold(device):
+    # float16's largest value is 65504; bfloat16 holds 65280 (exact in float16) and 65536 (beyond: inf), and far
+    # more; infinities and NaN are carried, not counted; subnormal float16 results and underflow to zero
+    special = [65280.0, -65280.0, 65536.0, -1e5, 3e38, float("inf"), float("-inf"), float("nan"), 1e-6, -3e-7,
+               1e-9, -0.0, 0.0, 1.0, -2.5, 6.1e-5]
+    gen = torch.Generator(device=device).manual_seed(5)
+    # q: 131 random values (a ragged last block) with the specials inside; k: only in-range values; v: one overflow
+    q = torch.randn(131, generator=gen, device=device).mul(300.0)
+    q[7:7 + len(special)] = torch.tensor(special, device=device)
+    k = torch.randn(70, generator=gen, device=device).mul(1e3)
+    v = torch.randn(70, generator=gen, device=device)
+    v[69] = -70000.0
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    copies, counts = _convert(q, k, v)
+    for src, got in zip((q, k, v), copies):
+        want = src.to(torch.float16)
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))     # bit for bit, ±0 too
+    finite_lost = [int((torch.isinf(t.to(torch.float16)) & torch.isfinite(t)).sum()) for t in (q, k, v)]
+    assert counts == finite_lost == [3, 0, 1]         # q: 65536, -1e5 and 3e38 (its random values stay < 65504)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_last", "strided_rows"])
+def test_pasa_bfloat16_layouts_compute_on_float16_rounding(device, layout):
+    # bfloat16 in any layout gives what float16 inputs of the same (rounded) values give; a view whose elements
+    # fill their storage (heads_last: [B, N, H, D] transposed) converts in place of its strides, one with gaps
+    # (strided_rows: every other row) is copied first
+    gen = torch.Generator(device=device).manual_seed(12)
+    base = [torch.randn(1, 80, 2, 64, generator=gen, device=device).bfloat16() for _ in range(3)]
+    if layout == "contiguous":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in base)
+    elif layout == "heads_last":
+        q, k, v = (t.transpose(1, 2) for t in base)
+    else:
+        q, k, v = (t.transpose(1, 2).contiguous()[:, :, ::2] for t in base)
+    for fn in (pasa_attention, fa16_attention):
+        out = fn(q, k, v, causal=True)
+        assert out.dtype == torch.bfloat16
+        want = fn(q.half(), k.half(), v.half(), causal=True).bfloat16()
+        assert (out.float() - want.float()).abs().max().item() <= 2 ** -8 * want.float().abs().max().item()
+    big = v.clone()
+    big[0, 1, 3, 5] = -1e6
+    with pytest.raises(ValueError, match="^pasa: bfloat16 v has values beyond the float16 range"):
+        pasa_attention(q, k, big)
 
 
 # ------------------------------------------------------------- K̃ inline or by the pre-pass ---

@@ -1,6 +1,8 @@
 """Triton kernels for PASA (online pseudo-average shifting attention) and its fa16 comparator.
 
-Three kernels, one idea each:
+Four kernels, one idea each:
+- ``_to_float16_kernel`` bfloat16 inputs to float16 (the paper's first step for them), q, k and v in one launch,
+  counting per tensor the finite values that float16 cannot hold (ops.py refuses them after the call).
 - ``_shift_k_kernel``  the pre-pass: K̃_j = fp16(λM · K_j) for every KV window of every key/value head, one
   tensor-core matmul per window (paper steps ①②, ``_shift_window`` with the λM tile of ``_shift_tile``). It costs
   one pass over K and writes a K-sized fp16 buffer (Hkv heads: grouped query heads share it, spec pitfall 10).
@@ -40,6 +42,30 @@ from kernels._flash_core import load_tile
 # constexprs: triton 3.6 refuses plain globals inside kernels
 LOG2E = tl.constexpr(_LOG2E)
 M_INIT = tl.constexpr(_M_INIT)
+
+
+@triton.jit
+def _to_float16_kernel(Q, K, V, Q16, K16, V16, OVERFLOWS, n_q, n_kv, BLOCK: tl.constexpr):
+    """Program (i, t) rounds block i of tensor t (0 q, 1 k, 2 v) to float16, element for element over the tensor's
+    storage span (ops.py passes dense tensors, whose copies have their strides), and adds to OVERFLOWS[t] its finite
+    values that round to ±inf (|x| >= 65520: beyond float16's range). Every program reads the other two tensors'
+    pointers under an all-false mask, which touches no memory: one launch instead of three."""
+    t = tl.program_id(1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_q = offs < tl.where(t == 0, n_q, 0)
+    in_k = offs < tl.where(t == 1, n_kv, 0)
+    in_v = offs < tl.where(t == 2, n_kv, 0)
+    x = tl.where(in_q, tl.load(Q + offs, mask=in_q, other=0.0),
+                 tl.where(in_k, tl.load(K + offs, mask=in_k, other=0.0), tl.load(V + offs, mask=in_v, other=0.0)))
+    y = x.to(tl.float16)
+    tl.store(Q16 + offs, y, mask=in_q)
+    tl.store(K16 + offs, y, mask=in_k)
+    tl.store(V16 + offs, y, mask=in_v)
+    inf = float("inf")
+    lost = (tl.abs(y.to(tl.float32)) == inf) & (tl.abs(x.to(tl.float32)) < inf)
+    n_lost = tl.sum(lost.to(tl.int32), 0)
+    if n_lost > 0:
+        tl.atomic_add(OVERFLOWS + t, n_lost)
 
 
 @triton.jit

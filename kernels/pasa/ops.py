@@ -45,10 +45,12 @@ from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
-from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel
+from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel, _to_float16_kernel
 
 FORWARD_ONLY_WHY = "PASA is a forward-only (inference) algorithm; the paper defines no backward pass"
 SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memory-bound
+# bfloat16 -> float16 (_to_float16_kernel): elements a program and its warps, 16 a thread (two 16-byte loads)
+CONVERT_BLOCK, CONVERT_WARPS = 2048, 4
 # Key lengths up to this (per head-dim tile width, block_d) shift K inline (one launch: _pasa_fwd_kernel computes
 # each window's K̃ = fp16(λM·K_j) per KV step, SHIFT_INLINE); longer ones run the pre-pass into a K̃ buffer first
 # (two launches). Inline saves a launch (~10 µs of host time), the K̃ allocation (~4 µs) and K̃'s write and read,
@@ -163,35 +165,43 @@ def _fa16_plan(options: str, d: int, causal: bool) -> tuple:
     return plan
 
 
-def _to_fp16(name: str, q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """bfloat16 -> float16, as the paper prescribes; refuse values that float16 cannot hold instead of making inf.
-    The check reads the values back (a device sync), so it runs on this path only, and not while a CUDA graph
-    is being captured (no sync is allowed there: such values then give inf/NaN outputs)."""
-    out = []
-    for label, t in (("q", q), ("k", k), ("v", v)):
-        t16 = t.to(torch.float16)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()) and \
-                bool((torch.isinf(t16) & torch.isfinite(t)).any()):
-            raise ValueError(f"{name}: bfloat16 {label} has values beyond the float16 range (|x| > 65504); "
-                             f"{name} converts bfloat16 inputs to float16")
-        out.append(t16)
-    return tuple(out)
-
-
 _f16 = torch.float16
+
+
+def _float16_like(t: Tensor) -> Tensor:
+    """An empty float16 tensor of t's shape, with t's strides where t is dense (torch's preserve_format)."""
+    return torch.empty_like(t, dtype=_f16)
+
+
+def _same_span(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b place every element at the same offset (equal strides wherever a dimension has more than
+    one element): then converting one's storage span element for element into the other's is the conversion."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
 
 
 class _Forward(LaunchPlan):
     """One forward signature (kernels._launch.layout of q, k, v and the options) of PASA or fa16: its allocations
     and Prepared launches (PASA: Algorithm 1 shifting K inline when Nk <= SHIFT_INLINE_MAX_KEYS or the options
-    force it, else the K̃ pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one launch). float16 in
-    and out."""
+    force it, else the K̃ pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one
+    launch), on float16 inputs. bfloat16 inputs are first rounded to float16 by one launch (``convert``: into copies
+    with their strides, after a contiguous copy where they are not dense), the output rounded back to bfloat16,
+    and values beyond float16's range refused after the call (``_refuse_overflows``)."""
 
     def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
         bsz, heads_q, len_q, d = q.shape
         _, heads_kv, len_k, _ = k.shape
+        self.name = name
         self.place(q.device)
         self.out_shape = (bsz, heads_q, len_q, d)
+        self.convert = None
+        if q.dtype == torch.bfloat16:
+            # the kernels below see the float16 copies: plan them on tensors laid out as those will be
+            self.dense = tuple(_same_span(t, _float16_like(t)) for t in (q, k, v))
+            q, k, v = (_float16_like(t) if dense else torch.empty(t.shape, dtype=_f16, device=t.device)
+                       for t, dense in zip((q, k, v), self.dense))
+            n_q, n_kv = q.numel(), k.numel()
+            self.convert = Prepared(_to_float16_kernel, (-(-max(n_q, n_kv) // CONVERT_BLOCK), 3), (n_q, n_kv),
+                                    dict(BLOCK=CONVERT_BLOCK, num_warps=CONVERT_WARPS))
         ins = [in_place(name, t) for t in (q, k, v)]
         self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
         (sq, sk, sv), so = (st for _, st in ins), (heads_q * len_q * d, len_q * d, d)
@@ -249,6 +259,32 @@ class _Forward(LaunchPlan):
                                               pasa_c=c_state, pasa_state=state)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.convert is None:
+            return self._run_float16(q, k, v)
+        if self.empty:
+            return q.new_zeros(self.out_shape)
+        srcs = tuple(t if dense else t.contiguous() for t, dense in zip((q, k, v), self.dense))
+        copies = tuple(_float16_like(t) for t in srcs)
+        overflows = torch.zeros(3, dtype=torch.int32, device=q.device)
+        self.convert(*srcs, *copies, overflows)
+        out16 = self._run_float16(*copies)
+        del srcs, copies                 # their memory may hold the bfloat16 output
+        out = out16.to(q.dtype)
+        self._refuse_overflows(q, overflows)
+        return out
+
+    def _refuse_overflows(self, q: Tensor, overflows: Tensor) -> None:
+        """The one read-back of a bfloat16 call (a device sync), after its launches, so the GPU runs them back to
+        back; not while a CUDA graph is being captured (no sync is allowed there: such values then give inf/NaN
+        outputs)."""
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        for label, count in zip("qkv", overflows.tolist()):
+            if count:
+                raise ValueError(f"{self.name}: bfloat16 {label} has values beyond the float16 range (|x| > 65504); "
+                                 f"{self.name} converts bfloat16 inputs to float16")
+
+    def _run_float16(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         out = q.new_empty(self.out_shape, dtype=_f16)
         if self.empty:
             return out.zero_()
@@ -278,25 +314,16 @@ def forward_plan(name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale
 
 def pasa_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
     """Algorithm 1 (kernel.py) on K̃ = fp16(λM·K) per KV window and kv head, shifted inline or by the pre-pass
-    (SHIFT_INLINE_MAX_KEYS); float16 in and out."""
+    (SHIFT_INLINE_MAX_KEYS); the output in the inputs' dtype (float16, or bfloat16 computed in float16)."""
     return forward_plan("pasa", q, k, v, causal, scale, options)(q, k, v)
 
 
 def fa16_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str) -> Tensor:
-    """The FA16-FP32 comparator (kernel.py); float16 in and out."""
+    """The FA16-FP32 comparator (kernel.py); the output in the inputs' dtype, as pasa_forward's."""
     return forward_plan("fa16", q, k, v, causal, scale, options)(q, k, v)
 
 
-def _pasa_fwd(q, k, v, causal, scale, options):
-    if q.dtype == _f16:
-        return pasa_forward(q, k, v, causal, scale, options)
-    return pasa_forward(*_to_fp16("pasa", q, k, v), causal, scale, options).to(q.dtype)
-
-
-def _fa16_fwd(q, k, v, causal, scale, options):
-    if q.dtype == _f16:
-        return fa16_forward(q, k, v, causal, scale, options)
-    return fa16_forward(*_to_fp16("fa16", q, k, v), causal, scale, options).to(q.dtype)
+_pasa_fwd, _fa16_fwd = pasa_forward, fa16_forward      # the ops' bodies
 
 
 def _forward_only_backward(grad_out, q_shape, kv_shape, name):
