@@ -21,8 +21,10 @@ default ones ready): every op argument costs boxing on each call. A body is one 
 signature (``_Forward``: kernels._launch.layout of q, k, v and the options; β, λM's entries, c, grids, strides and
 the launches as kernels._launch.Prepared), then its launches: up to SHIFT_INLINE_MAX_KEYS keys one allocation (out)
 and one launch (the main kernel shifts K inline), beyond them two allocations (out, K̃) and two launches (the K̃
-pre-pass, then the main kernel). The choice is made once per signature, in the plan ("auto"; a call can force
-either path with shift="inline" / "prepass", which is how scripts/tune.py times one against the other). The autograd layer is
+pre-pass, then the main kernel); bfloat16 inputs add four allocations (their float16 copies, the overflow counts),
+one launch (the conversion), the output's conversion and one read-back after the launches (the range check). The
+choice of path is made once per signature, in the plan ("auto"; a call can force either path with shift="inline" /
+"prepass", which is how scripts/tune.py times one against the other). The autograd layer is
 kernels/_ops.py's pattern: one dispatcher trip per call, with or without grad.
 
 The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gluon_core.py) takes the inputs (sm_90,
