@@ -334,7 +334,7 @@ def kernel_paths(torch, name, q, k, v, do):
         p.op_fwd = lambda: ops.pasa_fwd(q, k, v, *opts)
         p.call_fwd = lambda: ops.pasa_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
-        p.body_fwd = p.body_fwd_nograd = lambda: ops._pasa_fwd(q, k, v, *opts)
+        p.body_fwd = p.body_fwd_nograd = lambda: ops.pasa_forward(q, k, v, *opts)
         p.plan_fwd = lambda: ops.forward_plan("pasa", q, k, v, *opts)
     elif name == "cqsa":
         from kernels.cqsa import attention

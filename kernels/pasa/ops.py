@@ -325,9 +325,6 @@ def fa16_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, op
     return forward_plan("fa16", q, k, v, causal, scale, options)(q, k, v)
 
 
-_pasa_fwd, _fa16_fwd = pasa_forward, fa16_forward      # the ops' bodies
-
-
 def _forward_only_backward(grad_out, q_shape, kv_shape, name):
     raise forward_only_error(name, FORWARD_ONLY_WHY)
 
@@ -380,7 +377,7 @@ def _forward_only_function(name: str, op_name: str, body) -> type:
 
 FUNCTIONS = {}      # name -> the autograd Function of its op
 CALLS = {}          # name -> what the public function calls: the Autograd kernel, or the op where it must be seen
-for _name, _body in (("pasa", _pasa_fwd), ("fa16", _fa16_fwd)):
+for _name, _body in (("pasa", pasa_forward), ("fa16", fa16_forward)):
     define_op(_lib, f"{_name}_fwd{_FORWARD_SCHEMA}", _body)
     torch.library.register_fake(f"attnbench::{_name}_fwd", _forward_fake, lib=_lib)
     FUNCTIONS[_name] = _forward_only_function(_name, f"{_name}_fwd", _body)
