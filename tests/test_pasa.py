@@ -71,6 +71,16 @@ def assert_matches_model(out, model, ref, unit, what=""):
     assert noise <= MODEL_RMS_FRACTION * own, f"{what}: RMS {noise:.3e} from the model, whose own error is {own:.3e}"
 
 
+# pytest's default selection runs on a CUDA machine too (`-m gpu` adds the GPU's own tests). Some of its tests are
+# the interpreter's only (their GPU twins are `gpu`-marked tests), two kinds of them named here:
+# - INTERPRETER_ONLY: it calls the kernels on CPU tensors, which need the Triton interpreter;
+# - SM90_SHARED_MEMORY: its 128-key windows shifted inline at a 128-column head-dim tile need 240 KB of shared
+#   memory, more than sm_90's 227 KB (Triton refuses to launch); the interpreter has no such limit.
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors: the Triton interpreter's test")
+SM90_SHARED_MEMORY = pytest.mark.skipif(torch.cuda.is_available(),
+                                        reason="128-key windows shifted inline at D = 128 exceed sm_90's shared memory")
+
+
 @pytest.fixture(params=["inline", "prepass"])
 def shift_path(request, monkeypatch):
     """Runs a test with K̃ computed inline by the main kernel (one launch) and by the pre-pass (two launches), at
@@ -191,10 +201,11 @@ def test_algorithm_is_exact_in_float64_for_grouped_kv_and_other_lengths(hq, hkv,
 @pytest.mark.parametrize("n, d, causal, block_n", [
     (200, 64, False, 64),     # 4 KV windows, the last one overlapping (ragged)
     (200, 64, True, 64),
-    (130, 128, False, 128),   # N just past one block: the overlap window is almost all old keys
+    pytest.param(130, 128, False, 128, marks=SM90_SHARED_MEMORY),   # N just past one block: the overlap window is
+                                                                    # almost all old keys
     (77, 128, True, 64),      # N % 16 ≠ 0, causal, rows that see nothing in a block
     (50, 64, False, 64),      # N < n: one zero-padded window
-    (256, 128, True, 128),
+    pytest.param(256, 128, True, 128, marks=SM90_SHARED_MEMORY),
 ])
 def test_pasa_forward_ordinary_inputs(device, shift_path, n, d, causal, block_n):
     gen = torch.Generator(device=device).manual_seed(n + d)
@@ -213,7 +224,8 @@ def test_pasa_forward_ordinary_inputs(device, shift_path, n, d, causal, block_n)
 EMULATION_CASES = [   # (Hq, Hkv, Nq, Nk, D, causal, block_n, x0, beta)
     (2, 2, 200, 200, 64, False, 64, 0.0, 0.0),        # β = 0: no ȳ amplification, the roundings alone
     (2, 2, 77, 77, 128, True, 64, 0.0, 0.0),          # odd N, causal, rows that see nothing in a block
-    (2, 2, 130, 130, 128, False, 128, 0.0, 0.9375),   # c = 15 amplifies the fp32 summation-order noise of ȳ
+    pytest.param(2, 2, 130, 130, 128, False, 128, 0.0, 0.9375,        # c = 15 amplifies the fp32 summation-order
+                 marks=SM90_SHARED_MEMORY),                           # noise of ȳ
     (2, 2, 192, 192, 64, True, 64, 3.0, None),        # biased, the default β (c ≈ 64)
     (4, 2, 70, 150, 40, True, 64, 1.0, None),         # grouped K/V, fewer queries (bottom-right), padded D
     (2, 1, 150, 70, 24, True, 64, 0.0, None),         # multi-query, more queries: rows that see no key at all
@@ -270,7 +282,14 @@ def sparse_low_blocks(n, d, block_n, gap, gen, device, heads=2):
     return q.half(), k.half(), v.half()
 
 
-@pytest.mark.parametrize("n, d, causal", [(256, 64, False), (200, 128, True)])
+# (200, 128, True) on the GPU: the 1.02·c model's error on this data is 2.3 % there (the GPU's fp32 sums), under the
+# 3 % this test needs to prove it sensitive; test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off is the
+# GPU's check of c
+@pytest.mark.parametrize("n, d, causal", [
+    (256, 64, False),
+    pytest.param(200, 128, True, marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                          reason="this data's 2 % error in c is the interpreter's")),
+])
 def test_recovery_constant_c_is_exact_to_a_percent(device, shift_path, n, d, causal):
     # A 2 % error in c = β/(1 − β) moves these outputs by 4-10 % (rel. RMSE, emulation) where PASA's own fp16 error
     # is 2-3.5e-3; the bound sits between the two, and the model run with c·1.02 and c·0.98 shows it is exceeded.
@@ -323,6 +342,7 @@ def test_fused_loop_overflow_free_where_fa16_overflows(device, shift_path, d, x0
     assert rms(out.double() - ref) <= 2 * rms(emu.double() - ref) + 1e-4
 
 
+@INTERPRETER_ONLY
 def test_variant_option():
     from kernels.pasa.attention import DEFAULT_VARIANT, VARIANTS
 
@@ -427,6 +447,7 @@ def _pasa_plans():
     return [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
 
 
+@INTERPRETER_ONLY
 def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton(monkeypatch):
     # only a call that names no loop, tiles or K̃ path may run on the Gluon core (core=auto), in either state
     from kernels.pasa import attention
@@ -448,6 +469,7 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
     assert cores == ["auto", "auto", "triton", "triton", "triton", "auto", "triton"]
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("nq, nk, d, causal, state", [(300, 333, 80, True, "fp16"), (130, 260, 64, False, "fp16"),
                                                        (70, 200, 192, False, "fp16"), (130, 260, 64, True, "fp32")])
 def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal, state):
@@ -657,7 +679,7 @@ def test_pasa_bfloat16_layouts_compute_on_float16_rounding(device, layout):
 # (Hq, Hkv, Nq, Nk, D, causal, block_n): ragged last windows (Nk % n != 0), Nk < n (one zero-padded window), grouped
 # K/V, bottom-right causal with Nq != Nk, a padded head dim
 INLINE_CASES = [(2, 2, 200, 200, 64, False, 64), (2, 2, 50, 50, 64, True, 64), (4, 2, 70, 150, 40, True, 64),
-                (3, 1, 97, 97, 80, False, 128), (2, 1, 130, 77, 64, True, 32)]
+                pytest.param(3, 1, 97, 97, 80, False, 128, marks=SM90_SHARED_MEMORY), (2, 1, 130, 77, 64, True, 32)]
 
 
 @pytest.mark.parametrize("hq, hkv, nq, nk, d, causal, block_n", INLINE_CASES)
@@ -704,6 +726,7 @@ def test_plan_shifts_inline_up_to_the_rule_or_as_asked(device, monkeypatch):
         assert rel_rmse(out, reference_attention(q, k, v)) <= 4e-3, nk
 
 
+@INTERPRETER_ONLY
 def test_opcheck():
 
     q, k, v = _randn_inputs(4, 2, 9, 21, 24, "cpu", seed=9)
@@ -718,6 +741,7 @@ def test_opcheck():
         ops.forward_only_backward(q, list(q.shape), list(k.shape), "pasa")
 
 
+@INTERPRETER_ONLY
 def test_compiled_forward_equals_eager_and_backward_raises_when_run():
     # fullgraph: no graph break; inputs that require grad make AOTAutograd trace the backward, which must not
     # raise while tracing (a compiled forward of a model with parameters works), only when it runs
