@@ -453,6 +453,13 @@ class Prepared:
         if self.describe:
             raise ValueError("a launch with host-side tensor descriptors (a Gluon kernel) is not traced: inductor "
                              "does not take Gluon kernels")
+        # inductor's trace takes the arguments as given, without the kernel's defaults: one left to its default
+        # fails only at the compiled graph's launch ("launcher() missing ... '_grid_2'")
+        left = self.jit_fn.arg_names[len(tensors) + len(self.fixed):]
+        missing = [name for name in left if name not in self.constexprs]
+        if missing:
+            raise ValueError(f"{self.jit_fn.__name__}: the traced launch leaves {', '.join(missing)} to the kernel's "
+                             "defaults, which inductor does not apply: pass them")
         torch.library.wrap_triton(self.jit_fn)[self.grid](*tensors, *self.fixed, **self.constexprs)
 
 

@@ -362,7 +362,7 @@ def _elsa_phase2(Sbuf, Out, Lse,
                  sob, soh, son,
                  H, NQ, NK, q0, QB, BH, P, W, NROWS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                 KBT: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr = False):
+                 KBT: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr):
     """PDL: launched as a programmatic dependent of phase 1 (sm_90, host.py): the program may start while phase 1
     still runs, so it waits for phase 1's completion and its stores (griddepcontrol.wait) before its first load."""
     rb = tl.program_id(0)
