@@ -728,6 +728,22 @@ def _click_exception():
     return ClickException
 
 
+def _given(exc, argv: list[str]) -> str:
+    """' (given: VALUE)' for a parser error about an option's value, naming the value as typed where click's message
+    does not (typer 0.29's says only "Input should be a valid integer"); else ''."""
+    param = getattr(exc, "param", None)
+    for opt in getattr(param, "opts", None) or ():
+        for i, arg in enumerate(argv):
+            if arg == opt and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(opt + "="):
+                value = arg[len(opt) + 1:]
+            else:
+                continue
+            return "" if repr(value) in exc.format_message() else f" (given: {value!r})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     global _argv
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -749,8 +765,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             context = getattr(exc, "ctx", None)
             where = f"{context.command_path}: " if context is not None else ""
-            err.print(f"[bold red]error:[/] {escape(where + exc.format_message())} (see --help)", highlight=False,
-                      soft_wrap=True)
+            err.print(f"[bold red]error:[/] {escape(where + exc.format_message() + _given(exc, argv))} (see --help)",
+                      highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -200,7 +200,7 @@ BAD_OPTIONS = {
     # id: (arguments after `run-matrix TINY --device cpu`, culprits)
     "max-attempts-0": (["--max-attempts", "0"], ["--max-attempts 0", "≥ 1"]),
     "max-attempts-negative": (["--max-attempts", "-3"], ["--max-attempts -3"]),
-    "max-attempts-not-a-number": (["--max-attempts", "x"], ["--max-attempts", "integer"]),
+    "max-attempts-not-a-number": (["--max-attempts", "x"], ["--max-attempts", "'x'", "valid int"]),
     "min-free-gb-negative": (["--min-free-gb", "-1"], ["--min-free-gb -1", "≥ 0"]),
     "max-util-over-100": (["--max-util", "101"], ["--max-util 101", "[0, 100]"]),
     "max-util-negative": (["--max-util", "-1"], ["--max-util -1"]),

@@ -289,7 +289,7 @@ BAD_OPTIONS = {
     "workers-on-cuda": (["--workers", "2"], ["--workers is for --device cpu", "--gpus"]),
     "workers-0": (["--device", "cpu", "--workers", "0"], ["--workers 0"]),
     "workers-too-many": (["--device", "cpu", "--workers", "65"], ["--workers 65"]),
-    "workers-not-a-number": (["--device", "cpu", "--workers", "two"], ["--workers", "integer"]),
+    "workers-not-a-number": (["--device", "cpu", "--workers", "two"], ["--workers", "'two'", "valid int"]),
     "gpus-not-an-index": (["--gpus", "0,x"], ["--gpus '0,x'", "'x' is not a GPU index"]),
     "gpus-negative": (["--gpus", "-1"], ["--gpus '-1'", "'-1' is not a GPU index"]),
     "gpus-twice": (["--gpus", "0,1,0"], ["--gpus '0,1,0'", "GPU 0 is listed twice"]),
