@@ -17,11 +17,20 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# pytest's default selection runs on a CUDA machine too, where the Triton interpreter is off (above) and host
+# tensors handed to CQSA stream through the GPU. A test of the CPU path is marked `cpu_only` (its GPU twin is a
+# `gpu`-marked test) and skipped there, with the marker's reason if it gives one.
+CPU_ONLY_REASON = "CPU tensors need the Triton interpreter, which is on only where CUDA is absent"
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        cpu_only = item.get_closest_marker("cpu_only")
+        if cpu_only is not None and HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=cpu_only.kwargs.get("reason", CPU_ONLY_REASON)))
 
 
 @pytest.fixture

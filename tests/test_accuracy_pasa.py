@@ -35,6 +35,7 @@ def tiny_grid():
     return accuracy_grid(points, seeds=(0, 1), heads_q=2, heads_kv=1, n=96, head_dim=64, device="cpu")
 
 
+@pytest.mark.cpu_only
 def test_accuracy_grid_on_cpu(tiny_grid):
     df = tiny_grid
     assert isinstance(df, pd.DataFrame)
@@ -63,6 +64,7 @@ def test_accuracy_grid_on_cpu(tiny_grid):
     assert len(pair) == 6 and (pair.rel_rmse_fp32 < 0.1 * pair.rel_rmse_math).all()
 
 
+@pytest.mark.cpu_only
 def test_summary_targets_and_table(tiny_grid):
     summary = summarize_accuracy(tiny_grid)
     assert len(summary) == 3 * 4 and (summary.seeds == 2).all()
@@ -78,6 +80,7 @@ def test_summary_targets_and_table(tiny_grid):
         assert f" {method} " in md.splitlines()[0]
 
 
+@pytest.mark.cpu_only
 def test_biased_inputs_summary(tiny_grid):
     """Only x₀ ≠ 0 points count; overflow counted per point; the RMSE range over the finite points only."""
     summary = summarize_accuracy(tiny_grid)
@@ -107,6 +110,7 @@ def test_sdpa_rows_on_the_gpu():
     assert got.loc["flash", "rel_rmse_max"] < got.loc["pasa", "rel_rmse_min"]
 
 
+@pytest.mark.cpu_only
 def test_heatmaps_written(tiny_grid, tmp_path):
     paths = plot_accuracy_heatmaps(tiny_grid, tmp_path / "plots")
     assert [p.name for p in paths] == ["accuracy_nonfinite_frac.png", "accuracy_rel_rmse.png"]
@@ -115,6 +119,7 @@ def test_heatmaps_written(tiny_grid, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.cpu_only
 def test_pasa_variants_and_options():
     point = [dict(dist="uniform", x0=20.0, am=0.5)]
     df = accuracy_grid(point, methods=("pasa", "pasa_state_fp32", "pasa_beta0"), seeds=(0,), heads_q=1,

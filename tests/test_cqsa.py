@@ -524,7 +524,7 @@ def test_kernel_partials_on_synthetic_masks(device, pattern, causal):
 
 # host tensors on a machine with a GPU take the streaming path (it computes on the GPU), which the ops and
 # torch.compile refuse by design; the GPU tests compile the resident path (test_gpu_* below, tests/test_contract.py)
-_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="host inputs stream to the GPU where there is one")
+_CPU_ONLY = pytest.mark.cpu_only(reason="host inputs stream through the GPU where there is one: the CPU engine's test")
 
 
 @_CPU_ONLY
@@ -639,6 +639,7 @@ def test_guardrail_escalates_when_every_level1_task_is_refused():
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
 
+@_CPU_ONLY
 def test_guardrail_hybrid_refines_only_failing_tasks():
     n = 98
     q, k, v = _inputs(n)
@@ -694,6 +695,7 @@ def test_calibration_sizes_n_cap_from_measured_peak():
     assert cal["delta_bytes"] == 10 ** 8 and cal["n_cap"] == (budget - held) // 10 ** 8 == 9
 
 
+@_CPU_ONLY
 def test_tiny_budget_plans_deeper_and_stays_exact():
     n, d, h = 100, 32, 1
     q, k, v = _inputs(n, d, h)
@@ -779,13 +781,14 @@ def test_registered_with_attnbench():
     (dict(precision="fp16"), "precision must be one of"),
     (dict(opts=dict(mem_budget=None, n_cap=2)), "need stream mode"),
 ])
-def test_validation_errors(bad, match):
+def test_validation_errors(bad, match, device):
+    # on the kernels' device: host inputs on a machine with a GPU take the streaming path, where n_cap applies
     d = bad.get("d", 32)
     shape = bad.get("shape", (1, 2, 8, d))
     dtype = bad.get("dtype", torch.float32)
-    q = torch.randn(shape).to(dtype)
-    k = torch.randn(shape).to(bad.get("kdtype", dtype))
-    v = torch.randn(shape).to(dtype)
+    q = torch.randn(shape, device=device).to(dtype)
+    k = torch.randn(shape, device=device).to(bad.get("kdtype", dtype))
+    v = torch.randn(shape, device=device).to(dtype)
     if dtype == torch.bfloat16 and torch.cuda.is_available():
         pytest.skip("bf16 is supported on CUDA")
     with pytest.raises(ValueError, match=match) as exc:

@@ -66,13 +66,14 @@ def test_auto_itr_is_the_shallowest_balanced_divide():
     assert D.auto_itr(128, 7, 64, False) == 2             # capped by the depth N allows
 
 
-def test_errors_without_a_process_group_are_one_line():
-    q = torch.randn(1, 1, 16, 32)
+def test_errors_without_a_process_group_are_one_line(device):
+    # on the kernels' device: host inputs on a machine with a GPU stream, where n_cap applies without mem_budget
+    q = torch.randn(1, 1, 16, 32, device=device)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised") as e:
         cqsa_attention_distributed(q, q, q)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="grouped K/V heads"):
-        cqsa_attention_distributed(torch.randn(1, 2, 16, 32), q, q)
+        cqsa_attention_distributed(torch.randn(1, 2, 16, 32, device=device), q, q)
     with pytest.raises(ValueError, match="itr must be None"):
         cqsa_attention_distributed(q, q, q, itr=0)
     with pytest.raises(ValueError, match="need mem_budget"):
@@ -133,6 +134,7 @@ def _check_exact(runs, world):
         assert r["stats"]["forward_s"]["total"] > 0 and r["stats"]["backward_s"]["total"] > 0
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_exact_noncausal_three_ranks(three_ranks):
     runs = three_ranks["exact"]
     _check_exact(runs, 3)
@@ -144,6 +146,7 @@ def test_exact_noncausal_three_ranks(three_ranks):
         assert r["stats"]["cost"] == plan.loads[r["rank"]]
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_exact_causal_uneven_task_counts(three_ranks):
     runs = three_ranks["causal_uneven"]
     _check_exact(runs, 3)
@@ -151,6 +154,7 @@ def test_exact_causal_uneven_task_counts(three_ranks):
     assert runs[0]["n"] % 7 != 0
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_streaming_share_refined_on_one_rank(three_ranks):
     runs = three_ranks["stream_refined"]
     _check_exact(runs, 3)
@@ -174,14 +178,17 @@ def _assert_failure_everywhere(runs, phase, bad_rank):
         assert "\n" not in msg
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_failed_forward_rank_fails_every_rank_with_lost_task_ids(three_ranks):
     _assert_failure_everywhere(three_ranks["fail_forward"], "forward", 1)
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_failed_backward_rank_fails_every_rank_with_lost_task_ids(three_ranks):
     _assert_failure_everywhere(three_ranks["fail_backward"], "backward", 2)
 
 
+@pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there is one; the GPU ranks' test is test_gpu_nccl_equals_single_device")
 def test_ranks_calling_with_different_problems_fail_together(three_ranks):
     for r in three_ranks["mismatch"]:
         assert r["error_type"] == "RuntimeError" and "different problems or options" in r["error"], r
@@ -279,6 +286,7 @@ def test_scaling_table_fits_and_projection():
     assert p64["wall_s"] == pytest.approx(6.0 / cost * plan64.balance * cost / 64 * 1.05 + merge64, rel=1e-6)
 
 
+@pytest.mark.cpu_only
 def test_scaling_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = dict(_child_env(), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     script = str(REPO / "scripts" / "cqsa_scaling.py")

@@ -473,8 +473,8 @@ def test_tuning_json_is_read_as_before():
             assert int(bucket_name) in (64, 128, 256)
 
 
-CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU inputs need the Triton interpreter, which "
-                              "conftest sets only without CUDA (the GPU tests cover flex)")
+CPU_ONLY = pytest.mark.cpu_only(reason="CPU inputs need the Triton interpreter, which conftest sets only without "
+                                       "CUDA (the GPU tests cover flex)")
 
 
 @CPU_ONLY
@@ -619,6 +619,7 @@ def test_module_unbatched_input_dropout_and_refusals(device):
 
 def test_module_compiles_fullgraph(device):
     _, ours = _mha_pair(32, 2)
+    ours = ours.to(device)
     x = torch.randn(2, 24, 32, device=device, requires_grad=True)
     ours.batch_first = True
     _compile_like_eager(lambda x: ours(x, x, x)[0], x)

@@ -60,6 +60,7 @@ def _reference_lse(q, k, causal: bool):
     return torch.logsumexp(scores, -1)
 
 
+@pytest.mark.cpu_only
 def test_not_available_on_the_cpu():
     q, k, v = _inputs(1, 1, 1, 8, 8, 64, torch.float16, "cpu")
     assert not gc.available(q, k, v)
@@ -68,6 +69,7 @@ def test_not_available_on_the_cpu():
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.cpu_only
 def test_backward_not_available_on_the_cpu():
     q, k, v = _inputs(1, 1, 1, 8, 8, 64, torch.float16, "cpu")
     lse2 = torch.zeros(1, 1, 8)
@@ -548,6 +550,7 @@ def _emulated_walk(q, k, v, out, lse, walk, causal, qk_scale, block_n, cta_rows)
 
 # the plan keeps keys this short in one partition (below kernels/elsa/config.py's LONG_N): every case names its
 # partition width
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case", [
     dict(nq=300, nk=300, hq=2, hkv=2, causal=False, config={"plan": {"partition_width": 128}}),   # phase 2 merges
     dict(nq=260, nk=390, hq=4, hkv=2, causal=True, config={"plan": {"partition_width": 128}}),    # GQA, bottom-right
@@ -623,6 +626,7 @@ def test_tile_walk_masks_exactly_the_keys_a_row_cannot_see(causal):
             left, r = left - tiles, r + 1
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("nq,nk,hq,hkv,c,causal,d", [
     (300, 300, 2, 2, 7, False, 64),          # pieces of ~43 rows: items shorter than a CTA, ragged tiles
     (300, 300, 2, 1, 7, True, 80),           # causal: ranges past a block's horizon left out; split head dim

@@ -35,6 +35,7 @@ def test_modes_and_names():
         validate_model_name("vit_tiny_patch16_2244")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("name,img", [(VIT, 32), (SWIN, 32)])
 def test_fwd_workload_kernel_matches_native(name, img):
     outs = _outputs(name, img, "fwd")
@@ -54,6 +55,7 @@ def _model_of(wl):
     return next(c.cell_contents for c in wl.prepare.__closure__ if isinstance(c.cell_contents, dict))["model"]
 
 
+@pytest.mark.cpu_only
 def test_train_workload_gradients():
     outs = _outputs(VIT, 32, "train")
     (wl_n, loss_n), (wl_k, loss_k) = outs["native"], outs["elsa"]
@@ -157,6 +159,7 @@ def _elsa_is_an_op() -> bool:
     return hasattr(torch.ops.attnbench, "elsa")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(not _elsa_is_an_op(), reason="ELSA is not a torch.library op in this tree")
 @pytest.mark.parametrize("name", [VIT, SWIN])
 def test_compiled_model_with_real_elsa_in_one_graph(name):

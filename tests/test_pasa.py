@@ -71,12 +71,10 @@ def assert_matches_model(out, model, ref, unit, what=""):
     assert noise <= MODEL_RMS_FRACTION * own, f"{what}: RMS {noise:.3e} from the model, whose own error is {own:.3e}"
 
 
-# pytest's default selection runs on a CUDA machine too (`-m gpu` adds the GPU's own tests). Some of its tests are
-# the interpreter's only (their GPU twins are `gpu`-marked tests), two kinds of them named here:
-# - INTERPRETER_ONLY: it calls the kernels on CPU tensors, which need the Triton interpreter;
-# - SM90_SHARED_MEMORY: its 128-key windows shifted inline at a 128-column head-dim tile need 240 KB of shared
-#   memory, more than sm_90's 227 KB (Triton refuses to launch); the interpreter has no such limit.
-INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors: the Triton interpreter's test")
+# pytest's default selection runs on a CUDA machine too (`-m gpu` adds the GPU's own tests). Tests that call the
+# kernels on CPU tensors are marked cpu_only (tests/conftest.py); SM90_SHARED_MEMORY marks those whose 128-key
+# windows shifted inline at a 128-column head-dim tile need 240 KB of shared memory, more than sm_90's 227 KB
+# (Triton refuses to launch); the interpreter has no such limit.
 SM90_SHARED_MEMORY = pytest.mark.skipif(torch.cuda.is_available(),
                                         reason="128-key windows shifted inline at D = 128 exceed sm_90's shared memory")
 
@@ -342,7 +340,7 @@ def test_fused_loop_overflow_free_where_fa16_overflows(device, shift_path, d, x0
     assert rms(out.double() - ref) <= 2 * rms(emu.double() - ref) + 1e-4
 
 
-@INTERPRETER_ONLY
+@pytest.mark.cpu_only
 def test_variant_option():
     from kernels.pasa.attention import DEFAULT_VARIANT, VARIANTS
 
@@ -447,7 +445,7 @@ def _pasa_plans():
     return [plan for key, plan in ops._plans.items() if key[0] == "pasa" and not plan.empty]
 
 
-@INTERPRETER_ONLY
+@pytest.mark.cpu_only
 def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_triton(monkeypatch):
     # only a call that names no loop, tiles or K̃ path may run on the Gluon core (core=auto), in either state
     from kernels.pasa import attention
@@ -469,7 +467,7 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
     assert cores == ["auto", "auto", "triton", "triton", "triton", "auto", "triton"]
 
 
-@INTERPRETER_ONLY
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("nq, nk, d, causal, state", [(300, 333, 80, True, "fp16"), (130, 260, 64, False, "fp16"),
                                                        (70, 200, 192, False, "fp16"), (130, 260, 64, True, "fp32")])
 def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal, state):
@@ -726,7 +724,7 @@ def test_plan_shifts_inline_up_to_the_rule_or_as_asked(device, monkeypatch):
         assert rel_rmse(out, reference_attention(q, k, v)) <= 4e-3, nk
 
 
-@INTERPRETER_ONLY
+@pytest.mark.cpu_only
 def test_opcheck():
 
     q, k, v = _randn_inputs(4, 2, 9, 21, 24, "cpu", seed=9)
@@ -741,7 +739,7 @@ def test_opcheck():
         ops.forward_only_backward(q, list(q.shape), list(k.shape), "pasa")
 
 
-@INTERPRETER_ONLY
+@pytest.mark.cpu_only
 def test_compiled_forward_equals_eager_and_backward_raises_when_run():
     # fullgraph: no graph break; inputs that require grad make AOTAutograd trace the backward, which must not
     # raise while tracing (a compiled forward of a model with parameters works), only when it runs

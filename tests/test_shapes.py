@@ -115,6 +115,7 @@ def test_workload_builds_grouped_k_v_and_both_lengths(mode):
         assert dq.shape == (1, 4, 24, 16) and dk.shape == dv.shape == (1, 2, 40, 16)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwdbwd"])
 def test_workload_with_a_bias_gives_elsa_and_sdpa_the_same_problem(mode):
     """bias=True: a [1, H, Nq, Nk] bias broadcast over the batch, ELSA's attn_bias and SDPA's attn_mask, with its

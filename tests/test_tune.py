@@ -30,6 +30,7 @@ def run_tune(*args, timeout=900):
 
 
 # one short section per kernel: every code path of the sweep (accuracy check, paired timing, decision, writing)
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("kernel, sections, expected", [
     ("elsa", "bwd32", [("bwd32:dkdv", "bwd", "32,64"), ("bwd32:dq", "bwd", "32,64")]),
     ("elsa", "window16,short16", [("window16", "window_fwd", "16,32"), ("short16", "short_bwd", "16,32")]),

@@ -5,6 +5,7 @@ import torch
 import kernels.elsa.verify_2pass as v2
 
 
+@pytest.mark.cpu_only
 def test_verify_two_pass_cpu_confirms():
     rows, ok, failures = v2.verify_two_pass("cpu")
     assert ok, failures
@@ -21,6 +22,7 @@ def test_verify_two_pass_cpu_confirms():
     assert any(int(row["shape"].split("(")[1].split(",")[2]) % 2 == 1 for row in rows)   # ViT-like odd N
 
 
+@pytest.mark.cpu_only
 def test_verify_two_pass_fails_without_phase2(monkeypatch):
     """If phase 2 never shows up (as in a fused single pass), the verdict is FAILED naming the shape."""
     import kernels.elsa.trace as trace
@@ -34,6 +36,7 @@ def test_verify_two_pass_fails_without_phase2(monkeypatch):
     assert rows[0]["phase2_separate"] == "no"
 
 
+@pytest.mark.cpu_only
 def test_verify_two_pass_fails_on_16_bit_statistics(monkeypatch):
     """The softmax statistics (m, z) must stay fp32: a trace that says otherwise is FAILED, naming them."""
     import kernels.elsa.trace as trace
