@@ -252,6 +252,26 @@ def _block_range(i, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUS
 
 
 @triton.jit
+def _query_tile(H_Q, H_KV, N_Q, N_K, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's query tile: batch b, query head h and its key/value head hk (grouped-query attention: H_Q //
+    H_KV query heads share one), its rows and head-dim columns, their in-bounds mask, and each row's last visible
+    key under bottom-right causal masking. Indices only: the kernels load and store through them themselves."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = (h // (H_Q // H_KV)).to(tl.int64)
+    h = h.to(tl.int64)
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    io_mask = rows[:, None] < N_Q
+    if D < BLOCK_D:
+        io_mask = io_mask & (cols[None, :] < D)
+    last_key = rows + (N_K - N_Q)
+    return i, b, h, hk, rows, cols, io_mask, last_key
+
+
+@triton.jit
 def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, stride_vh, stride_vn,
                      stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, c_arg, stride_kb, stride_kh, stride_kn,
                      diag, off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
@@ -266,26 +286,15 @@ def _pasa_fwd_kernel(Q, KS, V, O, stride_qb, stride_qh, stride_qn, stride_vb, st
     (ops.py, "Host cost": one launch instead of two, for short key lengths). Without it the K strides and
     diag/off are unused."""
     STATE: tl.constexpr = tl.float32 if STATE_FP32 else tl.float16
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = (h // (H_Q // H_KV)).to(tl.int64)
-    h = h.to(tl.int64)
+    i, b, h, hk, rows, cols, io_mask, last_key = _query_tile(H_Q, H_KV, N_Q, N_K, BLOCK_M, D, BLOCK_D)
     if SHIFT_INLINE:
         ks_base = b * stride_kb + hk * stride_kh
     else:
         ks_base = (b * H_KV + hk) * tl.cdiv(N_K, BLOCK_N) * BLOCK_N * BLOCK_D
     shift = _shift_tile(diag, off, BLOCK_N)     # used only with SHIFT_INLINE (else the compiler drops it)
     v_base = b * stride_vb + hk * stride_vh
-    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    io_mask = rows[:, None] < N_Q
-    if D < BLOCK_D:
-        io_mask = io_mask & (cols[None, :] < D)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols[None, :], mask=io_mask,
                 other=0.0)
-    last_key = rows + (N_K - N_Q)
 
     # c as a row vector in the state format (a runtime scalar arg is fp32, or a Python float when interpreted)
     c = (tl.zeros([BLOCK_M], tl.float32) + c_arg).to(STATE)
@@ -353,20 +362,9 @@ def _fa16_fwd_kernel(Q, K, V, O, stride_qb, stride_qh, stride_qn, stride_kb, str
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, H_Q, H_KV, N_Q, N_K, qk_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAUSAL: tl.constexpr):
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = (h // (H_Q // H_KV)).to(tl.int64)
-    h = h.to(tl.int64)
-    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    io_mask = rows[:, None] < N_Q
-    if D < BLOCK_D:
-        io_mask = io_mask & (cols[None, :] < D)
+    i, b, h, hk, rows, cols, io_mask, last_key = _query_tile(H_Q, H_KV, N_Q, N_K, BLOCK_M, D, BLOCK_D)
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + cols[None, :], mask=io_mask,
                 other=0.0)
-    last_key = rows + (N_K - N_Q)
     k_base = b * stride_kb + hk * stride_kh
     v_base = b * stride_vb + hk * stride_vh
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
