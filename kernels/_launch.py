@@ -453,14 +453,13 @@ class Prepared:
         if self.describe:
             raise ValueError("a launch with host-side tensor descriptors (a Gluon kernel) is not traced: inductor "
                              "does not take Gluon kernels")
-        # inductor's trace takes the arguments as given, without the kernel's defaults: one left to its default
-        # fails only at the compiled graph's launch ("launcher() missing ... '_grid_2'")
-        left = self.jit_fn.arg_names[len(tensors) + len(self.fixed):]
-        missing = [name for name in left if name not in self.constexprs]
-        if missing:
-            raise ValueError(f"{self.jit_fn.__name__}: the traced launch leaves {', '.join(missing)} to the kernel's "
-                             "defaults, which inductor does not apply: pass them")
-        torch.library.wrap_triton(self.jit_fn)[self.grid](*tensors, *self.fixed, **self.constexprs)
+        # inductor's trace takes the arguments as given and applies no kernel defaults (an argument left to one
+        # failed only at the compiled graph's launch: "launcher() missing ... '_grid_2'"), so they are passed here
+        # as the eager launch's JIT binding takes them
+        params = inspect.signature(self.jit_fn.fn).parameters
+        defaults = {name: params[name].default for name in self.jit_fn.arg_names[len(tensors) + len(self.fixed):]
+                    if name not in self.constexprs and params[name].default is not inspect.Parameter.empty}
+        torch.library.wrap_triton(self.jit_fn)[self.grid](*tensors, *self.fixed, **defaults, **self.constexprs)
 
 
 def layout(*tensors) -> tuple:

@@ -42,7 +42,6 @@ class FakeJIT:
     arg_names = ["X", "Y", "n", "scale", "BLOCK", "EXTRA", "FLAG"]
 
     def __init__(self):
-        self.__name__ = "kern"
         self.pre_run_hooks = []
         self.jit_calls = []
         self.ck = FakeCK()
@@ -407,17 +406,17 @@ def test_prepared_first_call_through_launch_then_compiled_run_with_pointers(fast
     assert call[9:] == (x2.data_ptr(), y2.data_ptr(), 128, 0.5, 64, 3, True)
 
 
-def test_traced_launch_passes_every_argument_or_refuses(monkeypatch):
+def test_traced_launch_passes_every_argument_the_kernel_takes(monkeypatch):
     # inductor's trace of wrap_triton takes the arguments as given and applies no kernel defaults: a traced launch
-    # that leaves one to its default (EXTRA here) would fail only when the compiled graph launches it
+    # passes what the constexprs leave to a default (EXTRA here) itself, at the default's value, as the JIT does
     handed = []
     monkeypatch.setattr(torch.library, "wrap_triton",
                         lambda fn: {(3, 2): lambda *a, **kw: handed.append((fn, a, kw))})
     jit = FakeJIT()
     x, y = _args()[:2]
-    with pytest.raises(ValueError, match=r"kern: the traced launch leaves EXTRA to the kernel's defaults") as err:
-        L.Prepared(jit, (3, 2), (128, 0.5), CX).traced(x, y)
-    assert "\n" not in str(err.value) and handed == []
+    L.Prepared(jit, (3, 2), (128, 0.5), CX).traced(x, y)
+    assert handed == [(jit, (x, y, 128, 0.5), dict(CX, EXTRA=3))]
+    handed.clear()
     full = dict(CX, EXTRA=5)
     L.Prepared(jit, (3, 2), (128, 0.5), full).traced(x, y)
     assert handed == [(jit, (x, y, 128, 0.5), full)]

@@ -191,8 +191,7 @@ class _FwdPlan(LaunchPlan):
         p2_const = dict(HEAD_DIM=c.D, BLOCK_D=c.BD, BLOCK_M=bm, ROWS=plan.p2_rows, KBT=plan.p2_kbt, CAUSAL=causal,
                         STORE_LSE=need_lse, num_warps=PHASE2_WARPS, num_stages=2)
         # phase 2 as a programmatic dependent of phase 1 (eager, sm_90): its launch overlaps phase 1's last programs,
-        # and it waits for phase 1's stores in the kernel (PDL). Not when traced: inductor launches what it is handed,
-        # and its trace takes every argument as given (no defaults), so PDL is always passed.
+        # and it waits for phase 1's stores in the kernel (PDL). Not when traced: inductor launches what it is handed.
         dependent = not traced and not plan.final and dependent_launch_ok(c.device)
         p2_const.update(PDL=dependent)
         if dependent:
