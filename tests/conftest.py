@@ -19,8 +19,11 @@ if not HAS_CUDA:
 
 # pytest's default selection runs on a CUDA machine too, where the Triton interpreter is off (above) and host
 # tensors handed to CQSA stream through the GPU. A test of the CPU path is marked `cpu_only` (its GPU twin is a
-# `gpu`-marked test) and skipped there, with the marker's reason if it gives one.
-CPU_ONLY_REASON = "CPU tensors need the Triton interpreter, which is on only where CUDA is absent"
+# `gpu`-marked test), or `cpu_only("host_inputs")` for CQSA's host inputs, and skipped there for that reason.
+CPU_ONLY_REASONS = {
+    "interpreter": "CPU tensors need the Triton interpreter, which is on only where CUDA is absent",
+    "host_inputs": "host inputs stream through the GPU where there is one: the CPU engine's test",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,8 +32,13 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         cpu_only = item.get_closest_marker("cpu_only")
-        if cpu_only is not None and HAS_CUDA:
-            item.add_marker(pytest.mark.skip(reason=cpu_only.kwargs.get("reason", CPU_ONLY_REASON)))
+        if cpu_only is not None:
+            kind = cpu_only.args[0] if cpu_only.args else "interpreter"
+            if kind not in CPU_ONLY_REASONS:
+                raise pytest.UsageError(f"{item.nodeid}: cpu_only({kind!r}): the kinds are "
+                                        f"{sorted(CPU_ONLY_REASONS)}")
+            if HAS_CUDA:
+                item.add_marker(pytest.mark.skip(reason=CPU_ONLY_REASONS[kind]))
 
 
 @pytest.fixture

@@ -524,10 +524,9 @@ def test_kernel_partials_on_synthetic_masks(device, pattern, causal):
 
 # host tensors on a machine with a GPU take the streaming path (it computes on the GPU), which the ops and
 # torch.compile refuse by design; the GPU tests compile the resident path (test_gpu_* below, tests/test_contract.py)
-_CPU_ONLY = pytest.mark.cpu_only(reason="host inputs stream through the GPU where there is one: the CPU engine's test")
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only("host_inputs")
 def test_ops_pass_opcheck():
     """opcheck runs each op a dozen ways (schema, fake tensors, autograd registration, AOT dispatch): one small
     causal grouped-query case with Nq != Nk keeps that affordable in the interpreter."""
@@ -543,7 +542,7 @@ def test_ops_pass_opcheck():
                                      3, 1, "ieee", tiles))
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only("host_inputs")
 def test_compile_fullgraph_forward_and_backward_like_eager():
     torch._dynamo.reset()
 
@@ -639,7 +638,7 @@ def test_guardrail_escalates_when_every_level1_task_is_refused():
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only("host_inputs")
 def test_guardrail_hybrid_refines_only_failing_tasks():
     n = 98
     q, k, v = _inputs(n)
@@ -695,7 +694,7 @@ def test_calibration_sizes_n_cap_from_measured_peak():
     assert cal["delta_bytes"] == 10 ** 8 and cal["n_cap"] == (budget - held) // 10 ** 8 == 9
 
 
-@_CPU_ONLY
+@pytest.mark.cpu_only("host_inputs")
 def test_tiny_budget_plans_deeper_and_stays_exact():
     n, d, h = 100, 32, 1
     q, k, v = _inputs(n, d, h)

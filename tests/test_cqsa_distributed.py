@@ -112,12 +112,8 @@ def _results(out: Path, proc, nproc: int, scenarios: list[str]) -> dict:
 SCENARIOS = ["exact", "causal_uneven", "stream_refined", "fail_forward", "fail_backward", "mismatch"]
 
 
-# three gloo ranks on host tensors: where there is a GPU those stream through it, one GPU for three ranks (the GPU
-# ranks' test is test_gpu_nccl_equals_single_device)
-THREE_GLOO_RANKS = pytest.mark.cpu_only(reason="gloo ranks on host tensors, which stream through the GPU where there "
-                                               "is one: test_gpu_nccl_equals_single_device is the GPU ranks' test")
-
-
+# three gloo ranks on host tensors, which stream through the GPU where there is one (one GPU for three ranks): the
+# tests that take this fixture are cpu_only("host_inputs"); the GPU ranks' test is test_gpu_nccl_equals_single_device
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cqsa_dist3")
@@ -140,7 +136,7 @@ def _check_exact(runs, world):
         assert r["stats"]["forward_s"]["total"] > 0 and r["stats"]["backward_s"]["total"] > 0
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_exact_noncausal_three_ranks(three_ranks):
     runs = three_ranks["exact"]
     _check_exact(runs, 3)
@@ -152,7 +148,7 @@ def test_exact_noncausal_three_ranks(three_ranks):
         assert r["stats"]["cost"] == plan.loads[r["rank"]]
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_exact_causal_uneven_task_counts(three_ranks):
     runs = three_ranks["causal_uneven"]
     _check_exact(runs, 3)
@@ -160,7 +156,7 @@ def test_exact_causal_uneven_task_counts(three_ranks):
     assert runs[0]["n"] % 7 != 0
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_streaming_share_refined_on_one_rank(three_ranks):
     runs = three_ranks["stream_refined"]
     _check_exact(runs, 3)
@@ -184,17 +180,17 @@ def _assert_failure_everywhere(runs, phase, bad_rank):
         assert "\n" not in msg
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_failed_forward_rank_fails_every_rank_with_lost_task_ids(three_ranks):
     _assert_failure_everywhere(three_ranks["fail_forward"], "forward", 1)
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_failed_backward_rank_fails_every_rank_with_lost_task_ids(three_ranks):
     _assert_failure_everywhere(three_ranks["fail_backward"], "backward", 2)
 
 
-@THREE_GLOO_RANKS
+@pytest.mark.cpu_only("host_inputs")
 def test_ranks_calling_with_different_problems_fail_together(three_ranks):
     for r in three_ranks["mismatch"]:
         assert r["error_type"] == "RuntimeError" and "different problems or options" in r["error"], r

@@ -81,7 +81,7 @@ MODES = [("torch", "legacy", "auto", False, "auto", 1), ("torch", "rows", "auto"
          ("kernel", "legacy", "auto", True, "always", 1)]
 
 
-@pytest.mark.cpu_only(reason="host inputs stream through the GPU where there is one: the CPU engine's test")
+@pytest.mark.cpu_only("host_inputs")
 @pytest.mark.parametrize("merge,finalize,host_out,causal,gather,itr", MODES)
 def test_pipeline_options_are_exact(merge, finalize, host_out, causal, gather, itr):
     n, h = 83, 2
@@ -120,7 +120,7 @@ def test_guardrail_escalation_with_new_pipeline(merge):
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
 
-@pytest.mark.cpu_only(reason="host inputs stream through the GPU where there is one: the CPU engine's test")
+@pytest.mark.cpu_only("host_inputs")
 @pytest.mark.parametrize("merge", ["kernel", "torch"])
 def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
     n = 98
@@ -149,7 +149,7 @@ def test_guardrail_hybrid_and_n_cap_steps_with_new_pipeline(merge):
     assert max_err(out, reference_attention(q, k, v)) <= F32_TOL
 
 
-@pytest.mark.cpu_only(reason="host inputs stream through the GPU where there is one: the CPU engine's test")
+@pytest.mark.cpu_only("host_inputs")
 def test_kernel_merge_needs_less_memory_per_task():
     n, d = 100, 32
     q, k, v = (rand((1, 1, n, d)) for _ in range(3))

@@ -473,11 +473,8 @@ def test_tuning_json_is_read_as_before():
             assert int(bucket_name) in (64, 128, 256)
 
 
-CPU_ONLY = pytest.mark.cpu_only(reason="CPU inputs need the Triton interpreter, which conftest sets only without "
-                                       "CUDA (the GPU tests cover flex)")
-
-
-@CPU_ONLY
+# the flex peer on CPU inputs (the GPU tests cover flex)
+@pytest.mark.cpu_only
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_peer_forward_eager_cpu():
     # FlexAttention's backward does not run on the CPU; eager flex (no compile) keeps this test short.
@@ -491,7 +488,7 @@ def test_flex_peer_forward_eager_cpu():
         _assert_close(out, cron_root_reference(q, k, v, relay_threshold=thr), 1e-5, 1e-5, f"flex N={n} D={d}")
 
 
-@CPU_ONLY
+@pytest.mark.cpu_only
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_peer_traces_inside_an_outer_compile_cpu():
     # what a user's torch.compile sees: flex_attention and the block mask built in the graph, grouped K/V, the
