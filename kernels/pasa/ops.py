@@ -197,10 +197,12 @@ class _Forward(LaunchPlan):
         self.out_shape = (bsz, heads_q, len_q, d)
         self.convert = None
         if q.dtype == torch.bfloat16:
-            # the kernels below see the float16 copies: plan them on tensors laid out as those will be
-            self.dense = tuple(_same_span(t, _float16_like(t)) for t in (q, k, v))
-            q, k, v = (_float16_like(t) if dense else torch.empty(t.shape, dtype=_f16, device=t.device)
-                       for t, dense in zip((q, k, v), self.dense))
+            # the kernels below see the float16 copies: plan them on tensors laid out as those will be (a dense
+            # input's copy has its strides; another is made contiguous first)
+            like = tuple(_float16_like(t) for t in (q, k, v))
+            self.dense = tuple(_same_span(t, c) for t, c in zip((q, k, v), like))
+            q, k, v = (c if dense else torch.empty(t.shape, dtype=_f16, device=t.device)
+                       for t, c, dense in zip((q, k, v), like, self.dense))
             n_q, n_kv = q.numel(), k.numel()
             self.convert = Prepared(_to_float16_kernel, (-(-max(n_q, n_kv) // CONVERT_BLOCK), 3), (n_q, n_kv),
                                     dict(BLOCK=CONVERT_BLOCK, num_warps=CONVERT_WARPS))
