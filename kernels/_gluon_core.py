@@ -420,16 +420,39 @@ if HAS_GLUON:
         return x
 
     @gluon.jit
+    def _exp16(qk, frame16):
+        """The fp16 state's P, two scores per instruction in float16 arithmetic: fp16(2^fp16(fp16(Ŝ - F)·L)) with
+        Ŝ = fp16(qk), F = frame16 (float16, one per row), L = fp16(log2 e) = 1.4423828125, and 2^x by
+        ex2.approx.f16x2 (MUFU.EX2.F16: never above the rounded 2^x, one ulp below it for ~30 % of arguments;
+        kernels/pasa/emulate.py holds its table). Masked scores (-inf) give 0."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 s, a, l; mov.b32 l, 0x3DC53DC5; cvt.rn.f16x2.f32 s, $2, $1; sub.rn.f16x2 a, s, $3; "
+            "mul.rn.f16x2 a, a, l; ex2.approx.f16x2 $0, a; }", "=r,r,r,r", [qk, frame16], dtype=gl.float16,
+            is_pure=True, pack=2)
+
+    @gluon.jit
+    def _half(x):
+        """x rounded to float16 (to nearest, ties to even), as float16: one packed conversion per two elements."""
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
     def _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, log2e, s_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                       PASA: gl.constexpr):
         """PASA's step for KV window t (kernels/pasa/kernel.py's _pasa_block_fused, rounding where
-        kernels/pasa/emulate.py's "fused" variant rounds): qk holds the shifted, scaled scores in fp32, rounded here
-        to the float16 scores Ŝ; the state (m, l, the global pseudo-average g) is held in float32, as float16 values
-        with the fp16 state (PASA, PASA_STATES). Returns (p, m, l, g, alpha): p with the frame correction folded
-        into its exponent (in the state format), alpha the factor for acc (in the state format)."""
+        kernels/pasa/emulate.py's "fused" variant rounds, with its float16 exponent in the fp16 state): qk holds the
+        shifted, scaled scores in fp32, Ŝ = fp16(qk); the state (m, l, the global pseudo-average g) is held in
+        float32, as float16 values with the fp16 state (PASA, PASA_STATES). Returns (p, m, l, g, alpha): p with the
+        frame correction folded into its exponent, alpha the factor for acc (in the state format).
+        The fp16 state computes p in float16 arithmetic (_exp16: a third of the instructions per score of rounding
+        fp32 values) and leaves l to the consumer, whose MMA of p with a ones tile sums it on the tensor cores
+        (l is returned as it came); the fp32 state computes p and l in fp32."""
         ybar = gl.sum(qk, 1) / BLOCK_N                       # the local pseudo-average: every column, pre-mask
-        s = _round16(qk)                                      # the fp16 score tile
+        if PASA == PASA_FP16_STATE:
+            s = qk                                            # rounded to fp16 in _exp16, two at a time
+        else:
+            s = _round16(qk)                                  # the fp16 score tile, in fp32
         if MASK:
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             # the last window's keys below t * BLOCK_N belong to the window before it
@@ -438,7 +461,10 @@ if HAS_GLUON:
                 rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 keep = keep & (cols[None, :] <= rows[:, None] + causal_shift)
             s = gl.where(keep, s, float("-inf"))
-        mu = gl.maximum(gl.max(s, 1), M_INIT)                 # a max of fp16 values: exact
+        mu = gl.max(s, 1)
+        if PASA == PASA_FP16_STATE:
+            mu = _round16(mu)        # the max of the fp16 scores: rounding is monotone, fp16(max(qk)) = max(fp16(qk))
+        mu = gl.maximum(mu, M_INIT)
         if t == 0:
             g_old = _state(ybar, PASA)
         else:
@@ -452,8 +478,11 @@ if HAS_GLUON:
         # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of this
         # window finite (its -inf scores give p = 0)
         frame = gl.maximum(m_new - d_cur, M_INIT)
-        p = _state(gl.exp2(s * log2e - (frame * log2e)[:, None]), PASA)
-        l_i = _state(alpha * l_i + gl.sum(p, 1), PASA)
+        if PASA == PASA_FP16_STATE:
+            p = _exp16(s, _half(frame)[:, None])
+        else:
+            p = gl.exp2(s * log2e - (frame * log2e)[:, None])
+            l_i = alpha * l_i + gl.sum(p, 1)
         return p, m_new, l_i, g_new, alpha
 
     @gluon.jit
@@ -504,7 +533,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
+                  v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q, n_k, k_rows,
                   causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots, BLOCK_N: gl.constexpr,
                   BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr, RANGES: gl.constexpr,
@@ -520,7 +549,7 @@ if HAS_GLUON:
                     w, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
                     ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
                 _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                              k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi,
+                              k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi,
                               n_tiles, n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges,
                               r0, g, w, WG, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES,
                               PASA, PERSISTENT)
@@ -530,13 +559,13 @@ if HAS_GLUON:
                 0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
                 ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
             _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
+                          k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
                           n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, 0, WG,
                           BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)
 
     @gluon.jit
     def _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, turn_bars, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
+                      v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
                       causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, g, it, WG: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
@@ -555,17 +584,27 @@ if HAS_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        # PV_GROUPS: the MMA groups of one O += P V (one per column tile), left in flight through the softmax
+        # PV_GROUPS: the MMA groups of one O += P V (one per column tile, and PASA's fp16 state's l += P 1), left in
+        # flight through the softmax
         if D1 > 0:
             o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                  instr_shape=[16, D1, 16])
             p2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o2_layout, k_width=2)
             row_o2: gl.constexpr = gl.SliceLayout(1, o2_layout)
-            PV_GROUPS: gl.constexpr = 2
+            PV_GROUPS: gl.constexpr = 3 if PASA == PASA_FP16_STATE else 2
             q2_smem = q2_bufs.index(WG)
             acc2 = gl.zeros([BLOCK_M, D1], gl.float32, o2_layout)
         else:
-            PV_GROUPS: gl.constexpr = 1
+            PV_GROUPS: gl.constexpr = 2 if PASA == PASA_FP16_STATE else 1
+        if PASA == PASA_FP16_STATE:
+            # PASA's fp16 state sums P on the tensor cores (_pasa_softmax): l is a [BLOCK_M, 8] accumulator of
+            # P·1 (the ones tile, B of the MMA), every column the row sum, rounded and scaled by alpha as acc is
+            l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, 8, 16])
+            pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+            row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
+            lacc = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
+            ones_b = ones_buf.permute((1, 0))
 
         q_smem = q_bufs.index(WG)
         my_row0 = row0 + WG * BLOCK_M
@@ -619,6 +658,9 @@ if HAS_GLUON:
                 if D1 > 0:
                     p2_op = gl.convert_layout(p16, p2_layout)
                     acc2 = warpgroup_mma(p2_op, v2_bufs.index(prev), acc2, is_async=True)
+                if PASA == PASA_FP16_STATE:
+                    pl_op = gl.convert_layout(p16, pl_layout)
+                    lacc = warpgroup_mma(pl_op, ones_b, lacc, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn_bars.index(1 - WG), count=1)
                 # the older groups (S_j) done; O += P V stays in flight through the softmax
@@ -637,7 +679,15 @@ if HAS_GLUON:
                                                                                  r_tiles, r_unmasked)
                 # PASA's fp16 state keeps acc in float16 values: rounded once per window, before the (then exact)
                 # alpha product
-                if D1 > 0:
+                if PASA == PASA_FP16_STATE:
+                    if D1 > 0:
+                        acc, p_op, acc2, p2_op, lacc, pl_op = warpgroup_mma_wait(
+                            0, deps=[acc, p_op, acc2, p2_op, lacc, pl_op])
+                        acc2 = _state(acc2, PASA) * gl.convert_layout(alpha, row_o2)[:, None]
+                    else:
+                        acc, p_op, lacc, pl_op = warpgroup_mma_wait(0, deps=[acc, p_op, lacc, pl_op])
+                    lacc = _state(lacc, PASA) * gl.convert_layout(alpha, row_l)[:, None]
+                elif D1 > 0:
                     acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
                     acc2 = _state(acc2, PASA) * gl.convert_layout(alpha, row_o2)[:, None]
                 else:
@@ -654,6 +704,16 @@ if HAS_GLUON:
             if D1 > 0:
                 p2_op = gl.convert_layout(p16, p2_layout)
                 acc2 = warpgroup_mma(p2_op, v2_bufs.index(last), acc2, is_async=True)
+            if PASA == PASA_FP16_STATE:
+                pl_op = gl.convert_layout(p16, pl_layout)
+                lacc = warpgroup_mma(pl_op, ones_b, lacc, is_async=True)
+                if D1 > 0:
+                    acc, p_op, acc2, p2_op, lacc, pl_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op, lacc,
+                                                                                      pl_op])
+                else:
+                    acc, p_op, lacc, pl_op = warpgroup_mma_wait(0, deps=[acc, p_op, lacc, pl_op])
+                l_i = gl.convert_layout(gl.max(_state(lacc, PASA), 1), row_s)
+            elif D1 > 0:
                 acc, p_op, acc2, p2_op = warpgroup_mma_wait(0, deps=[acc, p_op, acc2, p2_op])
             else:
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
@@ -663,6 +723,7 @@ if HAS_GLUON:
             # three consumers (consumers_for): no overlap inside a warpgroup and no turns; per tile S_j, its softmax,
             # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile
             gl.static_assert(D1 == 0, "three consumers: head dims of one column tile")
+            gl.static_assert(PASA != PASA_FP16_STATE, "three consumers: not PASA's fp16 state (its l += P 1)")
             t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked,
                                                                          RANGES)
             for j in range(n_tiles):
@@ -792,6 +853,13 @@ if HAS_GLUON:
             mbarrier.init(v_empty.index(i), count=CONSUMERS)
         for i in gl.static_range(2):
             mbarrier.init(turn_bars.index(i), count=1)
+        if PASA == PASA_FP16_STATE:
+            # ones: B of the MMA P·1 that sums the fp16 state's P per row (stored K-major, as K's tiles are)
+            ones_buf = gl.allocate_shared_memory(
+                dtype, [8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype),
+                gl.full([8, BLOCK_N], 1.0, dtype, gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])))
+        else:
+            ones_buf = q_bufs                         # never read
         fence_async_shared()
 
         # consumer 0 is the default partition, the other consumers and the loader workers. (The partitions' argument
@@ -799,17 +867,17 @@ if HAS_GLUON:
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
                              n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
                              BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 0)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
                              n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
                              BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 1)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
                              n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
                              BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 2)),
@@ -821,12 +889,12 @@ if HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
                              n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
                              BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 0)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
                              n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
                              BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 1)),

@@ -19,6 +19,8 @@ and a 2 % error in c against that bound.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import _gluon_core as gluon_core
 from kernels import _launch
@@ -26,7 +28,7 @@ from kernels._common import LOG2E, ForwardOnlyError
 from kernels.pasa import fa16_attention, ops, pasa_attention
 from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
                                solve_beta)
-from kernels.pasa.emulate import pasa_emulate
+from kernels.pasa.emulate import ex2_f16_sm90, pasa_emulate
 from kernels.reference import reference_attention
 
 
@@ -258,12 +260,43 @@ def test_model_bound_holds_for_other_summation_orders(hq, hkv, nq, nk, d, causal
     q, k, v = _emulation_case("cpu", hq, hkv, nq, nk, d, x0)
     ref = reference_attention(q, k, v, causal=causal)
     unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
-    for var in ("ref", "fused"):
-        emu = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=block_n, variant=var)
+    for var, exponent in (("ref", "fp32"), ("fused", "fp32"), ("fused", "fp16")):
+        emu = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=block_n, variant=var, exponent=exponent)
         for order, seed in (("permuted", 0), ("permuted", 1), ("float64", 0)):
             other = pasa_emulate(q, k, v, causal=causal, beta=beta, block_n=block_n, variant=var, sum_order=order,
-                                 order_seed=seed)
-            assert_matches_model(other, emu, ref, unit, f"{var}, {order} {seed}")
+                                 order_seed=seed, exponent=exponent)
+            assert_matches_model(other, emu, ref, unit, f"{var} ({exponent} exponent), {order} {seed}")
+
+
+def test_sm90_ex2_table_model():
+    # emulate.py's model of sm_90's ex2.approx.f16 (measured; test_gpu_ex2_table_is_the_gpus checks it against the
+    # GPU): 2^x rounded to nearest or one ulp below, never above, and below for 19,416 of the finite arguments
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x[x.isfinite()]
+    nearest = torch.exp2(x.double()).half()
+    got = ex2_f16_sm90(x)
+    steps = nearest.view(torch.int16).int() - got.view(torch.int16).int()
+    assert set(steps.unique().tolist()) == {0, 1} and int(steps.sum()) == 19416
+    # spot values measured on the H200: exact powers of two stay exact; 2^-0.75 and 2^-0.1 come out one ulp low
+    assert ex2_f16_sm90(torch.tensor([0.0, -1.0, -0.5, -0.75, -0.1, float("-inf")])).tolist() == [
+        1.0, 0.5, 0.70703125, 0.59423828125, 0.9326171875, 0.0]
+
+
+def test_fp16_exponent_model():
+    # The core's fp16 state computes P in float16 arithmetic (exponent="fp16"): the model's error against float64
+    # stays within 1.3x the fp32 exponent's (measured at the paper's shape: 0.97-1.17x but one outlier point), on
+    # ordinary and biased inputs, causal or not; and the option exists only where the core uses it
+    gen = torch.Generator().manual_seed(3)
+    for d, x0, causal in ((64, 0.0, False), (128, 0.0, True), (64, 3.0, True), (128, 20.0, False)):
+        q, k = (x0 + torch.randn(1, 2, 300, d, generator=gen) for _ in range(2))
+        q, k, v = q.half(), k.half(), torch.randn(1, 2, 300, d, generator=gen).half()
+        ref = reference_attention(q, k, v, causal=causal)
+        errs = {e: rel_rmse(pasa_emulate(q, k, v, causal=causal, block_n=128, variant="fused", exponent=e), ref)
+                for e in ("fp32", "fp16")}
+        assert errs["fp16"] != errs["fp32"] and errs["fp16"] <= 1.3 * errs["fp32"], (d, x0, causal, errs)
+    for bad in (dict(variant="ref"), dict(state_dtype="fp32"), dict(exponent="bf16")):
+        with pytest.raises(ValueError, match="exponent"):
+            pasa_emulate(q, k, v, **{"exponent": "fp16", **bad})
 
 
 def sparse_low_blocks(n, d, block_n, gap, gen, device, heads=2):
@@ -912,11 +945,14 @@ def on_the_core(monkeypatch):
     assert made and all(plan.gluon is not None for plan in made), "a PASA call did not take the core"
 
 
-def _core_model(q, k, v, causal, d, **kw):
+def _core_model(q, k, v, causal, d, state_dtype="fp16", **kw):
     """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA (PASA runs
-    two consumer warpgroups)."""
-    return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=128,
-                        variant="fused", **kw)
+    two consumer warpgroups), the fp16 state's exponent in float16 arithmetic, the matmuls' sums the tensor cores'
+    (emulate.py's docstring: with a CPU's fp32 sums the fp16 state's kernel-vs-model distance on biased inputs reaches
+    ~0.6 of the model's own error, past MODEL_RMS_FRACTION)."""
+    return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=128, variant="fused",
+                        state_dtype=state_dtype, exponent="fp16" if state_dtype == "fp16" else "fp32",
+                        sum_order="tensor_cores", **kw)
 
 
 CORE_CASES = [   # (Hq, Hkv, Nq, Nk, causal, x0)
@@ -942,6 +978,28 @@ def test_gpu_pasa_on_the_core_is_its_emulation(on_the_core, state, d, case):
     assert_matches_model(out, _core_model(q, k, v, causal, d, state_dtype=state), ref, unit, f"D={d} {state}")
     if x0 == 0:        # PASA's own tolerance on ordinary inputs (biased ones: the model bound above)
         assert rel_rmse(out, ref) <= 4e-3
+
+
+@triton.jit
+def _ex2_f16_kernel(X, Y):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [tl.load(X + offs)], dtype=tl.float16,
+                                  is_pure=True, pack=2)
+    tl.store(Y + offs, y)
+
+
+@pytest.mark.gpu
+def test_gpu_ex2_table_is_the_gpus():
+    # the core's fp16 state takes 2^x from ex2.approx.f16x2; its model (emulate.ex2_f16_sm90) must be this GPU's,
+    # bit for bit, at every finite float16 argument, wherever the core runs
+    probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
+    if not gluon_core.available(probe, probe, probe):
+        pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).cuda()
+    y = torch.empty_like(x)
+    _ex2_f16_kernel[(64,)](x, y)
+    finite = x.isfinite()
+    assert torch.equal(y[finite].view(torch.int16), ex2_f16_sm90(x[finite]).view(torch.int16))
 
 
 @pytest.mark.gpu

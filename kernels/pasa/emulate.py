@@ -3,8 +3,9 @@
 It exists to check the kernel (same windows, same block order, same fp16 roundings up to the order of
 fp32 summations) and to explore the precision allocation on the CPU without the Triton interpreter.
 Everything is computed in float32 and rounded to the state format exactly where the kernel rounds (an
-fp16 operation is an fp32 operation rounded once). Both main-loop variants are modelled. Forward only;
-vectorised over batch, heads, rows.
+fp16 operation is an fp32 operation rounded once). Both main-loop variants are modelled, and the Gluon core's
+fp16 state with its exponent in float16 arithmetic (``exponent="fp16"``). Forward only; vectorised over batch,
+heads, rows.
 
 What it cannot model is the order of the kernel's fp32 sums (the two GEMMs, ȳ, ℓ's row sum): that belongs to
 the tensor cores, or to NumPy and the CPU in the Triton interpreter. Two orders of one sum of n terms differ by
@@ -13,11 +14,19 @@ rounding boundary, where it moves by one ulp. ``sum_order`` makes that visible: 
 torch does on this machine, "permuted" sums every reduction in a seeded random order of its terms, "float64"
 sums exactly (float64, rounded once to float32). ``tests/test_pasa.py`` bounds the kernel's distance from this
 model by the arithmetic and checks the same bound between the orders, so it holds on any CPU.
+"tensor_cores" (CUDA tensors only) computes the matmuls as the GPU kernels do, float16 operands on the tensor cores
+with float32 accumulation (``torch.mm(out_dtype=float32)``): their sums are not those of any order of exact fp32
+additions (a CPU's), and the Gluon core's fp16 state, whose exponent rounds the frame to float16, turns the
+difference into a kernel-vs-model distance of ~0.6 of the model's own error on biased inputs over several windows,
+against 0.02–0.04 with the tensor cores' sums (results/dev/pasa/fp16_exponent_on_the_core_h200.json).
 """
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels._common import LOG2E, PASA_M_INIT as M_INIT, block_d
@@ -42,7 +51,42 @@ def kv_windows(n_keys: int, block_n: int):
     return [(min(j * block_n, max(n_keys - block_n, 0)), j * block_n) for j in range(t_c)]
 
 
-SUM_ORDERS = ("torch", "permuted", "float64")
+SUM_ORDERS = ("torch", "permuted", "float64", "tensor_cores")
+EXPONENTS = ("fp32", "fp16")
+LOG2E_F16 = 1.4423828125              # fp16(log2 e): the fp16 exponent's constant
+# sm_90's ex2.approx.f16 (MUFU.EX2.F16), measured on the H200 for every float16 argument: never above 2^x rounded to
+# nearest, one ulp below it for 19,416 of the 63,488 finite arguments; this file's bit i (little-endian bit order)
+# marks float16 bit pattern i as one of those
+EX2_F16_TABLE = Path(__file__).with_name("ex2_approx_f16_sm90.bin")
+
+
+@functools.lru_cache(maxsize=1)
+def _ex2_f16_below() -> torch.Tensor:
+    bits = np.unpackbits(np.fromfile(EX2_F16_TABLE, dtype=np.uint8), bitorder="little")
+    if bits.size != 65536:
+        raise RuntimeError(f"{EX2_F16_TABLE}: {bits.size} bits, expected 65536 (one per float16 bit pattern)")
+    return torch.from_numpy(bits.astype(bool))
+
+
+def ex2_f16_sm90(x: torch.Tensor) -> torch.Tensor:
+    """2^x of float16 values x as sm_90's ex2.approx.f16 computes it, bit for bit (float16 out): 2^x rounded to
+    nearest, one ulp lower where the measured table says so (in the bit patterns: results are >= 0)."""
+    x = x.to(torch.float16)
+    nearest = torch.exp2(x.double()).to(torch.float16)
+    below = _ex2_f16_below().to(x.device)[x.view(torch.int16).long() & 0xFFFF]
+    return torch.where(below, (nearest.view(torch.int16) - 1).view(torch.float16), nearest)
+
+
+def _tensor_core_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (broadcast batch dims) on the tensor cores: operands float16 values, sums and result float32."""
+    a16, b16 = a.half(), b.half()
+    if not (torch.equal(a16.float(), a) and torch.equal(b16.float(), b)):
+        raise ValueError("sum_order='tensor_cores': a matmul operand holds values float16 cannot")
+    batch = torch.broadcast_shapes(a16.shape[:-2], b16.shape[:-2])
+    left = a16.expand(*batch, *a16.shape[-2:]).reshape(-1, *a16.shape[-2:])
+    right = b16.expand(*batch, *b16.shape[-2:]).reshape(-1, *b16.shape[-2:])
+    out = torch.stack([torch.mm(x, y, out_dtype=torch.float32) for x, y in zip(left, right)])
+    return out.reshape(*batch, a16.shape[-2], b16.shape[-1])
 
 
 def _reductions(sum_order: str, work: torch.dtype, device, seed: int):
@@ -53,6 +97,10 @@ def _reductions(sum_order: str, work: torch.dtype, device, seed: int):
         return (lambda a, b: a @ b), (lambda x: x.sum(-1))
     if sum_order == "float64":
         return (lambda a, b: (a.double() @ b.double()).to(work)), (lambda x: x.double().sum(-1).to(work))
+    if sum_order == "tensor_cores":
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"sum_order='tensor_cores' needs CUDA tensors (got {device})")
+        return _tensor_core_matmul, (lambda x: x.sum(-1))
     gen = torch.Generator().manual_seed(seed)
 
     def perm(n):
@@ -69,7 +117,7 @@ def _reductions(sum_order: str, work: torch.dtype, device, seed: int):
 
 
 def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, block_m=None, state_dtype="fp16",
-                 round_ybar=False, variant=None, sum_order="torch", order_seed=0, invariance=None):
+                 round_ybar=False, variant=None, sum_order="torch", order_seed=0, invariance=None, exponent="fp32"):
     """Algorithm 1 (spec §3) with the kernel's roundings; returns float32 [B, Hq, Nq, D] (float64 if exact).
 
     q [B, Hq, Nq, D], k, v [B, Hkv, Nk, D] as the kernel takes them: grouped-query K/V, causal aligned
@@ -85,6 +133,10 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, blo
       P = fp16(2^{fma(Ŝ, log2 e, −(m_new − δ_cur)·log2 e)}) (γ folded in), ℓ = fp16(α·ℓ + ΣP) and
       A = fp16(α·A + P·V) with the sums in fp32: one rounding per block for ℓ and for A.
 
+    ``exponent`` (the "fused" loop with the fp16 state only): "fp32", P's exponent as above; "fp16", as the Gluon
+    core's fp16 state computes it, in float16 arithmetic: F = fp16(m_new − δ_cur), P = ex2(fp16(fp16(Ŝ − F)·L)) with
+    L = fp16(log2 e) and ex2 sm_90's ex2.approx.f16 (``ex2_f16_sm90``).
+
     ``state_dtype="exact"`` rounds nothing and computes in float64 with the unrounded λM: Algorithm 1
     is then exact, so it must equal dense softmax attention to ~1e-13 (the spec's §7 D gate).
 
@@ -98,6 +150,11 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, blo
     """
     variant = DEFAULT_VARIANT if variant is None else variant
     fused = VARIANTS[variant]
+    if exponent not in EXPONENTS:
+        raise ValueError(f"exponent must be one of {', '.join(EXPONENTS)}, got {exponent!r}")
+    if exponent == "fp16" and not (fused and state_dtype == "fp16"):
+        raise ValueError(f"exponent='fp16' is the fused loop's in the fp16 state (got variant={variant!r}, "
+                         f"state_dtype={state_dtype!r})")
     tiles = DEFAULT_CONFIGS["pasa"][block_d(q.shape[-1])]["fwd"]
     block_n = tiles["BLOCK_N"] if block_n is None else block_n
     block_m = tiles["BLOCK_M"] if block_m is None else block_m
@@ -167,7 +224,11 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, blo
             m_new = torch.maximum(rs(mu + d_cur), cand_old)
             alpha = rs(exp(cand_old - m_new))
             frame = torch.clamp(m_new - d_cur, min=M_INIT)
-            p = rs(exp_fma(s, frame))
+            if exponent == "fp16":
+                arg = r16(r16(s - r16(frame)[..., None]) * LOG2E_F16)
+                p = ex2_f16_sm90(arg).float()
+            else:
+                p = rs(exp_fma(s, frame))
             ell_new = rs(alpha * ell + rowsum(p))
             acc_new = rs(alpha[..., None] * acc + matmul(r16(p), v_win))
         else:       # ④ as written: the local softmax, then γ on the rounded ŝ and P̂·V
