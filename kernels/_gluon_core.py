@@ -31,7 +31,8 @@ inputs' dtype: partition 0's in the output rows), so ELSA's phase 1 runs on it t
 program takes the rows of one item and walks a list of key ranges, each with its own end and causal shift (CQSA's
 joined slot waves: kernels/cqsa/schedule.py's tile_walk), the loader and every consumer stepping one cursor tile by
 tile. With PASA (`launch(pasa_c=...)`) the consumers take PASA's step instead of the online softmax, on the shifted
-keys of its pre-pass, its state held as float16 values or, in its hybrid mode, in float32 (`pasa_state`;
+keys of its pre-pass, its state held as float16 values (P then in float16 arithmetic, its row sums on the tensor
+cores) or, in its hybrid mode, in float32 (`pasa_state`;
 kernels/pasa/ops.py, "The Hopper path"; kernels/FLASH_CORE.md, "Gluon: built"). The TMA descriptors span the
 flattened [B*H*N, D] rows: a tile that runs past a head's last key reads the next head's rows (TMA's zeros past the
 tensor's end), whose scores are masked to -inf and whose values are weighted by 0; query rows past a head's end are
