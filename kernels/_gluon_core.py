@@ -560,17 +560,18 @@ if HAS_GLUON:
                 0, Items, heads, group, bh_total, n_q, n_k, k_rows, causal_shift, q0, n_blocks, width, parts,
                 ROWS, BLOCK_N, CAUSAL, RANGES, PERSISTENT)
             _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                          k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
-                          n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, 0, WG,
-                          BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA, PERSISTENT)
+                          k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi,
+                          n_tiles, n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, 0, 0,
+                          WG, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                          PERSISTENT)
 
     @gluon.jit
     def _consume_item(q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles, n_unmasked,
-                      causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, g, it, WG: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr, LSE_MODE: gl.constexpr,
-                      RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
+                      v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, o_row, row0, row_end, n_k, lo, hi, n_tiles,
+                      n_unmasked, causal_shift, qk_scale, pasa_c, slot, s_slot, n_slots, Ranges, r0, g, it,
+                      WG: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, D1: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SUMMARY: gl.constexpr,
+                      LSE_MODE: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
         """One work item of consumer WG: its tiles are the ring's g-th on, its Q the it-th load onto q_bar. Two
         consumers run the overlapped, ping-ponged schedule (the module's docstring), three the plain one
         (consumers_for)."""
@@ -868,19 +869,19 @@ if HAS_GLUON:
         if CONSUMERS == 3:
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
-                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group,
+                             bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts,
+                             n_slots, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 0)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
-                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group,
+                             bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts,
+                             n_slots, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 1)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
-                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group,
+                             bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts,
+                             n_slots, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 2)),
                 (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
                            v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
@@ -890,14 +891,14 @@ if HAS_GLUON:
         else:
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
-                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group,
+                             bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts,
+                             n_slots, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 0)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs, v2_bufs, q_bar, q_empty, k_ready, v_ready,
-                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group, bh_total, n_q,
-                             n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts, n_slots,
-                             BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
+                             k_empty, v_empty, turn_bars, ones_buf, Out, Lse, Sbuf, Items, Ranges, heads, group,
+                             bh_total, n_q, n_k, k_rows, causal_shift, qk_scale, pasa_c, q0, n_blocks, width, parts,
+                             n_slots, BLOCK_N, BLOCK_D, D1, STAGES, CAUSAL, PINGPONG, SUMMARY, LSE_MODE, RANGES, PASA,
                              PERSISTENT, 1)),
                 (_loader, (q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, q_bufs, k_bufs, v_bufs, q2_bufs, k2_bufs,
                            v2_bufs, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, Items, Ranges, heads, group,
