@@ -12,8 +12,9 @@ K̃ = fp16(λM·K) is computed by the main kernel itself up to ops.SHIFT_INLINE_
 beyond: the exactness tests run both ways (the ``shift_path`` fixture), whatever the constant.
 On an sm_90 GPU a default call with enough work runs the "fused" loop on the Gluon core (ops.py, "The Hopper
 path"): on the CPU its routing and the pre-pass and constants it hands the core are checked; on the GPU its output
-against the emulation of that loop with the core's windows (the same model bound) at every head dim the core takes,
-and a 2 % error in c against that bound.
+against the emulation of that loop with the core's windows (the same model bound; the fp16 state's exponent in
+float16 arithmetic with the GPU's ex2.approx.f16 table, the matmuls' sums the tensor cores') at every head dim the core
+takes, and a 2 % error in c against that bound.
 """
 
 import numpy as np
