@@ -285,7 +285,7 @@ def test_sm90_ex2_table_model():
 
 def test_fp16_exponent_model():
     # The core's fp16 state computes P in float16 arithmetic (exponent="fp16"): the model's error against float64
-    # stays within 1.3x the fp32 exponent's (measured at the paper's shape: 0.97-1.17x but one outlier point), on
+    # stays within 1.3x the fp32 exponent's (measured at the paper's shape: 0.97-1.16x but one outlier point), on
     # ordinary and biased inputs, causal or not; and the option exists only where the core uses it
     gen = torch.Generator().manual_seed(3)
     for d, x0, causal in ((64, 0.0, False), (128, 0.0, True), (64, 3.0, True), (128, 20.0, False)):
