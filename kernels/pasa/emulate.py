@@ -133,9 +133,9 @@ def pasa_emulate(q, k, v, causal=False, scale=None, beta=None, block_n=None, blo
       P = fp16(2^{fma(Ŝ, log2 e, −(m_new − δ_cur)·log2 e)}) (γ folded in), ℓ = fp16(α·ℓ + ΣP) and
       A = fp16(α·A + P·V) with the sums in fp32: one rounding per block for ℓ and for A.
 
-    ``exponent`` (the "fused" loop with the fp16 state only): "fp32", P's exponent as above; "fp16", as the Gluon
-    core's fp16 state computes it, in float16 arithmetic: F = fp16(m_new − δ_cur), P = ex2(fp16(fp16(Ŝ − F)·L)) with
-    L = fp16(log2 e) and ex2 sm_90's ex2.approx.f16 (``ex2_f16_sm90``).
+    ``exponent`` (the "fused" loop with the fp16 state only): "fp32", P's exponent as above; "fp16", as the Gluon core's
+    fp16 state computes it, in float16 arithmetic: F = fp16(m_new − δ_cur), P = ex2(fp16(fp16(Ŝ − F)·L)) with L =
+    fp16(log2 e) and ex2 sm_90's ex2.approx.f16 (``ex2_f16_sm90``).
 
     ``state_dtype="exact"`` rounds nothing and computes in float64 with the unrounded λM: Algorithm 1
     is then exact, so it must equal dense softmax attention to ~1e-13 (the spec's §7 D gate).

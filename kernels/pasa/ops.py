@@ -31,9 +31,10 @@ The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gl
 contiguous, its head dims) and from CORE_MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
 the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
 used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
-in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile
-and block_m = 128, the core's query rows per program; with the fp16 state the exponent is float16 arithmetic,
-exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). A call that names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
+in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile and
+block_m = 128, the core's query rows per program; with the fp16 state the exponent is float16 arithmetic,
+exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). A call that names a loop, tiles or a
+K̃ path keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
 from typing import Optional
