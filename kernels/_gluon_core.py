@@ -432,10 +432,30 @@ if HAS_GLUON:
             is_pure=True, pack=2)
 
     @gluon.jit
-    def _half(x):
-        """x rounded to float16 (to nearest, ties to even), as float16: one packed conversion per two elements."""
-        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                         is_pure=True, pack=2)
+    def _bookkeeping16(ybar, g_old, q, m_i, mu, c):
+        """The fp16 state's per-row bookkeeping (_pasa_softmax) in float16 arithmetic, two rows an instruction:
+        (g_new, m_new, cand_old, frame16). An fp16 +, - or x rounded once equals the fp32 operation rounded to fp16
+        (fp32's 24 bits are at least 2 * 11 + 2: the double rounding is innocuous), so this is the chain of fp32
+        operations each rounded to fp16, bit for bit, without a conversion and an unpacking after each: the chain
+        every exponent of the row waits for is shorter by most of its latency. ybar - g_new (ybar in fp32) is its one
+        fp32 operation. q = (ybar - g_old) / (t + 1) in fp32; mu the row's fp32 score max, rounded and clamped to
+        M_INIT here (fp16(max(qk)) = max(fp16(qk)): rounding is monotone); frame16 = max(m_new - d_cur, M_INIT) as
+        float16 (0xFB53 is fp16's -60000, PASA_M_INIT)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 rq, rgo, rgn, ryd, rc, rdc, rdp, rm, rco, rmu, rmn, rlim; .reg .b16 lo, hi; "
+            ".reg .f32 fa, fb; mov.b32 rlim, 0xFB53FB53; "
+            "cvt.rn.f16x2.f32 rq, $12, $11; cvt.rn.f16x2.f32 rgo, $10, $9; add.rn.f16x2 rgn, rgo, rq; "
+            "mov.b32 {lo, hi}, rgn; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; "
+            "sub.rn.f32 fa, $7, $0; sub.rn.f32 fb, $8, $1; cvt.rn.f16x2.f32 ryd, fb, fa; "
+            "cvt.rn.f16x2.f32 rc, $18, $17; mul.rn.f16x2 rdc, rc, ryd; "
+            "sub.rn.f16x2 rdp, rgo, rgn; mul.rn.f16x2 rdp, rc, rdp; "
+            "cvt.rn.f16x2.f32 rm, $14, $13; add.rn.f16x2 rco, rm, rdp; "
+            "cvt.rn.f16x2.f32 rmu, $16, $15; max.f16x2 rmu, rmu, rlim; add.rn.f16x2 rmn, rmu, rdc; "
+            "max.f16x2 rmn, rmn, rco; sub.rn.f16x2 $6, rmn, rdc; max.f16x2 $6, $6, rlim; "
+            "mov.b32 {lo, hi}, rmn; cvt.f32.f16 $2, lo; cvt.f32.f16 $3, hi; "
+            "mov.b32 {lo, hi}, rco; cvt.f32.f16 $4, lo; cvt.f32.f16 $5, hi; }",
+            "=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [ybar, g_old, q, m_i, mu, c],
+            dtype=(gl.float32, gl.float32, gl.float32, gl.float16), is_pure=True, pack=2)
 
     @gluon.jit
     def _pasa_softmax(qk, m_i, l_i, g_i, t, c, col0, row0, n_k, causal_shift, log2e, s_layout: gl.constexpr,
@@ -446,9 +466,9 @@ if HAS_GLUON:
         shifted, scaled scores in fp32, Ŝ = fp16(qk); the state (m, l, the global pseudo-average g) is held in
         float32, as float16 values with the fp16 state (PASA, PASA_STATES). Returns (p, m, l, g, alpha): p with the
         frame correction folded into its exponent, alpha the factor for acc (in the state format).
-        The fp16 state computes p in float16 arithmetic (_exp16: a third of the instructions per score of rounding
-        fp32 values) and leaves l to the consumer, whose MMA of p with a ones tile sums it on the tensor cores
-        (l is returned as it came); the fp32 state computes p and l in fp32."""
+        The fp16 state computes its per-row bookkeeping (_bookkeeping16) and p (_exp16: a third of the instructions
+        per score of rounding fp32 values) in float16 arithmetic and leaves l to the consumer, whose MMA of p with a
+        ones tile sums it on the tensor cores (l is returned as it came); the fp32 state computes p and l in fp32."""
         ybar = gl.sum(qk, 1) / BLOCK_N                       # the local pseudo-average: every column, pre-mask
         if PASA == PASA_FP16_STATE:
             s = qk                                            # rounded to fp16 in _exp16, two at a time
@@ -463,25 +483,25 @@ if HAS_GLUON:
                 keep = keep & (cols[None, :] <= rows[:, None] + causal_shift)
             s = gl.where(keep, s, float("-inf"))
         mu = gl.max(s, 1)
-        if PASA == PASA_FP16_STATE:
-            mu = _round16(mu)        # the max of the fp16 scores: rounding is monotone, fp16(max(qk)) = max(fp16(qk))
-        mu = gl.maximum(mu, M_INIT)
+        if PASA != PASA_FP16_STATE:
+            mu = gl.maximum(mu, M_INIT)
         if t == 0:
             g_old = _state(ybar, PASA)
         else:
             g_old = g_i
-        g_new = _state(g_old + _state((ybar - g_old) / (t + 1.0), PASA), PASA)
-        d_cur = _state(c * _state(ybar - g_new, PASA), PASA)          # this window's statistics into frame g_new
-        d_prev = _state(c * _state(g_old - g_new, PASA), PASA)        # the running state from frame g_old to g_new
-        cand_old = _state(m_i + d_prev, PASA)
-        m_new = gl.maximum(_state(mu + d_cur, PASA), cand_old)
-        alpha = _state(gl.exp2((cand_old - m_new) * log2e), PASA)
-        # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of this
-        # window finite (its -inf scores give p = 0)
-        frame = gl.maximum(m_new - d_cur, M_INIT)
         if PASA == PASA_FP16_STATE:
-            p = _exp16(s, _half(frame)[:, None])
+            g_new, m_new, cand_old, frame16 = _bookkeeping16(ybar, g_old, (ybar - g_old) / (t + 1.0), m_i, mu, c)
+            alpha = _round16(gl.exp2((cand_old - m_new) * log2e))
+            p = _exp16(s, frame16[:, None])
         else:
+            g_new = g_old + (ybar - g_old) / (t + 1.0)
+            d_cur = c * (ybar - g_new)                # this window's statistics into frame g_new
+            cand_old = m_i + c * (g_old - g_new)      # the running state from frame g_old to g_new
+            m_new = gl.maximum(mu + d_cur, cand_old)
+            alpha = gl.exp2((cand_old - m_new) * log2e)
+            # the exponent s - (m_new - d_cur) is <= 0 up to rounding; the clamp keeps a row that sees no key of
+            # this window finite (its -inf scores give p = 0)
+            frame = gl.maximum(m_new - d_cur, M_INIT)
             p = gl.exp2(s * log2e - (frame * log2e)[:, None])
             l_i = alpha * l_i + gl.sum(p, 1)
         return p, m_new, l_i, g_new, alpha
