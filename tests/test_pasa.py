@@ -1023,6 +1023,24 @@ def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_cor
 
 
 @pytest.mark.gpu
+def test_gpu_bfloat16_range_check_waits_for_the_conversion_only():
+    # the check reads the conversion's counts, copied back right behind it, so a bfloat16 call returns while its
+    # attention still runs and the next call's launches queue behind it (waiting for the whole call left the GPU idle
+    # between calls); values beyond float16's range are still refused by the call that has them
+    q, k, v = _randn_inputs(8, 8, 16384, 16384, 64, "cuda", seed=9, dtype=torch.bfloat16)
+    pasa_attention(q, k, v)                 # plans and compiles
+    torch.cuda.synchronize()
+    out = pasa_attention(q, k, v)
+    assert not torch.cuda.current_stream().query(), "the bfloat16 call waited for its attention"
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and out.isfinite().all()
+    big = k.clone()
+    big[0, 3, 100, 7] = 1e5
+    with pytest.raises(ValueError, match="^pasa: bfloat16 k has values beyond the float16 range"):
+        pasa_attention(q, big, v)
+
+
+@pytest.mark.gpu
 def test_gpu_pasa_on_the_core_bfloat16_compiled_and_graphed(on_the_core):
     # bfloat16 in (converted to float16 first) and out; under torch.compile(fullgraph) and in a CUDA graph the
     # same launches as eager
