@@ -682,6 +682,21 @@ def test_bfloat16_conversion_rounds_as_torch_and_counts_what_float16_cannot_hold
     assert counts == finite_lost == [3, 0, 1]         # q: 65536, -1e5 and 3e38 (its random values stay < 65504)
 
 
+def test_float16_output_rounds_to_bfloat16_as_torch(device):
+    # kernel._to_bfloat16_kernel at every float16 bit pattern (subnormals, ±0, ±inf, NaN, 65504 -> 65536, the ties),
+    # across a ragged last block, against torch's cast bit for bit
+    from kernels.pasa.kernel import _to_bfloat16_kernel
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    src = torch.cat([every, every[:300]]).to(device)          # 65836 values: the last block holds 300
+    dst = torch.empty(src.shape, dtype=torch.bfloat16, device=device)
+    block = 1024
+    _to_bfloat16_kernel[(-(-src.numel() // block),)](src, dst.view(torch.int16), src.numel(), BLOCK=block)
+    want = src.to(torch.bfloat16)
+    nan = torch.isnan(want)
+    assert int(nan.sum()) == 2046 and torch.equal(torch.isnan(dst), nan)
+    assert torch.equal(dst[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "heads_last", "strided_rows"])
 def test_pasa_bfloat16_layouts_compute_on_float16_rounding(device, layout):
     # bfloat16 in any layout gives what float16 inputs of the same (rounded) values give; a view whose elements

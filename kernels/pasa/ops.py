@@ -21,9 +21,9 @@ default ones ready): every op argument costs boxing on each call. A body is one 
 signature (``_Forward``: kernels._launch.layout of q, k, v and the options; β, λM's entries, c, grids, strides and
 the launches as kernels._launch.Prepared), then its launches: up to SHIFT_INLINE_MAX_KEYS keys one allocation (out)
 and one launch (the main kernel shifts K inline), beyond them two allocations (out, K̃) and two launches (the K̃
-pre-pass, then the main kernel); bfloat16 inputs add five allocations (their float16 copies, the overflow counts
-and their pinned host copy), one launch (the conversion), the output's conversion and the range check after the
-launches (it waits for the conversion's counts only, not for the attention). The choice of path is made once per
+pre-pass, then the main kernel); bfloat16 inputs add six allocations (their float16 copies, the overflow counts,
+their pinned host copy and the bfloat16 output), two launches (the inputs' conversion, the output's) and the range
+check after the launches (it waits for the conversion's counts only, not for the attention). The choice of path is made once per
 signature, in the plan ("auto"; a call can force either path with shift="inline" / "prepass", which is how
 scripts/tune.py times one against the other). The autograd layer is kernels/_ops.py's pattern: one dispatcher trip
 per call, with or without grad.
@@ -49,7 +49,8 @@ from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
-from kernels.pasa.kernel import _fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel, _to_float16_kernel
+from kernels.pasa.kernel import (_fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel, _to_bfloat16_kernel,
+                                 _to_float16_kernel)
 
 FORWARD_ONLY_WHY = "PASA is a forward-only (inference) algorithm; the paper defines no backward pass"
 SHIFT_WARPS = 4   # the pre-pass: one (n x n) @ (n x D) matmul per program, memory-bound
@@ -203,8 +204,8 @@ class _Forward(LaunchPlan):
     and Prepared launches (PASA: Algorithm 1 shifting K inline when Nk <= SHIFT_INLINE_MAX_KEYS or the options
     force it, else the K̃ pre-pass and Algorithm 1 on its buffer, ``shift`` being the pre-pass launch; fa16: one
     launch), on float16 inputs. bfloat16 inputs are first rounded to float16 by one launch (``convert``: into copies
-    with their strides, after a contiguous copy where they are not dense), the output rounded back to bfloat16,
-    and values beyond float16's range refused after the call (``_refuse_overflows``)."""
+    with their strides, after a contiguous copy where they are not dense), the output rounded back to bfloat16 by
+    another (``convert_out``), and values beyond float16's range refused after the call (``_refuse_overflows``)."""
 
     def __init__(self, name: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, options: str):
         bsz, heads_q, len_q, d = q.shape
@@ -223,6 +224,9 @@ class _Forward(LaunchPlan):
             n_q, n_kv = q.numel(), k.numel()
             self.convert = Prepared(_to_float16_kernel, (-(-max(n_q, n_kv) // CONVERT_BLOCK), 3), (n_q, n_kv),
                                     dict(BLOCK=CONVERT_BLOCK, num_warps=CONVERT_WARPS))
+            n_out = bsz * heads_q * len_q * d
+            self.convert_out = Prepared(_to_bfloat16_kernel, (-(-n_out // CONVERT_BLOCK),), (n_out,),
+                                        dict(BLOCK=CONVERT_BLOCK, num_warps=CONVERT_WARPS))
         ins = [in_place(name, t) for t in (q, k, v)]
         self.copy = tuple(c for c, _ in ins) if any(c for c, _ in ins) else None
         (sq, sk, sv), so = (st for _, st in ins), (heads_q * len_q * d, len_q * d, d)
@@ -291,7 +295,8 @@ class _Forward(LaunchPlan):
         counts = _on_their_way_back(overflows)
         out16 = self._run_float16(*copies)
         del srcs, copies                 # their memory may hold the bfloat16 output
-        out = out16.to(q.dtype)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        self.convert_out(out16, out.view(torch.int16))
         self._refuse_overflows(counts)
         return out
 
