@@ -73,7 +73,7 @@ def _to_float16_kernel(Q, K, V, Q16, K16, V16, OVERFLOWS, n_q, n_kv, BLOCK: tl.c
 def _to_bfloat16_kernel(SRC, DST, n, BLOCK: tl.constexpr):
     """Program i rounds block i of the contiguous float16 SRC to bfloat16 into the contiguous DST, given as its int16
     view: one vectorized pass where torch's casting copy between the two is not (47 us a call at 16K, D = 128, B = 1,
-    H = 8 on the H200; results/dev/pasa/bfloat16_range_check_h200.json). The rounding (to nearest, ties to even, as
+    H = 8 on the H200; results/dev/pasa/bfloat16_call_h200.json). The rounding (to nearest, ties to even, as
     torch's cast; NaN as 0x7FC0) is integer arithmetic on the float32 bits, which the CPU interpreter runs as the GPU
     does (its own conversion to bfloat16 truncates)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

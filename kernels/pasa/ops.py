@@ -305,7 +305,7 @@ class _Forward(LaunchPlan):
         (_on_their_way_back), not for the attention, so the host returns while the GPU still runs the call and the
         next call's launches queue behind it. Waiting for the whole call here left the GPU idle while the host
         launched the next one: ~0.09 ms a call at 16K, D = 64 on the H200 (results/dev/pasa/
-        bfloat16_range_check_h200.json). Nothing to check while a CUDA graph is being captured (no sync is allowed
+        bfloat16_call_h200.json). Nothing to check while a CUDA graph is being captured (no sync is allowed
         there: such values then give inf/NaN outputs)."""
         if counts is None:
             return
