@@ -23,10 +23,10 @@ the launches as kernels._launch.Prepared), then its launches: up to SHIFT_INLINE
 and one launch (the main kernel shifts K inline), beyond them two allocations (out, K̃) and two launches (the K̃
 pre-pass, then the main kernel); bfloat16 inputs add six allocations (their float16 copies, the overflow counts,
 their pinned host copy and the bfloat16 output), two launches (the inputs' conversion, the output's) and the range
-check after the launches (it waits for the conversion's counts only, not for the attention). The choice of path is made once per
-signature, in the plan ("auto"; a call can force either path with shift="inline" / "prepass", which is how
-scripts/tune.py times one against the other). The autograd layer is kernels/_ops.py's pattern: one dispatcher trip
-per call, with or without grad.
+check after the launches (it waits for the conversion's counts only, not for the attention). The choice of path is
+made once per signature, in the plan ("auto"; a call can force either path with shift="inline" / "prepass", which is
+how scripts/tune.py times one against the other). The autograd layer is kernels/_ops.py's pattern: one dispatcher
+trip per call, with or without grad.
 
 The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gluon_core.py) takes the inputs (sm_90,
 contiguous, its head dims) and from CORE_MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
