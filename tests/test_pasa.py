@@ -269,10 +269,15 @@ def test_model_bound_holds_for_other_summation_orders(hq, hkv, nq, nk, d, causal
             assert_matches_model(other, emu, ref, unit, f"{var} ({exponent} exponent), {order} {seed}")
 
 
+def _every_float16(device="cpu"):
+    """Every float16 bit pattern, once (0x0000 to 0xFFFF): subnormals, ±0, ±inf and the NaNs included."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).to(device)
+
+
 def test_sm90_ex2_table_model():
     # emulate.py's model of sm_90's ex2.approx.f16 (measured; test_gpu_ex2_table_is_the_gpus checks it against the
     # GPU): 2^x rounded to nearest or one ulp below, never above, and below for 19,416 of the finite arguments
-    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = _every_float16()
     x = x[x.isfinite()]
     nearest = torch.exp2(x.double()).half()
     got = ex2_f16_sm90(x)
@@ -686,8 +691,8 @@ def test_float16_output_rounds_to_bfloat16_as_torch(device):
     # kernel._to_bfloat16_kernel at every float16 bit pattern (subnormals, ±0, ±inf, NaN, 65504 -> 65536, the ties),
     # across a ragged last block, against torch's cast bit for bit
     from kernels.pasa.kernel import _to_bfloat16_kernel
-    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    src = torch.cat([every, every[:300]]).to(device)          # 65836 values: the last block holds 300
+    every = _every_float16(device)
+    src = torch.cat([every, every[:300]])                     # 65836 values: the last block holds 300
     dst = torch.empty(src.shape, dtype=torch.bfloat16, device=device)
     block = 1024
     _to_bfloat16_kernel[(-(-src.numel() // block),)](src, dst.view(torch.int16), src.numel(), BLOCK=block)
@@ -1011,7 +1016,7 @@ def test_gpu_ex2_table_is_the_gpus():
     probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
     if not gluon_core.available(probe, probe, probe):
         pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
-    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).cuda()
+    x = _every_float16("cuda")
     y = torch.empty_like(x)
     _ex2_f16_kernel[(64,)](x, y)
     finite = x.isfinite()
