@@ -14,9 +14,10 @@ each consumer runs its two GEMMs and its softmax in sequence. Here the partition
   layout), and the softmax of S_j runs while that second GEMM is in flight;
 - PINGPONG (FA3's inter-warpgroup schedule): the two consumers take turns to issue their GEMMs, handing a token
   through two mbarriers, so one consumer's softmax runs while the other's GEMMs use the tensor cores;
-- at D = 64, where their items fill the SMs about as well (consumers_for; never for PASA), three consumers
-  instead, 192 query rows a CTA, each running S_j, its softmax and O += P_j V_j in turn with neither overlap nor
-  turns: their softmaxes interleave on the SM while another's GEMMs run.
+- at D = 64, where their items fill the SMs about as well (consumers_for), three consumers instead, 192 query rows
+  a CTA, each running S_j, its softmax and O += P_j V_j in turn with neither overlap nor turns: their softmaxes
+  interleave on the SM while another's GEMMs run. PASA's fp16 state, whose P is 16-bit from its exponent on and
+  whose row sums are the tensor cores', fits the overlap in three consumers' registers: its three keep it (no turns).
 
 The state is the core's: fp32 (m, l, acc) in the base-2 domain with the scale folded into exp2 (one FMA per
 score). Causal is bottom-right aligned (row i sees keys j <= i + causal_shift); GQA reads the kv head in place.
@@ -101,8 +102,10 @@ ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
 # one within 1 %, at all 21 of that file's shapes (ELSA 4K-16K, B x H 8-32, causal, fwd+bwd; CQSA 8K-32K, causal)
 # and at ELSA's, CQSA's and the core's in three_consumers_h200.json but one: the core alone at 16K (1,024 items of
 # 16K keys), where it picks two and three took 0.97 of their time (only gluon_fwd, tests and probes, runs that).
-# PASA's step, which needs the overlap more, lost with three (16K: 1.25x in its fp16 state, 1.06x hybrid) and runs
-# two. At D = 128 three do not fit with 128-key tiles and lost with 64 (three_consumers_plain_grid_h200.json).
+# PASA's step, which needs the overlap more, lost with three without it (16K: 1.25x in its fp16 state, 1.06x
+# hybrid); its fp16 state keeps the overlap in three (_consumer) and weighs them by its own row time
+# (kernels/pasa/ops.py, THREE_CONSUMERS_ROW_TIME). At D = 128 three do not fit with 128-key tiles and lost with 64
+# (three_consumers_plain_grid_h200.json).
 THREE_CONSUMER_DIMS = (64,)
 THREE_CONSUMERS_ROW_TIME = 0.91
 # (consumer, loader) registers a thread by consumer count: 2 x 128 x 240 + 128 x 24, 3 x 128 x 160 + 128 x 24
@@ -125,19 +128,21 @@ def busiest_sm(costs, sms: int) -> float:
     return max(loads)
 
 
-def consumers_for(d: int, busiest) -> int:
-    """Consumer warpgroups a CTA for an online-softmax call (not PASA's) at head dim d: three at THREE_CONSUMER_DIMS
-    where their busiest SM's work, weighed by THREE_CONSUMERS_ROW_TIME, is below two's, else two. busiest(consumers):
-    the caller's busiest_sm of its items (query rows x keys each) with CTAs of 64 x consumers rows."""
-    if d in THREE_CONSUMER_DIMS and THREE_CONSUMERS_ROW_TIME * busiest(3) < busiest(2):
+def consumers_for(d: int, busiest, row_time: float | None = None) -> int:
+    """Consumer warpgroups a CTA at head dim d: three at THREE_CONSUMER_DIMS where their busiest SM's work, weighed by
+    row_time (three's time a query row over two's; None: THREE_CONSUMERS_ROW_TIME, the online softmax's), is below
+    two's, else two. busiest(consumers): the caller's busiest_sm of its items (query rows x keys each) with CTAs of
+    64 x consumers rows."""
+    row_time = THREE_CONSUMERS_ROW_TIME if row_time is None else row_time
+    if d in THREE_CONSUMER_DIMS and row_time * busiest(3) < busiest(2):
         return 3
     return 2
 
 
-def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int) -> int:
-    """consumers_for of gluon_fwd's items: each row block of each of the bh heads against every key."""
+def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int, row_time: float | None = None) -> int:
+    """consumers_for of gluon_fwd's items (and PASA's): each row block of each of the bh heads against every key."""
     return consumers_for(d, lambda c: busiest_sm(
-        np.full(-(-len_q // (c * ROWS_PER_CONSUMER)) * bh, c * ROWS_PER_CONSUMER * len_kv), sms))
+        np.full(-(-len_q // (c * ROWS_PER_CONSUMER)) * bh, c * ROWS_PER_CONSUMER * len_kv), sms), row_time)
 
 
 # (BLOCK_N, STAGES) per head dim: shared memory holds Q (64 rows a consumer x D) and STAGES K and V tiles (<= 227
@@ -594,7 +599,9 @@ if HAS_GLUON:
                       LSE_MODE: gl.constexpr, RANGES: gl.constexpr, PASA: gl.constexpr, PERSISTENT: gl.constexpr):
         """One work item of consumer WG: its tiles are the ring's g-th on, its Q the it-th load onto q_bar. Two
         consumers run the overlapped, ping-ponged schedule (the module's docstring), three the plain one
-        (consumers_for)."""
+        (consumers_for), but for PASA's fp16 state: its three run the overlapped one without turns (its P is 16-bit
+        and its l the tensor cores', so S_j, P_{j-1} and acc fit three's registers: 0 spilled bytes, persistent, not
+        causal)."""
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
         NWG: gl.constexpr = q_bufs.type.shape[0]
         HEAD_DIM: gl.constexpr = BLOCK_D + D1           # a row's elements in Out and in ELSA's partials
@@ -637,7 +644,8 @@ if HAS_GLUON:
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_bar, it & 1)
 
-        if NWG == 2:
+        if NWG == 2 or PASA == PASA_FP16_STATE:
+            gl.static_assert(NWG == 2 or not PINGPONG, "turns take two consumers")
             # tile 0: S_0 alone. Ping-pong: consumer 0 takes the first turn (a fresh mbarrier's phase 1 counts as
             # complete), then the two alternate, one turn each per tile: turn t of consumer 0 waits for phase
             # (t & 1) ^ 1, of consumer 1 for t & 1
@@ -745,7 +753,6 @@ if HAS_GLUON:
             # three consumers (consumers_for): no overlap inside a warpgroup and no turns; per tile S_j, its softmax,
             # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile
             gl.static_assert(D1 == 0, "three consumers: head dims of one column tile")
-            gl.static_assert(PASA != PASA_FP16_STATE, "three consumers: not PASA's fp16 state (its l += P 1)")
             t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked,
                                                                          RANGES)
             for j in range(n_tiles):
@@ -1066,10 +1073,10 @@ def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: in
     return Prepared(_gluon_fwd_kernel, grid, (
         heads, heads // k.shape[1], bh, n_q, n_k, k.shape[2], n_k - n_q, qk_scale, 0.0 if pasa_c is None else pasa_c,
         q0, n_blocks, width, parts, n_slots),
-        dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong, SUMMARY=summary,
-             LSE_MODE=lse_mode, RANGES=walk is not None,
-             PASA=pasa, PERSISTENT=bool(persistent), CONSUMERS=consumers, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1],
-             LAUNCH_DEPENDENTS=launch_dependents, num_warps=4), describe=_describe(d, block_n))
+        dict(BLOCK_N=block_n, STAGES=stages, D1=SPLITS[d][1], CAUSAL=causal, PINGPONG=pingpong and consumers == 2,
+             SUMMARY=summary, LSE_MODE=lse_mode, RANGES=walk is not None, PASA=pasa, PERSISTENT=bool(persistent),
+             CONSUMERS=consumers, CONSUMER_REGS=regs[0], LOADER_REGS=regs[1], LAUNCH_DEPENDENTS=launch_dependents,
+             num_warps=4), describe=_describe(d, block_n))
 
 
 def gluon_fwd(q, k, v, causal: bool = False, scale=None, *, consumers: int | None = None, pingpong: bool = True,

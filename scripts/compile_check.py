@@ -477,8 +477,8 @@ BWD_TILE_CANDIDATES = [(64, 64, 2, 64), (64, 64, 2, 32), (64, 64, 3, 32), (128, 
 
 def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     """The Gluon core (kernels/_gluon_core.py) as it ships, 16-bit at its head dims: the standalone forward's output,
-    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not, with two consumer warpgroups and (but
-    PASA's) three where the head dim takes them; and the Gluon backward
+    ELSA's summary mode, the tile walk (CQSA) and PASA's step, causal and not, with two consumer warpgroups and
+    three where the head dim takes them (PASA: its fp16 state, not causal); and the Gluon backward
     (kernels/_gluon_bwd.py) at its TILES, or with --tiles at BWD_TILE_CANDIDATES, and its Triton prologue. Its Gluon
     API is triton 3.6's: with another triton nothing is compiled (a line says so)."""
     from kernels import _gluon_bwd as gb
@@ -506,10 +506,12 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         # the persistent launch where launch() takes it (PERSISTENT_DIMS: every mode but the walk)
         persist = (False, True) if d in gc.PERSISTENT_DIMS else (False,)
         for causal, mode in itertools.product((False, True), modes):
-            # three consumer warpgroups where consumers_for may pick them (never for PASA: kernels/pasa/ops.py)
-            counts = (2, 3) if d in gc.THREE_CONSUMER_DIMS and not mode.startswith("pasa") else (2,)
+            # three consumer warpgroups where consumers_for may pick them (for PASA only its fp16 state not causal:
+            # kernels/pasa/ops.py's pasa_consumers)
+            three = d in gc.THREE_CONSUMER_DIMS and (mode == "pasa" and not causal or not mode.startswith("pasa"))
+            counts = (2, 3) if three else (2,)
             for persistent, consumers in itertools.product(persist if mode != "walk" else (False,), counts):
-                meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=True,
+                meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=consumers == 2,
                             SUMMARY=mode == "summary", LSE_MODE={"out": 2, "walk": 1}.get(mode, 0),
                             RANGES=mode == "walk",
                             PASA={"pasa": gc.PASA_STATES["fp16"], "pasa_fp32": gc.PASA_STATES["fp32"]}.get(mode, 0),

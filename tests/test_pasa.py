@@ -507,13 +507,29 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
 
 
 @pytest.mark.cpu_only
+def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
+    # pasa_consumers at results/dev/pasa/three_consumers_h200.json's shapes (B = 1, H = 8, D = 64, 132 SMs): two at
+    # 8K and 16K, where 192-row items fill their last round 12.5 % worse than 128-row ones, three at 32K and 64K; two
+    # for the fp32 state, causal calls and other head dims. The rule moves with THREE_CONSUMERS_ROW_TIME: at 0.97
+    # 32K (its three's items 3 % more work on the busiest SM) takes two.
+    def pick(n, state="fp16", causal=False, d=64):
+        return ops.pasa_consumers(state, causal, d, 8, n, n, 132)
+
+    assert [pick(n) for n in (8192, 16384, 32768, 65536)] == [2, 2, 3, 3]
+    assert pick(65536, state="fp32") == 2 and pick(65536, causal=True) == 2 and pick(65536, d=128) == 2
+    monkeypatch.setattr(ops, "THREE_CONSUMERS_ROW_TIME", 0.97)
+    assert pick(32768) == 2 and pick(65536) == 3
+
+
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("nq, nk, d, causal, state", [(300, 333, 80, True, "fp16"), (130, 260, 64, False, "fp16"),
                                                        (70, 200, 192, False, "fp16"), (130, 260, 64, True, "fp32")])
 def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal, state):
     # the Hopper path's host side on the CPU: the core (never run here) is replaced by a recorder. What it is
     # handed must be PASA at the core's window n: K̃ = fp16(λM·K) per window of n keys (the last one [Nk − n, Nk)),
     # λM and c for β solved at that n (c in the state format), the state, qk_scale log2 e, one partition of every
-    # key, the CTA's row blocks.
+    # key, the CTA's row blocks (three consumer warpgroups' in the fp16 case at D = 64 not causal: on the CPU's one
+    # "SM" its fewer, larger items are the faster, pasa_consumers).
     monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
     monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
     seen = {}
@@ -537,7 +553,9 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert seen["pasa_c"] == float({"fp16": np.float16, "fp32": np.float32}[state](ideal_invariance(beta)))
     assert seen["pasa_state"] == state
     assert seen["qk_scale"] == LOG2E and seen["causal"] == causal and seen["lse_mode"] == 0
-    assert seen["width"] == nk and seen["n_blocks"] == -(-nq // 128)
+    consumers = 3 if (d, causal, state) == (64, False, "fp16") else 2
+    assert ops.pasa_consumers(state, causal, d, 4, nq, nk, 1) == consumers
+    assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]
@@ -1023,15 +1041,50 @@ def test_gpu_ex2_table_is_the_gpus():
     assert torch.equal(y[finite].view(torch.int16), ex2_f16_sm90(x[finite]).view(torch.int16))
 
 
+def _three_consumers(monkeypatch):
+    """Every PASA call whose state and head dim take three consumer warpgroups runs them (a zero row time), whatever
+    its size; the others keep two."""
+    monkeypatch.setattr(ops, "THREE_CONSUMERS_ROW_TIME", 0.0)
+
+
+def _consumers_of_plans():
+    return {plan.gluon.options["consumers"] for plan in _pasa_plans()}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("state", ["fp16", "fp32"])
-def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_core, state):
+@pytest.mark.parametrize("case", [c for c in CORE_CASES if not c[4]] + [(16, 4, 3000, 2900, False, 2.0)],
+                         ids=lambda c: "h{}-{}n{}-{}x{}".format(c[0], c[1], c[2], c[3], c[5]))
+def test_gpu_pasa_fp16_state_on_three_consumers_is_its_emulation(on_the_core, monkeypatch, case):
+    # the fp16 state's three consumer warpgroups (192-row CTAs, each overlapping its GEMMs with the step, no turns;
+    # pasa_consumers picks them for long inputs at D = 64): the model bound of two's; the last case's 256 items
+    # (16 heads x 16 CTAs) take the persistent grid's programs more than one round, its last window overlapping the
+    # one before
+    _three_consumers(monkeypatch)
+    hq, hkv, nq, nk, causal, x0 = case
+    d = 64
+    q, k, v = _emulation_case("cuda", hq, hkv, nq, nk, d, x0)
+    out = pasa_attention(q, k, v, causal=causal)
+    assert _consumers_of_plans() == {3}
+    ref = reference_attention(q, k, v, causal=causal)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=causal))
+    assert_matches_model(out, _core_model(q, k, v, causal, d), ref, unit, "three consumers")
+    if x0 == 0:
+        assert rel_rmse(out, ref) <= 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state, d, consumers", [("fp16", 128, 2), ("fp32", 128, 2), ("fp16", 64, 3)])
+def test_gpu_pasa_on_the_core_misses_its_model_with_c_two_percent_off(on_the_core, monkeypatch, state, d, consumers):
     # sparse_low_blocks: a 2 % error in the recovery constant c moves these outputs by several percent; the core
     # must match its model with the exact c and be outside the model bound of the models with c·1.02 and c·0.98
+    # (with two consumer warpgroups, and the fp16 state's three at D = 64)
+    if consumers == 3:
+        _three_consumers(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    d, n = 128, 1024
+    n = 1024
     q, k, v = sparse_low_blocks(n, d, gluon_core.TILES[d][0], 16.0, gen, "cuda", heads=4)
     out = pasa_attention(q, k, v, state_dtype=state)
+    assert _consumers_of_plans() == {consumers}
     ref = reference_attention(q, k, v)
     unit = ulp16(reference_attention(q, k, v.abs()))
     assert_matches_model(out, _core_model(q, k, v, False, d, state_dtype=state), ref, unit, "exact c")

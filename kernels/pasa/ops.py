@@ -33,9 +33,10 @@ contiguous, its head dims) and from CORE_MIN_WORK, the main loop runs there inst
 the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
 used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
 in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile and
-block_m = 128, the core's query rows per program; with the fp16 state the exponent is float16 arithmetic,
-exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). A call that names a loop, tiles or a
-K̃ path keeps the Triton kernel (core=triton).
+block_m = 128, the core's query rows per program where causal calls run; with the fp16 state the exponent is float16
+arithmetic, exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). Two consumer
+warpgroups a CTA, or three (192 rows) in the fp16 state where THREE_CONSUMERS_ROW_TIME says they are faster. A call
+that names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
 from typing import Optional
@@ -45,7 +46,7 @@ from torch import Tensor
 
 from kernels import _gluon_core as gluon_core
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
-                             layout)
+                             layout, sm_count)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
@@ -76,6 +77,15 @@ CONVERT_BLOCK, CONVERT_WARPS = 2048, 4
 # Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K D=128 1.18 /
 # 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50)
 CORE_MIN_WORK = 2**34
+# Three consumer warpgroups a CTA (192 query rows) for the fp16 state, not causal, at the core's THREE_CONSUMER_DIMS,
+# where gluon_core.consumers_for finds them faster with this row time (three's time a query row over two's where both
+# fill their rounds of the SMs alike); each keeps the overlap of its GEMMs with PASA's step (gluon_core's _consumer).
+# Measured on the H200 (results/dev/pasa/three_consumers_h200.json: B=1, H=8, D=64, CUDA-graph time over cuDNN's, two
+# -> three): 32K 1.16 -> 1.11, 64K 1.14 -> 1.08; at 8K and 16K, whose 192-row items fill their last round 12.5 % worse
+# than 128-row ones, 1.25 -> 1.33 and 1.17 -> 1.24, where the rule keeps two: row times 0.93-0.96 once the rounds'
+# fill is divided out. The fp32 (hybrid) state spills with three (72-200 bytes; 1.7-2.1x two's time), as causal
+# calls do (88-120 bytes): both keep two.
+THREE_CONSUMERS_ROW_TIME = 0.94
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -96,6 +106,14 @@ def tuned_shift_rule(path=TUNING_FILE) -> dict:
 
 
 SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
+
+
+def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k: int, sms: int) -> int:
+    """The Gluon core's consumer warpgroups for a PASA call on `sms` SMs (THREE_CONSUMERS_ROW_TIME): three only in
+    the fp16 state and not causal, where gluon_core.core_consumers finds them faster by PASA's row time."""
+    if state != "fp16" or causal:
+        return 2
+    return gluon_core.core_consumers(d, bh, len_q, len_k, sms, THREE_CONSUMERS_ROW_TIME)
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -237,7 +255,8 @@ class _Forward(LaunchPlan):
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK):
-            self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_kv, len_q, len_k, d), causal, scale)
+            self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
+                             scale, sm_count(q.device, 1))
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
@@ -267,21 +286,22 @@ class _Forward(LaunchPlan):
         self.shift = Prepared(_shift_k_kernel, (windows, bsz * heads_kv),
                               (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
 
-    def _plan_gluon(self, beta: str, state: str, sk: tuple, sizes: tuple, causal: bool, scale: float) -> None:
+    def _plan_gluon(self, beta: str, state: str, sk: tuple, sizes: tuple, causal: bool, scale: float,
+                    sms: int) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
-        the core in its PASA mode with its state in `state` ("fp16" / "fp32"). K̃ keeps the Triton path's layout
-        (rows padded to block_d columns): the core's descriptors read its first D columns through the row stride."""
-        bsz, heads_kv, len_q, len_k, d = sizes
+        the core in its PASA mode with its state in `state` ("fp16" / "fp32"), consumer warpgroups by
+        pasa_consumers on `sms` SMs. K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
+        descriptors read its first D columns through the row stride."""
+        bsz, heads_q, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
         self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
         self.head_dim = d
         # the state format's c, as the kernels use it (an fp32 kernel argument either way)
         c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
-        # two consumer warpgroups (launch's default): PASA's step lost without their overlap (gluon_core's
-        # THREE_CONSUMER_DIMS)
+        consumers = pasa_consumers(state, causal, d, bsz * heads_q, len_q, len_k, sms)
         self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
-                                              n_blocks=-(-len_q // (2 * gluon_core.ROWS_PER_CONSUMER)),
-                                              pasa_c=c_state, pasa_state=state)
+                                              n_blocks=-(-len_q // (consumers * gluon_core.ROWS_PER_CONSUMER)),
+                                              pasa_c=c_state, pasa_state=state, consumers=consumers)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.convert is None:
