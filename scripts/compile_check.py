@@ -508,7 +508,7 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
         for causal, mode in itertools.product((False, True), modes):
             # three consumer warpgroups where consumers_for may pick them (for PASA only its fp16 state not causal:
             # kernels/pasa/ops.py's pasa_consumers)
-            three = d in gc.THREE_CONSUMER_DIMS and (mode == "pasa" and not causal or not mode.startswith("pasa"))
+            three = d in gc.THREE_CONSUMER_DIMS and ((mode == "pasa" and not causal) or not mode.startswith("pasa"))
             counts = (2, 3) if three else (2,)
             for persistent, consumers in itertools.product(persist if mode != "walk" else (False,), counts):
                 meta = dict(nones, BLOCK_N=block_n, STAGES=stages, D1=d1, CAUSAL=causal, PINGPONG=consumers == 2,

@@ -985,10 +985,10 @@ def on_the_core(monkeypatch):
 
 
 def _core_model(q, k, v, causal, d, state_dtype="fp16", **kw):
-    """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA (PASA runs
-    two consumer warpgroups), the fp16 state's exponent in float16 arithmetic, the matmuls' sums the tensor cores'
-    (emulate.py's docstring: with a CPU's fp32 sums the fp16 state's kernel-vs-model distance on biased inputs reaches
-    ~0.6 of the model's own error, past MODEL_RMS_FRACTION)."""
+    """The emulation of the core's loop: "fused", windows of its key tile, causal visits per 128-row CTA (a causal
+    PASA call runs two consumer warpgroups), the fp16 state's exponent in float16 arithmetic, the matmuls' sums the
+    tensor cores' (emulate.py's docstring: with a CPU's fp32 sums the fp16 state's kernel-vs-model distance on biased
+    inputs reaches ~0.6 of the model's own error, past MODEL_RMS_FRACTION)."""
     return pasa_emulate(q, k, v, causal=causal, block_n=gluon_core.TILES[d][0], block_m=128, variant="fused",
                         state_dtype=state_dtype, exponent="fp16" if state_dtype == "fp16" else "fp32",
                         sum_order="tensor_cores", **kw)
