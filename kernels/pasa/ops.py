@@ -81,9 +81,9 @@ CORE_MIN_WORK = 2**34
 # where gluon_core.consumers_for finds them faster with this row time (three's time a query row over two's where both
 # fill their rounds of the SMs alike); each keeps the overlap of its GEMMs with PASA's step (gluon_core's _consumer).
 # Measured on the H200 (results/dev/pasa/three_consumers_h200.json: B=1, H=8, D=64, CUDA-graph time over cuDNN's, two
-# -> three): 32K 1.16 -> 1.11, 64K 1.14 -> 1.08; at 8K and 16K, whose 192-row items fill their last round 12.5 % worse
-# than 128-row ones, 1.25 -> 1.33 and 1.17 -> 1.24, where the rule keeps two: row times 0.93-0.96 once the rounds'
-# fill is divided out. The fp32 (hybrid) state spills with three (72-200 bytes; 1.7-2.1x two's time), as causal
+# -> three): 12K 1.19-1.24 -> 1.12-1.17, 24K 1.14-1.15 -> 1.05-1.13, 32K 1.16 -> 1.09-1.13, 64K 1.14 -> 1.08; at 8K and
+# 16K, whose 192-row items fill their last round 12.5 % worse than 128-row ones, 1.25 -> 1.33 and 1.17 -> 1.24, where
+# the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with three (72-200 bytes; 1.7-2.1x two's time), as causal
 # calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
