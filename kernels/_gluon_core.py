@@ -989,13 +989,14 @@ def _rows_descriptor(t: torch.Tensor, d: int, rows: int, cols: int):
     return tile_descriptor(t.view(-1, d), rows, cols)
 
 
-def persistent_default(d: int, causal: bool, items: int, sms: int) -> bool:
+def persistent_default(d: int, causal: bool, items: int, sms: int, causal_rounds: int | None = None) -> bool:
     """Whether a launch (not a walk) of `items` work items (row blocks x heads x partitions) on `sms` SMs runs
     persistent: at the measured head dims (PERSISTENT_DIMS), and causal only while the items fill at most
-    PERSISTENT_CAUSAL_ROUNDS rounds of the SMs."""
+    causal_rounds (None: PERSISTENT_CAUSAL_ROUNDS) rounds of the SMs."""
     if d not in PERSISTENT_DIMS:
         return False
-    return not causal or items <= PERSISTENT_CAUSAL_ROUNDS * sms
+    rounds = PERSISTENT_CAUSAL_ROUNDS if causal_rounds is None else causal_rounds
+    return not causal or items <= rounds * sms
 
 
 def launch(q, k, v, out, lse, sbuf, **options):

@@ -522,6 +522,23 @@ def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
 
 
 @pytest.mark.cpu_only
+def test_causal_fp16_state_at_d128_leaves_the_persistent_launch_after_two_rounds():
+    # pasa_persistent at results/dev/pasa/causal_grid_h200.json's shapes (132 SMs; items: 128-row blocks x heads):
+    # the fp16 state at D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at
+    # 5K (320) or 4K H=16 (512); the fp32 state and D = 64 up to the core's PERSISTENT_CAUSAL_ROUNDS; not causal,
+    # always (at D = 64 and 128)
+    def persistent(items, state="fp16", d=128, causal=True):
+        return ops.pasa_persistent(state, causal, d, items, 132)
+
+    assert ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS == 2
+    assert persistent(256) and persistent(264) and not persistent(265) and not persistent(320)
+    limit = gluon_core.PERSISTENT_CAUSAL_ROUNDS * 132
+    assert persistent(limit, state="fp32") and not persistent(limit + 1, state="fp32")
+    assert persistent(limit, d=64) and not persistent(limit + 1, d=64)
+    assert persistent(100 * 132, causal=False) and persistent(100 * 132, d=64, causal=False)
+
+
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("nq, nk, d, causal, state", [(300, 333, 80, True, "fp16"), (130, 260, 64, False, "fp16"),
                                                        (70, 200, 192, False, "fp16"), (130, 260, 64, True, "fp32")])
 def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk, d, causal, state):
@@ -556,6 +573,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     consumers = 3 if (d, causal, state) == (64, False, "fp16") else 2
     assert ops.pasa_consumers(state, causal, d, 4, nq, nk, 1) == consumers
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
+    assert seen["persistent"] == ops.pasa_persistent(state, causal, d, seen["n_blocks"] * 4, 1)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]
@@ -1070,6 +1088,21 @@ def test_gpu_pasa_fp16_state_on_three_consumers_is_its_emulation(on_the_core, mo
     assert_matches_model(out, _core_model(q, k, v, causal, d), ref, unit, "three consumers")
     if x0 == 0:
         assert rel_rmse(out, ref) <= 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_causal_fp16_state_at_d128_on_the_plain_grid_is_its_emulation(on_the_core):
+    # past FP16_D128_CAUSAL_PERSISTENT_ROUNDS rounds of the SMs the fp16 state's causal calls at D = 128 take the
+    # plain grid (17 row blocks of 128 a head, more than two rounds' items): the model bound there too
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hq = 2 * (ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS * sms // 34 + 1)
+    q, k, v = _emulation_case("cuda", hq, 2, 2100, 2200, 128, 1.0)
+    out = pasa_attention(q, k, v, causal=True)
+    (plan,) = _pasa_plans()
+    assert plan.gluon.options["persistent"] is False and 17 * hq > ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS * sms
+    ref = reference_attention(q, k, v, causal=True)
+    unit = ulp16(reference_attention(q, k, v.abs(), causal=True))
+    assert_matches_model(out, _core_model(q, k, v, True, 128), ref, unit, "plain grid")
 
 
 @pytest.mark.gpu

@@ -86,6 +86,13 @@ CORE_MIN_WORK = 2**34
 # the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with three (72-200 bytes; 1.7-2.1x two's time), as causal
 # calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
+# Causal calls run persistent while their items fill at most gluon_core.PERSISTENT_CAUSAL_ROUNDS rounds of the SMs,
+# but the fp16 state at D = 128 only up to this many: its causal persistent kernel spills 224 bytes where the plain
+# grid's spills none (scripts/compile_check.py), and past two rounds the spill costs more than the last round's idle
+# SMs. On the H200 (results/dev/pasa/causal_grid_h200.json, B=1, CUDA-graph time over cuDNN's causal, persistent /
+# plain): 4K H=8 (1.9 rounds) 1.06 / 1.18; 5K (2.4) 1.23 / 1.16, 6K (2.9) 1.29 / 1.13, 8K (3.9) 1.27 / 1.10, 4K H=16
+# (3.9) 1.31 / 1.18. The fp32 state there (80 bytes persistent, 120 plain) and D = 64 (none) keep the core's rule.
+FP16_D128_CAUSAL_PERSISTENT_ROUNDS = 2
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -114,6 +121,13 @@ def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k:
     if state != "fp16" or causal:
         return 2
     return gluon_core.core_consumers(d, bh, len_q, len_k, sms, THREE_CONSUMERS_ROW_TIME)
+
+
+def pasa_persistent(state: str, causal: bool, d: int, items: int, sms: int) -> bool:
+    """Whether a PASA call of `items` work items on `sms` SMs runs the core's persistent launch: gluon_core's
+    persistent_default, causal up to FP16_D128_CAUSAL_PERSISTENT_ROUNDS rounds in the fp16 state at D = 128."""
+    rounds = FP16_D128_CAUSAL_PERSISTENT_ROUNDS if (state, d) == ("fp16", 128) else None
+    return gluon_core.persistent_default(d, causal, items, sms, rounds)
 
 
 # --- options -----------------------------------------------------------------------------------------------
@@ -290,8 +304,8 @@ class _Forward(LaunchPlan):
                     sms: int) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
         the core in its PASA mode with its state in `state` ("fp16" / "fp32"), consumer warpgroups by
-        pasa_consumers on `sms` SMs. K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
-        descriptors read its first D columns through the row stride."""
+        pasa_consumers and the grid by pasa_persistent on `sms` SMs. K̃ keeps the Triton path's layout (rows padded
+        to block_d columns): the core's descriptors read its first D columns through the row stride."""
         bsz, heads_q, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
         self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
@@ -299,9 +313,11 @@ class _Forward(LaunchPlan):
         # the state format's c, as the kernels use it (an fp32 kernel argument either way)
         c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
         consumers = pasa_consumers(state, causal, d, bsz * heads_q, len_q, len_k, sms)
+        n_blocks = -(-len_q // (consumers * gluon_core.ROWS_PER_CONSUMER))
+        persistent = pasa_persistent(state, causal, d, n_blocks * bsz * heads_q, sms)
         self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
-                                              n_blocks=-(-len_q // (consumers * gluon_core.ROWS_PER_CONSUMER)),
-                                              pasa_c=c_state, pasa_state=state, consumers=consumers)
+                                              n_blocks=n_blocks, pasa_c=c_state, pasa_state=state,
+                                              consumers=consumers, persistent=persistent)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.convert is None:
