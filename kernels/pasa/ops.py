@@ -83,8 +83,8 @@ CORE_MIN_WORK = 2**34
 # Measured on the H200 (results/dev/pasa/three_consumers_h200.json: B=1, H=8, D=64, CUDA-graph time over cuDNN's, two
 # -> three): 12K 1.19-1.24 -> 1.12-1.17, 24K 1.14-1.15 -> 1.05-1.13, 32K 1.16 -> 1.09-1.13, 64K 1.14 -> 1.08; at 8K and
 # 16K, whose 192-row items fill their last round 12.5 % worse than 128-row ones, 1.25 -> 1.33 and 1.17 -> 1.24, where
-# the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with three (72-200 bytes; 1.7-2.1x two's time), as causal
-# calls do (88-120 bytes): both keep two.
+# the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with
+# three (72-200 bytes; 1.7-2.1x two's time), as causal calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
 # Causal calls run persistent while their items fill at most gluon_core.PERSISTENT_CAUSAL_ROUNDS rounds of the SMs,
 # but the fp16 state at D = 128 only up to this many: its causal persistent kernel spills 224 bytes where the plain
