@@ -166,9 +166,9 @@ MIN_WORK = 2**31
 # (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal; causal, the items' costs
 # differ and a static order evens them out only over few rounds (4K: 0.71 vs 1.05-1.29 of cuDNN's time alone,
 # in ELSA 0.87-0.92 vs 1.07-1.12) while many rounds lose the plain grid's sharing of a head's keys in L2
-# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time; causal, its fp16 state at
-# D = 128 takes fewer rounds (persistent_default's causal_rounds: kernels/pasa/ops.py's pasa_persistent). D = 64 and
-# 128 measured; the split head dims and 256 stay on the plain grid.
+# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time; causal, it takes its own
+# rounds (persistent_default's causal_rounds: kernels/pasa/ops.py's CAUSAL_PERSISTENT_ROUNDS). D = 64 and 128
+# measured; the split head dims and 256 stay on the plain grid.
 PERSISTENT_DIMS = (64, 128)
 PERSISTENT_CAUSAL_ROUNDS = 4
 # The kernel's PASA constexpr: not PASA, or PASA's step with its state (m, l, the pseudo-average g, acc) held as

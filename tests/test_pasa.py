@@ -522,19 +522,19 @@ def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
 
 
 @pytest.mark.cpu_only
-def test_causal_fp16_state_at_d128_leaves_the_persistent_launch_after_two_rounds():
+def test_causal_calls_run_persistent_for_as_many_rounds_as_measured():
     # pasa_persistent at results/dev/pasa/causal_grid_h200.json's shapes (132 SMs; items: 128-row blocks x heads):
     # the fp16 state at D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at
-    # 5K (320) or 4K H=16 (512); the fp32 state and D = 64 up to the core's PERSISTENT_CAUSAL_ROUNDS; not causal,
-    # always (at D = 64 and 128)
+    # 5K (320) or 4K H=16 (512); D = 64 up to 16 rounds (32K: 2048 items); the fp32 state at D = 128 up to the core's
+    # PERSISTENT_CAUSAL_ROUNDS; not causal, always (at D = 64 and 128)
     def persistent(items, state="fp16", d=128, causal=True):
         return ops.pasa_persistent(state, causal, d, items, 132)
 
-    assert ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS == 2
     assert persistent(256) and persistent(264) and not persistent(265) and not persistent(320)
+    assert all(persistent(items, state, 64) for items in (640, 1024, 2048) for state in ("fp16", "fp32"))
+    assert not persistent(16 * 132 + 1, d=64) and not persistent(16 * 132 + 1, "fp32", 64)
     limit = gluon_core.PERSISTENT_CAUSAL_ROUNDS * 132
     assert persistent(limit, state="fp32") and not persistent(limit + 1, state="fp32")
-    assert persistent(limit, d=64) and not persistent(limit + 1, d=64)
     assert persistent(100 * 132, causal=False) and persistent(100 * 132, d=64, causal=False)
 
 
@@ -1091,18 +1091,20 @@ def test_gpu_pasa_fp16_state_on_three_consumers_is_its_emulation(on_the_core, mo
 
 
 @pytest.mark.gpu
-def test_gpu_causal_fp16_state_at_d128_on_the_plain_grid_is_its_emulation(on_the_core):
-    # past FP16_D128_CAUSAL_PERSISTENT_ROUNDS rounds of the SMs the fp16 state's causal calls at D = 128 take the
-    # plain grid (17 row blocks of 128 a head, more than two rounds' items): the model bound there too
+@pytest.mark.parametrize("d", [128, 64])
+def test_gpu_causal_calls_on_their_grid_are_their_emulation(on_the_core, d):
+    # causal fp16-state calls of 17 row blocks of 128 a head, more than two rounds' items of the SMs: at D = 128,
+    # past its CAUSAL_PERSISTENT_ROUNDS (two), on the plain grid; at D = 64 (up to 16) persistent, each program taking
+    # items of several rounds (longest first, alternate rounds reversed): the model bound on either grid
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    hq = 2 * (ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS * sms // 34 + 1)
-    q, k, v = _emulation_case("cuda", hq, 2, 2100, 2200, 128, 1.0)
+    hq = 2 * (2 * sms // 34 + 1)
+    q, k, v = _emulation_case("cuda", hq, 2, 2100, 2200, d, 1.0)
     out = pasa_attention(q, k, v, causal=True)
     (plan,) = _pasa_plans()
-    assert plan.gluon.options["persistent"] is False and 17 * hq > ops.FP16_D128_CAUSAL_PERSISTENT_ROUNDS * sms
+    assert 17 * hq > 2 * sms and plan.gluon.options["persistent"] is (d == 64)
     ref = reference_attention(q, k, v, causal=True)
     unit = ulp16(reference_attention(q, k, v.abs(), causal=True))
-    assert_matches_model(out, _core_model(q, k, v, True, 128), ref, unit, "plain grid")
+    assert_matches_model(out, _core_model(q, k, v, True, d), ref, unit, f"D={d}")
 
 
 @pytest.mark.gpu

@@ -86,13 +86,18 @@ CORE_MIN_WORK = 2**34
 # the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with
 # three (72-200 bytes; 1.7-2.1x two's time), as causal calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
-# Causal calls run persistent while their items fill at most gluon_core.PERSISTENT_CAUSAL_ROUNDS rounds of the SMs,
-# but the fp16 state at D = 128 only up to this many: its causal persistent kernel spills 224 bytes where the plain
-# grid's spills none (scripts/compile_check.py), and past two rounds the spill costs more than the last round's idle
-# SMs. On the H200 (results/dev/pasa/causal_grid_h200.json, B=1, CUDA-graph time over cuDNN's causal, persistent /
-# plain): 4K H=8 (1.9 rounds) 1.06 / 1.18; 5K (2.4) 1.23 / 1.16, 6K (2.9) 1.29 / 1.13, 8K (3.9) 1.27 / 1.10, 4K H=16
-# (3.9) 1.31 / 1.18. The fp32 state there (80 bytes persistent, 120 plain) and D = 64 (none) keep the core's rule.
-FP16_D128_CAUSAL_PERSISTENT_ROUNDS = 2
+# Causal calls run persistent while their items fill at most this many rounds of the SMs, by (state, head dim); where
+# none is given, gluon_core.PERSISTENT_CAUSAL_ROUNDS (4, measured with ELSA). On the H200
+# (results/dev/pasa/causal_grid_h200.json, B=1, CUDA-graph time over cuDNN's causal, persistent / plain):
+# - the fp16 state at D = 128, whose causal persistent kernel spills 224 bytes where the plain grid's spills none
+#   (scripts/compile_check.py): 4K H=8 (1.9 rounds) 1.06 / 1.18, but 5K (2.4) 1.23 / 1.16, 6K (2.9) 1.29 / 1.13,
+#   8K (3.9) 1.27 / 1.10, 4K H=16 (3.9) 1.31 / 1.18: two rounds;
+# - D = 64 (no spill persistent): 10K (4.9 rounds) 1.00 / 1.18, 12K (5.8) 0.98-1.03 / 1.17, 14K (6.8) 1.04 / 1.14,
+#   6K H=16 (5.8) 1.02 / 1.25, the fp32 state at 12K 1.04-1.06 / 1.18; alike from 16K (7.8 rounds) to 32K (15.5):
+#   up to 16 rounds, as far as measured;
+# - the fp32 state at D = 128 (80 bytes persistent, 120 plain): 6K-8K 0.89-0.94 / 1.05-1.11, 16K 1.04-1.07 / 0.95-1.02:
+#   the core's four.
+CAUSAL_PERSISTENT_ROUNDS = {("fp16", 128): 2, ("fp16", 64): 16, ("fp32", 64): 16}
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -125,9 +130,8 @@ def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k:
 
 def pasa_persistent(state: str, causal: bool, d: int, items: int, sms: int) -> bool:
     """Whether a PASA call of `items` work items on `sms` SMs runs the core's persistent launch: gluon_core's
-    persistent_default, causal up to FP16_D128_CAUSAL_PERSISTENT_ROUNDS rounds in the fp16 state at D = 128."""
-    rounds = FP16_D128_CAUSAL_PERSISTENT_ROUNDS if (state, d) == ("fp16", 128) else None
-    return gluon_core.persistent_default(d, causal, items, sms, rounds)
+    persistent_default, causal up to CAUSAL_PERSISTENT_ROUNDS[(state, d)] rounds of the SMs."""
+    return gluon_core.persistent_default(d, causal, items, sms, CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
 
 
 # --- options -----------------------------------------------------------------------------------------------
