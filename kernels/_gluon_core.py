@@ -752,7 +752,9 @@ if HAS_GLUON:
 
         else:
             # three consumers (consumers_for): no overlap inside a warpgroup and no turns; per tile S_j, its softmax,
-            # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile
+            # then O += P_j V_j, waited for at once: the other warpgroups' GEMMs use the tensor cores meanwhile (the
+            # online softmax and PASA's fp32 state, whose acc is not rounded; the fp16 state's three run the
+            # overlapped schedule above)
             gl.static_assert(D1 == 0, "three consumers: head dims of one column tile")
             t, r, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _first_tile(Ranges, r0, lo, n_k, causal_shift, n_unmasked,
                                                                          RANGES)
@@ -774,8 +776,7 @@ if HAS_GLUON:
                 if RANGES:
                     r, t, r_lo, r_hi, r_shift, r_tiles, r_unmasked = _next_tile(Ranges, r, t, r_lo, r_hi, r_shift,
                                                                                  r_tiles, r_unmasked)
-                # as above: PASA's fp16 state rounds acc once per window, before the alpha product
-                acc = _state(acc, PASA) * gl.convert_layout(alpha, row_o)[:, None]
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_ready.index(s), phase)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_bufs.index(s), acc, is_async=True)
