@@ -18,7 +18,10 @@ fail it for a move its host time ratio does not share (``attnbench.gate``, HOST)
 
 Steady-state reasons: on the H100 every long tensor-core kernel runs into the 700 W software power cap
 (``sw_power_cap``, measured 2026-11-22); it is recorded with every attempt but counts only when the SM
-clock actually sagged.
+clock actually sagged. There the driver sets the clock from the power drawn, and the paired calls share it: a
+ratio compares the two sides at one clock. A kernel that draws less power per clock than its baseline runs at a
+higher clock alone, so faster than its paired ratio says (PASA against cuDNN on the H200: 0.05-0.09 of cuDNN's time;
+``scripts/clock_pairing.py`` measures a kernel both ways, with the clock and power of each).
 
 Run directories written before this policy have the status ``noisy``, which mixed both kinds: a legacy
 point whose only reasons were the ratio spread was an undisturbed window (``window_disturbed``).
