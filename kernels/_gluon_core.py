@@ -105,7 +105,7 @@ ROWS_PER_CONSUMER = 64       # one warpgroup's wgmma M
 # PASA's step, which needs the overlap more, lost with three without it (16K: 1.25x in its fp16 state, 1.06x
 # hybrid); its fp16 state keeps the overlap in three (_consumer) and weighs them by its own row time
 # (kernels/pasa/ops.py, THREE_CONSUMERS_ROW_TIME). At D = 128 three do not fit with 128-key tiles and lost with 64
-# (three_consumers_plain_grid_h200.json).
+# (three_consumers_plain_grid_h200.json; PASA's fp16 state too: results/dev/pasa/key_tiles_d128_h200.json).
 THREE_CONSUMER_DIMS = (64,)
 THREE_CONSUMERS_ROW_TIME = 0.91
 # (consumer, loader) registers a thread by consumer count: 2 x 128 x 240 + 128 x 24, 3 x 128 x 160 + 128 x 24
