@@ -328,7 +328,7 @@ def parse_gpu_list(spec: str) -> list[int] | None:
     return out
 
 
-def _visible_to_cuda(reader) -> list[int]:
+def visible_to_cuda(reader) -> list[int]:
     """The NVML indices CUDA_VISIBLE_DEVICES lets this process use, UUID (or UUID prefix) entries included."""
     count = reader.device_count()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -350,7 +350,7 @@ def resolve_gpu_list(spec: str, reader) -> list[int]:
     GPUs of different models are refused. GpuListError (one line) otherwise."""
     wanted = parse_gpu_list(spec)
     count = reader.device_count()
-    visible = _visible_to_cuda(reader)
+    visible = visible_to_cuda(reader)
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if wanted is None:
         if not visible:

@@ -17,7 +17,8 @@ random inputs) and timer (attnbench.measure.pair.measure_pair: CUDA events, L2 f
            which compiles, comes before every phase), then its timed calls;
            ratio = the kernel's median / the baseline's
   paired   both sides interleaved as a matrix cell times them; ratio = the median of the pairs' ratios
-with the median SM clock (MHz) and power (W) NVML read every --sample-ms while each phase ran. On the CPU
+with the median SM clock (MHz) and power (W) NVML read every --sample-ms while each phase ran. OUT.json is rewritten
+after every row (a later row's failure keeps the rows before it), and each row printed with the rows left. On the CPU
 (--device cpu, Triton interpreter) there is no clock or power and the times mean nothing: the plumbing only.
 """
 from __future__ import annotations
@@ -116,10 +117,10 @@ def nvml_probe():
     """(probe, power limit in W) for the GPU torch runs on: NVML's SM clock and power draw, two reads a call."""
     import torch
 
-    from attnbench.gpu import PynvmlReader, _visible_to_cuda
+    from attnbench.gpu import PynvmlReader, visible_to_cuda
 
     reader = PynvmlReader()
-    index = _visible_to_cuda(reader)[torch.cuda.current_device()]
+    index = visible_to_cuda(reader)[torch.cuda.current_device()]
     nv = reader.nv
     handle = nv.nvmlDeviceGetHandleByIndex(index)
 
@@ -128,7 +129,9 @@ def nvml_probe():
     return probe, nv.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
 
 
-def run(args, probe=None, power_limit_w=None) -> dict:
+def run(args, probe=None, power_limit_w=None, on_row=None) -> dict:
+    """Every shape's repeats (module docstring): the result so far goes to on_row(res) after each row, and a line
+    per row is printed with how many are done and about how long the rest takes."""
     import torch
 
     from attnbench.backends import get_backend, make_attention_workload
@@ -157,6 +160,7 @@ def run(args, probe=None, power_limit_w=None) -> dict:
                 raise ValueError(f"{side.backend} side: {side.status}: {side.message}")
         return pair
 
+    total, started = len(args.shapes) * args.repeats, time.perf_counter()
     with Sampler(probe, args.sample_ms / 1e3) as sampler:
         for n, d in args.shapes:
             common = dict(batch=args.batch, heads=args.heads, n=n, head_dim=d, dtype=args.dtype, mode=args.mode,
@@ -197,7 +201,11 @@ def run(args, probe=None, power_limit_w=None) -> dict:
                                  "baseline_ms": round(pair.baseline.summary()["ms_median"], 4),
                                  **sampler.phase(t0, time.perf_counter())}
                 res["rows"].append(row)
-                print(line(row, args), flush=True)
+                done = len(res["rows"])
+                left_s = (time.perf_counter() - started) / done * (total - done)
+                print(f"[{done}/{total}, ~{left_s:.0f} s left] {line(row, args)}", flush=True)
+                if on_row is not None:
+                    on_row(res)
             for _, workload in sides.values():
                 if workload.release is not None:
                     workload.release()
@@ -228,12 +236,16 @@ def main(argv=None) -> int:
     from attnbench.backends import BackendError
     from attnbench.gpu import NoGpuError
 
+    def write(res):          # after every row, whole or not at all: what was measured stays if a later row fails
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, out)
+
     try:
-        res = run(args)
+        run(args, on_row=write)
     except (BackendError, NoGpuError, ValueError) as exc:   # a backend name, a point it refuses, no GPU
         print(f"clock_pairing: {exc}", file=sys.stderr)
         return 2
-    out.write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -69,7 +69,8 @@ def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
         assert alone["ratio"] == pytest.approx(alone["kernel"]["ms"] / alone["baseline"]["ms"], rel=1e-3)
         assert paired["ratio"] > 0 and paired["kernel_ms"] > 0 and paired["baseline_ms"] > 0
         assert alone["kernel"]["clock_mhz"] is None and paired["power_w"] is None    # no NVML on the CPU
-    assert "64x16 #0: alone" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "[1/2, ~" in printed and "] 64x16 #0: alone" in printed and "[2/2, ~0 s left] 33x32 #0" in printed
     # a probe's reads land in the phases they were taken in
     args = mod.parse_args(argv[:-2] + ["--repeats", "1", "--shapes", "64x16", "--sample-ms", "0.5"])
     res = mod.run(args, probe=lambda: (1755, 690.0), power_limit_w=700.0)
@@ -79,3 +80,16 @@ def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
         assert phase["reads"] > 0 and phase["clock_mhz"] == 1755 and phase["power_w"] == 690.0
     assert f"paired {row['paired']['ratio']:.3f} (" in mod.line(row, args)
     assert mod.line(row, args).endswith(" ms at 1755 MHz, 690 W)")
+
+
+def test_rows_measured_before_a_refused_shape_are_kept(tmp_path, capsys, device):
+    if device.type != "cpu":
+        pytest.skip("the CPU plumbing test; on the GPU run the script itself")
+    mod = load_script("clock_pairing")
+    out = tmp_path / "pairing.json"
+    argv = [str(out), "--device", "cpu", "--kernel", "elsa", "--baseline", "math", "--shapes", "64x16,64x300",
+            "--heads", "1", "--calls", "2", "--warm-s", "0", "--repeats", "1"]
+    assert mod.main(argv) == 2
+    assert capsys.readouterr().err.strip().startswith("clock_pairing: elsa: head_dim 300 unsupported")
+    assert [(r["n"], r["d"]) for r in json.loads(out.read_text())["rows"]] == [(64, 16)]
+    assert not out.with_name(out.name + ".tmp").exists()
