@@ -53,14 +53,18 @@ def test_missing_output_directory_and_refused_points_are_one_line(tmp_path, caps
         assert capsys.readouterr().err.strip() == "clock_pairing: cudnn: device cpu unsupported (supports cuda)"
 
 
-def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
+def _cpu_run(device, out, shapes: str, *extra) -> list:
+    """The script's arguments for a small interpreted ELSA-against-math run on the CPU (skipped on a GPU machine)."""
     if device.type != "cpu":
         pytest.skip("the CPU plumbing test; on the GPU run the script itself")
+    return [str(out), "--device", "cpu", "--kernel", "elsa", "--baseline", "math", "--shapes", shapes, "--heads", "1",
+            "--calls", "2", "--warm-s", "0", "--repeats", "1", *extra]
+
+
+def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
     mod = load_script("clock_pairing")
     out = tmp_path / "pairing.json"
-    argv = [str(out), "--device", "cpu", "--kernel", "elsa", "--baseline", "math", "--shapes", "64x16,33x32",
-            "--heads", "1", "--calls", "2", "--warm-s", "0", "--repeats", "1"]
-    assert mod.main(argv) == 0
+    assert mod.main(_cpu_run(device, out, "64x16,33x32")) == 0
     res = json.loads(out.read_text())
     assert res["meta"]["kernel"] == "elsa" and res["meta"]["device"] == "cpu" and res["meta"]["power_limit_w"] is None
     assert [(r["n"], r["d"], r["repeat"]) for r in res["rows"]] == [(64, 16, 0), (33, 32, 0)]
@@ -72,7 +76,7 @@ def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
     printed = capsys.readouterr().out
     assert "[1/2, ~" in printed and "] 64x16 #0: alone" in printed and "[2/2, ~0 s left] 33x32 #0" in printed
     # a probe's reads land in the phases they were taken in
-    args = mod.parse_args(argv[:-2] + ["--repeats", "1", "--shapes", "64x16", "--sample-ms", "0.5"])
+    args = mod.parse_args(_cpu_run(device, out, "64x16", "--sample-ms", "0.5"))
     res = mod.run(args, probe=lambda: (1755, 690.0), power_limit_w=700.0)
     row = res["rows"][0]
     assert res["meta"]["power_limit_w"] == 700.0
@@ -83,13 +87,9 @@ def test_cpu_run_times_each_side_alone_and_paired(tmp_path, capsys, device):
 
 
 def test_rows_measured_before_a_refused_shape_are_kept(tmp_path, capsys, device):
-    if device.type != "cpu":
-        pytest.skip("the CPU plumbing test; on the GPU run the script itself")
     mod = load_script("clock_pairing")
     out = tmp_path / "pairing.json"
-    argv = [str(out), "--device", "cpu", "--kernel", "elsa", "--baseline", "math", "--shapes", "64x16,64x300",
-            "--heads", "1", "--calls", "2", "--warm-s", "0", "--repeats", "1"]
-    assert mod.main(argv) == 2
+    assert mod.main(_cpu_run(device, out, "64x16,64x300")) == 2
     assert capsys.readouterr().err.strip().startswith("clock_pairing: elsa: head_dim 300 unsupported")
     assert [(r["n"], r["d"]) for r in json.loads(out.read_text())["rows"]] == [(64, 16)]
     assert not out.with_name(out.name + ".tmp").exists()
