@@ -17,9 +17,11 @@ random inputs) and timer (attnbench.measure.pair.measure_pair: CUDA events, L2 f
            which compiles, comes before every phase), then its timed calls;
            ratio = the kernel's median / the baseline's
   paired   both sides interleaved as a matrix cell times them; ratio = the median of the pairs' ratios
-with the median SM clock (MHz) and power (W) NVML read every --sample-ms while each phase ran. OUT.json is rewritten
-after every row (a later row's failure keeps the rows before it), and each row printed with the rows left. On the CPU
-(--device cpu, Triton interpreter) there is no clock or power and the times mean nothing: the plumbing only.
+with the median SM clock (MHz) and power (W) NVML read every --sample-ms while each phase ran (the clock as it is;
+the power, on Ampere and newer GPUs, NVML's average over the last second: the warm second before each alone phase
+makes it that side's, a paired phase reads both sides' mix). OUT.json is rewritten after every row (a later row's
+failure keeps the rows before it), and each row printed with the rows left. On the CPU (--device cpu, Triton
+interpreter) there is no clock or power and the times mean nothing: the plumbing only.
 """
 from __future__ import annotations
 
