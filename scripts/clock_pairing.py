@@ -109,10 +109,12 @@ class Sampler:
 def phase_summary(reads) -> dict:
     """Median and minimum SM clock, median power, and the number of reads (a phase shorter than one read has none:
     its clock and power are None)."""
-    clocks = [r[1] for r in reads if r[1] is not None]
-    powers = [r[2] for r in reads if r[2] is not None]
-    return {"clock_mhz": statistics.median(clocks) if clocks else None, "clock_min_mhz": min(clocks, default=None),
-            "power_w": round(statistics.median(powers), 1) if powers else None, "reads": len(reads)}
+    from attnbench.measure.stats import summary
+
+    clocks = summary([r[1] for r in reads if r[1] is not None])
+    power = summary([r[2] for r in reads if r[2] is not None])["median"]
+    return {"clock_mhz": clocks["median"], "clock_min_mhz": clocks["min"],
+            "power_w": None if power is None else round(power, 1), "reads": len(reads)}
 
 
 def nvml_probe():
