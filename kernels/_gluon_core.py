@@ -166,8 +166,8 @@ MIN_WORK = 2**31
 # (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal; causal, the items' costs
 # differ and a static order evens them out only over few rounds (4K: 0.71 vs 1.05-1.29 of cuDNN's time alone,
 # in ELSA 0.87-0.92 vs 1.07-1.12) while many rounds lose the plain grid's sharing of a head's keys in L2
-# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time; causal, it takes its own
-# rounds (persistent_default's causal_rounds: kernels/pasa/ops.py's CAUSAL_PERSISTENT_ROUNDS). D = 64 and 128
+# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time; causal, it hands prepare its
+# own rounds (causal_rounds: kernels/pasa/ops.py's CAUSAL_PERSISTENT_ROUNDS). D = 64 and 128
 # measured; the split head dims and 256 stay on the plain grid.
 PERSISTENT_DIMS = (64, 128)
 PERSISTENT_CAUSAL_ROUNDS = 4
@@ -1029,11 +1029,11 @@ class PlannedLaunch:
 def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0, parts: int = 1,
             width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int, consumers: int = 2,
             pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None, pasa_state: str = "fp16",
-            persistent: bool | None = None, programs: int | None = None,
+            persistent: bool | None = None, causal_rounds: int | None = None, programs: int | None = None,
             launch_dependents: bool = False) -> Prepared:
     """The launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
-    parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default)
-    `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
+    parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default, with
+    causal_rounds) `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
     holds every key), for inputs laid out as q, k, v: a Prepared launch (kernels/_launch.py), called as
     ``go(q, k, v, out, lse, sbuf, items, ranges)`` with tensors of these shapes and strides (items, ranges: walk's
     tables, else any tensor: never read), on q's device made current by the caller, which checked available(q, k,
@@ -1064,7 +1064,7 @@ def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: in
         work = n_blocks * bh * parts
         sms = sm_count(q.device, 1)
         if persistent is None:
-            persistent = persistent_default(d, causal, work, sms)
+            persistent = persistent_default(d, causal, work, sms, causal_rounds)
         if persistent:
             if programs is not None and programs < 1:
                 raise ValueError(f"{NAME}: a persistent launch needs at least one program (got programs={programs})")

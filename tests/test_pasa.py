@@ -523,12 +523,13 @@ def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
 
 @pytest.mark.cpu_only
 def test_causal_calls_run_persistent_for_as_many_rounds_as_measured():
-    # pasa_persistent at results/dev/pasa/causal_grid_h200.json's shapes (132 SMs; items: 128-row blocks x heads):
-    # the fp16 state at D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at
-    # 5K (320) or 4K H=16 (512); D = 64 up to 16 rounds (32K: 2048 items); the fp32 state at D = 128 up to the core's
+    # the core's persistent_default with PASA's rounds (what its plan hands prepare) at
+    # results/dev/pasa/causal_grid_h200.json's shapes (132 SMs; items: 128-row blocks x heads): the fp16 state at
+    # D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at 5K (320) or 4K H=16
+    # (512); D = 64 up to 16 rounds (32K: 2048 items); the fp32 state at D = 128 up to the core's
     # PERSISTENT_CAUSAL_ROUNDS; not causal, always (at D = 64 and 128)
     def persistent(items, state="fp16", d=128, causal=True):
-        return ops.pasa_persistent(state, causal, d, items, 132)
+        return gluon_core.persistent_default(d, causal, items, 132, ops.CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
 
     assert persistent(256) and persistent(264) and not persistent(265) and not persistent(320)
     assert all(persistent(items, state, 64) for items in (640, 1024, 2048) for state in ("fp16", "fp32"))
@@ -573,7 +574,8 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     consumers = 3 if (d, causal, state) == (64, False, "fp16") else 2
     assert ops.pasa_consumers(state, causal, d, 4, nq, nk, 1) == consumers
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
-    assert seen["persistent"] == ops.pasa_persistent(state, causal, d, seen["n_blocks"] * 4, 1)
+    # the grid is prepare's to decide (persistent_default), with PASA's causal rounds
+    assert "persistent" not in seen and seen["causal_rounds"] == ops.CAUSAL_PERSISTENT_ROUNDS.get((state, d))
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]
@@ -1103,7 +1105,7 @@ def test_gpu_causal_calls_on_their_grid_are_their_emulation(on_the_core, d):
     q, k, v = _emulation_case("cuda", hq, 2, 2100, 2200, d, 1.0)
     out = pasa_attention(q, k, v, causal=True)
     (plan,) = _pasa_plans()
-    assert 17 * hq > 2 * sms and plan.gluon.options["persistent"] is (d == 64)
+    assert 17 * hq > 2 * sms and plan.gluon.prepared.constexprs["PERSISTENT"] is (d == 64)
     _assert_is_its_core_model(out, q, k, v, True, d, 1.0, f"D={d}")
 
 

@@ -128,12 +128,6 @@ def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k:
     return gluon_core.core_consumers(d, bh, len_q, len_k, sms, THREE_CONSUMERS_ROW_TIME)
 
 
-def pasa_persistent(state: str, causal: bool, d: int, items: int, sms: int) -> bool:
-    """Whether a PASA call of `items` work items on `sms` SMs runs the core's persistent launch: gluon_core's
-    persistent_default, causal up to CAUSAL_PERSISTENT_ROUNDS[(state, d)] rounds of the SMs."""
-    return gluon_core.persistent_default(d, causal, items, sms, CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
-
-
 # --- options -----------------------------------------------------------------------------------------------
 
 def pasa_options(beta: Optional[float], state_dtype: str, variant: str, tiles: tuple,
@@ -308,8 +302,9 @@ class _Forward(LaunchPlan):
                     sms: int) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
         the core in its PASA mode with its state in `state` ("fp16" / "fp32"), consumer warpgroups by
-        pasa_consumers and the grid by pasa_persistent on `sms` SMs. K̃ keeps the Triton path's layout (rows padded
-        to block_d columns): the core's descriptors read its first D columns through the row stride."""
+        pasa_consumers on `sms` SMs and the grid by the core's persistent_default with PASA's causal rounds
+        (CAUSAL_PERSISTENT_ROUNDS). K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
+        descriptors read its first D columns through the row stride."""
         bsz, heads_q, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
         self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
@@ -318,10 +313,10 @@ class _Forward(LaunchPlan):
         c_state = torch.tensor(c, dtype=_f16 if state == "fp16" else torch.float32).item()
         consumers = pasa_consumers(state, causal, d, bsz * heads_q, len_q, len_k, sms)
         n_blocks = -(-len_q // (consumers * gluon_core.ROWS_PER_CONSUMER))
-        persistent = pasa_persistent(state, causal, d, n_blocks * bsz * heads_q, sms)
         self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
                                               n_blocks=n_blocks, pasa_c=c_state, pasa_state=state,
-                                              consumers=consumers, persistent=persistent)
+                                              consumers=consumers,
+                                              causal_rounds=CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.convert is None:
