@@ -162,6 +162,7 @@ class Matrix:
     gate: dict
     cells: list[Cell]
     checks: list = field(default_factory=list)   # spot-check rules, evaluated by attnbench.spotcheck
+    only: str | None = None                      # the --only glob select() kept the cells by (None: every cell)
 
     def points(self) -> list[Point]:
         return [Point(cell, n, mode) for cell in self.cells for n in cell.seq_lens for mode in cell.timing_modes]
@@ -172,6 +173,7 @@ class Matrix:
             import fnmatch
 
             self.cells = [c for c in self.cells if fnmatch.fnmatch(c.id, glob)]
+            self.only = glob
         return self
 
     def can_resume(self, manifest: dict) -> bool:

@@ -22,7 +22,7 @@ from attnbench import gpu as gpumod
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import Matrix, Point
 from attnbench.measure import ClockMonitor, NoisePolicy, PairResult, SideResult, measure_pair
-from attnbench.store import RunDirError, RunStore, utc_now
+from attnbench.store import RunDirError, RunStore, recorded_only, resume_command, utc_now
 
 
 class RunInterrupted(Exception):
@@ -392,6 +392,12 @@ def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: boo
         raise RunDirError(f"{store.path}: the cells of {matrix.path} this run measures changed since it "
                           f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
                           f"{matrix.sha256[:12]}); start a new run")
+    # the same file selected by another --only (or none) would add other cells' points to the run (can_resume
+    # accepts the file's hash alone): unless the cells are the same problem, the selection must be the run's own
+    started_with = recorded_only(manifest) if manifest.get("argv") else matrix.only
+    if started_with != matrix.only and manifest.get("plan_sha256") != matrix.plan_sha256() and not complete:
+        raise RunDirError(f"{store.path}: started with {_selection(started_with)}, resumed with "
+                          f"{_selection(matrix.only)}; finish it with: {resume_command(manifest, store.path)}")
     started_on = manifest.get("device") or "cuda"
     if started_on != device:
         raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
@@ -402,6 +408,11 @@ def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: boo
     if replicate and not replicated:
         raise RunDirError(f"{store.path}: started without --replicate; resume it without --replicate")
     return manifest
+
+
+def _selection(glob: str | None) -> str:
+    """A run's cells as its --only names them, for a message."""
+    return f"--only {glob!r}" if glob else "every cell"
 
 
 class NoCleanGpu(RuntimeError):

@@ -118,14 +118,12 @@ def run_progress(run: Run) -> dict:
     matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
     or None when it is complete or can no longer be resumed)."""
     from attnbench.matrix import MatrixError, load_matrix
-    from attnbench.store import resume_command
+    from attnbench.store import recorded_only, resume_command
 
     m = run.manifest
     argv = [str(a) for a in (m.get("argv") or [])]
     command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
-    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
-    if "--only" in argv[:-1]:
-        only = argv[argv.index("--only") + 1]
+    only = recorded_only(m)
     path = m.get("matrix_path") or "?"
     # a relative matrix path is relative to where the run was started (recorded as cwd since it is)
     where = Path(m["cwd"]) / path if m.get("cwd") and not Path(path).is_absolute() else Path(path)

@@ -497,6 +497,15 @@ def check_results_root(root) -> None:
         raise RunDirError(f"results root {root}: not writable by this user")
 
 
+def recorded_only(manifest: dict) -> str | None:
+    """The --only glob a run was started with (None: every cell, or a run that did not record its argv)."""
+    argv = [str(a) for a in (manifest.get("argv") or [])]
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
+    if "--only" in argv[:-1]:
+        only = argv[argv.index("--only") + 1]
+    return only
+
+
 def resume_command(manifest: dict, run_dir) -> str:
     """The shell command that finishes a run: the program and command line it was started with (every option:
     --device, --results-root, --gpu, --only, ...) plus --resume RUN_DIR; prefixed by a cd when it was started

@@ -74,9 +74,10 @@ def disturb(monkeypatch, script):
     return seen
 
 
-def make_runner(m, tmp_path, **kw):
+def make_runner(m, tmp_path, argv=(), **kw):
     # the CPU load check is opened wide: other test processes may share this machine
-    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9))
+    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9),
+                      argv=list(argv))
     return Runner(m, opts, reader=None, sleep=lambda s: None, **kw)
 
 
@@ -227,6 +228,29 @@ def test_resume_accepts_an_edit_outside_the_measured_cells(tmp_path, monkeypatch
     monkeypatch.setattr(runner_mod, "measure_point", fake2)
     assert make_runner(edited, tmp_path).run(resume=run_dir) == run_dir
     assert calls2 == ["a@32", "b@24"]
+
+
+def test_resume_keeps_the_selection_the_run_was_started_with(tmp_path, monkeypatch):
+    """A run of the file's cell `a` (--only a), resumed with the whole file or another cell's selection, would
+    measure cells it was never meant to hold (the file's hash matches either way): refused in one line that gives
+    the command finishing it. Its own selection, or a glob that selects the same cells, resumes it."""
+    fake, _ = fake_results(["clean", "interrupt"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake)
+    path = matrix(tmp_path).path
+    with pytest.raises(RunInterrupted) as exc:
+        make_runner(matrix(tmp_path).select("a"), tmp_path, argv=["run-matrix", str(path), "--only", "a"]).run()
+    run_dir = exc.value.run_dir
+    fake2, calls2 = fake_results(["clean"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake2)
+    for other, said in ((matrix(tmp_path), "every cell"), (matrix(tmp_path).select("b"), "--only 'b'")):
+        with pytest.raises(RunDirError) as refused:
+            make_runner(other, tmp_path).run(resume=run_dir)
+        assert str(refused.value) == (f"{run_dir}: started with --only 'a', resumed with {said}; finish it with: "
+                                      f"{shlex.join([sys.executable, '-m', 'attnbench'])} run-matrix {path} --only a "
+                                      f"--resume {run_dir}")
+    assert calls2 == [] and list(load_run(run_dir).points.point_id) == ["a@16"]
+    assert make_runner(matrix(tmp_path).select("[a]"), tmp_path).run(resume=run_dir) == run_dir
+    assert calls2 == ["a@32"] and list(load_run(run_dir).points.point_id) == ["a@16", "a@32"]
 
 
 def test_torn_last_line_of_attempts_is_tolerated(tmp_path):
