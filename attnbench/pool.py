@@ -230,7 +230,7 @@ class Pool:
             store = RunStore.open_existing(resume)
             store.lock()
             try:
-                manifest = check_resumable(store, self.matrix, self.opt.device, self.layout.replicate)
+                manifest = check_resumable(store, self.matrix, self.opt, self.layout.replicate)
                 for line in store.repair():
                     self.on_event("repair", run_dir=store.path, message=line)
                 if manifest.get("finished_utc") and not self._missing(store, self._known_devices(manifest)):

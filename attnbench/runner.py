@@ -320,7 +320,7 @@ class Runner:
         return choice
 
     def _resume(self, store: RunStore) -> Path:
-        manifest = check_resumable(store, self.matrix, self.opt.device, replicate=False)
+        manifest = check_resumable(store, self.matrix, self.opt, replicate=False)
         for line in store.repair():
             self.on_event("repair", run_dir=store.path, message=line)
         done = store.finished_point_ids()
@@ -380,9 +380,9 @@ class Runner:
         return row
 
 
-def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: bool) -> dict:
-    """The manifest of a run directory that may be finished with `matrix` on `device` (with or without
-    --replicate, as it was started); RunDirError (one line) otherwise."""
+def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate: bool) -> dict:
+    """The manifest of a run directory that may be finished with `matrix` on opt.device, with its planted
+    slowdowns and with or without --replicate, as it was started; RunDirError (one line) otherwise."""
     manifest = store.read_manifest()
     # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
     # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
@@ -398,8 +398,13 @@ def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: boo
     if started_with != matrix.only and manifest.get("plan_sha256") != matrix.plan_sha256() and not complete:
         raise RunDirError(f"{store.path}: started with {_selection(started_with)}, resumed with "
                           f"{_selection(matrix.only)}; finish it with: {resume_command(manifest, store.path)}")
+    # a planted slowdown (the gate's proof) holds for every point of a run or for none
+    planted = {name: float(f) for name, f in (manifest.get("injected_slowdown") or {}).items()}
+    if planted != opt.slowdown and not complete:
+        raise RunDirError(f"{store.path}: started with {_planted(planted)}, resumed with {_planted(opt.slowdown)}; "
+                          f"finish it with: {resume_command(manifest, store.path)}")
     started_on = manifest.get("device") or "cuda"
-    if started_on != device:
+    if started_on != opt.device:
         raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
     replicated = bool((manifest.get("pool") or {}).get("replicate"))
     if replicated and not replicate:
@@ -413,6 +418,11 @@ def check_resumable(store: RunStore, matrix: Matrix, device: str, replicate: boo
 def _selection(glob: str | None) -> str:
     """A run's cells as its --only names them, for a message."""
     return f"--only {glob!r}" if glob else "every cell"
+
+
+def _planted(slowdown: dict) -> str:
+    """A run's planted slowdowns as its --slowdown items name them, for a message."""
+    return " ".join(f"--slowdown {name}={f:g}" for name, f in sorted(slowdown.items())) or "no --slowdown"
 
 
 class NoCleanGpu(RuntimeError):

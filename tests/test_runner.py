@@ -74,10 +74,10 @@ def disturb(monkeypatch, script):
     return seen
 
 
-def make_runner(m, tmp_path, argv=(), **kw):
+def make_runner(m, tmp_path, argv=(), slowdown=None, **kw):
     # the CPU load check is opened wide: other test processes may share this machine
     opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9),
-                      argv=list(argv))
+                      argv=list(argv), slowdown=dict(slowdown or {}))
     return Runner(m, opts, reader=None, sleep=lambda s: None, **kw)
 
 
@@ -251,6 +251,31 @@ def test_resume_keeps_the_selection_the_run_was_started_with(tmp_path, monkeypat
     assert calls2 == [] and list(load_run(run_dir).points.point_id) == ["a@16"]
     assert make_runner(matrix(tmp_path).select("[a]"), tmp_path).run(resume=run_dir) == run_dir
     assert calls2 == ["a@32"] and list(load_run(run_dir).points.point_id) == ["a@16", "a@32"]
+
+
+def test_resume_keeps_the_slowdown_the_run_was_planted_with(tmp_path, monkeypatch):
+    """A gate-proof run (--slowdown flash=1.15) resumed without it, or with another factor, would hold slowed and
+    unslowed points under one manifest: refused in one line that gives the command finishing it; with its own
+    slowdown it resumes, planting it in what is left."""
+    fake, _ = fake_results(["clean", "interrupt"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake)
+    m = matrix(tmp_path)
+    argv = ["run-matrix", str(m.path), "--slowdown", "flash=1.15"]
+    with pytest.raises(RunInterrupted) as exc:
+        make_runner(m, tmp_path, argv=argv, slowdown={"flash": 1.15}).run()
+    run_dir = exc.value.run_dir
+    planted = []
+    fake2, calls2 = fake_results(["clean"])
+    monkeypatch.setattr(runner_mod, "measure_point", lambda p, d, mon=None, slow=None: planted.append(slow) or fake2(p, d))
+    hint = f"{shlex.join([sys.executable, '-m', 'attnbench'])} run-matrix {m.path} --slowdown flash=1.15 --resume {run_dir}"
+    for other, said in (({}, "no --slowdown"), ({"flash": 1.2}, "--slowdown flash=1.2")):
+        with pytest.raises(RunDirError) as refused:
+            make_runner(m, tmp_path, slowdown=other).run(resume=run_dir)
+        assert str(refused.value) == (f"{run_dir}: started with --slowdown flash=1.15, resumed with {said}; "
+                                      f"finish it with: {hint}")
+    assert calls2 == []
+    assert make_runner(m, tmp_path, slowdown={"flash": 1.15}).run(resume=run_dir) == run_dir
+    assert calls2 == ["a@32", "b@24"] and planted == [{"flash": 1.15}] * 2
 
 
 def test_torn_last_line_of_attempts_is_tolerated(tmp_path):
