@@ -289,11 +289,7 @@ class Runner:
                 "gate": {"max_util_pct": self.opt.clean_check.max_util_pct, "min_free_gb": self.opt.clean_check.min_free_gb,
                          **({"max_cpu_pct": self.opt.clean_check.max_cpu_pct} if self.opt.device == "cpu" else {})},
                 "host": socket.gethostname(), "interrupted": False, "injected_slowdown": self.opt.slowdown,
-                "python_executable": sys.executable,
-                # the kernels' environment switches (ATTNBENCH_FAST_LAUNCH, ATTNBENCH_TRACED_LAUNCHES,
-                # ATTNBENCH_DEPENDENT_LAUNCH): a run made with one set measured other code paths than the defaults
-                "kernel_switches": {k: v for k, v in sorted(os.environ.items())
-                                    if k.startswith("ATTNBENCH_") and k != "ATTNBENCH_GIT_COMMIT"}}
+                "python_executable": sys.executable, "kernel_switches": kernel_switches()}
 
     def run(self, resume: Path | None = None) -> Path:
         """Measure every point into a new run directory, or finish `resume`; returns the run directory.
@@ -380,9 +376,16 @@ class Runner:
         return row
 
 
+def kernel_switches() -> dict:
+    """The kernels' environment switches set in this process (ATTNBENCH_FAST_LAUNCH, ATTNBENCH_TRACED_LAUNCHES,
+    ATTNBENCH_DEPENDENT_LAUNCH, ...): a run made with one set measured other code paths than the defaults."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("ATTNBENCH_") and k != "ATTNBENCH_GIT_COMMIT"}
+
+
 def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate: bool) -> dict:
     """The manifest of a run directory that may be finished with `matrix` on opt.device, with its planted
-    slowdowns and with or without --replicate, as it was started; RunDirError (one line) otherwise."""
+    slowdowns, kernel switches and with or without --replicate, as it was started; RunDirError (one line)
+    otherwise."""
     manifest = store.read_manifest()
     # A run whose fingerprint no longer matches (its cells changed, or an older harness fingerprinted its
     # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
@@ -403,6 +406,11 @@ def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate:
     if planted != opt.slowdown and not complete:
         raise RunDirError(f"{store.path}: started with {_planted(planted)}, resumed with {_planted(opt.slowdown)}; "
                           f"finish it with: {resume_command(manifest, store.path)}")
+    switches = manifest.get("kernel_switches")       # (runs before the manifest kept them: not known)
+    if switches is not None and switches != kernel_switches() and not complete:
+        raise RunDirError(f"{store.path}: started with the kernel switches {_switches(switches)}, resumed with "
+                          f"{_switches(kernel_switches())} (its points would measure two code paths); finish it "
+                          f"with: {resume_command(manifest, store.path)}")
     started_on = manifest.get("device") or "cuda"
     if started_on != opt.device:
         raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
@@ -418,6 +426,11 @@ def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate:
 def _selection(glob: str | None) -> str:
     """A run's cells as its --only names them, for a message."""
     return f"--only {glob!r}" if glob else "every cell"
+
+
+def _switches(env: dict) -> str:
+    """Kernel switches as shell assignments, for a message."""
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none"
 
 
 def _planted(slowdown: dict) -> str:

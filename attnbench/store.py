@@ -508,8 +508,8 @@ def recorded_only(manifest: dict) -> str | None:
 
 def resume_command(manifest: dict, run_dir) -> str:
     """The shell command that finishes a run: the program and command line it was started with (every option:
-    --device, --results-root, --gpu, --only, ...) plus --resume RUN_DIR; prefixed by a cd when it was started
-    in another folder than this one."""
+    --device, --results-root, --gpu, --only, ...) plus --resume RUN_DIR, after the kernel switches it ran with;
+    prefixed by a cd when it was started in another folder than this one."""
     program = [str(a) for a in (manifest.get("program") or ["attnbench"])]
     argv = [str(a) for a in (manifest.get("argv") or [])]
     if not argv or argv[0] not in ("run-matrix", "spot-check"):
@@ -522,8 +522,11 @@ def resume_command(manifest: dict, run_dir) -> str:
             skip = arg == "--resume"
         elif not arg.startswith("--resume="):
             kept.append(arg)
+    # the kernel switches it ran with (ATTNBENCH_*), set again: a resume under others is refused
+    env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in sorted((manifest.get("kernel_switches") or {}).items()))
     started_in = manifest.get("cwd")
     run_dir = Path(run_dir)
     if started_in and Path(started_in) != Path.cwd():
-        return f"cd {shlex.quote(started_in)} && " + shlex.join([*program, *kept, "--resume", str(run_dir.resolve())])
-    return shlex.join([*program, *kept, "--resume", str(run_dir)])
+        return (f"cd {shlex.quote(started_in)} && {env}"
+                + shlex.join([*program, *kept, "--resume", str(run_dir.resolve())]))
+    return env + shlex.join([*program, *kept, "--resume", str(run_dir)])

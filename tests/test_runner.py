@@ -278,6 +278,30 @@ def test_resume_keeps_the_slowdown_the_run_was_planted_with(tmp_path, monkeypatc
     assert calls2 == ["a@32", "b@24"] and planted == [{"flash": 1.15}] * 2
 
 
+def test_resume_keeps_the_kernel_switches_the_run_was_started_with(tmp_path, monkeypatch):
+    """A run made with ATTNBENCH_TRACED_LAUNCHES=0 resumed without it (or with another value) would measure two code
+    paths under one manifest: refused in one line naming both sets and the command that finishes it (the switch
+    set again, as the resume hint always gives it); with them as they were it resumes."""
+    monkeypatch.setenv("ATTNBENCH_TRACED_LAUNCHES", "0")
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
+    fake2, calls2 = fake_results(["clean"])
+    monkeypatch.setattr(runner_mod, "measure_point", fake2)
+    monkeypatch.delenv("ATTNBENCH_TRACED_LAUNCHES")
+    hint = f"ATTNBENCH_TRACED_LAUNCHES=0 {shlex.join([sys.executable, '-m', 'attnbench'])} run-matrix {m.path} " \
+           f"--resume {run_dir}"
+    for now, said in ((None, "none"), ("1", "ATTNBENCH_TRACED_LAUNCHES=1")):
+        if now is not None:
+            monkeypatch.setenv("ATTNBENCH_TRACED_LAUNCHES", now)
+        with pytest.raises(RunDirError) as refused:
+            make_runner(m, tmp_path).run(resume=run_dir)
+        assert str(refused.value) == (f"{run_dir}: started with the kernel switches ATTNBENCH_TRACED_LAUNCHES=0, "
+                                      f"resumed with {said} (its points would measure two code paths); finish it "
+                                      f"with: {hint}")
+    assert calls2 == []
+    monkeypatch.setenv("ATTNBENCH_TRACED_LAUNCHES", "0")
+    assert make_runner(m, tmp_path).run(resume=run_dir) == run_dir and calls2 == ["a@32", "b@24"]
+
+
 def test_torn_last_line_of_attempts_is_tolerated(tmp_path):
     store = RunStore.create(tmp_path, "x", {"matrix_sha256": "s"})
     store.append_attempt({"point_id": "a@1", "x": float("nan")})
