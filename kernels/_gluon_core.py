@@ -1033,21 +1033,21 @@ def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: in
             launch_dependents: bool = False) -> Prepared:
     """The launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
     parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default, with
-    causal_rounds) `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N unless one partition
-    holds every key), for inputs laid out as q, k, v: a Prepared launch (kernels/_launch.py), called as
-    ``go(q, k, v, out, lse, sbuf, items, ranges)`` with tensors of these shapes and strides (items, ranges: walk's
-    tables, else any tensor: never read), on q's device made current by the caller, which checked available(q, k,
+    causal_rounds) `programs` of them, by default one per SM), partitions of `width` keys (a multiple of BLOCK_N
+    unless one partition holds every key), for inputs laid out as q, k, v: a Prepared launch (kernels/_launch.py),
+    called as ``go(q, k, v, out, lse, sbuf, items, ranges)`` with tensors of these shapes and strides (items, ranges:
+    walk's tables, else any tensor: never read), on q's device made current by the caller, which checked available(q, k,
     v). After its first call it encodes the three (six at a split head dim) TMA maps at the call's pointers and calls
-    the launcher's C entry: no descriptor objects, no key (its host time: kernels/_launch.py). With walk=(items,
-    ranges) (int32 tables on q's device, built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this
-    launch's BLOCK_N), one program per item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out
-    and the LSE are written for its rows. With pasa_c (PASA's recovery constant in the state format) the programs
-    take PASA's step with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv, whole windows
-    of BLOCK_N keys, D] (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition, out
-    only. consumers: the consumer warpgroups of a CTA, 2 or (at THREE_CONSUMER_DIMS) 3 (consumers_for chooses);
-    pingpong: two consumers' turns (three take none); regs: (consumer, loader) registers, REGS' for the consumer
-    count by default. launch_dependents: the next kernel, launched as a programmatic dependent (one that waits for
-    this one's stores itself: ELSA's phase 2), may start as soon as every program has started."""
+    the launcher's C entry: no descriptor objects, no key (its host time: kernels/_launch.py). With walk=(items, ranges)
+    (int32 tables on q's device, built by a tile walk such as kernels/cqsa/schedule.py's tile_walk with this launch's
+    BLOCK_N), one program per item and head (grid (items, B * Hq, 1)): each walks its rows' key ranges, out and the LSE
+    are written for its rows. With pasa_c (PASA's recovery constant in the state format) the programs take PASA's step
+    with its state in pasa_state (a key of PASA_STATES): k is then PASA's K̃ [B, Hkv, whole windows of BLOCK_N keys, D]
+    (rows may be padded: only the row stride counts), qk_scale is log2 e, one partition, out only. consumers: the
+    consumer warpgroups of a CTA, 2 or (at THREE_CONSUMER_DIMS) 3 (consumers_for chooses); pingpong: two consumers'
+    turns (three take none); regs: (consumer, loader) registers, REGS' for the consumer count by default.
+    launch_dependents: the next kernel, launched as a programmatic dependent (one that waits for this one's stores
+    itself: ELSA's phase 2), may start as soon as every program has started."""
     d = q.shape[-1]
     block_n, stages = tiles or TILES[d]
     if consumers not in (2, 3) or (consumers == 3 and d not in THREE_CONSUMER_DIMS):

@@ -76,8 +76,8 @@ def disturb(monkeypatch, script):
 
 def make_runner(m, tmp_path, argv=(), slowdown=None, **kw):
     # the CPU load check is opened wide: other test processes may share this machine
-    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0, clean_check=CleanGpuCheck(max_cpu_pct=1e9),
-                      argv=list(argv), slowdown=dict(slowdown or {}))
+    opts = RunOptions(device="cpu", results_root=tmp_path / "runs", snapshot_s=0,
+                      clean_check=CleanGpuCheck(max_cpu_pct=1e9), argv=list(argv), slowdown=dict(slowdown or {}))
     return Runner(m, opts, reader=None, sleep=lambda s: None, **kw)
 
 
@@ -266,8 +266,14 @@ def test_resume_keeps_the_slowdown_the_run_was_planted_with(tmp_path, monkeypatc
     run_dir = exc.value.run_dir
     planted = []
     fake2, calls2 = fake_results(["clean"])
-    monkeypatch.setattr(runner_mod, "measure_point", lambda p, d, mon=None, slow=None: planted.append(slow) or fake2(p, d))
-    hint = f"{shlex.join([sys.executable, '-m', 'attnbench'])} run-matrix {m.path} --slowdown flash=1.15 --resume {run_dir}"
+
+    def measure(point, device, monitor=None, slowdown=None):
+        planted.append(slowdown)
+        return fake2(point, device)
+
+    monkeypatch.setattr(runner_mod, "measure_point", measure)
+    program = shlex.join([sys.executable, "-m", "attnbench"])
+    hint = f"{program} run-matrix {m.path} --slowdown flash=1.15 --resume {run_dir}"
     for other, said in (({}, "no --slowdown"), ({"flash": 1.2}, "--slowdown flash=1.2")):
         with pytest.raises(RunDirError) as refused:
             make_runner(m, tmp_path, slowdown=other).run(resume=run_dir)
