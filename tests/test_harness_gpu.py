@@ -141,7 +141,9 @@ def test_timer_calibrates_against_do_bench(tmp_path, gpu_to_itself):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert all(abs(r["rel_diff"]) <= 0.05 for r in rows if r["judged"])
+    assert any(r["judged"] for r in rows)
+    off = [r for r in rows if r["judged"] and abs(r["rel_diff"]) > 0.05]
+    assert not off, off           # the rows themselves: a failure says which point and by how much
 
 
 # -- what each forced SDPA backend claims for grouped K/V, Nq != Nk and head dims (attnbench.backends) -----------
