@@ -73,6 +73,14 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, default=None) -> None:
+    """obj as JSON in path, written beside it and renamed over it: a reader (or a crash) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
+    os.replace(tmp, path)
+
+
 def _json_default(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -193,9 +201,7 @@ class RunStore:
         return manifest
 
     def write_manifest(self, manifest: dict) -> None:
-        tmp = self.path / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=_json_default) + "\n")
-        os.replace(tmp, self.path / "manifest.json")  # atomic: a reader never sees half a manifest
+        write_json_atomic(self.path / "manifest.json", manifest, sort_keys=True, default=_json_default)
 
     def update_manifest(self, **changes) -> None:
         manifest = self.read_manifest()

@@ -26,7 +26,6 @@ interpreter) there is no clock or power and the times mean nothing: the plumbing
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -239,11 +238,10 @@ def main(argv=None) -> int:
         return 2
     from attnbench.backends import BackendError
     from attnbench.gpu import NoGpuError
+    from attnbench.store import write_json_atomic
 
     def write(res):          # after every row, whole or not at all: what was measured stays if a later row fails
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, out)
+        write_json_atomic(out, res, indent=1)
 
     try:
         run(args, on_row=write)

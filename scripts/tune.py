@@ -63,6 +63,7 @@ import torch  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
+from attnbench.store import write_json_atomic  # noqa: E402
 from kernels._common import block_d  # noqa: E402
 from kernels._tuning import dim_key, write_configs  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
@@ -774,9 +775,7 @@ def _write_cron_root(decisions: list[dict], path: Path, device: str) -> dict:
     if entry:
         entry["measured"] = " ".join(f"{k} {v}" for k, v in measured_on(device).items() if k != "by")
         data["gpus"][name] = entry
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     return entry
 
 
