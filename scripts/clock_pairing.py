@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
 import time
@@ -140,6 +139,7 @@ def run(args, probe=None, power_limit_w=None, on_row=None) -> dict:
     from attnbench.backends import get_backend, make_attention_workload
     from attnbench.matrix import TIMING_DEFAULTS
     from attnbench.measure.pair import measure_pair
+    from attnbench.measure.stats import summary
 
     kernel_backend, baseline_backend = get_backend(args.kernel), get_backend(args.baseline)
     if probe is None:
@@ -198,7 +198,7 @@ def run(args, probe=None, power_limit_w=None, on_row=None) -> dict:
                 t0 = time.perf_counter()
                 pair = ok(measure_pair(sides["kernel"][1], sides["baseline"][1], kernel_name=args.kernel,
                                        baseline_name=args.baseline, timing=timing, device=args.device))
-                row["paired"] = {"ratio": round(statistics.median(pair.ratios), 4),
+                row["paired"] = {"ratio": round(summary(pair.ratios)["median"], 4),     # the harness's lat_ratio
                                  "ci_half_width": pair.ci_half_width,
                                  "kernel_ms": round(pair.kernel.summary()["ms_median"], 4),
                                  "baseline_ms": round(pair.baseline.summary()["ms_median"], 4),
