@@ -9,7 +9,9 @@ waves). Where they do not join (itr > 1), l**itr launches fold into shared fp32 
 writing O and lse. The backward runs the same way for dQ (its first wave also computes δ = rowsum(dO ⊙ O)) and
 for dK/dV: two launches when joined. Joined forward waves of 16-bit inputs on sm_90 run on the Gluon Hopper core
 instead (kernels/_gluon_core.py, from its MIN_WORK, default tiles): each 128-row block's ranges of every wave, walked
-as one tile sequence (schedule.tile_walk), with no padded columns at D = 80 / 96 / 160 / 192.
+as one tile sequence (schedule.tile_walk), with no padded columns at D = 80 / 96 / 160 / 192. Their backward at
+itr = 1 (D = 64 / 128, from GLUON_BWD_MIN_WORK) runs the Gluon backward ELSA's runs (kernels/_gluon_bwd.py): the
+whole sequence as one task, the task tree's root (_Backward).
 
 The resident forward and backward are ops in the ``attnbench`` namespace (``attnbench::cqsa_fwd`` returns
 (out, lse), ``attnbench::cqsa_bwd`` returns (dq, dk, dv)) with a registered autograd formula and fake
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import _flash_core as core
+from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
                        in_place, layout, signature, sm_count)
@@ -208,11 +211,38 @@ class _Forward(LaunchPlan):
         return out, lse
 
 
+# The resident backward at itr = 1 runs the sm_90 Gluon backward (kernels/_gluon_bwd.py) from this much work
+# B * Hq * Nq * Nk, per (head dim, causal): on the H200 (results/dev/cqsa/gluon_backward_h200.json, fwd+bwd eager,
+# fp16, B = 1, H = 8, 1K-16K) the first length from which it was at least as fast as this package's two kernels at
+# every longer one: 2K (4K at D = 64 without a mask), then 0.42-0.75x their time from 4K (Llama-3-8B's causal GQA at
+# 8K: 0.50x). Below it the Gluon launch's host work (its prologue, five TMA maps, dQ's cast) is not repaid, as in
+# ELSA's backward (kernels/FLASH_CORE.md, "Gluon: the backward").
+GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
+                      (128, True): 8 * 2048 ** 2}
+
+
+def _gluon_backward(do, q, k, v, out, lse, causal: bool, itr: int, tiles):
+    """Whether this resident backward runs on the Gluon backward: itr = 1, 16-bit inputs it can read (sm_90,
+    contiguous q, k, v, a head dim of its HEAD_DIMS: gluon_bwd.usable), the default tiles (a ``config`` override
+    keeps this package's kernels, as in the forward), O with a unit last stride, from GLUON_BWD_MIN_WORK."""
+    B, H, N, D = q.shape
+    return (itr == 1 and gluon_bwd.usable(q, k, v, do) and out.stride(-1) == 1
+            and B * H * N * k.shape[2] >= GLUON_BWD_MIN_WORK[(D, causal)]
+            and tiles == default_tiles(D, q.dtype, q.device.type))
+
+
 class _Backward(LaunchPlan):
     """A resident backward signature (layout of dO, q, k, v, O, lse and the options): dq, dk, dv and one fp32
     workspace (δ, after the dq and dk/dv accumulators where those run as several waves), then the dQ launch (its
     first wave computes δ = rowsum(dO ⊙ O)) and the dK/dV launch, each of the joined waves where they join, else
-    one per wave."""
+    one per wave.
+
+    At itr = 1 with 16-bit inputs on sm_90 (_gluon_backward) it is the Gluon backward instead, the one ELSA's
+    backward runs (kernels/_gluon_bwd.py): one program per block of keys walks every query tile that sees them.
+    That is the §4.2 form with one task, the whole sequence: the root of the task tree, a frontier like any other
+    (spec §4.2, §5.1: every term is a sum over kept pairs, and the backward may use its own schedule). Its dQ is
+    added by TMA reductions, so unlike this package's two kernels its dQ is not bit-for-bit deterministic (fp32 adds
+    in the order the programs reach them)."""
 
     def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
         B, H, N, D = q.shape
@@ -220,7 +250,11 @@ class _Backward(LaunchPlan):
         self.place(q.device)
         self.q_shape, self.kv_shape = (B, H, N, D), (B, Hkv, Nk, D)
         self.empty = N == 0 or Nk == 0 or B * H == 0
+        self.gluon = None
         if self.empty:
+            return
+        if _gluon_backward(do, q, k, v, out, lse, causal, itr, tiles):
+            self.gluon = gluon_bwd.Launch(q, k, out.stride()[:3], causal, scale, gluon_bwd.TILES[(D, causal)])
             return
         ins = [in_place("cqsa", x) for x in (q, k, v, do)]
         # out and lse are read as contiguous [B, H, N(, D)] (the forward's own outputs are)
@@ -244,6 +278,9 @@ class _Backward(LaunchPlan):
             *strides, Hkv, H // Hkv, N, Nk, off_delta, n_q, n_q + n_kv, Nk - N, qk_scale, scale), t.dkdv_consts)
 
     def run(self, do, q, k, v, out, lse):
+        if self.gluon is not None:
+            # the kernel's row statistic is base 2 (p = exp2(s * scale * log2 e - lse2)); ours is the natural log
+            return self.gluon(do, q, k, v, out, lse * LOG2E)
         dq = q.new_empty(self.q_shape)
         dk = k.new_empty(self.kv_shape)
         dv = v.new_empty(self.kv_shape)
