@@ -408,7 +408,9 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
     c: chunk count (a key of INTEREST_SETS); itr: divide granularity (depth) >= 1.
     precision: float32 dot products, "tf32x3" (default), "ieee" or "tf32". config: tile overrides,
     ``{"fwd" | "dq" | "dkdv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages": int}}`` (BLOCK_M queries,
-    BLOCK_N keys).
+    BLOCK_N keys). Gradients are bit-for-bit reproducible except where the backward runs on the sm_90 Gluon
+    kernel (itr = 1, 16-bit, D = 64 / 128, from GLUON_BWD_MIN_WORK), whose dQ is summed by TMA reductions in no
+    fixed order; a config that changes any tile (or itr > 1) keeps this package's deterministic kernels.
     mem_budget: bytes the process may hold on the compute device while the call runs, what it held before
     included (torch.cuda.memory_allocated: inputs there, cuBLAS's workspaces). Given, the streaming engine
     runs (itr then is the smallest depth it starts from; the planner and the OOM guardrail may go
