@@ -221,7 +221,7 @@ GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (12
                       (128, True): 8 * 2048 ** 2}
 
 
-def _gluon_backward(do, q, k, v, out, lse, causal: bool, itr: int, tiles):
+def _gluon_backward(do, q, k, v, out, causal: bool, itr: int, tiles):
     """Whether this resident backward runs on the Gluon backward: itr = 1, 16-bit inputs it can read (sm_90,
     contiguous q, k, v, a head dim of its HEAD_DIMS: gluon_bwd.usable), the default tiles (a ``config`` override
     keeps this package's kernels, as in the forward), O with a unit last stride, from GLUON_BWD_MIN_WORK."""
@@ -253,7 +253,7 @@ class _Backward(LaunchPlan):
         self.gluon = None
         if self.empty:
             return
-        if _gluon_backward(do, q, k, v, out, lse, causal, itr, tiles):
+        if _gluon_backward(do, q, k, v, out, causal, itr, tiles):
             self.gluon = gluon_bwd.Launch(q, k, out.stride()[:3], causal, scale, gluon_bwd.TILES[(D, causal)])
             return
         ins = [in_place("cqsa", x) for x in (q, k, v, do)]
