@@ -381,6 +381,52 @@ def test_resident_plans_launch_joined_waves_once(device, itr, joined):
     assert bwd.ws_numel == (2 * 40 if joined else 2 * 40 * 32 + 2 * 40 * 32 + 2 * 40)
 
 
+@pytest.mark.cpu_only
+def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatch):
+    """The rule of _Backward on the CPU, the Gluon backward (never run here) replaced by a recorder that can read
+    16-bit inputs at its head dims: taken at itr = 1 with the default tiles from GLUON_BWD_MIN_WORK on, with the
+    call's causal setting, scale, O's strides and the kernel's TILES; handed lse in base 2 (lse / ln 2); not one
+    unit of work below the threshold, not at itr = 2, not with a tile override, not for float32."""
+    from kernels import _gluon_bwd
+    from kernels.cqsa import attention
+    made = []
+
+    class Recorder:
+        def __init__(self, q, k, o_strides, causal, scale, tiles):
+            made.append(dict(causal=causal, scale=scale, tiles=tiles, o_strides=o_strides))
+
+        def __call__(self, do, q, k, v, out, lse2):
+            made[-1]["lse2"] = lse2
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(_gluon_bwd, "usable", lambda q, k, v, do: q.dtype != torch.float32
+                        and q.shape[-1] in _gluon_bwd.HEAD_DIMS)
+    monkeypatch.setattr(_gluon_bwd, "Launch", Recorder)
+    b, hq, hkv, n, d = 1, 4, 2, 96, 64
+    work = b * hq * n * n
+
+    def plan(causal, itr=1, dtype=torch.float16, tiles=None, min_work=work):
+        monkeypatch.setitem(attention.GLUON_BWD_MIN_WORK, (d, causal), min_work)
+        q = torch.randn(b, hq, n, d).to(dtype)
+        k, v = (torch.randn(b, hkv, n, d).to(dtype) for _ in range(2))
+        out, lse = torch.randn(b, hq, n, d).to(dtype), torch.randn(b, hq, n) * 5
+        tiles = tiles or resolve_tiles(d, dtype, "cpu")
+        attention._bwd_plans.clear()
+        p = attention.backward_plan(out, q, k, v, out, lse, causal, 0.3, 7, itr, "ieee", tiles)
+        return p, (out, q, k, v, out, lse)
+
+    for causal in (False, True):
+        p, args = plan(causal)
+        assert p.gluon is not None and made[-1] == dict(causal=causal, scale=0.3, o_strides=args[4].stride()[:3],
+                                                        tiles=_gluon_bwd.TILES[(d, causal)])
+        p(*args)
+        assert torch.allclose(made[-1]["lse2"], args[5] / math.log(2), rtol=1e-6, atol=0)
+    other = resolve_tiles(d, torch.float16, "cpu", {"dq": {"BLOCK_M": 64}})
+    for kw in (dict(min_work=work + 1), dict(itr=2), dict(tiles=other), dict(dtype=torch.float32)):
+        assert plan(True, **kw)[0].gluon is None, kw
+    attention._bwd_plans.clear()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_through_tensor_descriptors(device, monkeypatch, causal):
     """On the H100 the resident forward reads K and V tiles through tensor descriptors, one per column range
