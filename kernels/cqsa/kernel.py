@@ -88,7 +88,7 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
                     H, GROUP, N_OUT, off_m, off_l, causal_off, qk_scale, n_waves, first, last,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr = False):
+                    CAUSAL: tl.constexpr, MODE: tl.constexpr, PRECISION: tl.constexpr, USE_DESC: tl.constexpr):
     """OUT [B,H,N_OUT,HEAD_DIM] and LSE [B,H,N_OUT] contiguous. MODE 1: STATE holds the fp32 wave state
     acc [B,H,N_OUT,HEAD_DIM] at 0, the running max m (log2 units) at off_m and the sum l at off_l.
     USE_DESC: K and V tiles through tensor descriptors (TMA on Hopper), one per column range, shaped [hi, HEAD_DIM]
@@ -443,9 +443,13 @@ def resolve_tiles(head_dim: int, dtype: torch.dtype, device_type: str, config=No
 
 
 def constexprs(kernel: str, head_dim: int, tiles, causal: bool, precision: str, **extra) -> dict:
-    """The compile-time arguments and launch options of `kernel` ("fwd", "dq", "dkdv") for these tiles."""
+    """The compile-time arguments and launch options of `kernel` ("fwd", "dq", "dkdv") for these tiles. The
+    forward reads K and V by pointers unless `extra` says USE_DESC=True (the resident path's choice, attention.py;
+    the streaming and distributed engines' gathered or sliced inputs keep pointers)."""
     i = 4 * PARTS.index(kernel)
     bm, bn, warps, stages = tiles[i:i + 4]
+    if kernel == "fwd":
+        extra.setdefault("USE_DESC", False)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
                 PRECISION=precision, **extra, num_warps=warps, num_stages=stages)
 
