@@ -593,32 +593,6 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
         assert ((got - expect).abs() <= ulp16(expect)).all(), f"window {j}"
 
 
-@pytest.mark.cpu_only
-def test_each_state_takes_the_core_from_its_own_threshold(monkeypatch):
-    # CORE_MIN_WORK by state: the fp16 state from the core's own MIN_WORK, the fp32 state (hybrid mode) from 2^34;
-    # at a shape of work W, a threshold of W takes the core (a recorder here) and W + 1 keeps the Triton loop
-    assert ops.CORE_MIN_WORK == {"fp16": gluon_core.MIN_WORK, "fp32": 2 ** 34}
-    monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
-
-    def record(q, k, v, **kw):
-        def go(q, k, v, out, lse, sbuf, items, ranges):
-            out.zero_()
-        return go
-
-    monkeypatch.setattr(gluon_core, "prepare", record)
-    q, k, v = _randn_inputs(2, 1, 40, 70, 64, "cpu", seed=3)
-    work = 2 * 40 * 70 * 64
-    for state in ("fp16", "fp32"):
-        for threshold, core in ((work, True), (work + 1, False)):
-            monkeypatch.setitem(ops.CORE_MIN_WORK, state, threshold)
-            monkeypatch.setitem(ops.CORE_MIN_WORK, "fp32" if state == "fp16" else "fp16", work + 1)
-            _launch.clear()
-            pasa_attention(q, k, v, state_dtype=state)
-            (plan,) = _pasa_plans()
-            assert (plan.gluon is not None) == core, (state, threshold)
-    _launch.clear()
-
-
 def _randn_inputs(hq, hkv, nq, nk, d, device, seed, dtype=torch.float16):
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(1, hq, nq, d, generator=gen, device=device).to(dtype)
