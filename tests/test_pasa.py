@@ -549,7 +549,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     # key, the CTA's row blocks (three consumer warpgroups' in the fp16 case at D = 64 not causal: on the CPU's one
     # "SM" its fewer, larger items are the faster, pasa_consumers).
     monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
-    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 0))
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
     seen = {}
 
     def record(q, k, v, **kw):              # gluon_core.prepare's stand-in: its launch records what it is given
@@ -996,7 +996,7 @@ def on_the_core(monkeypatch):
     probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
     if not gluon_core.available(probe, probe, probe):
         pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
-    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 0))
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
     _launch.clear()
     yield
     made = _pasa_plans()

@@ -71,14 +71,17 @@ CONVERT_BLOCK, CONVERT_WARPS = 2048, 4
 # these built-in values (an entry for 64 also sets 16 and 32 unless they have their own). On the H100 it found
 # the same 512 and 128 (results/dev/pasa/shift_inline_tune_h100.json: inline 0.47-0.95x the pre-pass's time up to
 # 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
-# The main loop runs on the Gluon core from this much work (B*Hq * Nq * Nk * D), by state. The fp16 state from the
-# core's own MIN_WORK (2^31): on the H200 with its float16 exponent, bookkeeping and three consumers
-# (results/dev/pasa/core_min_work_h200.json; fp16, eager and CUDA-graph time, core over Triton loop) 0.48-0.94 at 12
-# of 14 shapes of 2^31 to 2^34 (B·H 1-32, 1K-16K, D = 64 / 128, causal or not), a tie at the other two, one head of
-# 8K (1.00-1.04). The fp32 state (hybrid mode) keeps 2^34, where that probe's predecessor put both: the core's
-# CTAs then filled more slowly than the Triton loop's, and below it the Triton loop was faster or the grid too small
-# (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa", before those steps).
-CORE_MIN_WORK = {"fp16": gluon_core.MIN_WORK, "fp32": 2**34}
+# The main loop runs on the Gluon core from this much work (B*Hq * Nq * Nk * D), not from the core's own MIN_WORK:
+# PASA's step fills the core's CTAs more slowly, and below it the Triton loop was faster or the grid too small for
+# the core (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa"; fp16, eager time over cuDNN's,
+# Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K D=128 1.18 /
+# 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50). Measured again after
+# the fp16 state's float16 steps (results/dev/pasa/core_min_work_h200.json) the core took 0.48-0.94x the Triton
+# loop's time at 12 of 14 shapes from 2^31 (a tie at one head of 8K), but the threshold stays: at D = 64 its fp16
+# state's error on tests/test_pasa.py's test_gpu_large_n inputs (4001 x 4099, two heads, by its model in emulate.py
+# with a CPU's sums) is a relative RMS of 0.0043 against the Triton loop's 0.0039, past that test's 0.004 for float16
+# (results/README.md, "On the H200").
+CORE_MIN_WORK = 2**34
 # Three consumer warpgroups a CTA (192 query rows) for the fp16 state, not causal, at the core's THREE_CONSUMER_DIMS,
 # where gluon_core.consumers_for finds them faster with this row time (three's time a query row over two's where both
 # fill their rounds of the SMs alike); each keeps the overlap of its GEMMs with PASA's step (gluon_core's _consumer).
@@ -268,7 +271,7 @@ class _Forward(LaunchPlan):
             return
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
-                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK[opts["state"]]):
+                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
                              scale, sm_count(q.device, 1))
         elif name == "pasa":
