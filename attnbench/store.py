@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kernels._tuning import write_json_atomic
+
 POINT_COLUMNS = [
     "point_id", "cell_id", "kernel", "baseline", "dtype", "mode", "causal", "batch", "heads", "head_dim", "n",
     "kernel_ms", "kernel_ms_p10", "kernel_ms_p90", "baseline_ms", "baseline_ms_p10", "baseline_ms_p90",
@@ -71,14 +73,6 @@ class RunDirError(ValueError):
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, default=None) -> None:
-    """obj as JSON in path, written beside it and renamed over it: a reader (or a crash) never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
-    os.replace(tmp, path)
 
 
 def _json_default(obj):

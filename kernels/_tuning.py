@@ -36,6 +36,16 @@ def read_configs(path) -> dict:
     return configs
 
 
+def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, default=None) -> None:
+    """obj as JSON in path, written beside it and renamed over it: a reader (or a crash) never sees half a file.
+    The one atomic JSON write: tuning files here, and the harness's run manifests (attnbench.store) and scripts'
+    result files through it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
+    os.replace(tmp, path)
+
+
 def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
     """Merge `updates` ({table: {key: value}}) into the file's configs (other entries kept) and write it
     atomically; returns the merged configs."""
@@ -44,9 +54,7 @@ def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
     for table, entries in updates.items():
         configs.setdefault(table, {}).update(entries)
     data = {"note": note, "measured": measured, "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     return configs
 
 

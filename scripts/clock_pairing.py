@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         return 2
     from attnbench.backends import BackendError
     from attnbench.gpu import NoGpuError
-    from attnbench.store import write_json_atomic
+    from kernels._tuning import write_json_atomic
 
     def write(res):          # after every row, whole or not at all: what was measured stays if a later row fails
         write_json_atomic(out, res, indent=1)

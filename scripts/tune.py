@@ -63,9 +63,8 @@ import torch  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
-from attnbench.store import write_json_atomic  # noqa: E402
 from kernels._common import block_d  # noqa: E402
-from kernels._tuning import dim_key, write_configs  # noqa: E402
+from kernels._tuning import dim_key, write_configs, write_json_atomic  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
 
 GPU_TIMING = dict(TIMING_DEFAULTS, ci_half_width=0.01, max_ms=1500.0)
@@ -483,8 +482,9 @@ class Tuner:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"tune_{self.kernel}.json"
-        path.write_text(json.dumps({"kernel": self.kernel, "device": self.device, "measured": measured_on(self.device),
-                                    "rows": self.rows, "decisions": self.decisions}, indent=1, default=str) + "\n")
+        # rewritten after every row: whole or not at all, so a crash keeps the rows before it
+        write_json_atomic(path, {"kernel": self.kernel, "device": self.device, "measured": measured_on(self.device),
+                                 "rows": self.rows, "decisions": self.decisions}, indent=1, default=str)
 
     def _time_left(self) -> bool:
         return time.monotonic() + 1.5 * self.slowest_s < self.deadline
