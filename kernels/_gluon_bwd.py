@@ -29,11 +29,12 @@ With one warpgroup waiting on each GEMM and per-element fp32 atomics for dQ, the
 1.5-2.2x cuDNN's backward on the H200, the atomics alone 38-57 % of it at D = 128.
 
 lse2 is the base-2 row statistic ELSA's forward stores (p = exp2(x * qk_scale - lse2), +inf for a row that sees no
-key). Before the launch one Triton kernel (_prologue) writes Delta = rowsum(dO * O) in fp32 and zeroes dQ's fp32
-buffer: in torch that was five launches and three fp32 tensors of O's size (at D = 128, 16K, H = 8 three times the
-buffer's 67 MB at once). Both launches are prepared once per layout (Launch): the prologue through the keyed launch()
-took 17.8 us of host time a call, prepared 9.0 (results/dev/gluon_bwd/prologue_prepared_h200.json). dQ's buffer is
-cast to the inputs' dtype after it.
+key); the loader scales what it reads by lse_scale (1, or log2 e for CQSA's natural-log lse: no scaled copy a call).
+Before the launch one Triton kernel (_prologue) writes Delta = rowsum(dO * O) in fp32 and zeroes dQ's fp32 buffer:
+in torch that was five launches and three fp32 tensors of O's size (at D = 128, 16K, H = 8 three times the buffer's
+67 MB at once). Both launches are prepared once per layout (Launch): the prologue through the keyed launch() took
+17.8 us of host time a call, prepared 9.0 (results/dev/gluon_bwd/prologue_prepared_h200.json). dQ's buffer is cast to
+the inputs' dtype after it.
 
 Masks: a key past NK (a tile running past its head's keys reads the next head's rows, or TMA's zeros at the end) has
 its P^T row set to 0, so it adds nothing to dQ, and its dK/dV rows are not stored; a query row past NQ has lse2 = +inf
@@ -100,9 +101,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, Lse, Delta, k_smem, v_smem,
-                kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES: gl.constexpr):
+                kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, lse_scale, STAGES: gl.constexpr):
         """The producer warp: both consumers' K and V once, then every tile's Q and dO into the ring, and its rows'
-        lse2 and Delta (+inf and 0 past NQ) beside them."""
+        lse2 (Lse * lse_scale) and Delta (+inf and 0 past NQ) beside them."""
         BN: gl.constexpr = k_desc.block_type.shape[0]
         BM: gl.constexpr = q_desc.block_type.shape[0]
         stat_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
@@ -119,7 +120,7 @@ if HAS_GLUON:
             # the statistics by this warp's loads, behind the TMA copies (a consumer's own loads of them waited on
             # global memory every tile)
             q_ok = i0 + offs < n_q
-            lse_bufs.index(s).store(gl.load(Lse + row + offs, mask=q_ok, other=float("inf")))
+            lse_bufs.index(s).store(gl.load(Lse + row + offs, mask=q_ok, other=float("inf")) * lse_scale)
             delta_bufs.index(s).store(gl.load(Delta + row + offs, mask=q_ok, other=0.0))
             gl.thread_barrier()                           # the warp's stores before its arrive (release)
             mbarrier.arrive(ready.index(s), count=1)
@@ -227,7 +228,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, heads, group, n_q, n_k,
-                             causal_shift, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                             causal_shift, qk_scale, sm_scale, lse_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Program (key block kb of 2 * BN keys, b * Hkv + hk): a loader warp and two consumer warpgroups, each
         owning BN of the block's keys; both read every Q / dO tile of the ring (its empty barrier counts both)."""
@@ -282,7 +283,7 @@ if HAS_GLUON:
                          ds_full, ds_free, dq_bufs, dq_desc, DK, DV, bhk, c0, n_q, n_k, total, n_tiles, i_lo, q_head0,
                          causal_shift, qk_scale, sm_scale, WG1, STAGES, CAUSAL)),
             (_loader, (q_desc, k_desc, v_desc, do_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, Lse, Delta, k_smem,
-                       v_smem, kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, STAGES)),
+                       v_smem, kv_bar, ready, empty, k_row, total, n_tiles, i_lo, q_head0, n_q, lse_scale, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -305,12 +306,13 @@ def _prologue(DO, O, Delta, DQ, heads, n_q, so_b, so_h, so_n, D: tl.constexpr, R
 PROLOGUE_ROWS = 32
 
 
-def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None):
+def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None, lse_scale: float = 1.0):
     """(dq, dk, dv) of softmax attention on sm_90 (no autograd): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D]
     contiguous, float16 / bfloat16, D in HEAD_DIMS; out, grad_out [B, Hq, Nq, D] (any strides; grad_out is copied
     when not contiguous); lse2 [B, Hq, Nq] fp32, the base-2 row statistic (p = exp2(q.k * scale * log2(e) - lse2);
-    ELSA's forward stores it, +inf for a row that sees no key). Causal is bottom-right aligned. dk, dv are summed
-    over each key/value head's query group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'."""
+    ELSA's forward stores it, +inf for a row that sees no key), or any row statistic that lse_scale times makes it
+    (log2 e for a natural-log lse). Causal is bottom-right aligned. dk, dv are summed over each key/value head's query
+    group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: Launch copies it
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
@@ -322,7 +324,7 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
                          f"dQ (head dim {shape.head_dim})")
     if out.stride(-1) != 1:
         out = out.contiguous()
-    return Launch(q, k, out.stride()[:3], causal, default_scale(scale, shape.head_dim), tiles)(
+    return Launch(q, k, out.stride()[:3], causal, default_scale(scale, shape.head_dim), tiles, lse_scale)(
         grad_out, q, k, v, out, lse2)
 
 
@@ -333,14 +335,15 @@ def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
 
 class Launch:
     """gluon_bwd's launches for q, k, v laid out as those it is made with and an out of the strides o_strides (its
-    batch, head and row strides; the last is 1): a caller that checked them once (ELSA's backward plan), called as
-    ``go(grad_out, q, k, v, out, lse2)`` -> (dq, dk, dv). Two Prepared launches: the prologue (_prologue: Delta and
-    the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps (q, k, v, dO, the fp32 dQ) are re-encoded at each
-    call's tensors (kernels/_launch.py); then dQ cast to the inputs' dtype."""
+    batch, head and row strides; the last is 1): a caller that checked them once (ELSA's and CQSA's backward plans),
+    called as ``go(grad_out, q, k, v, out, lse)`` -> (dq, dk, dv), lse * lse_scale the base-2 row statistic. Two
+    Prepared launches: the prologue (_prologue: Delta and the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps
+    (q, k, v, dO, the fp32 dQ) are re-encoded at each call's tensors (kernels/_launch.py); then dQ cast to the inputs'
+    dtype."""
 
     __slots__ = ("prologue", "kernel", "empty")
 
-    def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles):
+    def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles, lse_scale: float = 1.0):
         b, hq, n_q, d = q.shape
         hkv, n_k = k.shape[1], k.shape[2]
         block_m, block_n, stages, dq_cols = tiles
@@ -350,7 +353,7 @@ class Launch:
                                  dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
         # the call's tensors: q, k, v, dO, dQ (described), then lse2, Delta, dK, dV
         self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
-            hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale),
+            hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale, lse_scale),
             dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4),
             describe=tuple(described_rows(i, d, rows, cols) for i, (rows, cols) in enumerate(
                 ((block_m, d), (block_n, d), (block_n, d), (block_m, d), (block_m, dq_cols)))))

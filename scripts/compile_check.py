@@ -537,7 +537,7 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                     jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype,
                                     dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=gb.CONSUMER_REGS,
                                          LOADER_REGS=gb.LOADER_REGS), 4, 1, {"DK", "DV"}, {"Lse", "Delta"},
-                                    floats={"qk_scale", "sm_scale"}, descs=descs, gluon=True,
+                                    floats={"qk_scale", "sm_scale", "lse_scale"}, descs=descs, gluon=True,
                                     label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols])))
             # its prologue (a Triton kernel): Delta and the zeroed dQ buffer
             jobs.append(Job("gluon_core", "bwd_prologue", gb._prologue, dtype, dict(D=d, ROWS=gb.PROLOGUE_ROWS), 4,

@@ -385,18 +385,19 @@ def test_resident_plans_launch_joined_waves_once(device, itr, joined):
 def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatch):
     """The rule of _Backward on the CPU, the Gluon backward (never run here) replaced by a recorder that can read
     16-bit inputs at its head dims: taken at itr = 1 with the default tiles from GLUON_BWD_MIN_WORK on, with the
-    call's causal setting, scale, O's strides and the kernel's TILES; handed lse in base 2 (lse / ln 2); not one
-    unit of work below the threshold, not at itr = 2, not with a tile override, not for float32."""
+    call's causal setting, scale, O's strides and the kernel's TILES, and lse with the scale that makes it base 2
+    (lse / ln 2, the kernel's statistic); not one unit of work below the threshold, not at itr = 2, not with a tile
+    override, not for float32."""
     from kernels import _gluon_bwd
     from kernels.cqsa import attention
     made = []
 
     class Recorder:
-        def __init__(self, q, k, o_strides, causal, scale, tiles):
-            made.append(dict(causal=causal, scale=scale, tiles=tiles, o_strides=o_strides))
+        def __init__(self, q, k, o_strides, causal, scale, tiles, lse_scale=1.0):
+            made.append(dict(causal=causal, scale=scale, tiles=tiles, o_strides=o_strides, lse_scale=lse_scale))
 
-        def __call__(self, do, q, k, v, out, lse2):
-            made[-1]["lse2"] = lse2
+        def __call__(self, do, q, k, v, out, lse):
+            made[-1]["lse2"] = lse * made[-1]["lse_scale"]
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(_gluon_bwd, "usable", lambda q, k, v, do: q.dtype != torch.float32
@@ -418,7 +419,8 @@ def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatc
     for causal in (False, True):
         p, args = plan(causal)
         assert p.gluon is not None and made[-1] == dict(causal=causal, scale=0.3, o_strides=args[4].stride()[:3],
-                                                        tiles=_gluon_bwd.TILES[(d, causal)])
+                                                        tiles=_gluon_bwd.TILES[(d, causal)],
+                                                        lse_scale=pytest.approx(1 / math.log(2), rel=1e-6))
         p(*args)
         assert torch.allclose(made[-1]["lse2"], args[5] / math.log(2), rtol=1e-6, atol=0)
     other = resolve_tiles(d, torch.float16, "cpu", {"dq": {"BLOCK_M": 64}})

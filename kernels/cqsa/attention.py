@@ -254,7 +254,10 @@ class _Backward(LaunchPlan):
         if self.empty:
             return
         if _gluon_backward(do, q, k, v, out, causal, itr, tiles):
-            self.gluon = gluon_bwd.Launch(q, k, out.stride()[:3], causal, scale, gluon_bwd.TILES[(D, causal)])
+            # the kernel's row statistic is base 2 (p = exp2(s * scale * log2 e - lse2)); ours is the natural log,
+            # which its loader scales as it reads it
+            self.gluon = gluon_bwd.Launch(q, k, out.stride()[:3], causal, scale, gluon_bwd.TILES[(D, causal)],
+                                          lse_scale=LOG2E)
             return
         ins = [in_place("cqsa", x) for x in (q, k, v, do)]
         # out and lse are read as contiguous [B, H, N(, D)] (the forward's own outputs are)
@@ -279,8 +282,7 @@ class _Backward(LaunchPlan):
 
     def run(self, do, q, k, v, out, lse):
         if self.gluon is not None:
-            # the kernel's row statistic is base 2 (p = exp2(s * scale * log2 e - lse2)); ours is the natural log
-            return self.gluon(do, q, k, v, out, lse * LOG2E)
+            return self.gluon(do, q, k, v, out, lse)
         dq = q.new_empty(self.q_shape)
         dk = k.new_empty(self.kv_shape)
         dv = v.new_empty(self.kv_shape)
