@@ -1100,7 +1100,10 @@ def test_gpu_budget_with_device_inputs_and_real_allocator_oom():
     # informational: a hard cap through the allocator; whatever OOMs the guardrail absorbs
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + 256 * 2 ** 20) / total))
+    # the cap: the budget's headroom above what this process's allocator still reserves (under xdist, earlier tests of
+    # this worker leave part-used segments that memory_allocated does not count but the cap does)
+    cap = torch.cuda.memory_reserved() + (budget - held) + 256 * 2 ** 20
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     try:
         out2, _, st2 = stream_forward(q, k, v, c=7, itr=1, n_cap_max=4)
     finally:
