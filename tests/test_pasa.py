@@ -507,6 +507,24 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
 
 
 @pytest.mark.cpu_only
+def test_default_call_takes_the_core_from_its_threshold_by_head_dim_and_mask(monkeypatch):
+    # ops.CORE_MIN_WORK of B·Hq·Nq·Nk·D by (head dim, causal): D = 64 causal from 2^31, D = 128 not causal from 2^32,
+    # the others from 2^34; the plan alone (a recorder for the core's host side, nothing launched)
+    monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
+    monkeypatch.setattr(ops._Forward, "_plan_gluon", lambda self, *args: setattr(self, "gluon", "core"))
+    options = ops.pasa_options(None, "fp16", "fused", (64, 64, 4, 3), core="auto")
+
+    def takes_core(n_k, d, causal):
+        q = torch.empty(1, 8, 2048, d, dtype=torch.float16)      # 2^14 query rows: n_k * d * 2^14 of work
+        k = v = torch.empty(1, 1, n_k, d, dtype=torch.float16)
+        return ops._Forward("pasa", q, k, v, causal, d ** -0.5, options).gluon == "core"
+
+    for (d, causal), log2_work in {(64, True): 31, (128, False): 32, (64, False): 34, (128, True): 34}.items():
+        keys = 2 ** log2_work // (2 ** 14 * d)
+        assert takes_core(keys, d, causal) and not takes_core(keys - 1, d, causal), (d, causal)
+
+
+@pytest.mark.cpu_only
 def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
     # pasa_consumers at results/dev/pasa/three_consumers_h200.json's shapes (B = 1, H = 8, D = 64, 132 SMs): two at
     # 8K and 16K, where 192-row items fill their last round 12.5 % worse than 128-row ones, three at 32K and 64K; two
@@ -549,7 +567,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     # key, the CTA's row blocks (three consumer warpgroups' in the fp16 case at D = 64 not causal: on the CPU's one
     # "SM" its fewer, larger items are the faster, pasa_consumers).
     monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
-    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 0))
     seen = {}
 
     def record(q, k, v, **kw):              # gluon_core.prepare's stand-in: its launch records what it is given
@@ -909,10 +927,13 @@ def test_gpu_large_n(dtype, d, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["triton", "core"])
-def test_gpu_overflow_and_emulation_gate(request, path):
-    # the default call on its Triton kernel (this shape is below PASA's CORE_MIN_WORK) and on the Gluon core
+def test_gpu_overflow_and_emulation_gate(request, monkeypatch, path):
+    # the default call on its Triton kernel (no head dim's CORE_MIN_WORK reached) and on the Gluon core
     if path == "core":
         request.getfixturevalue("on_the_core")
+    else:
+        monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, float("inf")))
+        _launch.clear()
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (1, 8, 1407, 128)
     q, k, v = (biased(shape, 30.0, 0.5, gen, "cuda") for _ in range(3))
@@ -991,12 +1012,12 @@ def test_gpu_inline_and_prepass_shift_agree(dtype, d, causal, nq, nk):
 
 @pytest.fixture
 def on_the_core(monkeypatch):
-    """Default PASA calls take the Gluon core at any size (CORE_MIN_WORK 0), plans made afresh; on teardown, every PASA
-    plan the test made must have taken it."""
+    """Default PASA calls take the Gluon core at any size (CORE_MIN_WORK 0 at every head dim), plans made afresh; on
+    teardown, every PASA plan the test made must have taken it."""
     probe = torch.zeros(1, 1, 128, 64, dtype=torch.float16, device="cuda")
     if not gluon_core.available(probe, probe, probe):
         pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
-    monkeypatch.setattr(ops, "CORE_MIN_WORK", 0)
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 0))
     _launch.clear()
     yield
     made = _pasa_plans()

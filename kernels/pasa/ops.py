@@ -29,14 +29,14 @@ how scripts/tune.py times one against the other). The autograd layer is kernels/
 trip per call, with or without grad.
 
 The Hopper path (core=auto: the default call). Where the Gluon core (kernels/_gluon_core.py) takes the inputs (sm_90,
-contiguous, its head dims) and from CORE_MIN_WORK, the main loop runs there instead of in Triton: the K̃ pre-pass with
-the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is solved for the n
-used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V accumulated
-in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key tile and
-block_m = 128, the core's query rows per program where causal calls run; with the fp16 state the exponent is float16
-arithmetic, exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). Two consumer
-warpgroups a CTA, or three (192 rows) in the fp16 state where THREE_CONSUMERS_ROW_TIME says they are faster. A call
-that names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
+contiguous, its head dims) and from CORE_MIN_WORK (by head dim and mask), the main loop runs there instead of in Triton:
+the K̃ pre-pass with the core's key tile as the window n (128 up to D = 160, 64 beyond: the spec's n is 128, and β is
+solved for the n used), then the core in its PASA mode, whose step is the "fused" loop (γ folded into the exponent, P·V
+accumulated in place, the same roundings: kernels/pasa/emulate.py models it with variant="fused", block_n the core's key
+tile and block_m = 128, the core's query rows per program where causal calls run; with the fp16 state the exponent is
+float16 arithmetic, exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). Two consumer
+warpgroups a CTA, or three (192 rows) in the fp16 state where THREE_CONSUMERS_ROW_TIME says they are faster. A call that
+names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
 """
 from pathlib import Path
 from typing import Optional
@@ -71,17 +71,27 @@ CONVERT_BLOCK, CONVERT_WARPS = 2048, 4
 # these built-in values (an entry for 64 also sets 16 and 32 unless they have their own). On the H100 it found
 # the same 512 and 128 (results/dev/pasa/shift_inline_tune_h100.json: inline 0.47-0.95x the pre-pass's time up to
 # 512 keys at D = 64; at D = 128 and B·H = 96 1.08x from 197 keys), so nothing was written.
-# The main loop runs on the Gluon core from this much work (B*Hq * Nq * Nk * D), not from the core's own MIN_WORK:
-# PASA's step fills the core's CTAs more slowly, and below it the Triton loop was faster or the grid too small for
-# the core (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa"; fp16, eager time over cuDNN's,
-# Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K D=128 1.18 /
-# 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50). Measured again after
-# the fp16 state's float16 steps (results/dev/pasa/core_min_work_h200.json) the core took 0.48-0.94x the Triton
-# loop's time at 12 of 14 shapes from 2^31 (a tie at one head of 8K), but the threshold stays: at D = 64 its fp16
-# state's error on tests/test_pasa.py's test_gpu_large_n inputs (4001 x 4099, two heads, by its model in emulate.py
-# with a CPU's sums) is a relative RMS of 0.0043 against the Triton loop's 0.0039, past that test's 0.004 for float16
-# (results/README.md, "On the H200").
-CORE_MIN_WORK = 2**34
+# The main loop runs on the Gluon core from this much work (B*Hq * Nq * Nk * D), by (head dim, causal), not from the
+# core's own MIN_WORK: PASA's step fills the core's CTAs more slowly, and below it the Triton loop was faster or the
+# grid too small for the core (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa"; fp16, eager time
+# over cuDNN's, Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K
+# D=128 1.18 / 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50). After the fp16
+# state's float16 steps, each path forced (results/dev/pasa/core_min_work_h200.json, the core's time over the Triton
+# loop's, CUDA graph):
+# - D = 64 causal: 0.74-0.79 at three shapes of 2^31 and 0.62-0.98 at three of 2^32 (the 0.98 one head of 8K), 0.48-0.71
+#   at 2^33, but 0.91-1.08 at 2^30: from 2^31;
+# - D = 128 not causal: 0.78-0.80 at three shapes of 2^32 (1.04 at two heads of 4K), 0.75-1.01 at 2^33, but 0.90-1.09 at
+#   2^31 and 1.02-1.16 at 2^30: from 2^32;
+# - D = 128 causal: no gain below 2^34 (0.91-1.05 at 2^32-2^33 and 2.0 at one head of 8K, 1.11-1.46 at 2^31): 2^34;
+# - D = 64 not causal: faster from 2^31 (0.77-0.84; a tie at one head of 8K), but accuracy decides there. The core's
+#   window n (its key tile, 128) is not the Triton loop's (64), and β, c and the error follow n: on tests/test_pasa.py's
+#   test_gpu_large_n inputs (4001 x 4099, two heads, fp16 state, by each path's model in emulate.py with a CPU's sums;
+#   relative RMS, Triton loop / core) D = 64 gives 0.0039 / 0.0043 (0.0040 with the core's arithmetic at n = 64: the
+#   window, not the core, costs it), past that test's 0.004 for float16, so it keeps 2^34 (causal 0.0027 / 0.0031,
+#   D = 128 0.0033 / 0.0025, causal 0.0022 / 0.0017: within it). The head dims not measured keep 2^34
+#   (results/README.md, "On the H200").
+CORE_MIN_WORK = {(d, causal): 2**34 for d in gluon_core.HEAD_DIMS for causal in (False, True)} | {
+    (64, True): 2**31, (128, False): 2**32}
 # Three consumer warpgroups a CTA (192 query rows) for the fp16 state, not causal, at the core's THREE_CONSUMER_DIMS,
 # where gluon_core.consumers_for finds them faster with this row time (three's time a query row over two's where both
 # fill their rounds of the SMs alike); each keeps the overlap of its GEMMs with PASA's step (gluon_core's _consumer).
@@ -271,7 +281,7 @@ class _Forward(LaunchPlan):
             return
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
-                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK):
+                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK[d, causal]):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
                              scale, sm_count(q.device, 1))
         elif name == "pasa":
