@@ -210,7 +210,7 @@ def _kernel_backend(name: str) -> Backend:
 
 # Options whose values form a closed set, and the constant each kernel package checks them against (exported
 # by the package or its attention module): a matrix is validated against the kernel's own list, at load time.
-CLOSED_OPTIONS = {"precision": "PRECISIONS", "state_dtype": "STATE_DTYPES"}
+CLOSED_OPTIONS = {"precision": "PRECISIONS", "state_dtype": "STATE_DTYPES", "variant": "VARIANTS"}
 
 
 def _kernel_option_choices(package: str, options: dict) -> dict:

@@ -34,6 +34,8 @@ def matrix_text(cells=GOOD_CELL, defaults="defaults: {batch: 1, heads: 2, head_d
 def test_good_matrix_expands_points(tmp_path):
     m = load_matrix(write(tmp_path, matrix_text()))
     assert [p.id for p in m.points()] == ["a@128", "a@256"]
+    pasa = GOOD_CELL.replace("kernel: efficient", "kernel: pasa") + "    kernel_options: {variant: ref}\n"
+    assert load_matrix(write(tmp_path, matrix_text(pasa), "p.yaml")).cells[0].kernel_options == {"variant": "ref"}
     assert m.gate == {"max_util_pct": 8.0, "min_free_gb": 12.0}
     assert m.cells[0].retry["max_attempts"] == 4 and m.cells[0].timing["flush_l2"] is True
     assert len(m.sha256) == 64
@@ -50,6 +52,10 @@ def test_good_matrix_expands_points(tmp_path):
     (GOOD_CELL + GOOD_CELL, ["cell 'a'", "duplicate id"]),
     (GOOD_CELL + "    colour: red\n", ["cell 'a'", "unknown key 'colour'", "allowed:"]),
     (GOOD_CELL + "    kernel_options: {beta: 2}\n", ["cell 'a'", "kernel_options.beta", "unknown option for efficient"]),
+    (GOOD_CELL.replace("kernel: efficient", "kernel: pasa") + "    kernel_options: {variant: fast}\n",
+     ["cell 'a'", "kernel_options.variant", "'fast'", "pasa allows ref, fused"]),
+    (GOOD_CELL.replace("kernel: efficient", "kernel: pasa") + "    kernel_options: {state_dtype: fp8}\n",
+     ["cell 'a'", "kernel_options.state_dtype", "'fp8'", "pasa allows fp16, fp32"]),
     (GOOD_CELL + "    timing: {warmup: 3}\n", ["cell 'a'", "timing.warmup", "unknown key"]),
     (GOOD_CELL + "    retry: {max_attempts: 0}\n", ["cell 'a'", "retry.max_attempts", "≥ 1"]),
     (GOOD_CELL + "    causal: maybe\n", ["cell 'a'", "causal", "true, false"]),

@@ -13,7 +13,7 @@ _COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, Tr
                gqa=True, cross=True, devices=("cuda", "cpu"))
 
 BACKENDS = {
-    "pasa": dict(fn=pasa_attention, options={"beta": None, "state_dtype": "fp16"},
+    "pasa": dict(fn=pasa_attention, options={"beta": None, "state_dtype": "fp16", "variant": None},
                  description="PASA: fp16 scores and fp16 softmax state, K shifted by its block pseudo-average "
                              "(no fp16 overflow); forward only, bf16 converted to fp16",
                  **_COMMON),
