@@ -71,6 +71,21 @@ def width_entries(path, table: str, entries: dict, widths) -> list[tuple[int, ob
     return out
 
 
+def min_work_entries(path, table: str, builtin: dict) -> dict:
+    """A work threshold per (head dim, causal): `builtin` with the tuning file's `table` entries in place of the ones
+    they name ({"<head dim>,<causal 0 / 1>": work}); any other key, or a value that is not a positive int, is a
+    TuningFileError naming the file."""
+    thresholds = dict(builtin)
+    for key, value in read_configs(path).get(table, {}).items():
+        d, _, causal = key.partition(",")
+        dim = (int(d), causal == "1") if d.isdigit() and causal in ("0", "1") else None
+        if dim not in thresholds or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TuningFileError(f"{path}: {table}[{key!r}] = {value!r}: keys are "
+                                  f"{', '.join(f'{d},{int(c)}' for d, c in builtin)}, values positive ints")
+        thresholds[dim] = value
+    return thresholds
+
+
 def dim_key(dtype_class: str, head_dim: int) -> str:
     """The key of a (dtype class, head dim) entry: "16,64" (16-bit inputs, D=64) or "32,128"."""
     return f"{dtype_class},{head_dim}"

@@ -4,22 +4,22 @@
     PYTHONPATH=. python3 scripts/tune.py --kernel cron_root --sections cross
     python scripts/tune.py --kernel pasa --device cpu --write /tmp/pasa.json   # CPU: tiny sizes, meaningless times
 
-Each section sweeps the candidates of one entry of a kernel's config table (tile sizes, warps, stages; PASA's
-main loop; Cron Root's backward segmentation) at the kernel's typical sizes. Candidates reach the kernels the one
-way a caller overrides tiles, their public ``config={part: {param: value}}`` argument (kernels._common.tile_config).
-A candidate is first checked
-against the float64 reference (relative RMS error of the output, and of dQ, dK, dV for backward sections,
-within a per-dtype tolerance); then it is timed against an SDPA baseline with
-``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median
-ratio is within ±1 % or the budget ends). Three sections measure a crossover over lengths instead of a list of
-candidates: Cron Root's "cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root; on a GPU in
-device time, the harness's graph mode, unless --cross-timing eager: see Tuner.crossover), PASA's
-"shift" (PASA's K̃ made inline against its pre-pass, pasa_attention(shift=...): up to which key length the main
-kernel shifts K itself) and ELSA's "gluonbwd" (its backward on the sm_90 Gluon kernel against its Triton one,
-fwd+bwd eager: from how much work the Gluon kernel runs; Tuner.elsa_gluon_bwd). Otherwise a candidate's score is
-the geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is
-candidate 0, and it is replaced only when the best candidate's score is lower by more than the combined CI
-half-widths (a change must be real, not noise).
+Each section sweeps the candidates of one entry of a kernel's config table (tile sizes, warps, stages; PASA's main
+loop; Cron Root's backward segmentation) at the kernel's typical sizes. Candidates reach the kernels the one way a
+caller overrides tiles, their public ``config={part: {param: value}}`` argument (kernels._common.tile_config). A
+candidate is first checked against the float64 reference (relative RMS error of the output, and of dQ, dK, dV for
+backward sections, within a per-dtype tolerance); then it is timed against an SDPA baseline with
+``attnbench.measure.measure_pair`` (interleaved pairs, L2 flushed, sampled until the 95 % CI of the median ratio is
+within ±1 % or the budget ends). Four sections measure a crossover instead of a list of candidates: Cron Root's
+"cross" (Cron Root against SDPA flash: from where the hybrid takes Cron Root; on a GPU in device time, the harness's
+graph mode, unless --cross-timing eager: see Tuner.crossover), PASA's "shift" (PASA's K̃ made inline against its
+pre-pass, pasa_attention(shift=...): up to which key length the main kernel shifts K itself), PASA's "core" (its
+default call on the Gluon core against its Triton loop: from how much work the core runs; timed as "cross" is;
+Tuner.pasa_core) and ELSA's "gluonbwd" (its backward on the sm_90 Gluon kernel against its Triton one, fwd+bwd
+eager: from how much work the Gluon kernel runs; Tuner.elsa_gluon_bwd). Otherwise a candidate's score is the
+geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is candidate
+0, and it is replaced only when the best candidate's score is lower by more than the combined CI half-widths (a
+change must be real, not noise).
 
 The chosen entries are written where the kernel reads them, keyed like the kernel's own tables (dtype class and
 head-dim tile width BLOCK_D, the head dim padded to a power of two):
@@ -31,7 +31,9 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              gluonbwd: config.GLUON_BWD_MIN_WORK, keyed by head dim and causal 0 / 1)
 - pasa:      kernels/pasa/tuning.json  ("variant": {"default": "ref"}, "pasa"/"fa16": {"64": [bm, bn, w, s]};
              kernels/pasa/attention.py's DEFAULT_CONFIGS; "shift_inline_max_keys": {"64": 512}, section "shift":
-             up to how many keys the main kernel shifts K itself rather than after a pre-pass, kernels/pasa/ops.py)
+             up to how many keys the main kernel shifts K itself rather than after a pre-pass, kernels/pasa/ops.py;
+             "core_min_work": {"64,1": work}, section "core": from how much work B·Hq·Nq·Nk·D the default call
+             runs on the Gluon core, ops.CORE_MIN_WORK, keyed by head dim and causal 0 / 1)
 - cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
              kernels/cqsa/kernel.py's built-in GPU tiles)
 - cron_root: kernels/cron_root/tuning.json, the entry of this GPU's name: the hybrid's crossovers
@@ -230,6 +232,11 @@ PASA_TILES = {
 }
 PASA_SHIFT_NS = (128, 197, 256, 384, 512, 768, 1024)   # key (= query) lengths of the K̃ path's crossover
 PASA_SHIFT_HEADS = (1, 8, 96)                              # B·H (B = 1): launch-bound to busy
+# PASA's Gluon core against its Triton loop: the work levels (log2 of B·Hq·Nq·Nk·D) around ops.CORE_MIN_WORK's
+# built-in thresholds, and the (head dim, causal) keys tuned; D = 64 without a mask keeps 2^34 for accuracy, not speed
+# (its window on the core is the less accurate there: kernels/pasa/ops.py)
+PASA_CORE_LEVELS = (30, 31, 32, 33, 34)
+PASA_CORE_KEYS = ((64, True), (128, False), (128, True))
 PASA_DEFAULT = "variant,tiles,shift"
 
 
@@ -359,7 +366,7 @@ def cron_root_sweeps(ctx: Context, section: str):
 
 SECTIONS = {
     "elsa": (elsa_sweeps, list(ELSA_SECTIONS), ELSA_DEFAULT),
-    "pasa": (pasa_sweeps, ["variant", "tiles", "shift"], PASA_DEFAULT),
+    "pasa": (pasa_sweeps, ["variant", "tiles", "shift", "core"], PASA_DEFAULT),
     "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv"], CQSA_DEFAULT),
     "cron_root": (cron_root_sweeps, ["cross", "fwd", "dq", "glob", "loc", "seg"], CRON_ROOT_DEFAULT),
 }
@@ -459,6 +466,26 @@ def first_win(points: list[dict]) -> int | None:
     return cross
 
 
+def pasa_core_shapes(d: int, log2_work: int) -> list[tuple[int, int]]:
+    """(heads, N) at B = 1 with heads·N²·d = 2^log2_work, N a power of two from 512 to 16K and 1-32 heads: the
+    shape of the most heads and that of the fewest (a full grid and a thin one; one where they coincide)."""
+    rows = 2 ** log2_work // d
+    shapes = [(rows // (n * n), n) for n in (2 ** k for k in range(9, 15))
+              if rows % (n * n) == 0 and 1 <= rows // (n * n) <= 32]
+    return sorted({shapes[0], shapes[-1]}, reverse=True) if shapes else []
+
+
+def first_level_won(points: list[dict]) -> int | None:
+    """The smallest work level (points' "log2_work") from which the ratio is at most 1 at every measured shape of
+    it and of every larger level (first_win over each level's worst ratio; failed points skipped); None when it
+    loses at the largest."""
+    worst: dict = {}
+    for p in points:
+        if "ratio" in p:
+            worst[p["log2_work"]] = max(worst.get(p["log2_work"], 0.0), p["ratio"])
+    return first_win([{"n": level, "ratio": r} for level, r in sorted(worst.items())])
+
+
 def _pct(x) -> str:
     return "?" if x is None or not math.isfinite(x) else f"{x:.1%}"
 
@@ -542,6 +569,9 @@ class Tuner:
                 continue
             if self.kernel == "pasa" and section == "shift":
                 self.pasa_shift()
+                continue
+            if self.kernel == "pasa" and section == "core":
+                self.pasa_core()
                 continue
             if self.kernel == "elsa" and section == "gluonbwd":
                 self.elsa_gluon_bwd()
@@ -696,6 +726,68 @@ class Tuner:
             self.log(f"== shift D={d}: {decision['value']} ({why})")
 
 
+    def pasa_core(self) -> None:
+        """PASA's default forward on the Gluon core against the same call on its Triton loop (naming the default loop
+        keeps the Triton kernel), fp16, at the two shapes of pasa_core_shapes per work level of PASA_CORE_LEVELS, per
+        (head dim, causal) of PASA_CORE_KEYS; timed as Cron Root's crossover is (self.cross_timing: on a GPU in device
+        time, CUDA-graph replays, unless --cross-timing eager, which adds the core's larger host work per call). While
+        timed, the core takes the default call at any size (ops.CORE_MIN_WORK 0, plans made afresh). The level from
+        which the core is at least as fast at every shape of it and of every larger level (first_level_won) becomes
+        ops.CORE_MIN_WORK's entry; where it never is, the entry stays. Both paths are first checked against float64
+        (the coarse TOLERANCE; their errors are logged). The core needs an sm_90 GPU and triton 3.6's Gluon:
+        elsewhere each entry stays and the log says why."""
+        from kernels import _gluon_core, _launch
+        from kernels.pasa import attention as pasa
+        from kernels.pasa import ops
+
+        triton_loop = {"variant": pasa.DEFAULT_VARIANT}
+        keys = PASA_CORE_KEYS[:1] if self.ctx.cpu else PASA_CORE_KEYS
+        saved = ops.CORE_MIN_WORK
+        for d, causal in keys:
+            key = f"{d},{int(causal)}"
+            current = saved[(d, causal)]
+            probe = torch.zeros(1, 1, 16, d, device=self.device, dtype=torch.float16)
+
+            def sweep(heads: int) -> Sweep:
+                return Sweep("core", "pasa", "core_min_work", key, "float16", "fwd", (d,), heads, (), [None],
+                             lambda v, _d: {}, causal=(causal,), baseline="pasa", baseline_options=triton_loop)
+
+            shapes = [(level, heads, n) for level in PASA_CORE_LEVELS for heads, n in pasa_core_shapes(d, level)]
+            points, bad = [], []
+            if not _gluon_core.available(probe, probe, probe):
+                bad = ["the Gluon core needs an sm_90 GPU and triton 3.6's Gluon"]
+            try:
+                ops.CORE_MIN_WORK = dict.fromkeys(saved, 0)
+                _launch.clear()
+                if not bad:
+                    errors = {name: accuracy(sweep(8), opts, d, self.device, 1024)
+                              for name, opts in (("core", {}), ("triton", triton_loop))}
+                    self.rows.append({"section": "core", "key": key, "rel_rmse": errors})
+                    bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+                for level, heads, n in shapes if not bad else ():
+                    p = self.timed_point(sweep(heads), {}, d, n, causal, f"core D={d} causal={causal} 2^{level} "
+                                         f"H={heads} N={n} ({self.cross_timing})", timing_mode=self.cross_timing,
+                                         heads=heads, log2_work=level, timing=self.cross_timing)
+                    if p is None:
+                        break
+                    points.append(p)
+            finally:
+                ops.CORE_MIN_WORK = saved
+                _launch.clear()
+            level = first_level_won(points)
+            complete = not bad and len(points) == len(shapes)
+            value = 2 ** level if level is not None else current
+            why = ("; ".join(bad) + ": the entry stays") if bad else (
+                f"the core at least as fast from 2^{level} of work" if level is not None
+                else "the Triton loop faster at the largest measured work: the entry stays")
+            decision = {"section": "core", "table": "core_min_work", "key": key, "value": value, "current": current,
+                        "changed": complete and value != current, "complete": complete, "why": why,
+                        "timing": self.cross_timing}
+            self.decisions.append(decision)
+            self._save()
+            self.log(f"== core D={d} causal={causal}: {value} ({why})")
+
+
 # --- writing the choices where the kernels read them -------------------------------------------------------------
 
 def _gpu_name() -> str:
@@ -726,7 +818,9 @@ NOTES = {
     "pasa": "PASA launch configs chosen by scripts/tune.py --kernel pasa (harness timer, paired against SDPA flash; "
             "the K̃ path inline against the pre-pass); entries replace kernels/pasa/attention.py's BUILTIN_CONFIGS / "
             "BUILTIN_VARIANT: {BLOCK_D: [BLOCK_M, BLOCK_N, num_warps, num_stages]} (fa16 keeps PASA's tiles), and "
-            "kernels/pasa/ops.py's BUILTIN_SHIFT_INLINE_MAX_KEYS: {BLOCK_D: keys}.",
+            "kernels/pasa/ops.py's BUILTIN_SHIFT_INLINE_MAX_KEYS: {BLOCK_D: keys} and BUILTIN_CORE_MIN_WORK: "
+            "{D,causal 0/1: B*Hq*Nq*Nk*D from which the default call runs on the Gluon core} (its Triton loop paired "
+            "against it).",
     "cqsa": "Stream-CQSA tiles chosen by scripts/tune.py --kernel cqsa (harness timer, paired against SDPA flash); "
             "entries replace kernels/cqsa/kernel.py's built-in GPU choice: {kind: {dtype class,D: [BLOCK_M, BLOCK_N, "
             "num_warps, num_stages]}}.",
@@ -789,7 +883,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write", type=Path, default=None, help="tuning file to write (default: the kernel's own, GPU only)")
     ap.add_argument("--no-write", action="store_true", help="measure and report only")
     ap.add_argument("--cross-timing", choices=("graph", "eager"), default=None,
-                    help="Cron Root's crossover: device time (graph, the GPU's default) or eager calls (the CPU's)")
+                    help="Cron Root's crossover and PASA's core section: device time (graph, the GPU's default) or "
+                         "eager calls (the CPU's)")
     args = ap.parse_args(argv)
     _, known, default = SECTIONS[args.kernel]
     sections = (args.sections or default).split(",")

@@ -69,21 +69,53 @@ def test_tune_refuses_unknown_sections_and_a_missing_gpu():
         assert proc.returncode == 3 and "--device cpu" in proc.stderr
 
 
-def test_the_gluon_backward_section_stays_where_the_kernel_cannot_run(tmp_path):
-    """ELSA's gluonbwd section on the CPU (no Gluon there): one decision per causal setting at the first head dim,
-    each keeping its entry and saying why, nothing timed, nothing written."""
+@pytest.mark.parametrize("kernel, section, expected", [
+    ("elsa", "gluonbwd", [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
+    ("pasa", "core", [("core_min_work", "64,1")]),
+])
+def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, kernel, section, expected):
+    """ELSA's gluonbwd and PASA's core sections on the CPU (no Gluon there): one decision per key they tune there
+    (ELSA's first head dim, both causal settings; PASA's first key), each keeping its entry and saying why, nothing
+    timed, nothing written."""
     from kernels.elsa import config
+    from kernels.pasa import ops
 
+    current = {"gluon_bwd_min_work": config.GLUON_BWD_MIN_WORK, "core_min_work": ops.CORE_MIN_WORK}
     target = tmp_path / "tuning.json"
-    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--write", str(target),
+    proc = run_tune("--kernel", kernel, "--device", "cpu", "--sections", section, "--write", str(target),
                     "--out", str(tmp_path / "log"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = json.loads((tmp_path / "log" / "tune_elsa.json").read_text())
-    assert [(d["table"], d["key"], d["value"], d["changed"]) for d in log["decisions"]] == [
-        ("gluon_bwd_min_work", "64,0", config.GLUON_BWD_MIN_WORK[(64, False)], False),
-        ("gluon_bwd_min_work", "64,1", config.GLUON_BWD_MIN_WORK[(64, True)], False)]
+    log = json.loads((tmp_path / "log" / f"tune_{kernel}.json").read_text())
+    want = []
+    for table, key in expected:
+        d, causal = key.split(",")
+        want.append((table, key, current[table][(int(d), causal == "1")], False))
+    assert [(d["table"], d["key"], d["value"], d["changed"]) for d in log["decisions"]] == want
     assert all("needs an sm_90 GPU" in d["why"] for d in log["decisions"])
     assert not [r for r in log["rows"] if "ratio" in r] and not target.exists()
+
+
+def test_pasa_core_shapes_are_a_full_grid_and_a_thin_one_of_each_work():
+    assert tune.pasa_core_shapes(64, 31) == [(32, 1024), (2, 4096)]        # 2^25 rows of keys
+    assert tune.pasa_core_shapes(128, 33) == [(16, 2048), (1, 8192)]
+    assert tune.pasa_core_shapes(128, 30) == [(32, 512), (2, 2048)]
+    for d, level in ((64, 30), (64, 34), (128, 31), (128, 34)):
+        for heads, n in tune.pasa_core_shapes(d, level):
+            assert heads * n * n * d == 2 ** level and 1 <= heads <= 32 and 512 <= n <= 16384
+
+
+def test_the_core_threshold_is_the_first_work_level_won_at_every_larger_one():
+    def points(*worst_by_level, level0=30):
+        out = []
+        for i, ratios in enumerate(worst_by_level):
+            out += [{"log2_work": level0 + i, "ratio": r} for r in ratios]
+        return out
+
+    assert tune.first_level_won(points((1.2, 0.9), (0.95, 0.8), (0.7, 0.99))) == 31
+    assert tune.first_level_won(points((0.9, 1.01), (0.95, 0.8), (0.7, 0.99))) == 31     # one shape lost at 2^30
+    assert tune.first_level_won(points((0.9, 0.8), (0.95, 1.05))) is None                # lost at the largest
+    assert tune.first_level_won(points((0.9,), (0.8,)) + [{"log2_work": 32, "error": "x"}]) == 30
+    assert tune.first_level_won([]) is None
 
 
 def test_a_crossover_is_the_first_length_won_at_every_longer_one():
@@ -118,6 +150,23 @@ def test_elsa_reads_its_gluon_backward_thresholds(tmp_path):
     assert config.plan_backward(64, fp16, own, 4096, 2, False, False, 100, True).gluon
     assert not config.plan_backward(64, fp16, own, 4096, 2, False, False, 99, True).gluon
     assert config.plan_backward(64, fp16, "", 4096, 2, False, False, least, True).gluon
+
+
+def test_pasa_reads_its_core_thresholds(tmp_path):
+    """A core_min_work entry replaces its built-in threshold, keyed "<D>,<causal 0/1>" (any head dim of the core);
+    another key or a value that is not a positive int is one line naming the file."""
+    from kernels._tuning import min_work_entries, TuningFileError
+    from kernels.pasa import ops
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("pasa", [decision("core_min_work", "128,1", 2 ** 33)], path, "cpu")
+    assert (min_work_entries(path, "core_min_work", ops.BUILTIN_CORE_MIN_WORK)
+            == {**ops.BUILTIN_CORE_MIN_WORK, (128, True): 2 ** 33})
+    assert ops.CORE_MIN_WORK == min_work_entries(ops.TUNING_FILE, "core_min_work", ops.BUILTIN_CORE_MIN_WORK)
+    for bad in ({"48,0": 5}, {"64,2": 5}, {"128": 5}, {"64,1": 0}, {"64,1": True}):
+        path.write_text(json.dumps({"configs": {"core_min_work": bad}}))
+        with pytest.raises(TuningFileError, match=r"tuning.json: core_min_work\["):
+            min_work_entries(path, "core_min_work", ops.BUILTIN_CORE_MIN_WORK)
 
 
 # --- the decision rule ---------------------------------------------------------------------------------------

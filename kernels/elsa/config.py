@@ -29,7 +29,7 @@ from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from . import gluon_phase1
 from .._common import block_d, tile_config
-from .._tuning import TuningFileError, parse_dim_key, read_configs
+from .._tuning import TuningFileError, min_work_entries, parse_dim_key, read_configs
 
 # (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
 # dtype class: "16" for float16/bfloat16, "32" for float32. BLOCK_D = the head dim padded to a power of two
@@ -182,18 +182,8 @@ def tuned_tables(path=TUNING_FILE) -> tuple[dict, dict]:
 
 def tuned_gluon_bwd_min_work(path=TUNING_FILE) -> dict:
     """GLUON_BWD_MIN_WORK: the built-in thresholds with a tuning file's in place of the ones it names
-    ("gluon_bwd_min_work": {"<head dim>,<causal 0 / 1>": B * Hq * Nq * Nk}); any other key, or a value that is not a
-    positive int, is a TuningFileError naming the file."""
-    thresholds = dict(BUILTIN_GLUON_BWD_MIN_WORK)
-    for key, value in read_configs(path).get("gluon_bwd_min_work", {}).items():
-        d, _, causal = key.partition(",")
-        dim = (int(d), causal == "1") if d.isdigit() and causal in ("0", "1") else None
-        if dim not in thresholds or isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TuningFileError(f"{path}: gluon_bwd_min_work[{key!r}] = {value!r}: keys are "
-                                  f"{', '.join(f'{d},{int(c)}' for d, c in BUILTIN_GLUON_BWD_MIN_WORK)}, values "
-                                  f"positive ints")
-        thresholds[dim] = value
-    return thresholds
+    ("gluon_bwd_min_work": {"<head dim>,<causal 0 / 1>": B * Hq * Nq * Nk}; kernels._tuning.min_work_entries)."""
+    return min_work_entries(path, "gluon_bwd_min_work", BUILTIN_GLUON_BWD_MIN_WORK)
 
 
 def tuned_short_tables(path=TUNING_FILE) -> tuple[dict, dict]:

@@ -48,7 +48,7 @@ from kernels import _gluon_core as gluon_core
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
                              layout, sm_count)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
-from kernels._tuning import TuningFileError, read_configs, width_entries
+from kernels._tuning import TuningFileError, min_work_entries, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
 from kernels.pasa.kernel import (_fa16_fwd_kernel, _pasa_fwd_kernel, _shift_k_kernel, _to_bfloat16_kernel,
                                  _to_float16_kernel)
@@ -76,22 +76,29 @@ CONVERT_BLOCK, CONVERT_WARPS = 2048, 4
 # grid too small for the core (results/dev/gluon_core/launch_host_time_h200.json, "min_work_pasa_cqsa"; fp16, eager time
 # over cuDNN's, Triton loop / core): 2^33 at B=1, H=8, 4K, D=64 1.61 / 1.46 and 32 heads of 2K 1.59 / 1.49, but H=1 8K
 # D=128 1.18 / 1.34; 2^32 and below the Triton loop (H=8 2K D=128 1.37 / 1.85, H=1 8K D=64 1.20 / 1.50). After the fp16
-# state's float16 steps, each path forced (results/dev/pasa/core_min_work_h200.json, the core's time over the Triton
-# loop's, CUDA graph):
-# - D = 64 causal: 0.74-0.79 at three shapes of 2^31 and 0.62-0.98 at three of 2^32 (the 0.98 one head of 8K), 0.48-0.71
-#   at 2^33, but 0.91-1.08 at 2^30: from 2^31;
-# - D = 128 not causal: 0.78-0.80 at three shapes of 2^32 (1.04 at two heads of 4K), 0.75-1.01 at 2^33, but 0.90-1.09 at
-#   2^31 and 1.02-1.16 at 2^30: from 2^32;
-# - D = 128 causal: no gain below 2^34 (0.91-1.05 at 2^32-2^33 and 2.0 at one head of 8K, 1.11-1.46 at 2^31): 2^34;
-# - D = 64 not causal: faster from 2^31 (0.77-0.84; a tie at one head of 8K), but accuracy decides there. The core's
-#   window n (its key tile, 128) is not the Triton loop's (64), and β, c and the error follow n: on tests/test_pasa.py's
-#   test_gpu_large_n inputs (4001 x 4099, two heads, fp16 state, by each path's model in emulate.py with a CPU's sums;
-#   relative RMS, Triton loop / core) D = 64 gives 0.0039 / 0.0043 (0.0040 with the core's arithmetic at n = 64: the
-#   window, not the core, costs it), past that test's 0.004 for float16, so it keeps 2^34 (causal 0.0027 / 0.0031,
-#   D = 128 0.0033 / 0.0025, causal 0.0022 / 0.0017: within it). The head dims not measured keep 2^34
-#   (results/README.md, "On the H200").
-CORE_MIN_WORK = {(d, causal): 2**34 for d in gluon_core.HEAD_DIMS for causal in (False, True)} | {
-    (64, True): 2**31, (128, False): 2**32}
+# state's float16 steps, `scripts/tune.py --kernel pasa --sections core` (Tuner.pasa_core: the default call on the core
+# against its Triton loop, CUDA-graph replays, at a full grid and a thin one of each work from 2^30 to 2^34; the first
+# work from which the core is at least as fast at every shape of it and above) found on the H200
+# (results/dev/pasa/core_crossover_graph_h200.json, the core's time over the Triton loop's):
+# - D = 64 causal: 0.80 / 1.02 at 2^31 (32 heads of 1K / 2 of 4K), 0.66 / 0.97 at 2^32, 0.73 / 0.73 at 2^33: from 2^32;
+# - D = 128 not causal: 0.93 / 1.04 at 2^31, 0.87 / 1.04 at 2^32, 0.79 / 1.01 at 2^33 (16 heads of 2K / one of 8K): the
+#   thin grids tie, so 2^34 stays (a full grid alone would take the core from 2^31: core_min_work_h200.json, 0.78-0.80
+#   at three shapes of 2^32);
+# - D = 128 causal: 0.84 / 2.04 at 2^33 (one head of 8K), 0.87 / 1.00 at 2^34: 2^34 stays;
+# - eager calls (--cross-timing eager, host gaps included: the core's launches and TMA maps cost more host time a call)
+#   find the same thresholds (core_crossover_eager_h200.json);
+# - D = 64 not causal: faster from 2^31 (0.77-0.84 in core_min_work_h200.json; a tie at one head of 8K), but accuracy
+#   decides there, and the section leaves it out (PASA_CORE_KEYS). The core's window n (its key tile, 128) is not the
+#   Triton loop's (64), and β, c and the error follow n: on tests/test_pasa.py's test_gpu_large_n inputs (4001 x 4099,
+#   two heads, fp16 state, by each path's model in emulate.py with a CPU's sums; relative RMS, Triton loop / core)
+#   D = 64 gives 0.0039 / 0.0043 (0.0040 with the core's arithmetic at n = 64: the window, not the core, costs it), past
+#   that test's 0.004 for float16, so it keeps 2^34 (causal 0.0027 / 0.0031, D = 128 0.0033 / 0.0025, causal 0.0022 /
+#   0.0017: within it).
+# The head dims not measured keep 2^34 (results/README.md, "On the H200"). The section writes what it finds to
+# TUNING_FILE ("core_min_work": {"<D>,<causal 0/1>": work}), which replaces these built-in values (CORE_MIN_WORK,
+# below).
+BUILTIN_CORE_MIN_WORK = {(d, causal): 2**34 for d in gluon_core.HEAD_DIMS for causal in (False, True)} | {
+    (64, True): 2**32}
 # Three consumer warpgroups a CTA (192 query rows) for the fp16 state, not causal, at the core's THREE_CONSUMER_DIMS,
 # where gluon_core.consumers_for finds them faster with this row time (three's time a query row over two's where both
 # fill their rounds of the SMs alike); each keeps the overlap of its GEMMs with PASA's step (gluon_core's _consumer).
@@ -133,6 +140,7 @@ def tuned_shift_rule(path=TUNING_FILE) -> dict:
 
 
 SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
+CORE_MIN_WORK = min_work_entries(TUNING_FILE, "core_min_work", BUILTIN_CORE_MIN_WORK)
 
 
 def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k: int, sms: int) -> int:
