@@ -929,7 +929,7 @@ def test_gpu_large_n(dtype, d, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["triton", "core"])
 def test_gpu_overflow_and_emulation_gate(request, monkeypatch, path):
-    # the default call on its Triton kernel (no head dim's CORE_MIN_WORK reached) and on the Gluon core
+    # the default call on its Triton kernel (forced: every CORE_MIN_WORK out of reach) and on the Gluon core
     if path == "core":
         request.getfixturevalue("on_the_core")
     else:
