@@ -905,7 +905,10 @@ def test_registered_with_the_harness():
         assert "mode bwd unsupported" in b.unsupported_reason(dtype="float16", mode="bwd", causal=False,
                                                               head_dim=64, device="cuda")
         assert b.unsupported_reason(dtype="float16", mode="fwd", causal=True, head_dim=80, device="cpu") is None
-    assert get_backend("pasa").options == {"beta": None, "state_dtype": "fp16"}
+    pasa = get_backend("pasa")
+    assert pasa.options == {"beta": None, "state_dtype": "fp16", "variant": None}
+    # the closed sets a matrix is checked against: the kernel's own lists
+    assert pasa.option_choices == {"state_dtype": ("fp16", "fp32"), "variant": ("ref", "fused")}
 
 
 # ----------------------------------------------------------------------------------------- GPU ----
