@@ -118,6 +118,44 @@ def test_the_core_threshold_is_the_first_work_level_won_at_every_larger_one():
     assert tune.first_level_won([]) is None
 
 
+def test_the_core_section_times_each_key_with_the_core_forced_and_restores_the_thresholds(monkeypatch):
+    """Tuner.pasa_core's flow with the GPU faked (the core said available, the accuracy check and the paired timing
+    canned): every (level, heads, N) of its shapes timed once per key with ops.CORE_MIN_WORK 0 at every key while it
+    runs (the default call on the core) against the Triton loop named, the decision the first level won, a key that
+    never wins keeps its entry, and the thresholds restored after."""
+    from kernels import _gluon_core
+    from kernels.pasa import attention as pasa
+    from kernels.pasa import ops
+
+    saved = ops.CORE_MIN_WORK
+    wins_from = {(64, True): 32, (128, False): 31, (128, True): None}
+    timed = []
+
+    def fake_time_ratio(s, options, d, n, causal, device, timing, timing_mode="eager"):
+        assert options == {} and s.baseline == "pasa" and s.baseline_options == {"variant": pasa.DEFAULT_VARIANT}
+        assert set(ops.CORE_MIN_WORK.values()) == {0} and timing_mode == "graph"
+        level = (s.heads * n * n * d).bit_length() - 1
+        timed.append((d, causal, level, s.heads, n))
+        first = wins_from[(d, causal)]
+        return {"head_dim": d, "n": n, "causal": causal, "ratio": 0.9 if first is not None and level >= first else 1.1,
+                "ci_half_width": 0.01}
+
+    monkeypatch.setattr(_gluon_core, "available", lambda q, k, v: True)
+    monkeypatch.setattr(tune, "accuracy", lambda s, options, d, device, n: 1e-3)
+    monkeypatch.setattr(tune, "time_ratio", fake_time_ratio)
+    tuner = tune.Tuner("pasa", "cpu", 1e9, None, log=lambda msg: None, cross_timing="graph")
+    tuner.ctx.device = "cuda"           # the GPU's keys and shapes (the device string reaches only the fakes)
+    tuner.pasa_core()
+    assert ops.CORE_MIN_WORK is saved
+    want = [(d, causal, level, heads, n) for d, causal in tune.PASA_CORE_KEYS for level in tune.PASA_CORE_LEVELS
+            for heads, n in tune.pasa_core_shapes(d, level)]
+    assert timed == want
+    got = {d["key"]: (d["value"], d["changed"], d["complete"]) for d in tuner.decisions}
+    assert got == {"64,1": (2 ** 32, saved[(64, True)] != 2 ** 32, True),
+                   "128,0": (2 ** 31, True, True),
+                   "128,1": (saved[(128, True)], False, True)}
+
+
 def test_a_crossover_is_the_first_length_won_at_every_longer_one():
     def points(*ratios):
         return [{"n": 1000 * (i + 1), "ratio": r} for i, r in enumerate(ratios)]
