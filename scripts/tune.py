@@ -600,6 +600,23 @@ class Tuner:
                                  if "ratio" in p else p["error"]))
         return p
 
+    def paths_off_tolerance(self, s: Sweep, paths: dict, d: int, n: int) -> list[str]:
+        """A crossover section's paths ({name: kernel options}) checked against float64 at length n (accuracy); their
+        errors are logged as a row of the section, and what passes TOLERANCE is returned as a reason each."""
+        errors = {name: accuracy(s, opts, d, self.device, n) for name, opts in paths.items()}
+        self.rows.append({"section": s.section, "key": s.key, "rel_rmse": errors})
+        return [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE[s.dtype]]
+
+    def decide(self, s: Sweep, value, current, complete: bool, why: str, **extra) -> dict:
+        """A crossover section's decision for s.table[s.key], logged and saved: it changes the entry only when the
+        sweep was complete."""
+        decision = {"section": s.section, "table": s.table, "key": s.key, "value": value, "current": current,
+                    "changed": complete and value != current, "complete": complete, "why": why, **extra}
+        self.decisions.append(decision)
+        self._save()
+        self.log(f"== {s.section} {s.table}[{s.key}]: {value} ({why})")
+        return decision
+
     def crossover(self) -> None:
         """Cron Root vs SDPA flash, causal, B=1 H=8 D=64 fp16: per mode the first N from which Cron Root is faster
         at every larger measured N (the hybrid uses SDPA below it).
@@ -660,10 +677,7 @@ class Tuner:
                 if not usable:
                     bad = ["the Gluon backward needs an sm_90 GPU and triton 3.6's Gluon"]
                 else:
-                    errors = {name: accuracy(s, opts, d, self.device, 1024)
-                              for name, opts in (("gluon", gluon), ("triton", triton_bwd))}
-                    self.rows.append({"section": "gluonbwd", "key": key, "rel_rmse": errors})
-                    bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+                    bad = self.paths_off_tolerance(s, {"gluon": gluon, "triton": triton_bwd}, d, 1024)
                 for n in ns if not bad else ():
                     p = self.timed_point(s, gluon, d, n, causal, f"gluonbwd D={d} causal={causal} N={n}")
                     if p is None:
@@ -675,12 +689,7 @@ class Tuner:
                 why = ("; ".join(bad) + ": the entry stays") if bad else (
                     f"the Gluon backward at least as fast from N = {cross} (B=1, H={heads})" if cross is not None
                     else "the Triton backward faster at the longest measured length: the entry stays")
-                decision = {"section": "gluonbwd", "table": "gluon_bwd_min_work", "key": key, "value": value,
-                            "current": current, "changed": complete and value != current, "complete": complete,
-                            "why": why}
-                self.decisions.append(decision)
-                self._save()
-                self.log(f"== gluonbwd D={d} causal={causal}: {value} ({why})")
+                self.decide(s, value, current, complete, why)
 
     def pasa_shift(self) -> None:
         """PASA's K̃ path per head-dim tile width: inline (the main kernel shifts each window itself) against the
@@ -697,10 +706,7 @@ class Tuner:
             sweeps = {h: Sweep("shift", "pasa", "shift_inline_max_keys", key, "float16", "fwd", (d,), h, ns, [None],
                                lambda v, _d: inline, baseline="pasa", baseline_options=prepass) for h in heads}
             check_n = ns[0] if self.ctx.cpu else 1024
-            errors = {name: accuracy(sweeps[heads[0]], opts, d, self.device, check_n)
-                      for name, opts in (("inline", inline), ("prepass", prepass))}
-            self.rows.append({"section": "shift", "head_dim": d, "rel_rmse": errors})
-            bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+            bad = self.paths_off_tolerance(sweeps[heads[0]], {"inline": inline, "prepass": prepass}, d, check_n)
             points = []
             for n, h in [(n, h) for n in ns for h in heads] if not bad else ():
                 p = self.timed_point(sweeps[h], inline, d, n, False, f"shift D={d} B·H={h} N={n} inline", heads=h)
@@ -718,13 +724,7 @@ class Tuner:
             why = ("; ".join(bad) + ": the rule stays") if bad else (
                 f"inline at most as slow as the pre-pass at every B·H up to N = {limit}" if limit else
                 f"the pre-pass faster at N = {ns[0]} already")
-            decision = {"section": "shift", "table": "shift_inline_max_keys", "key": key, "value": limit if not bad
-                        else current, "current": current, "changed": complete and limit != current,
-                        "complete": complete, "why": why}
-            self.decisions.append(decision)
-            self._save()
-            self.log(f"== shift D={d}: {decision['value']} ({why})")
-
+            self.decide(sweeps[heads[0]], limit if not bad else current, current, complete, why)
 
     def pasa_core(self) -> None:
         """PASA's default forward on the Gluon core against the same call on its Triton loop (naming the default loop
@@ -760,10 +760,7 @@ class Tuner:
                 ops.CORE_MIN_WORK = dict.fromkeys(saved, 0)
                 _launch.clear()
                 if not bad:
-                    errors = {name: accuracy(sweep(8), opts, d, self.device, 1024)
-                              for name, opts in (("core", {}), ("triton", triton_loop))}
-                    self.rows.append({"section": "core", "key": key, "rel_rmse": errors})
-                    bad = [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE["float16"]]
+                    bad = self.paths_off_tolerance(sweep(8), {"core": {}, "triton": triton_loop}, d, 1024)
                 for level, heads, n in shapes if not bad else ():
                     p = self.timed_point(sweep(heads), {}, d, n, causal, f"core D={d} causal={causal} 2^{level} "
                                          f"H={heads} N={n} ({self.cross_timing})", timing_mode=self.cross_timing,
@@ -780,12 +777,7 @@ class Tuner:
             why = ("; ".join(bad) + ": the entry stays") if bad else (
                 f"the core at least as fast from 2^{level} of work" if level is not None
                 else "the Triton loop faster at the largest measured work: the entry stays")
-            decision = {"section": "core", "table": "core_min_work", "key": key, "value": value, "current": current,
-                        "changed": complete and value != current, "complete": complete, "why": why,
-                        "timing": self.cross_timing}
-            self.decisions.append(decision)
-            self._save()
-            self.log(f"== core D={d} causal={causal}: {value} ({why})")
+            self.decide(sweep(8), value, current, complete, why, timing=self.cross_timing)
 
 
 # --- writing the choices where the kernels read them -------------------------------------------------------------
