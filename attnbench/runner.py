@@ -395,22 +395,25 @@ def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate:
         raise RunDirError(f"{store.path}: the cells of {matrix.path} this run measures changed since it "
                           f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
                           f"{matrix.sha256[:12]}); start a new run")
-    # the same file selected by another --only (or none) would add other cells' points to the run (can_resume
-    # accepts the file's hash alone): unless the cells are the same problem, the selection must be the run's own
-    started_with = recorded_only(manifest) if manifest.get("argv") else matrix.only
-    if started_with != matrix.only and manifest.get("plan_sha256") != matrix.plan_sha256() and not complete:
-        raise RunDirError(f"{store.path}: started with {_selection(started_with)}, resumed with "
-                          f"{_selection(matrix.only)}; finish it with: {resume_command(manifest, store.path)}")
-    # a planted slowdown (the gate's proof) holds for every point of a run or for none
-    planted = {name: float(f) for name, f in (manifest.get("injected_slowdown") or {}).items()}
-    if planted != opt.slowdown and not complete:
-        raise RunDirError(f"{store.path}: started with {_planted(planted)}, resumed with {_planted(opt.slowdown)}; "
-                          f"finish it with: {resume_command(manifest, store.path)}")
-    switches = manifest.get("kernel_switches")       # (runs before the manifest kept them: not known)
-    if switches is not None and switches != kernel_switches() and not complete:
-        raise RunDirError(f"{store.path}: started with the kernel switches {_switches(switches)}, resumed with "
-                          f"{_switches(kernel_switches())} (its points would measure two code paths); finish it "
-                          f"with: {resume_command(manifest, store.path)}")
+    def refuse(started: str, resumed: str, why: str = "") -> RunDirError:
+        # a setting every point of a run must share, not the run's own: the command that finishes it
+        return RunDirError(f"{store.path}: started with {started}, resumed with {resumed}{why}; finish it with: "
+                           f"{resume_command(manifest, store.path)}")
+
+    if not complete:
+        # the same file selected by another --only (or none) would add other cells' points to the run (can_resume
+        # accepts the file's hash alone): unless the cells are the same problem, the selection must be the run's own
+        started_with = recorded_only(manifest) if manifest.get("argv") else matrix.only
+        if started_with != matrix.only and manifest.get("plan_sha256") != matrix.plan_sha256():
+            raise refuse(_selection(started_with), _selection(matrix.only))
+        # a planted slowdown (the gate's proof) holds for every point of a run or for none
+        planted = {name: float(f) for name, f in (manifest.get("injected_slowdown") or {}).items()}
+        if planted != opt.slowdown:
+            raise refuse(_planted(planted), _planted(opt.slowdown))
+        switches = manifest.get("kernel_switches")       # (runs before the manifest kept them: not known)
+        if switches is not None and switches != kernel_switches():
+            raise refuse(f"the kernel switches {_switches(switches)}", _switches(kernel_switches()),
+                         " (its points would measure two code paths)")
     started_on = manifest.get("device") or "cuda"
     if started_on != opt.device:
         raise RunDirError(f"{store.path}: started with --device {started_on}; resume it with --device {started_on}")
