@@ -33,6 +33,7 @@ import math
 import os
 import re
 import shlex
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -144,7 +145,7 @@ class RunStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
+                holder = _lock_holder(fd)
                 os.close(fd)
                 raise RunDirError(f"{self.path}: in use by another attnbench process (pid {holder}) that holds "
                                   f"its lock ({LOCK_FILE}); wait for it to finish or stop it") from None
@@ -155,8 +156,7 @@ class RunStore:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        _write_holder(fd, f"{os.getpid()}")
         self._lock_fd = fd
 
     @property
@@ -167,9 +167,8 @@ class RunStore:
     def name_lock_holders(self, worker_pids) -> None:
         """Write the pool's workers beside this process's pid into the lock file (what a refused resume names)."""
         assert self._lock_fd is not None, "name_lock_holders() needs the run directory's lock"
-        text = f"{os.getpid()}" + (f" (workers {', '.join(map(str, worker_pids))})" if worker_pids else "")
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{text}\n".encode(), 0)
+        _write_holder(self._lock_fd, f"{os.getpid()}" + (f" (workers {', '.join(map(str, worker_pids))})"
+                                                         if worker_pids else ""))
 
     def unlock(self) -> None:
         if self._lock_fd is None:
@@ -495,6 +494,25 @@ def check_results_root(root) -> None:
         raise RunDirError(f"results root {root}: cannot create it ({exc.strerror or exc})") from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise RunDirError(f"results root {root}: not writable by this user")
+
+
+def _write_holder(fd: int, text: str) -> None:
+    """The lock holder's pid (and its workers') into its lock file: written over the old text, then cut to length,
+    so a refused process never reads an emptied file."""
+    data = f"{text}\n".encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+
+
+def _lock_holder(fd: int, wait_s: float = 1.0) -> str:
+    """What the lock's holder wrote into its lock file. A holder writes it just after it takes the lock, so a
+    process refused in between reads it again for up to wait_s before it says "unknown"."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        if text or time.monotonic() > deadline:
+            return text or "unknown"
+        time.sleep(0.01)
 
 
 def recorded_only(manifest: dict) -> str | None:

@@ -487,6 +487,28 @@ def test_a_locked_run_directory_names_the_holder(tmp_path, capsys, complete_run)
     assert_points_once_each(run)
 
 
+def test_a_lock_taken_a_moment_before_its_pid_is_written_still_names_it(tmp_path):
+    """The window two resumes started together can meet: one holds the lock but has not written its pid yet. The
+    refused one reads again until it is there (within a second) instead of naming "pid unknown"."""
+    import fcntl
+    import threading
+
+    from attnbench.store import LOCK_FILE, RunDirError
+
+    store = RunStore.create(tmp_path / "runs", "tiny", {"argv": []})
+    store.unlock()
+    fd = os.open(store.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, b"4242\n", 0))
+    late.start()
+    try:
+        with pytest.raises(RunDirError, match=r"in use by another attnbench process \(pid 4242\)"):
+            RunStore(store.path).lock()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_two_resumes_of_one_run_never_interleave(tmp_path):
     """Started together, one resume measures and the other is refused naming its pid (or, if it came late,
     finds the run complete): every point is stored exactly once."""
