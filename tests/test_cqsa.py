@@ -8,6 +8,7 @@ Tolerances (max_abs against float64): float32 1e-5 (forward and gradients); floa
 5e-3 gradients; bfloat16 (GPU only) 2e-2 forward, 3e-2 gradients. A 2 % error in the scale moves outputs
 by ~1e-2 and gradients by more, so each bound catches it.
 """
+import contextlib
 import math
 
 import numpy as np
@@ -387,7 +388,8 @@ def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatc
     16-bit inputs at its head dims: taken at itr = 1 with the default tiles from GLUON_BWD_MIN_WORK on, with the
     call's causal setting, scale, O's strides and the kernel's TILES, and lse with the scale that makes it base 2
     (lse / ln 2, the kernel's statistic); not one unit of work below the threshold, not at itr = 2, not with a tile
-    override, not for float32."""
+    override, not for float32. A call's own threshold (the plan's gluon_bwd_min_work) replaces the table's both
+    ways."""
     from kernels import _gluon_bwd
     from kernels.cqsa import attention
     made = []
@@ -406,14 +408,14 @@ def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatc
     b, hq, hkv, n, d = 1, 4, 2, 96, 64
     work = b * hq * n * n
 
-    def plan(causal, itr=1, dtype=torch.float16, tiles=None, min_work=work):
+    def plan(causal, itr=1, dtype=torch.float16, tiles=None, min_work=work, call_min_work=0):
         monkeypatch.setitem(attention.GLUON_BWD_MIN_WORK, (d, causal), min_work)
         q = torch.randn(b, hq, n, d).to(dtype)
         k, v = (torch.randn(b, hkv, n, d).to(dtype) for _ in range(2))
         out, lse = torch.randn(b, hq, n, d).to(dtype), torch.randn(b, hq, n) * 5
         tiles = tiles or resolve_tiles(d, dtype, "cpu")
         attention._bwd_plans.clear()
-        p = attention.backward_plan(out, q, k, v, out, lse, causal, 0.3, 7, itr, "ieee", tiles)
+        p = attention.backward_plan(out, q, k, v, out, lse, causal, 0.3, 7, itr, "ieee", tiles, call_min_work)
         return p, (out, q, k, v, out, lse)
 
     for causal in (False, True):
@@ -424,9 +426,40 @@ def test_resident_backward_takes_the_gluon_kernel_where_its_rule_says(monkeypatc
         p(*args)
         assert torch.allclose(made[-1]["lse2"], args[5] / math.log(2), rtol=1e-6, atol=0)
     other = resolve_tiles(d, torch.float16, "cpu", {"dq": {"BLOCK_M": 64}})
-    for kw in (dict(min_work=work + 1), dict(itr=2), dict(tiles=other), dict(dtype=torch.float32)):
+    for kw in (dict(min_work=work + 1), dict(itr=2), dict(tiles=other), dict(dtype=torch.float32),
+               dict(min_work=1, call_min_work=work + 1)):
         assert plan(True, **kw)[0].gluon is None, kw
+    assert plan(True, min_work=work + 1, call_min_work=work)[0].gluon is not None
     attention._bwd_plans.clear()
+
+
+@pytest.mark.cpu_only
+def test_config_plan_sets_the_gluon_backward_threshold_of_a_call(monkeypatch):
+    """config={"plan": {"gluon_bwd_min_work": work}} reaches the backward's plan through the public function, its
+    ops and autograd (plain calls and the dispatcher's path: the op's own argument), the tiles left as they are; it
+    is the resident path's (a streamed call refuses it) and a bad plan is a one-line error naming it."""
+    from kernels.cqsa import attention
+    seen = []
+    real = attention._gluon_backward
+    monkeypatch.setattr(attention, "_gluon_backward", lambda *a: seen.append(a[-2:]) or real(*a))
+    q, k, v = (rand((1, 2, 40, 16), grad=True) for _ in range(3))
+    for through_op in (False, True):
+        attention._bwd_plans.clear()
+        seen.clear()
+        with torch.device("cpu") if through_op else contextlib.nullcontext():   # a function mode: through the op
+            out = cqsa_attention(q, k, v, causal=True, c=3, precision="ieee", config={"plan": {"gluon_bwd_min_work": 77}})
+        out.sum().backward()
+        assert seen == [(tuple(resolve_tiles(16, q.dtype, "cpu")), 77)], through_op
+    attention._bwd_plans.clear()
+    for bad, needle in (({"plan": 5}, r"config\['plan'\] must be a dict"),
+                        ({"plan": {"min_work": 5}}, "has no parameter 'min_work'"),
+                        ({"plan": {"gluon_bwd_min_work": 0}}, "from 1 to 2\\*\\*62, got 0"),
+                        ({"plan": {"gluon_bwd_min_work": True}}, "got True"),
+                        ({"plan": {"gluon_bwd_min_work": 2 ** 62 + 1}}, "from 1 to")):
+        with pytest.raises(ValueError, match=needle):
+            cqsa_attention(q, k, v, config=bad)
+    with pytest.raises(ValueError, match="streaming runs its own kernels"):
+        cqsa_attention(q, k, v, config={"plan": {"gluon_bwd_min_work": 5}}, stream=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -582,12 +615,12 @@ def test_ops_pass_opcheck():
     q = rand((1, 2, 9, 16), grad=True)
     k, v = (rand((1, 1, 12, 16), grad=True) for _ in range(2))
     tiles = list(resolve_tiles(16, q.dtype, q.device.type))
-    args = (q, k, v, True, 0.2, 3, 1, "ieee", tiles)
+    args = (q, k, v, True, 0.2, 3, 1, "ieee", tiles, 1 << 40)
     torch.library.opcheck(cqsa_fwd, args)
     out, lse = cqsa_fwd(*args)
     do = torch.randn_like(out)
     torch.library.opcheck(cqsa_bwd, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), True, 0.2,
-                                     3, 1, "ieee", tiles))
+                                     3, 1, "ieee", tiles, 1 << 40))
 
 
 @pytest.mark.cpu_only("host_inputs")
@@ -925,10 +958,11 @@ def test_gpu_queries_and_keys_of_different_lengths(nq, nk, causal):
                                                         (torch.float16, True, 64, 4, 1, 700, 2900),
                                                         (torch.bfloat16, True, 128, 4, 2, 2900, 700),
                                                         (torch.float16, False, 128, 4, 4, 1000, 3001)])
-def test_gpu_backward_on_the_gluon_kernel(monkeypatch, dtype, causal, d, hq, hkv, nq, nk):
+def test_gpu_backward_on_the_gluon_kernel(dtype, causal, d, hq, hkv, nq, nk):
     """At itr = 1 the resident backward of 16-bit inputs on sm_90 runs the Gluon backward (kernels/_gluon_bwd.py;
     taken here from any work): its gradients against float64 within 1.5x the error of this package's two backward
-    kernels on the same inputs (forced by an unreachable threshold), grouped-query K/V, Nq != Nk bottom-right."""
+    kernels on the same inputs (forced by an unreachable threshold), grouped-query K/V, Nq != Nk bottom-right. Each
+    backward is chosen as scripts/tune.py chooses it, by the call's config={"plan": {"gluon_bwd_min_work": work}}."""
     from kernels.cqsa import attention
     q = torch.randn(1, hq, nq, d, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, hkv, nk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
@@ -936,10 +970,9 @@ def test_gpu_backward_on_the_gluon_kernel(monkeypatch, dtype, causal, d, hq, hkv
     do = torch.randn_like(ref)
     gref = torch.autograd.grad(ref, (q, k, v), do)
     grads = {}
-    for name, min_work in (("gluon", 1), ("triton", 1 << 62)):
-        monkeypatch.setitem(attention.GLUON_BWD_MIN_WORK, (d, causal), min_work)
+    for name, min_work in (("gluon", 1), ("triton", attention.MAX_WORK)):
         attention._bwd_plans.clear()
-        out = cqsa_attention(q, k, v, causal=causal, c=7, itr=1)
+        out = cqsa_attention(q, k, v, causal=causal, c=7, itr=1, config={"plan": {"gluon_bwd_min_work": min_work}})
         grads[name] = torch.autograd.grad(out, (q, k, v), do.to(dtype))
         plans = list(attention._bwd_plans.values())
         assert len(plans) == 1 and (plans[0].gluon is not None) == (name == "gluon")

@@ -40,9 +40,10 @@ from .. import _gluon_core as gluon_core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
                        in_place, layout, signature, sm_count)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
+from .._tuning import min_work_entries
 from .checks import check_call
-from .kernel import (constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel, default_tiles,
-                     resolve_tiles)
+from .kernel import (TUNING_FILE, constexprs, cqsa_bwd_dkdv_kernel, cqsa_bwd_dq_kernel, cqsa_fwd_kernel,
+                     default_tiles, resolve_tiles)
 from .schedule import resident_schedule, tile_walk
 from .stream import stream_attention
 
@@ -216,18 +217,44 @@ class _Forward(LaunchPlan):
 # fp16, B = 1, H = 8, 1K-16K) the first length from which it was at least as fast as this package's two kernels at
 # every longer one: 2K (4K at D = 64 without a mask), then 0.42-0.75x their time from 4K (Llama-3-8B's causal GQA at
 # 8K: 0.50x). Below it the Gluon launch's host work (its prologue, five TMA maps, dQ's cast) is not repaid, as in
-# ELSA's backward (kernels/FLASH_CORE.md, "Gluon: the backward").
-GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
-                      (128, True): 8 * 2048 ** 2}
+# ELSA's backward (kernels/FLASH_CORE.md, "Gluon: the backward"). `scripts/tune.py --kernel cqsa --sections gluonbwd`
+# measures the crossover with the harness's timer (paired, L2 flushed) and writes it to the tuning file
+# ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}), whose entries replace these: on the H200 it found 2K at D = 128
+# as here, and at D = 64 2K without a mask, 4K causal (results/dev/cqsa/gluon_backward_tune_h200/). A call's
+# config={"plan": {"gluon_bwd_min_work": work}} replaces them for that call (how the tuner times one backward against
+# the other).
+BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
+                              (128, True): 8 * 2048 ** 2}
+GLUON_BWD_MIN_WORK = min_work_entries(TUNING_FILE, "gluon_bwd_min_work", BUILTIN_GLUON_BWD_MIN_WORK)
+PLAN_PARAMS = ("gluon_bwd_min_work",)
+MAX_WORK = 2 ** 62          # an op int: "never" for the Gluon backward's threshold
 
 
-def _gluon_backward(do, q, k, v, out, causal: bool, itr: int, tiles):
+def split_config(config) -> tuple[dict | None, int]:
+    """A call's config as its tile parts (resolve_tiles's override, None for none) and its plan's gluon_bwd_min_work
+    (0: none given, GLUON_BWD_MIN_WORK's). The plan is a dict of PLAN_PARAMS, each an int from 1 to MAX_WORK."""
+    if not isinstance(config, dict) or "plan" not in config:
+        return config, 0
+    plan = config["plan"]
+    if not isinstance(plan, dict):
+        raise ValueError(f"cqsa: config['plan'] must be a dict {{param: value}}, got {plan!r}")
+    for param, value in plan.items():
+        if param not in PLAN_PARAMS:
+            raise ValueError(f"cqsa: config['plan'] has no parameter {param!r} (has {', '.join(PLAN_PARAMS)})")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORK:
+            raise ValueError(f"cqsa: config['plan'][{param!r}] must be an int from 1 to 2**62, got {value!r}")
+    tiles = {part: params for part, params in config.items() if part != "plan"}
+    return tiles or None, plan.get("gluon_bwd_min_work", 0)
+
+
+def _gluon_backward(do, q, k, v, out, causal: bool, itr: int, tiles, gluon_bwd_min_work: int):
     """Whether this resident backward runs on the Gluon backward: itr = 1, 16-bit inputs it can read (sm_90,
     contiguous q, k, v, a head dim of its HEAD_DIMS: gluon_bwd.usable), the default tiles (a ``config`` override
-    keeps this package's kernels, as in the forward), O with a unit last stride, from GLUON_BWD_MIN_WORK."""
+    keeps this package's kernels, as in the forward), O with a unit last stride, from gluon_bwd_min_work (the call's
+    plan) or else GLUON_BWD_MIN_WORK."""
     B, H, N, D = q.shape
     return (itr == 1 and gluon_bwd.usable(q, k, v, do) and out.stride(-1) == 1
-            and B * H * N * k.shape[2] >= GLUON_BWD_MIN_WORK[(D, causal)]
+            and B * H * N * k.shape[2] >= (gluon_bwd_min_work or GLUON_BWD_MIN_WORK[(D, causal)])
             and tiles == default_tiles(D, q.dtype, q.device.type))
 
 
@@ -244,7 +271,8 @@ class _Backward(LaunchPlan):
     added by TMA reductions, so unlike this package's two kernels its dQ is not bit-for-bit deterministic (fp32 adds
     in the order the programs reach them)."""
 
-    def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
+    def __init__(self, do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles,
+                 gluon_bwd_min_work: int):
         B, H, N, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         self.place(q.device)
@@ -253,7 +281,7 @@ class _Backward(LaunchPlan):
         self.gluon = None
         if self.empty:
             return
-        if _gluon_backward(do, q, k, v, out, causal, itr, tiles):
+        if _gluon_backward(do, q, k, v, out, causal, itr, tiles, gluon_bwd_min_work):
             # the kernel's row statistic is base 2 (p = exp2(s * scale * log2 e - lse2)); ours is the natural log,
             # which its loader scales as it reads it
             self.gluon = gluon_bwd.Launch(q, k, out.stride()[:3], causal, scale, gluon_bwd.TILES[(D, causal)],
@@ -313,44 +341,50 @@ def forward_plan(q, k, v, causal: bool, scale: float, c: int, itr: int, precisio
 
 
 def backward_plan(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str,
-                  tiles) -> _Backward:
+                  tiles, gluon_bwd_min_work: int = 0) -> _Backward:
     """The cached plan of this resident backward signature (made on first use)."""
     tiles = tuple(tiles)
-    key = (layout(do, q, k, v, out, lse), causal, scale, c, itr, precision, tiles)
+    key = (layout(do, q, k, v, out, lse), causal, scale, c, itr, precision, tiles, gluon_bwd_min_work)
     return _bwd_plans.get(key) or _bwd_plans.put(
-        key, _Backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles))
+        key, _Backward(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles, gluon_bwd_min_work))
 
 
-def resident_forward(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
-    """O [B,Hq,Nq,D] (q's dtype) and the global natural-log lse [B,Hq,Nq] (fp32), everything on q's device."""
+def resident_forward(q, k, v, causal: bool, scale: float, c: int, itr: int, precision: str, tiles,
+                     gluon_bwd_min_work: int = 0):
+    """O [B,Hq,Nq,D] (q's dtype) and the global natural-log lse [B,Hq,Nq] (fp32), everything on q's device.
+    gluon_bwd_min_work is the backward's (split_config), carried by the forward op for its autograd formula."""
     return forward_plan(q, k, v, causal, scale, c, itr, precision, tiles)(q, k, v)
 
 
-def resident_backward(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles):
+def resident_backward(do, q, k, v, out, lse, causal: bool, scale: float, c: int, itr: int, precision: str, tiles,
+                      gluon_bwd_min_work: int = 0):
     """(dq, dk, dv) in the inputs' dtype; dk, dv summed over the query heads that share a key/value head."""
-    return backward_plan(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles)(do, q, k, v, out, lse)
+    return backward_plan(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles,
+                         gluon_bwd_min_work)(do, q, k, v, out, lse)
 
 
 # --- the ops ------------------------------------------------------------------------------------------------
 
 _lib = torch.library.Library("attnbench", "FRAGMENT")
 # Resident CQSA forward: (out [B,Hq,Nq,D], lse [B,Hq,Nq] fp32 natural log); precision: tl.dot's input precision;
-# tiles: resolve_tiles()'s 12 ints. Backward (§4.2 form with the forward's global lse): (dq, dk, dv).
+# tiles: resolve_tiles()'s 12 ints; gluon_bwd_min_work: the backward's threshold for the Gluon kernel (0: the
+# table's). Backward (§4.2 form with the forward's global lse): (dq, dk, dv).
 cqsa_fwd = define_op(_lib, "cqsa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int c, int itr, "
-                           "str precision, int[] tiles) -> (Tensor, Tensor)", resident_forward)
+                           "str precision, int[] tiles, int gluon_bwd_min_work=0) -> (Tensor, Tensor)",
+                     resident_forward)
 cqsa_bwd = define_op(_lib, "cqsa_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-                           "float scale, int c, int itr, str precision, int[] tiles) -> (Tensor, Tensor, Tensor)",
-                     resident_backward)
+                           "float scale, int c, int itr, str precision, int[] tiles, int gluon_bwd_min_work=0) "
+                           "-> (Tensor, Tensor, Tensor)", resident_backward)
 
 
 @torch.library.register_fake("attnbench::cqsa_fwd", lib=_lib)
-def _cqsa_fwd_fake(q, k, v, causal, scale, c, itr, precision, tiles):
+def _cqsa_fwd_fake(q, k, v, causal, scale, c, itr, precision, tiles, gluon_bwd_min_work=0):
     B, H, N, D = q.shape
     return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 @torch.library.register_fake("attnbench::cqsa_bwd", lib=_lib)
-def _cqsa_bwd_fake(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles):
+def _cqsa_bwd_fake(do, q, k, v, out, lse, causal, scale, c, itr, precision, tiles, gluon_bwd_min_work=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -358,14 +392,14 @@ class _CqsaFunction(KernelFunction):
     """cqsa_fwd's autograd formula (kernels/_ops.py): save the inputs, out and lse; the backward is cqsa_bwd."""
 
     @staticmethod
-    def forward(ctx, is_plain, q, k, v, causal, scale, c, itr, precision, tiles):
+    def forward(ctx, is_plain, q, k, v, causal, scale, c, itr, precision, tiles, gluon_bwd_min_work=0):
         if is_plain:
             out, lse = resident_forward(q, k, v, causal, scale, c, itr, precision, tiles)
         else:
             with below_autograd():
-                out, lse = cqsa_fwd(q, k, v, causal, scale, c, itr, precision, tiles)
+                out, lse = cqsa_fwd(q, k, v, causal, scale, c, itr, precision, tiles, gluon_bwd_min_work)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, c, itr, precision, tiles)
+        ctx.options = (causal, scale, c, itr, precision, tiles, gluon_bwd_min_work)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)      # no zero gradient for lse (kernels/_ops.py)
         return out, lse
@@ -377,7 +411,7 @@ class _CqsaFunction(KernelFunction):
             dq, dk, dv = resident_backward(dout, q, k, v, out, lse, *ctx.options)
         else:
             dq, dk, dv = cqsa_bwd(dout, q, k, v, out, lse, *ctx.options)
-        return None, dq, dk, dv, None, None, None, None, None, None
+        return None, dq, dk, dv, None, None, None, None, None, None, None
 
 
 # what cqsa_attention calls: the Autograd kernel, or the op where a mode, tracer or compiler must see it
@@ -395,10 +429,11 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _resolve(q, k, v, causal, scale, c, itr, precision, config):
-    """(scale, dot precision, tiles) of a resident call, after its checks."""
+    """(scale, dot precision, tiles, the Gluon backward's threshold) of a resident call, after its checks."""
     shape = check_call(q, k, v, causal=causal, scale=scale, c=c, itr=itr, precision=precision)
-    tiles = resolve_tiles(shape.head_dim, q.dtype, q.device.type, config)
-    return default_scale(scale, shape.head_dim), dot_precision(q.dtype, precision), list(tiles)
+    tile_override, gluon_bwd_min_work = split_config(config)
+    tiles = resolve_tiles(shape.head_dim, q.dtype, q.device.type, tile_override)
+    return default_scale(scale, shape.head_dim), dot_precision(q.dtype, precision), list(tiles), gluon_bwd_min_work
 
 
 def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=None, *, precision="tf32x3",
@@ -410,9 +445,11 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
     c: chunk count (a key of INTEREST_SETS); itr: divide granularity (depth) >= 1.
     precision: float32 dot products, "tf32x3" (default), "ieee" or "tf32". config: tile overrides,
     ``{"fwd" | "dq" | "dkdv": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages": int}}`` (BLOCK_M queries,
-    BLOCK_N keys). Gradients are bit-for-bit reproducible except where the backward runs on the sm_90 Gluon
-    kernel (itr = 1, 16-bit, D = 64 / 128, from GLUON_BWD_MIN_WORK), whose dQ is summed by TMA reductions in no
-    fixed order; a config that changes any tile (or itr > 1) keeps this package's deterministic kernels.
+    BLOCK_N keys); resident calls also take ``config["plan"] = {"gluon_bwd_min_work": work}``: from how much work
+    B * Hq * Nq * Nk the backward runs on the Gluon kernel (below). Gradients are bit-for-bit reproducible except
+    where the backward runs on the sm_90 Gluon kernel (itr = 1, 16-bit, D = 64 / 128, from GLUON_BWD_MIN_WORK or
+    the plan's), whose dQ is summed by TMA reductions in no fixed order; a config that changes any tile (or
+    itr > 1) keeps this package's deterministic kernels.
     mem_budget: bytes the process may hold on the compute device while the call runs, what it held before
     included (torch.cuda.memory_allocated: inputs there, cuBLAS's workspaces). Given, the streaming engine
     runs (itr then is the smallest depth it starts from; the planner and the OOM guardrail may go
@@ -425,6 +462,8 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
         stream = mem_budget is not None or (isinstance(q, torch.Tensor) and q.device.type == "cpu"
                                             and torch.cuda.is_available())
     if stream:
+        if isinstance(config, dict) and "plan" in config:
+            raise ValueError("cqsa: config['plan'] is the resident backward's: streaming runs its own kernels")
         out, stats = stream_attention(q, k, v, causal=causal, scale=scale, c=c, itr=itr, precision=precision,
                                       config=config, device=device, mem_budget=mem_budget, **stream_opts)
         return (out, stats) if return_stats else out
@@ -436,6 +475,6 @@ def cqsa_attention(q, k, v, causal=False, scale=None, c=7, itr=1, mem_budget=Non
         settings = _resolve(q, k, v, causal, scale, c, itr, precision, config)
         if key is not None:
             _checked.put(key, settings)
-    sc, prec, tiles = settings
-    out = cqsa_call(q, k, v, causal, sc, c, itr, prec, tiles)[0]
+    sc, prec, tiles, gluon_bwd_min_work = settings
+    out = cqsa_call(q, k, v, causal, sc, c, itr, prec, tiles, gluon_bwd_min_work)[0]
     return (out, None) if return_stats else out
