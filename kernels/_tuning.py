@@ -4,8 +4,11 @@
 the kernel's own tables stay the defaults, and an entry in the file replaces the default it names. The file:
 
     {"note": "...",
-     "measured": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "...", "triton": "...", "utc": "..."},
+     "measured": {"<table>": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "...", "triton": "...", "utc": "..."}, ...},
      "configs": {"<table>": {"<key>": <value>, ...}, ...}}
+
+"measured" says where and when each table was last written: tables tuned on different GPUs or days keep their own
+(a file written before it was per table holds one such block, which then stands for each of its tables).
 
 Tables and keys are each kernel's own (e.g. ELSA's ``"fwd": {"16,64": [128, 64, 4, 3]}``). Cron Root keeps its
 per-GPU ``tuning.json`` format (crossovers + configs per GPU name, ``kernels/cron_root/tuning.py``).
@@ -48,12 +51,18 @@ def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, de
 
 def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
     """Merge `updates` ({table: {key: value}}) into the file's configs (other entries kept) and write it
-    atomically; returns the merged configs."""
+    atomically, `measured` recorded for the tables updated (the others keep theirs); returns the merged configs."""
     path = Path(path)
     configs = read_configs(path)
+    old = json.loads(path.read_text()).get("measured") if configs else None
+    if isinstance(old, dict) and "gpu" in old:          # one block for the whole file: each of its tables'
+        old = dict.fromkeys(configs, old)
+    by_table = {t: m for t, m in (old or {}).items() if t in configs}
     for table, entries in updates.items():
         configs.setdefault(table, {}).update(entries)
-    data = {"note": note, "measured": measured, "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}}
+        by_table[table] = measured
+    data = {"note": note, "measured": dict(sorted(by_table.items())),
+            "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}}
     write_json_atomic(path, data)
     return configs
 

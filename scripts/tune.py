@@ -15,8 +15,8 @@ within ±1 % or the budget ends). Four sections measure a crossover instead of a
 graph mode, unless --cross-timing eager: see Tuner.crossover), PASA's "shift" (PASA's K̃ made inline against its
 pre-pass, pasa_attention(shift=...): up to which key length the main kernel shifts K itself), PASA's "core" (its
 default call on the Gluon core against its Triton loop: from how much work the core runs; timed as "cross" is;
-Tuner.pasa_core) and ELSA's "gluonbwd" (its backward on the sm_90 Gluon kernel against its Triton one, fwd+bwd
-eager: from how much work the Gluon kernel runs; Tuner.elsa_gluon_bwd). Otherwise a candidate's score is the
+Tuner.pasa_core) and ELSA's and CQSA's "gluonbwd" (the backward on the sm_90 Gluon kernel against the kernel's Triton
+one, fwd+bwd eager: from how much work the Gluon kernel runs; Tuner.gluon_bwd). Otherwise a candidate's score is the
 geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is candidate
 0, and it is replaced only when the best candidate's score is lower by more than the combined CI half-widths (a
 change must be real, not noise).
@@ -35,7 +35,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              "core_min_work": {"64,1": work}, section "core": from how much work B·Hq·Nq·Nk·D the default call
              runs on the Gluon core, ops.CORE_MIN_WORK, keyed by head dim and causal 0 / 1)
 - cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
-             kernels/cqsa/kernel.py's built-in GPU tiles)
+             kernels/cqsa/kernel.py's built-in GPU tiles; "gluon_bwd_min_work": {"128,0": work}, section gluonbwd:
+             attention.GLUON_BWD_MIN_WORK, keyed by head dim and causal 0 / 1)
 - cron_root: kernels/cron_root/tuning.json, the entry of this GPU's name: the hybrid's crossovers
              (crossover_fwd / crossover_fwdbwd / crossover, section "cross") and "configs" per head-dim bucket
              (kernels/cron_root/configs.py merges them over its GPU_CONFIGS).
@@ -167,11 +168,30 @@ ELSA_SHORT_SHAPES = {("16", 32): dict(batch=512, ns=(49,), bias=True, baseline="
                      ("16", 64): dict(batch=8, ns=(197, 577), bias=False, baseline="flash")}
 ELSA_SECTIONS = {"fwd16": [("16", 64), ("16", 128)], "fwd32": [("32", 64), ("32", 128)],
                  "window16": [("16", 32)], "short16": [("16", 32), ("16", 64)],
-                 "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)],
-                 "gluonbwd": [("16", 64), ("16", 128)]}
-# The Gluon backward's crossover (section gluonbwd, Tuner.elsa_gluon_bwd): B=1, H=8, from past the one-launch
-# backward's work (config.ONE_LAUNCH_MAX_WORK: 2048 tokens) to 16K
-GLUON_BWD_NS = (3072, 4096, 6144, 8192, 12288, 16384)
+                 "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)]}
+# The Gluon backward's crossover (section gluonbwd of ELSA and CQSA, Tuner.gluon_bwd): B=1, H=8, at its head dims
+# (kernels/_gluon_bwd.py's HEAD_DIMS), up to 16K; ELSA's from past its one-launch backward's work
+# (config.ONE_LAUNCH_MAX_WORK: 2048 tokens), CQSA's from 1K (its crossover was 2K-4K on the H200)
+GLUON_BWD_DIMS = [64, 128]
+GLUON_BWD_NS = {"elsa": (3072, 4096, 6144, 8192, 12288, 16384),
+                "cqsa": (1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384)}
+
+
+def gluon_bwd_paths(kernel: str, d: int) -> tuple[dict, dict, dict]:
+    """The gluonbwd section's two backwards of `kernel` at head dim d as its kernel options (the Gluon one from any
+    work, the kernel's Triton one), and the thresholds the section tunes. ELSA's: both two launches, the Triton
+    backward kept by a dK/dV override (the table's own tiles); CQSA's: by the call's plan alone (its tiles stay)."""
+    if kernel == "elsa":
+        from kernels.elsa import config
+
+        triton_bwd = {"config": {"plan": {"bwd_launches": 2},
+                                 "dkdv": _tiles(config.BWD_TABLE[("16", block_d(d))][1])}}
+        return ({"config": {"plan": {"bwd_launches": 2, "gluon_bwd_min_work": 1}}}, triton_bwd,
+                config.GLUON_BWD_MIN_WORK)
+    from kernels.cqsa import attention
+
+    return ({"config": {"plan": {"gluon_bwd_min_work": 1}}},
+            {"config": {"plan": {"gluon_bwd_min_work": attention.MAX_WORK}}}, attention.GLUON_BWD_MIN_WORK)
 ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 
 
@@ -365,9 +385,9 @@ def cron_root_sweeps(ctx: Context, section: str):
 
 
 SECTIONS = {
-    "elsa": (elsa_sweeps, list(ELSA_SECTIONS), ELSA_DEFAULT),
+    "elsa": (elsa_sweeps, [*ELSA_SECTIONS, "gluonbwd"], ELSA_DEFAULT),
     "pasa": (pasa_sweeps, ["variant", "tiles", "shift", "core"], PASA_DEFAULT),
-    "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv"], CQSA_DEFAULT),
+    "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv", "gluonbwd"], CQSA_DEFAULT),
     "cron_root": (cron_root_sweeps, ["cross", "fwd", "dq", "glob", "loc", "seg"], CRON_ROOT_DEFAULT),
 }
 
@@ -573,8 +593,8 @@ class Tuner:
             if self.kernel == "pasa" and section == "core":
                 self.pasa_core()
                 continue
-            if self.kernel == "elsa" and section == "gluonbwd":
-                self.elsa_gluon_bwd()
+            if section == "gluonbwd":
+                self.gluon_bwd()
                 continue
             for s in sweeps(self.ctx, section):
                 self.run_sweep(s)
@@ -648,31 +668,29 @@ class Tuner:
             self._save()
             self.log(f"== cross {mode}: {cross}")
 
-    def elsa_gluon_bwd(self) -> None:
-        """ELSA's 16-bit backward on the Gluon kernel (kernels/_gluon_bwd.py) against its Triton backward, fwd+bwd
-        called eagerly (host time included: the Gluon launch's host work is what it must repay), fp16, B = 1, H = 8,
-        per head dim and causal setting. The work B·H·N² of the first N from which the Gluon backward is at least as
-        fast at every larger measured N becomes config.GLUON_BWD_MIN_WORK's entry; where it never is, the entry
-        stays. Both backwards are first checked against float64. The kernel needs an sm_90 GPU and triton 3.6's
-        Gluon: elsewhere each entry stays and the log says why."""
+    def gluon_bwd(self) -> None:
+        """ELSA's or CQSA's 16-bit backward on the Gluon kernel (kernels/_gluon_bwd.py) against the kernel's own
+        Triton backward (gluon_bwd_paths), fwd+bwd called eagerly (host time included: the Gluon launch's host work is
+        what it must repay), fp16, B = 1, H = 8, per head dim and causal setting, at GLUON_BWD_NS[kernel]. The work
+        B·H·N² of the first N from which the Gluon backward is at least as fast at every larger measured N becomes
+        the kernel's gluon_bwd_min_work entry (ELSA's config.GLUON_BWD_MIN_WORK, CQSA's
+        attention.GLUON_BWD_MIN_WORK); where it never is, the entry stays. Both backwards are first checked against
+        float64. The kernel needs an sm_90 GPU and triton 3.6's Gluon: elsewhere each entry stays and the log says
+        why."""
         from kernels import _gluon_bwd
-        from kernels.elsa import config
 
         heads = self.ctx.heads(8)
-        ns = self.ctx.sizes(*GLUON_BWD_NS)
-        for cls, d in self.ctx.dims(ELSA_SECTIONS["gluonbwd"]):
+        ns = self.ctx.sizes(*GLUON_BWD_NS[self.kernel])
+        for d in self.ctx.dims(GLUON_BWD_DIMS):
             probe = torch.zeros(1, 1, 16, d, device=self.device, dtype=torch.float16)
             usable = _gluon_bwd.usable(probe, probe, probe, probe)
-            # both sides two launches; a dK/dV override (the table's own tiles) keeps the Triton backward, a
-            # gluon_bwd_min_work of 1 takes the Gluon one at every length
-            triton_bwd = {"config": {"plan": {"bwd_launches": 2},
-                                     "dkdv": _tiles(config.BWD_TABLE[(cls, block_d(d))][1])}}
-            gluon = {"config": {"plan": {"bwd_launches": 2, "gluon_bwd_min_work": 1}}}
+            gluon, triton_bwd, table = gluon_bwd_paths(self.kernel, d)
             for causal in (False, True):
                 key = f"{d},{int(causal)}"
-                current = config.GLUON_BWD_MIN_WORK[(d, causal)]
-                s = Sweep("gluonbwd", "elsa", "gluon_bwd_min_work", key, "float16", "fwdbwd", (d,), heads, ns, [None],
-                          lambda v, _d: gluon, causal=(causal,), baseline="elsa", baseline_options=triton_bwd)
+                current = table[(d, causal)]
+                s = Sweep("gluonbwd", self.kernel, "gluon_bwd_min_work", key, "float16", "fwdbwd", (d,), heads, ns,
+                          [None], lambda v, _d: gluon, causal=(causal,), baseline=self.kernel,
+                          baseline_options=triton_bwd)
                 points, bad = [], []
                 if not usable:
                     bad = ["the Gluon backward needs an sm_90 GPU and triton 3.6's Gluon"]
@@ -815,7 +833,9 @@ NOTES = {
             "against it).",
     "cqsa": "Stream-CQSA tiles chosen by scripts/tune.py --kernel cqsa (harness timer, paired against SDPA flash); "
             "entries replace kernels/cqsa/kernel.py's built-in GPU choice: {kind: {dtype class,D: [BLOCK_M, BLOCK_N, "
-            "num_warps, num_stages]}}.",
+            "num_warps, num_stages]}}; gluon_bwd_min_work {D,causal 0/1: B*Hq*Nq*Nk from which the resident "
+            "backward runs on the Gluon kernel} (its Triton backward paired against it), replacing "
+            "kernels/cqsa/attention.py's BUILTIN_GLUON_BWD_MIN_WORK.",
 }
 
 

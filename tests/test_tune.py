@@ -71,16 +71,18 @@ def test_tune_refuses_unknown_sections_and_a_missing_gpu():
 
 @pytest.mark.parametrize("kernel, section, expected", [
     ("elsa", "gluonbwd", [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
+    ("cqsa", "gluonbwd", [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
     ("pasa", "core", [("core_min_work", "64,1")]),
 ])
 def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, kernel, section, expected):
-    """ELSA's gluonbwd and PASA's core sections on the CPU (no Gluon there): one decision per key they tune there
-    (ELSA's first head dim, both causal settings; PASA's first key), each keeping its entry and saying why, nothing
-    timed, nothing written."""
+    """ELSA's and CQSA's gluonbwd and PASA's core sections on the CPU (no Gluon there): one decision per key they
+    tune there (the first head dim, both causal settings; PASA's first key), each keeping its entry and saying why,
+    nothing timed, nothing written."""
+    from kernels.cqsa import attention as cqsa
     from kernels.elsa import config
     from kernels.pasa import ops
 
-    current = {"gluon_bwd_min_work": config.GLUON_BWD_MIN_WORK, "core_min_work": ops.CORE_MIN_WORK}
+    current = {"elsa": config.GLUON_BWD_MIN_WORK, "cqsa": cqsa.GLUON_BWD_MIN_WORK, "pasa": ops.CORE_MIN_WORK}[kernel]
     target = tmp_path / "tuning.json"
     proc = run_tune("--kernel", kernel, "--device", "cpu", "--sections", section, "--write", str(target),
                     "--out", str(tmp_path / "log"))
@@ -89,7 +91,7 @@ def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, k
     want = []
     for table, key in expected:
         d, causal = key.split(",")
-        want.append((table, key, current[table][(int(d), causal == "1")], False))
+        want.append((table, key, current[(int(d), causal == "1")], False))
     assert [(d["table"], d["key"], d["value"], d["changed"]) for d in log["decisions"]] == want
     assert all("needs an sm_90 GPU" in d["why"] for d in log["decisions"])
     assert not [r for r in log["rows"] if "ratio" in r] and not target.exists()
@@ -156,6 +158,63 @@ def test_the_core_section_times_each_key_with_the_core_forced_and_restores_the_t
                    "128,1": (saved[(128, True)], False, True)}
 
 
+@pytest.mark.parametrize("kernel", ["elsa", "cqsa"])
+def test_the_gluon_backward_section_pairs_the_kernels_two_backwards(monkeypatch, kernel):
+    """Tuner.gluon_bwd's flow with the GPU faked (the Gluon backward said usable, the accuracy check and the paired
+    timing canned): per head dim and causal setting every length of GLUON_BWD_NS[kernel] timed once, fwd+bwd eager,
+    the Gluon backward from any work against the kernel's own Triton backward (gluon_bwd_paths: the options that
+    force each), the entry the work B·H·N² of the first length won at every longer one, a key that never wins keeps
+    its entry."""
+    from kernels import _gluon_bwd
+
+    wins_from = {(64, False): 8192, (64, True): 4096, (128, False): None, (128, True): 6144}   # in both kernels' NS
+    timed = []
+
+    def fake_time_ratio(s, options, d, n, causal, device, timing, timing_mode="eager"):
+        gluon, triton_bwd, _ = tune.gluon_bwd_paths(kernel, d)
+        assert (s.kernel, s.baseline, s.mode, timing_mode) == (kernel, kernel, "fwdbwd", "eager")
+        assert options == gluon and s.baseline_options == triton_bwd
+        timed.append((d, causal, n))
+        first = wins_from[(d, causal)]
+        return {"head_dim": d, "n": n, "causal": causal, "ratio": 0.9 if first is not None and n >= first else 1.1,
+                "ci_half_width": 0.01}
+
+    monkeypatch.setattr(_gluon_bwd, "usable", lambda q, k, v, do: True)
+    monkeypatch.setattr(tune, "accuracy", lambda s, options, d, device, n: 1e-3)
+    monkeypatch.setattr(tune, "time_ratio", fake_time_ratio)
+    tuner = tune.Tuner(kernel, "cpu", 1e9, None, log=lambda msg: None)
+    tuner.ctx.device = "cuda"           # the GPU's head dims and lengths (the device string reaches only the fakes)
+    tuner.gluon_bwd()
+    ns = tune.GLUON_BWD_NS[kernel]
+    assert timed == [(d, causal, n) for d in tune.GLUON_BWD_DIMS for causal in (False, True) for n in ns]
+    table = tune.gluon_bwd_paths(kernel, 64)[2]
+    got = {d["key"]: (d["value"], d["complete"]) for d in tuner.decisions}
+    assert got == {"64,0": (8 * 8192 ** 2, True), "64,1": (8 * 4096 ** 2, True),
+                   "128,0": (table[(128, False)], True), "128,1": (8 * 6144 ** 2, True)}
+    assert all(d["changed"] == (d["value"] != table[tuple(map(int, d["key"].split(",")))]) for d in tuner.decisions)
+
+
+def test_the_gluon_backward_paths_force_each_backward():
+    """gluon_bwd_paths' options reach each kernel's backward rule: the Gluon one from one unit of work, the Triton
+    one at any work (ELSA: a dK/dV override; CQSA: the plan's unreachable threshold, its tiles untouched)."""
+    from kernels.cqsa import attention as cqsa
+    from kernels.cqsa.kernel import resolve_tiles
+    from kernels.elsa import config
+
+    fp16 = torch.float16
+    gluon, triton_bwd, table = tune.gluon_bwd_paths("elsa", 128)
+    assert table is config.GLUON_BWD_MIN_WORK
+    for opts, want in ((gluon, True), (triton_bwd, False)):
+        own = config.canonical_config(opts["config"], fp16, 128)
+        assert config.plan_backward(128, fp16, own, 8192, 2, False, True, 1 << 40, True).gluon == want
+        assert config.plan_backward(128, fp16, own, 64, 2, False, True, 1, True).gluon == want
+    gluon, triton_bwd, table = tune.gluon_bwd_paths("cqsa", 64)
+    assert table is cqsa.GLUON_BWD_MIN_WORK
+    for opts, want in ((gluon, 1), (triton_bwd, cqsa.MAX_WORK)):
+        tiles, min_work = cqsa.split_config(opts["config"])
+        assert tiles is None and min_work == want
+
+
 def test_a_crossover_is_the_first_length_won_at_every_longer_one():
     def points(*ratios):
         return [{"n": 1000 * (i + 1), "ratio": r} for i, r in enumerate(ratios)]
@@ -188,6 +247,25 @@ def test_elsa_reads_its_gluon_backward_thresholds(tmp_path):
     assert config.plan_backward(64, fp16, own, 4096, 2, False, False, 100, True).gluon
     assert not config.plan_backward(64, fp16, own, 4096, 2, False, False, 99, True).gluon
     assert config.plan_backward(64, fp16, "", 4096, 2, False, False, least, True).gluon
+
+
+def test_cqsa_reads_its_gluon_backward_thresholds(tmp_path):
+    """CQSA's gluon_bwd_min_work entries replace its built-in thresholds, keyed "<D>,<causal 0/1>" (the Gluon
+    backward's head dims); another key or a value that is not a positive int is one line naming the file."""
+    from kernels._tuning import min_work_entries, TuningFileError
+    from kernels.cqsa import attention as cqsa
+    from kernels.cqsa.kernel import TUNING_FILE
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("cqsa", [decision("gluon_bwd_min_work", "64,0", 8 * 3072 ** 2)], path, "cpu")
+    assert (min_work_entries(path, "gluon_bwd_min_work", cqsa.BUILTIN_GLUON_BWD_MIN_WORK)
+            == {**cqsa.BUILTIN_GLUON_BWD_MIN_WORK, (64, False): 8 * 3072 ** 2})
+    assert cqsa.GLUON_BWD_MIN_WORK == min_work_entries(TUNING_FILE, "gluon_bwd_min_work",
+                                                       cqsa.BUILTIN_GLUON_BWD_MIN_WORK)
+    for bad in ({"96,0": 5}, {"64,2": 5}, {"128": 5}, {"64,1": 0}, {"64,1": True}):
+        path.write_text(json.dumps({"configs": {"gluon_bwd_min_work": bad}}))
+        with pytest.raises(TuningFileError, match=r"tuning.json: gluon_bwd_min_work\["):
+            min_work_entries(path, "gluon_bwd_min_work", cqsa.BUILTIN_GLUON_BWD_MIN_WORK)
 
 
 def test_pasa_reads_its_core_thresholds(tmp_path):
@@ -411,3 +489,26 @@ def test_nothing_is_written_when_every_entry_stayed(tmp_path):
     stayed = dict(decision("fwd", "16,64", [128, 64, 4, 3]), changed=False)
     assert tune.write_choices("elsa", [stayed], tmp_path / "t.json", "cpu") == {}
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_tuning_file_records_where_each_table_was_measured(tmp_path):
+    """write_configs records the machine of each table it writes and keeps the others' (a file written before that
+    was per table: its one block stands for each of its tables), so tiles tuned on one GPU and a threshold tuned on
+    another each say where they were measured."""
+    from kernels._tuning import read_configs, write_configs
+
+    path = tmp_path / "tuning.json"
+    h100 = {"gpu": "NVIDIA H100 80GB HBM3", "utc": "2026-11-24T22:50:15Z"}
+    h200 = {"gpu": "NVIDIA H200", "utc": "2026-11-30T14:11:50Z"}
+    path.write_text(json.dumps({"note": "n", "measured": h100, "configs": {"fwd": {"16,64": [64, 64, 4, 3]},
+                                                                          "dq": {"16,64": [64, 64, 4, 2]}}}))
+    write_configs(path, {"gluon_bwd_min_work": {"64,0": 5}, "dq": {"16,128": [64, 128, 8, 2]}}, h200, "n2")
+    data = json.loads(path.read_text())
+    assert data["measured"] == {"dq": h200, "fwd": h100, "gluon_bwd_min_work": h200} and data["note"] == "n2"
+    assert read_configs(path) == {"dq": {"16,128": [64, 128, 8, 2], "16,64": [64, 64, 4, 2]},
+                                  "fwd": {"16,64": [64, 64, 4, 3]}, "gluon_bwd_min_work": {"64,0": 5}}
+    write_configs(path, {"fwd": {"16,64": [128, 64, 4, 3]}}, h200, "n2")
+    assert json.loads(path.read_text())["measured"] == dict.fromkeys(("dq", "fwd", "gluon_bwd_min_work"), h200)
+    fresh = tmp_path / "fresh.json"
+    write_configs(fresh, {"fwd": {"16,64": [64, 64, 4, 3]}}, h100, "n")
+    assert json.loads(fresh.read_text())["measured"] == {"fwd": h100}
