@@ -507,6 +507,41 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
 
 
 @pytest.mark.cpu_only
+def test_config_plan_sets_where_the_core_takes_a_call(monkeypatch):
+    # config={"plan": {"core_min_work": work}} replaces ops.CORE_MIN_WORK for that call (both ways: the plan alone, a
+    # recorder for the core's host side), the default tiles kept; with a loop, tiles or K̃ path of the caller's own,
+    # or a bad plan, one line says why
+    from kernels.pasa import attention
+    monkeypatch.setattr(gluon_core, "available", lambda q, k, v: True)
+    monkeypatch.setattr(ops._Forward, "_plan_gluon", lambda self, *args: setattr(self, "gluon", "core"))
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 1000))
+    plans = []
+    monkeypatch.setattr(ops, "pasa_call", lambda q, k, v, causal, scale, options: plans.append(
+        ops._Forward("pasa", q, k, v, causal, scale, options)) or q)
+    q, k, v = (torch.empty(1, 1, 4, 64, dtype=torch.float16) for _ in range(3))         # 1024 of work
+    cores = {}
+    for min_work in (None, 1024, 1025, 1):
+        config = None if min_work is None else {"plan": {"core_min_work": min_work}}
+        attention.pasa_attention(q, k, v, config=config)
+        cores[min_work] = plans[-1].gluon == "core"
+    assert cores == {None: True, 1024: True, 1025: False, 1: True}
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 2000))
+    attention.pasa_attention(q, k, v, config={"plan": {"core_min_work": 1000}})
+    assert plans[-1].gluon == "core"
+    assert ops._parse(ops.pasa_options(None, "fp16", "ref", (64, 64, 4, 3), core="auto"))["core_min_work"] == 0
+    for kw, needle in ((dict(variant="ref"), "names its own loop"), (dict(shift="prepass"), "names its own loop"),
+                       (dict(config={"plan": {"core_min_work": 5}, "fwd": {"BLOCK_N": 32}}), "names its own loop")):
+        with pytest.raises(ValueError, match=needle):
+            attention.pasa_attention(q, k, v, **{"config": {"plan": {"core_min_work": 5}}, **kw})
+    for bad, needle in (({"plan": 5}, r"config\['plan'\] must be a dict"),
+                        ({"plan": {"min_work": 5}}, "has no parameter 'min_work'"),
+                        ({"plan": {"core_min_work": 0}}, "positive int, got 0"),
+                        ({"plan": {"core_min_work": True}}, "positive int, got True")):
+        with pytest.raises(ValueError, match=needle):
+            attention.pasa_attention(q, k, v, config=bad)
+
+
+@pytest.mark.cpu_only
 def test_default_call_takes_the_core_from_its_threshold_by_head_dim_and_mask(monkeypatch):
     # ops.CORE_MIN_WORK of B·Hq·Nq·Nk·D by (head dim, causal): D = 64 causal from 2^32, the others from 2^34; the plan
     # alone (a recorder for the core's host side, nothing launched)
@@ -1027,6 +1062,29 @@ def on_the_core(monkeypatch):
     made = _pasa_plans()
     _launch.clear()
     assert made and all(plan.gluon is not None for plan in made), "a PASA call did not take the core"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_gpu_config_plan_takes_the_core_at_any_work(monkeypatch, d, causal):
+    # a call's config={"plan": {"core_min_work": 1}} runs the Gluon core where the default call (its threshold out of
+    # reach) keeps the Triton loop: the same kernel as the default call on the core, output for output
+    probe = torch.zeros(1, 1, 128, d, dtype=torch.float16, device="cuda")
+    if not gluon_core.available(probe, probe, probe):
+        pytest.skip("the Gluon core needs an sm_90 GPU and triton 3.6")
+    q, k, v = _randn_inputs(4, 2, 700, 901, d, "cuda", seed=5)
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 2 ** 60))
+    _launch.clear()
+    triton_loop = pasa_attention(q, k, v, causal=causal)
+    assert [plan.gluon is None for plan in _pasa_plans()] == [True]
+    forced = pasa_attention(q, k, v, causal=causal, config={"plan": {"core_min_work": 1}})
+    assert [plan.gluon is None for plan in _pasa_plans()] == [True, False]
+    monkeypatch.setattr(ops, "CORE_MIN_WORK", dict.fromkeys(ops.CORE_MIN_WORK, 0))
+    _launch.clear()
+    assert torch.equal(forced, pasa_attention(q, k, v, causal=causal))         # the default call on the core
+    ref = reference_attention(q, k, v, causal=causal)
+    assert rms(forced.double() - ref) <= 2 * rms(triton_loop.double() - ref) + 1e-6
+    _launch.clear()
 
 
 def _core_model(q, k, v, causal, d, state_dtype="fp16", **kw):

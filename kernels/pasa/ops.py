@@ -2,7 +2,7 @@
 
     attnbench::pasa_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "beta=<float|None> state=<fp16|fp32> loop=<ref|fused> tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>
-                  shift=<auto|inline|prepass> core=<auto|triton>"
+                  shift=<auto|inline|prepass> core=<auto|triton> core_min_work=<int>"
     attnbench::fa16_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, str options) -> Tensor
         options: "tiles=<BLOCK_M>,<BLOCK_N>,<warps>,<stages>"
     attnbench::pasa_forward_only_backward(Tensor grad_out, SymInt[] q_shape, SymInt[] kv_shape, str name)
@@ -36,7 +36,9 @@ accumulated in place, the same roundings: kernels/pasa/emulate.py models it with
 tile and block_m = 128, the core's query rows per program where causal calls run; with the fp16 state the exponent is
 float16 arithmetic, exponent="fp16"), its state fp16 or, in the hybrid mode, fp32 (the options' state). Two consumer
 warpgroups a CTA, or three (192 rows) in the fp16 state where THREE_CONSUMERS_ROW_TIME says they are faster. A call that
-names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton).
+names a loop, tiles or a K̃ path keeps the Triton kernel (core=triton). core_min_work: a call's own threshold in
+CORE_MIN_WORK's place (0: none; pasa_attention's config={"plan": {"core_min_work": work}}, how scripts/tune.py times
+the core against the Triton loop).
 """
 from pathlib import Path
 from typing import Optional
@@ -154,11 +156,12 @@ def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k:
 # --- options -----------------------------------------------------------------------------------------------
 
 def pasa_options(beta: Optional[float], state_dtype: str, variant: str, tiles: tuple,
-                 shift: str = "auto", core: str = "triton") -> str:
+                 shift: str = "auto", core: str = "triton", core_min_work: int = 0) -> str:
     """The canonical options string of attnbench::pasa_fwd (beta as repr: exact). ``variant``, ``tiles`` and
-    ``shift`` are the Triton kernel's, used wherever the Gluon core does not take the call (core="auto")."""
+    ``shift`` are the Triton kernel's, used wherever the Gluon core does not take the call (core="auto": from
+    core_min_work, or CORE_MIN_WORK's where it is 0)."""
     return (f"beta={beta!r} state={state_dtype} loop={variant} tiles={','.join(map(str, tiles))} shift={shift} "
-            f"core={core}")
+            f"core={core} core_min_work={core_min_work}")
 
 
 def fa16_options(tiles: tuple) -> str:
@@ -174,6 +177,8 @@ def _parse(options: str) -> dict:
     if fields is None:
         fields = dict(item.split("=", 1) for item in options.split())
         fields["tiles"] = tuple(int(x) for x in fields["tiles"].split(","))
+        if "core_min_work" in fields:
+            fields["core_min_work"] = int(fields["core_min_work"])
         _parsed.put(options, fields)
     return fields
 
@@ -289,7 +294,7 @@ class _Forward(LaunchPlan):
             return
         opts = _parse(options) if name == "pasa" else None
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
-                and bsz * heads_q * len_q * len_k * d >= CORE_MIN_WORK[d, causal]):
+                and bsz * heads_q * len_q * len_k * d >= (opts["core_min_work"] or CORE_MIN_WORK[d, causal])):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
                              scale, sm_count(q.device, 1))
         elif name == "pasa":
