@@ -486,6 +486,14 @@ def first_win(points: list[dict]) -> int | None:
     return cross
 
 
+def pasa_core_paths() -> tuple[dict, dict]:
+    """The core section's two paths as PASA's kernel options: the default call on the Gluon core from any work (its
+    plan), and the same call on its Triton loop (naming the default loop keeps the Triton kernel)."""
+    from kernels.pasa import attention as pasa
+
+    return {"config": {"plan": {"core_min_work": 1}}}, {"variant": pasa.DEFAULT_VARIANT}
+
+
 def pasa_core_shapes(d: int, log2_work: int) -> list[tuple[int, int]]:
     """(heads, N) at B = 1 with heads·N²·d = 2^log2_work, N a power of two from 512 to 16K and 1-32 heads: the
     shape of the most heads and that of the fewest (a full grid and a thin one; one where they coincide)."""
@@ -748,47 +756,39 @@ class Tuner:
         """PASA's default forward on the Gluon core against the same call on its Triton loop (naming the default loop
         keeps the Triton kernel), fp16, at the two shapes of pasa_core_shapes per work level of PASA_CORE_LEVELS, per
         (head dim, causal) of PASA_CORE_KEYS; timed as Cron Root's crossover is (self.cross_timing: on a GPU in device
-        time, CUDA-graph replays, unless --cross-timing eager, which adds the core's larger host work per call). While
-        timed, the core takes the default call at any size (ops.CORE_MIN_WORK 0, plans made afresh). The level from
-        which the core is at least as fast at every shape of it and of every larger level (first_level_won) becomes
-        ops.CORE_MIN_WORK's entry; where it never is, the entry stays. Both paths are first checked against float64
-        (the coarse TOLERANCE; their errors are logged). The core needs an sm_90 GPU and triton 3.6's Gluon:
+        time, CUDA-graph replays, unless --cross-timing eager, which adds the core's larger host work per call). The
+        core takes the default call at any size by the call's plan (config={"plan": {"core_min_work": 1}}). The level
+        from which the core is at least as fast at every shape of it and of every larger level (first_level_won)
+        becomes ops.CORE_MIN_WORK's entry; where it never is, the entry stays. Both paths are first checked against
+        float64 (the coarse TOLERANCE; their errors are logged). The core needs an sm_90 GPU and triton 3.6's Gluon:
         elsewhere each entry stays and the log says why."""
-        from kernels import _gluon_core, _launch
-        from kernels.pasa import attention as pasa
+        from kernels import _gluon_core
         from kernels.pasa import ops
 
-        triton_loop = {"variant": pasa.DEFAULT_VARIANT}
+        core, triton_loop = pasa_core_paths()
         keys = PASA_CORE_KEYS[:1] if self.ctx.cpu else PASA_CORE_KEYS
-        saved = ops.CORE_MIN_WORK
         for d, causal in keys:
             key = f"{d},{int(causal)}"
-            current = saved[(d, causal)]
+            current = ops.CORE_MIN_WORK[(d, causal)]
             probe = torch.zeros(1, 1, 16, d, device=self.device, dtype=torch.float16)
 
             def sweep(heads: int) -> Sweep:
                 return Sweep("core", "pasa", "core_min_work", key, "float16", "fwd", (d,), heads, (), [None],
-                             lambda v, _d: {}, causal=(causal,), baseline="pasa", baseline_options=triton_loop)
+                             lambda v, _d: core, causal=(causal,), baseline="pasa", baseline_options=triton_loop)
 
             shapes = [(level, heads, n) for level in PASA_CORE_LEVELS for heads, n in pasa_core_shapes(d, level)]
             points, bad = [], []
             if not _gluon_core.available(probe, probe, probe):
                 bad = ["the Gluon core needs an sm_90 GPU and triton 3.6's Gluon"]
-            try:
-                ops.CORE_MIN_WORK = dict.fromkeys(saved, 0)
-                _launch.clear()
-                if not bad:
-                    bad = self.paths_off_tolerance(sweep(8), {"core": {}, "triton": triton_loop}, d, 1024)
-                for level, heads, n in shapes if not bad else ():
-                    p = self.timed_point(sweep(heads), {}, d, n, causal, f"core D={d} causal={causal} 2^{level} "
-                                         f"H={heads} N={n} ({self.cross_timing})", timing_mode=self.cross_timing,
-                                         heads=heads, log2_work=level, timing=self.cross_timing)
-                    if p is None:
-                        break
-                    points.append(p)
-            finally:
-                ops.CORE_MIN_WORK = saved
-                _launch.clear()
+            else:
+                bad = self.paths_off_tolerance(sweep(8), {"core": core, "triton": triton_loop}, d, 1024)
+            for level, heads, n in shapes if not bad else ():
+                p = self.timed_point(sweep(heads), core, d, n, causal, f"core D={d} causal={causal} 2^{level} "
+                                     f"H={heads} N={n} ({self.cross_timing})", timing_mode=self.cross_timing,
+                                     heads=heads, log2_work=level, timing=self.cross_timing)
+                if p is None:
+                    break
+                points.append(p)
             level = first_level_won(points)
             complete = not bad and len(points) == len(shapes)
             value = 2 ** level if level is not None else current

@@ -122,20 +122,21 @@ def test_the_core_threshold_is_the_first_work_level_won_at_every_larger_one():
 
 def test_the_core_section_times_each_key_with_the_core_forced_and_restores_the_thresholds(monkeypatch):
     """Tuner.pasa_core's flow with the GPU faked (the core said available, the accuracy check and the paired timing
-    canned): every (level, heads, N) of its shapes timed once per key with ops.CORE_MIN_WORK 0 at every key while it
-    runs (the default call on the core) against the Triton loop named, the decision the first level won, a key that
-    never wins keeps its entry, and the thresholds restored after."""
+    canned): every (level, heads, N) of its shapes timed once per key, the default call on the core from any work (its
+    plan) against the Triton loop named, the decision the first level won, a key that never wins keeps its entry, and
+    ops.CORE_MIN_WORK untouched throughout."""
     from kernels import _gluon_core
     from kernels.pasa import attention as pasa
     from kernels.pasa import ops
 
-    saved = ops.CORE_MIN_WORK
+    saved = dict(ops.CORE_MIN_WORK)
     wins_from = {(64, True): 32, (128, False): 31, (128, True): None}
     timed = []
 
     def fake_time_ratio(s, options, d, n, causal, device, timing, timing_mode="eager"):
-        assert options == {} and s.baseline == "pasa" and s.baseline_options == {"variant": pasa.DEFAULT_VARIANT}
-        assert set(ops.CORE_MIN_WORK.values()) == {0} and timing_mode == "graph"
+        assert options == {"config": {"plan": {"core_min_work": 1}}} and s.baseline == "pasa"
+        assert s.baseline_options == {"variant": pasa.DEFAULT_VARIANT}
+        assert ops.CORE_MIN_WORK == saved and timing_mode == "graph"
         level = (s.heads * n * n * d).bit_length() - 1
         timed.append((d, causal, level, s.heads, n))
         first = wins_from[(d, causal)]
@@ -148,7 +149,7 @@ def test_the_core_section_times_each_key_with_the_core_forced_and_restores_the_t
     tuner = tune.Tuner("pasa", "cpu", 1e9, None, log=lambda msg: None, cross_timing="graph")
     tuner.ctx.device = "cuda"           # the GPU's keys and shapes (the device string reaches only the fakes)
     tuner.pasa_core()
-    assert ops.CORE_MIN_WORK is saved
+    assert ops.CORE_MIN_WORK == saved
     want = [(d, causal, level, heads, n) for d, causal in tune.PASA_CORE_KEYS for level in tune.PASA_CORE_LEVELS
             for heads, n in tune.pasa_core_shapes(d, level)]
     assert timed == want
