@@ -582,10 +582,13 @@ def test_causal_calls_run_persistent_for_as_many_rounds_as_measured():
     # D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at 5K (320) or 4K H=16
     # (512); D = 64 up to 16 rounds (32K: 2048 items); the fp32 state at D = 128 up to the core's
     # PERSISTENT_CAUSAL_ROUNDS; not causal, always (at D = 64 and 128)
-    def persistent(items, state="fp16", d=128, causal=True):
-        return gluon_core.persistent_default(d, causal, items, 132, ops.CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
+    def persistent(items, state="fp16", d=128, causal=True, keys=4096):
+        return gluon_core.persistent_default(d, causal, items, 132, ops.causal_rounds(state, d, keys))
 
     assert persistent(256) and persistent(264) and not persistent(265) and not persistent(320)
+    # ... at D = 128 up to 4K keys (causal_thin_grids_h200.json): past them, thin grids too take the plain grid
+    assert not any(persistent(items, keys=keys) for items, keys in ((64, 8192), (128, 16384), (256, 32768), (33, 4097)))
+    assert persistent(256, "fp32", keys=32768) and persistent(256, d=64, keys=32768)
     assert all(persistent(items, state, 64) for items in (640, 1024, 2048) for state in ("fp16", "fp32"))
     assert not persistent(16 * 132 + 1, d=64) and not persistent(16 * 132 + 1, "fp32", 64)
     limit = gluon_core.PERSISTENT_CAUSAL_ROUNDS * 132
@@ -629,7 +632,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert ops.pasa_consumers(state, causal, d, 4, nq, nk, 1) == consumers
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
     # the grid is prepare's to decide (persistent_default), with PASA's causal rounds
-    assert "persistent" not in seen and seen["causal_rounds"] == ops.CAUSAL_PERSISTENT_ROUNDS.get((state, d))
+    assert "persistent" not in seen and seen["causal_rounds"] == ops.causal_rounds(state, d, nk)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]

@@ -122,6 +122,20 @@ THREE_CONSUMERS_ROW_TIME = 0.94
 # - the fp32 state at D = 128 (80 bytes persistent, 120 plain): 6K-8K 0.89-0.94 / 1.05-1.11, 16K 1.04-1.07 / 0.95-1.02:
 #   the core's four.
 CAUSAL_PERSISTENT_ROUNDS = {("fp16", 128): 2, ("fp16", 64): 16, ("fp32", 64): 16}
+# ... and only up to this many keys, by (state, head dim): the fp16 state's spilling persistent kernel at D = 128 pays
+# its spill per key tile and gains per item. At thin grids (results/dev/pasa/causal_thin_grids_h200.json: B·Hq 1-4,
+# 8K-32K, within two rounds; CUDA-graph time, persistent / plain over the Triton loop's) the plain grid was the faster
+# everywhere: one head of 8K-32K 2.05-1.17 / 1.03-0.60, two heads of 8K and 16K 0.98 / 0.72 and 0.72 / 0.52, four of
+# 8K 0.72 / 0.68; at 4K (8 heads) persistent was (causal_grid_h200.json: 1.06 / 1.18 of cuDNN's time).
+CAUSAL_PERSISTENT_MAX_KEYS = {("fp16", 128): 4096}
+
+
+def causal_rounds(state: str, d: int, len_k: int) -> int | None:
+    """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; None: the core's
+    own PERSISTENT_CAUSAL_ROUNDS), 0 past CAUSAL_PERSISTENT_MAX_KEYS' keys."""
+    if len_k > CAUSAL_PERSISTENT_MAX_KEYS.get((state, d), len_k):
+        return 0
+    return CAUSAL_PERSISTENT_ROUNDS.get((state, d))
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -331,7 +345,7 @@ class _Forward(LaunchPlan):
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
         the core in its PASA mode with its state in `state` ("fp16" / "fp32"), consumer warpgroups by
         pasa_consumers on `sms` SMs and the grid by the core's persistent_default with PASA's causal rounds
-        (CAUSAL_PERSISTENT_ROUNDS). K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
+        (causal_rounds). K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
         descriptors read its first D columns through the row stride."""
         bsz, heads_q, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
@@ -344,7 +358,7 @@ class _Forward(LaunchPlan):
         self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
                                               n_blocks=n_blocks, pasa_c=c_state, pasa_state=state,
                                               consumers=consumers,
-                                              causal_rounds=CAUSAL_PERSISTENT_ROUNDS.get((state, d)))
+                                              causal_rounds=causal_rounds(state, d, len_k))
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.convert is None:
