@@ -247,3 +247,26 @@ def tile_config(name: str, defaults: dict, override) -> dict:
                 raise ValueError(f"{name}: config[{part!r}][{param!r}] must be a positive int, got {value!r}")
             merged[part][param] = value
     return merged
+
+
+# A work threshold a call's plan may name: ops carry it as an int64 (CQSA) or in their options string (PASA); this
+# much work is "never"
+MAX_WORK = 2**62
+
+
+def split_plan(name: str, config, params: tuple) -> tuple:
+    """A call's ``config`` as its tile parts (tile_config's override; None for none) and its ``"plan"`` part: the
+    work thresholds a call may set for itself, each one of ``params``, an int from 1 to MAX_WORK ({} for none). A
+    plan that is not a dict, names another parameter or holds another value is a one-line error."""
+    if not isinstance(config, dict) or "plan" not in config:
+        return config, {}
+    plan = config["plan"]
+    if not isinstance(plan, dict):
+        raise ValueError(f"{name}: config['plan'] must be a dict {{param: value}}, got {plan!r}")
+    for param, value in plan.items():
+        if param not in params:
+            raise ValueError(f"{name}: config['plan'] has no parameter {param!r} (has {', '.join(params)})")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORK:
+            raise ValueError(f"{name}: config['plan'][{param!r}] must be an int from 1 to 2**62, got {value!r}")
+    tiles = {part: value for part, value in config.items() if part != "plan"}
+    return tiles or None, plan

@@ -188,10 +188,11 @@ def gluon_bwd_paths(kernel: str, d: int) -> tuple[dict, dict, dict]:
                                  "dkdv": _tiles(config.BWD_TABLE[("16", block_d(d))][1])}}
         return ({"config": {"plan": {"bwd_launches": 2, "gluon_bwd_min_work": 1}}}, triton_bwd,
                 config.GLUON_BWD_MIN_WORK)
+    from kernels._common import MAX_WORK
     from kernels.cqsa import attention
 
     return ({"config": {"plan": {"gluon_bwd_min_work": 1}}},
-            {"config": {"plan": {"gluon_bwd_min_work": attention.MAX_WORK}}}, attention.GLUON_BWD_MIN_WORK)
+            {"config": {"plan": {"gluon_bwd_min_work": MAX_WORK}}}, attention.GLUON_BWD_MIN_WORK)
 ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 
 

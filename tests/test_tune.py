@@ -198,8 +198,8 @@ def test_the_gluon_backward_section_pairs_the_kernels_two_backwards(monkeypatch,
 def test_the_gluon_backward_paths_force_each_backward():
     """gluon_bwd_paths' options reach each kernel's backward rule: the Gluon one from one unit of work, the Triton
     one at any work (ELSA: a dK/dV override; CQSA: the plan's unreachable threshold, its tiles untouched)."""
+    from kernels._common import MAX_WORK
     from kernels.cqsa import attention as cqsa
-    from kernels.cqsa.kernel import resolve_tiles
     from kernels.elsa import config
 
     fp16 = torch.float16
@@ -211,7 +211,7 @@ def test_the_gluon_backward_paths_force_each_backward():
         assert config.plan_backward(128, fp16, own, 64, 2, False, True, 1, True).gluon == want
     gluon, triton_bwd, table = tune.gluon_bwd_paths("cqsa", 64)
     assert table is cqsa.GLUON_BWD_MIN_WORK
-    for opts, want in ((gluon, 1), (triton_bwd, cqsa.MAX_WORK)):
+    for opts, want in ((gluon, 1), (triton_bwd, MAX_WORK)):
         tiles, min_work = cqsa.split_config(opts["config"])
         assert tiles is None and min_work == want
 

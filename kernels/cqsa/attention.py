@@ -38,7 +38,7 @@ from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from .._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, default_scale, dot_precision,
-                       in_place, layout, signature, sm_count)
+                       in_place, layout, signature, sm_count, split_plan)
 from .._ops import KernelFunction, below_autograd, define_op, not_differentiable, plain, register_autograd
 from .._tuning import min_work_entries
 from .checks import check_call
@@ -226,25 +226,14 @@ class _Forward(LaunchPlan):
 BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
                               (128, True): 8 * 2048 ** 2}
 GLUON_BWD_MIN_WORK = min_work_entries(TUNING_FILE, "gluon_bwd_min_work", BUILTIN_GLUON_BWD_MIN_WORK)
-PLAN_PARAMS = ("gluon_bwd_min_work",)
-MAX_WORK = 2 ** 62          # an op int: "never" for the Gluon backward's threshold
+PLAN_PARAMS = ("gluon_bwd_min_work",)       # config["plan"] (kernels._common.split_plan)
 
 
 def split_config(config) -> tuple[dict | None, int]:
     """A call's config as its tile parts (resolve_tiles's override, None for none) and its plan's gluon_bwd_min_work
-    (0: none given, GLUON_BWD_MIN_WORK's). The plan is a dict of PLAN_PARAMS, each an int from 1 to MAX_WORK."""
-    if not isinstance(config, dict) or "plan" not in config:
-        return config, 0
-    plan = config["plan"]
-    if not isinstance(plan, dict):
-        raise ValueError(f"cqsa: config['plan'] must be a dict {{param: value}}, got {plan!r}")
-    for param, value in plan.items():
-        if param not in PLAN_PARAMS:
-            raise ValueError(f"cqsa: config['plan'] has no parameter {param!r} (has {', '.join(PLAN_PARAMS)})")
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORK:
-            raise ValueError(f"cqsa: config['plan'][{param!r}] must be an int from 1 to 2**62, got {value!r}")
-    tiles = {part: params for part, params in config.items() if part != "plan"}
-    return tiles or None, plan.get("gluon_bwd_min_work", 0)
+    (0: none given, GLUON_BWD_MIN_WORK's)."""
+    tiles, plan = split_plan("cqsa", config, PLAN_PARAMS)
+    return tiles, plan.get("gluon_bwd_min_work", 0)
 
 
 def _gluon_backward(do, q, k, v, out, causal: bool, itr: int, tiles, gluon_bwd_min_work: int):

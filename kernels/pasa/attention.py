@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels._common import (FLOAT_DTYPES, SignatureCache, block_d, check_inputs, default_scale, signature,
-                             tile_config)
+                             split_plan, tile_config)
 from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa import ops
 
@@ -24,7 +24,7 @@ VARIANTS = {"ref": False, "fused": True}
 BUILTIN_VARIANT = "ref"
 
 TILE_PARAMS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-PLAN_PARAMS = ("core_min_work",)   # config["plan"]: where the Gluon core takes the call (pasa_attention)
+PLAN_PARAMS = ("core_min_work",)   # config["plan"] (kernels._common.split_plan): where the Gluon core takes the call
 
 
 def _fwd_tile(block_m, block_n, num_warps, num_stages) -> dict:
@@ -115,23 +115,6 @@ def _tiles(name: str, bd: int, config) -> tuple:
     return tuple(fwd[p] for p in TILE_PARAMS)
 
 
-def _split_plan(config) -> tuple:
-    """A pasa call's config as its tile parts (None for none) and its plan's core_min_work (0: none given). The plan
-    is a dict of PLAN_PARAMS, each a positive int."""
-    if not isinstance(config, dict) or "plan" not in config:
-        return config, 0
-    plan = config["plan"]
-    if not isinstance(plan, dict):
-        raise ValueError(f"pasa: config['plan'] must be a dict {{param: value}}, got {plan!r}")
-    for param, value in plan.items():
-        if param not in PLAN_PARAMS:
-            raise ValueError(f"pasa: config['plan'] has no parameter {param!r} (has {', '.join(PLAN_PARAMS)})")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"pasa: config['plan'][{param!r}] must be a positive int, got {value!r}")
-    tiles = {part: params for part, params in config.items() if part != "plan"}
-    return tiles or None, plan.get("core_min_work", 0)
-
-
 def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype="fp16", variant=None, config=None,
                    shift="auto"):
     """PASA forward (Algorithm 1 of the spec): softmax attention computed with fp16 scores and fp16 state
@@ -144,10 +127,10 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     hybrid mode (fp16 scores, fp32 statistics). ``variant`` picks the main loop (``VARIANTS``; None:
     ``DEFAULT_VARIANT``). ``config={"fwd": {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}}`` overrides
     the tiles (BLOCK_N is also the shifting window n); ``config={"plan": {"core_min_work": work}}`` sets from how
-    much work B·Hq·Nq·Nk·D this call may run on the Gluon core (below) in ``ops.CORE_MIN_WORK``'s place. ``shift`` picks how K̃ is made: "auto" (inline in the
-    main kernel up to ``ops.SHIFT_INLINE_MAX_KEYS`` keys, by a pre-pass beyond), "inline" or "prepass" (both
-    exact alike; for tuning and tests). Returns the input dtype. Forward only: a backward raises
-    kernels._common.ForwardOnlyError.
+    much work B·Hq·Nq·Nk·D this call may run on the Gluon core (below) in ``ops.CORE_MIN_WORK``'s place.
+    ``shift`` picks how K̃ is made: "auto" (inline in the main kernel up to ``ops.SHIFT_INLINE_MAX_KEYS`` keys,
+    by a pre-pass beyond), "inline" or "prepass" (both exact alike; for tuning and tests). Returns the input
+    dtype. Forward only: a backward raises kernels._common.ForwardOnlyError.
 
     On an sm_90 GPU with enough work, a call that leaves ``variant``, the tiles and ``shift`` at their defaults
     runs on the Gluon Hopper core, in either state: the "fused" loop with windows of the core's key tile (n = 128 up
@@ -168,7 +151,8 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
                 raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix "
                                  f"singular), got {beta!r}")
             beta = float(beta)
-        tiles, core_min_work = _split_plan(config)
+        tiles, plan = split_plan("pasa", config, PLAN_PARAMS)
+        core_min_work = plan.get("core_min_work", 0)
         # a loop, tiles or K̃ path of the caller's own are the Triton kernel's: the Gluon core takes only the rest
         core = "auto" if variant is None and tiles is None and shift == "auto" else "triton"
         if core_min_work and core == "triton":

@@ -128,14 +128,6 @@ CAUSAL_PERSISTENT_ROUNDS = {("fp16", 128): 2, ("fp16", 64): 16, ("fp32", 64): 16
 # everywhere: one head of 8K-32K 2.05-1.17 / 1.03-0.60, two heads of 8K and 16K 0.98 / 0.72 and 0.72 / 0.52, four of
 # 8K 0.72 / 0.68; at 4K (8 heads) persistent was (causal_grid_h200.json: 1.06 / 1.18 of cuDNN's time).
 CAUSAL_PERSISTENT_MAX_KEYS = {("fp16", 128): 4096}
-
-
-def causal_rounds(state: str, d: int, len_k: int) -> int | None:
-    """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; None: the core's
-    own PERSISTENT_CAUSAL_ROUNDS), 0 past CAUSAL_PERSISTENT_MAX_KEYS' keys."""
-    if len_k > CAUSAL_PERSISTENT_MAX_KEYS.get((state, d), len_k):
-        return 0
-    return CAUSAL_PERSISTENT_ROUNDS.get((state, d))
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -157,6 +149,14 @@ def tuned_shift_rule(path=TUNING_FILE) -> dict:
 
 SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
 CORE_MIN_WORK = min_work_entries(TUNING_FILE, "core_min_work", BUILTIN_CORE_MIN_WORK)
+
+
+def causal_rounds(state: str, d: int, len_k: int) -> int | None:
+    """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; None: the core's
+    own PERSISTENT_CAUSAL_ROUNDS), 0 past CAUSAL_PERSISTENT_MAX_KEYS' keys."""
+    if len_k > CAUSAL_PERSISTENT_MAX_KEYS.get((state, d), len_k):
+        return 0
+    return CAUSAL_PERSISTENT_ROUNDS.get((state, d))
 
 
 def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k: int, sms: int) -> int:
@@ -191,7 +191,7 @@ def _parse(options: str) -> dict:
     if fields is None:
         fields = dict(item.split("=", 1) for item in options.split())
         fields["tiles"] = tuple(int(x) for x in fields["tiles"].split(","))
-        if "core_min_work" in fields:
+        if "core_min_work" in fields:               # pasa's options (fa16's are tiles only)
             fields["core_min_work"] = int(fields["core_min_work"])
         _parsed.put(options, fields)
     return fields
