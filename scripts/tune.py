@@ -169,6 +169,7 @@ ELSA_SHORT_SHAPES = {("16", 32): dict(batch=512, ns=(49,), bias=True, baseline="
 ELSA_SECTIONS = {"fwd16": [("16", 64), ("16", 128)], "fwd32": [("32", 64), ("32", 128)],
                  "window16": [("16", 32)], "short16": [("16", 32), ("16", 64)],
                  "bwd16": [("16", 64), ("16", 128)], "bwd32": [("32", 64)], "bwd32d128": [("32", 128)]}
+ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 # The Gluon backward's crossover (section gluonbwd of ELSA and CQSA, Tuner.gluon_bwd): B=1, H=8, at its head dims
 # (kernels/_gluon_bwd.py's HEAD_DIMS), up to 16K; ELSA's from past its one-launch backward's work
 # (config.ONE_LAUNCH_MAX_WORK: 2048 tokens), CQSA's from 1K (its crossover was 2K-4K on the H200)
@@ -193,7 +194,6 @@ def gluon_bwd_paths(kernel: str, d: int) -> tuple[dict, dict, dict]:
 
     return ({"config": {"plan": {"gluon_bwd_min_work": 1}}},
             {"config": {"plan": {"gluon_bwd_min_work": MAX_WORK}}}, attention.GLUON_BWD_MIN_WORK)
-ELSA_DEFAULT = "fwd16,fwd32,bwd16,bwd32"
 
 
 def elsa_sweeps(ctx: Context, section: str):
