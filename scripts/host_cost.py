@@ -338,8 +338,8 @@ def kernel_paths(torch, name, q, k, v, do):
         p.plan_fwd = lambda: ops.forward_plan("pasa", q, k, v, *opts)
     elif name == "cqsa":
         from kernels.cqsa import attention
-        sc, prec, tiles = attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
-        opts = (False, sc, 7, 1, prec, tiles)
+        sc, prec, tiles, gluon_bwd_min_work = attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
+        opts = (False, sc, 7, 1, prec, tiles, gluon_bwd_min_work)
         apply = super(Function, attention._CqsaFunction).apply
         p.validate = lambda: attention._resolve(q, k, v, False, None, 7, 1, "tf32x3", None)
         p.op_site, p.op_stub = (attention, "cqsa_call"), (lambda *a: (q, q))
@@ -347,7 +347,7 @@ def kernel_paths(torch, name, q, k, v, do):
         p.call_fwd = lambda: attention.cqsa_call(q, k, v, *opts)
         p.function_fwd = lambda: apply(True, q, k, v, *opts)
         p.body_fwd = p.body_fwd_nograd = lambda: attention.resident_forward(q, k, v, *opts)
-        p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts)
+        p.plan_fwd = lambda: attention.forward_plan(q, k, v, *opts[:-1])     # its key: no backward threshold
         out, lse = p.body_fwd()
         p.body_bwd = lambda: attention.resident_backward(do, q, k, v, out, lse, *opts)
         p.plan_bwd = lambda: attention.backward_plan(do, q, k, v, out, lse, *opts)
