@@ -447,7 +447,8 @@ def test_config_plan_sets_the_gluon_backward_threshold_of_a_call(monkeypatch):
         attention._bwd_plans.clear()
         seen.clear()
         with torch.device("cpu") if through_op else contextlib.nullcontext():   # a function mode: through the op
-            out = cqsa_attention(q, k, v, causal=True, c=3, precision="ieee", config={"plan": {"gluon_bwd_min_work": 77}})
+            out = cqsa_attention(q, k, v, causal=True, c=3, precision="ieee",
+                                 config={"plan": {"gluon_bwd_min_work": 77}})
         out.sum().backward()
         assert seen == [(tuple(resolve_tiles(16, q.dtype, "cpu")), 77)], through_op
     attention._bwd_plans.clear()
