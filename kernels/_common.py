@@ -238,7 +238,7 @@ def tile_config(name: str, defaults: dict, override) -> dict:
         if part not in merged:
             raise ValueError(f"{name}: config part {part!r} unknown (parts: {', '.join(defaults)})")
         if not isinstance(params, dict):
-            raise ValueError(f"{name}: config[{part!r}] must be a dict of tile parameters, got {params!r}")
+            raise ValueError(f"{name}: config[{part!r}] must be a dict of parameters, got {params!r}")
         for param, value in params.items():
             if param not in merged[part]:
                 raise ValueError(f"{name}: config[{part!r}] has no parameter {param!r} "
@@ -256,17 +256,13 @@ MAX_WORK = 2**62
 
 def split_plan(name: str, config, params: tuple) -> tuple:
     """A call's ``config`` as its tile parts (tile_config's override; None for none) and its ``"plan"`` part: the
-    work thresholds a call may set for itself, each one of ``params``, an int from 1 to MAX_WORK ({} for none). A
-    plan that is not a dict, names another parameter or holds another value is a one-line error."""
+    work thresholds a call may set for itself, each one of ``params`` ({} for none). The plan is checked as
+    tile_config checks a part (a dict of known parameters, positive ints), each value also at most MAX_WORK."""
     if not isinstance(config, dict) or "plan" not in config:
         return config, {}
-    plan = config["plan"]
-    if not isinstance(plan, dict):
-        raise ValueError(f"{name}: config['plan'] must be a dict {{param: value}}, got {plan!r}")
-    for param, value in plan.items():
-        if param not in params:
-            raise ValueError(f"{name}: config['plan'] has no parameter {param!r} (has {', '.join(params)})")
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORK:
+    tile_config(name, {"plan": dict.fromkeys(params, 0)}, {"plan": config["plan"]})
+    for param, value in config["plan"].items():
+        if value > MAX_WORK:
             raise ValueError(f"{name}: config['plan'][{param!r}] must be an int from 1 to 2**62, got {value!r}")
     tiles = {part: value for part, value in config.items() if part != "plan"}
-    return tiles or None, plan
+    return tiles or None, config["plan"]

@@ -454,7 +454,7 @@ def test_config_plan_sets_the_gluon_backward_threshold_of_a_call(monkeypatch):
     attention._bwd_plans.clear()
     for bad, needle in (({"plan": 5}, r"config\['plan'\] must be a dict"),
                         ({"plan": {"min_work": 5}}, "has no parameter 'min_work'"),
-                        ({"plan": {"gluon_bwd_min_work": 0}}, "from 1 to 2\\*\\*62, got 0"),
+                        ({"plan": {"gluon_bwd_min_work": 0}}, "must be a positive int, got 0"),
                         ({"plan": {"gluon_bwd_min_work": True}}, "got True"),
                         ({"plan": {"gluon_bwd_min_work": 2 ** 62 + 1}}, "from 1 to")):
         with pytest.raises(ValueError, match=needle):

@@ -535,7 +535,7 @@ def test_config_plan_sets_where_the_core_takes_a_call(monkeypatch):
             attention.pasa_attention(q, k, v, **{"config": {"plan": {"core_min_work": 5}}, **kw})
     for bad, needle in (({"plan": 5}, r"config\['plan'\] must be a dict"),
                         ({"plan": {"min_work": 5}}, "has no parameter 'min_work'"),
-                        ({"plan": {"core_min_work": 0}}, "from 1 to 2\\*\\*62, got 0"),
+                        ({"plan": {"core_min_work": 0}}, "must be a positive int, got 0"),
                         ({"plan": {"core_min_work": True}}, "got True"),
                         ({"plan": {"core_min_work": 2 ** 63}}, "from 1")):
         with pytest.raises(ValueError, match=needle):
