@@ -692,7 +692,7 @@ def _cqsa_on_the_core_matches_float64(q, k, v, causal, c, dtype):
 def _cqsa_checks(q, k, v, causal, c, dtype):
     from kernels.cqsa import attention as cqsa_host
     from kernels.cqsa import cqsa_attention
-    scale, precision, tiles = cqsa_host._resolve(q, k, v, causal, None, c, 1, "tf32x3", None)
+    scale, precision, tiles, _ = cqsa_host._resolve(q, k, v, causal, None, c, 1, "tf32x3", None)
     plan = cqsa_host.forward_plan(q, k, v, causal, scale, c, 1, precision, tiles)
     assert plan.walk is not None
     out, lse = plan(q, k, v)
@@ -752,7 +752,7 @@ def test_gpu_cqsa_on_the_core_compiled():
     torch._dynamo.reset()
     cqsa_host._fwd_plans.clear()
     q, k, v = (t.requires_grad_() for t in _inputs(1, 8, 2, 8192, 8192, 128, torch.bfloat16, "cuda"))
-    scale, precision, tiles = cqsa_host._resolve(q, k, v, True, None, 7, 1, "tf32x3", None)
+    scale, precision, tiles, _ = cqsa_host._resolve(q, k, v, True, None, 7, 1, "tf32x3", None)
     assert cqsa_host.forward_plan(q, k, v, True, scale, 7, 1, precision, tiles).walk is not None
 
     def loss(q, k, v):
