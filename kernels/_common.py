@@ -211,18 +211,28 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
-_sm_counts: dict = {}
+_device_properties: dict = {}
 
 
-def sm_count(device: torch.device, default: int) -> int:
-    """The device's streaming multiprocessors (read once per device index); `default` where it is not a CUDA
-    device (the CPU interpreter has none)."""
+def _device_property(device: torch.device, name: str, default: int) -> int:
+    """One of a CUDA device's properties (read once per device index); `default` where it is not a CUDA device (the
+    CPU interpreter has none)."""
     if device.type != "cuda":
         return default
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
+    if index not in _device_properties:
+        _device_properties[index] = torch.cuda.get_device_properties(index)
+    return getattr(_device_properties[index], name)
+
+
+def sm_count(device: torch.device, default: int) -> int:
+    """The device's streaming multiprocessors; `default` where it is not a CUDA device."""
+    return _device_property(device, "multi_processor_count", default)
+
+
+def l2_bytes(device: torch.device, default: int) -> int:
+    """The device's L2 cache in bytes; `default` where it is not a CUDA device."""
+    return _device_property(device, "L2_cache_size", default)
 
 
 def tile_config(name: str, defaults: dict, override) -> dict:

@@ -482,11 +482,17 @@ if HAS_GLUON:
             s = _round16(qk)                                  # the fp16 score tile, in fp32
         if MASK:
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            # the last window's keys below t * BLOCK_N belong to the window before it
-            keep = ((cols >= t * BLOCK_N) & (cols < n_k))[None, :]
+            # the last window's keys below t * BLOCK_N belong to the window before it. Causal, n_k is folded into
+            # each row's bound (its horizon or n_k, whichever is first): with a column mask for n_k besides the
+            # horizon's compare, as the online softmax builds it, ptxas kept 56 of P's 16-bit values in local memory
+            # across the persistent kernel's key loop at D = 128 (224 bytes; the fp32 state 80), and persistent
+            # launches ran up to 2x their plain grid's time (kernels/pasa/ops.py)
             if CAUSAL:
                 rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-                keep = keep & (cols[None, :] <= rows[:, None] + causal_shift)
+                end = gl.minimum(rows + causal_shift + 1, n_k)
+                keep = (cols >= t * BLOCK_N)[None, :] & (cols[None, :] < end[:, None])
+            else:
+                keep = ((cols >= t * BLOCK_N) & (cols < n_k))[None, :]
             s = gl.where(keep, s, float("-inf"))
         mu = gl.max(s, 1)
         if PASA != PASA_FP16_STATE:

@@ -579,22 +579,30 @@ def test_three_consumers_for_the_fp16_state_where_measured(monkeypatch):
 @pytest.mark.cpu_only
 def test_causal_calls_run_persistent_for_as_many_rounds_as_measured():
     # the core's persistent_default with PASA's rounds (what its plan hands prepare) at
-    # results/dev/pasa/causal_grid_h200.json's shapes (132 SMs; items: 128-row blocks x heads): the fp16 state at
-    # D = 128, whose causal persistent kernel spills, persistent at 4K H=8 (256 items) and not at 5K (320) or 4K H=16
-    # (512); D = 64 up to 16 rounds (32K: 2048 items); the fp32 state at D = 128 up to the core's
-    # PERSISTENT_CAUSAL_ROUNDS; not causal, always (at D = 64 and 128)
-    def persistent(items, state="fp16", d=128, causal=True, keys=4096):
-        return gluon_core.persistent_default(d, causal, items, 132, ops.causal_rounds(state, d, keys))
+    # results/dev/pasa/causal_persistent_h200.json's shapes (132 SMs, 50 MiB of L2; items: 128-row blocks x heads):
+    # causal, both states at D = 64 and 128 persistent up to 16 rounds, but with more keys than queries where K̃ and V
+    # of the kv heads a round reads outgrow L2; not causal, always (at D = 64 and 128); other head dims never
+    l2 = 50 * 2**20
 
-    assert persistent(256) and persistent(264) and not persistent(265) and not persistent(320)
-    # ... at D = 128 up to 4K keys (causal_thin_grids_h200.json): past them, thin grids too take the plain grid
-    assert not any(persistent(items, keys=keys) for items, keys in ((64, 8192), (128, 16384), (256, 32768), (33, 4097)))
-    assert persistent(256, "fp32", keys=32768) and persistent(256, d=64, keys=32768)
-    assert all(persistent(items, state, 64) for items in (640, 1024, 2048) for state in ("fp16", "fp32"))
-    assert not persistent(16 * 132 + 1, d=64) and not persistent(16 * 132 + 1, "fp32", 64)
-    limit = gluon_core.PERSISTENT_CAUSAL_ROUNDS * 132
-    assert persistent(limit, state="fp32") and not persistent(limit + 1, state="fp32")
-    assert persistent(100 * 132, causal=False) and persistent(100 * 132, d=64, causal=False)
+    def persistent(n, heads=8, kv_heads=None, keys=None, d=128, causal=True, sms=132):
+        items = heads * -(-n // 128)
+        rounds = ops.causal_rounds(heads, heads // (kv_heads or heads), n, keys or n, d, sms, l2)
+        return gluon_core.persistent_default(d, causal, items, sms, rounds)
+
+    # as many keys as queries: up to 16 rounds whatever the keys (H = 8 to 32K, Llama-3's 32 heads to 8K)
+    assert all(persistent(n) for n in (4096, 6144, 8192, 12288, 16384, 32768)) and persistent(4096, heads=16)
+    assert all(persistent(n, heads) for heads, n in ((1, 8192), (1, 32768), (2, 16384), (4, 8192)))
+    assert persistent(8192, 32, 8) and persistent(8192, 32) and not persistent(67 * 128, 32, 8)   # 2144 items
+    assert persistent(4096, 66, 1, d=64) and not persistent(4096 + 128, 66, 1, d=64)
+    # more keys than queries (32 query heads over 8 kv heads): 8K keys fit (32 MiB), 16K-32K do not (64-128 MiB)
+    assert persistent(2048, 32, 8, keys=8192) and persistent(4096, 32, 8, keys=8192)
+    assert not any(persistent(n, 32, 8, keys=keys) for n, keys in ((1024, 32768), (2048, 16384), (8192, 32768)))
+    # a round reads the query heads of its items, at most one a SM: 25 heads of 4K keys fit (50 MiB), 26 do not
+    rounds = ops.causal_rounds
+    assert rounds(25, 1, 2048, 4096, 128, 132, l2) == 16 and rounds(26, 1, 2048, 4096, 128, 132, l2) == 0
+    assert rounds(200, 1, 2048, 4096, 128, 24, l2) == 16 and rounds(26, 1, 4096, 4096, 128, 132, l2) == 16
+    assert persistent(100 * 132 * 128 // 8, causal=False) and persistent(100 * 132 * 128 // 8, d=64, causal=False)
+    assert not persistent(4096, d=96) and not persistent(4096, d=160, causal=False)
 
 
 @pytest.mark.cpu_only
@@ -633,7 +641,8 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert ops.pasa_consumers(state, causal, d, 4, nq, nk, 1) == consumers
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
     # the grid is prepare's to decide (persistent_default), with PASA's causal rounds
-    assert "persistent" not in seen and seen["causal_rounds"] == ops.causal_rounds(state, d, nk)
+    assert "persistent" not in seen
+    assert seen["causal_rounds"] == ops.causal_rounds(4, 2, nq, nk, d, 1, ops.DEFAULT_L2_BYTES)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]
@@ -1182,18 +1191,21 @@ def test_gpu_pasa_fp16_state_on_three_consumers_is_its_emulation(on_the_core, mo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["persistent", "plain"])
 @pytest.mark.parametrize("d", [128, 64])
-def test_gpu_causal_calls_on_their_grid_are_their_emulation(on_the_core, d):
-    # causal fp16-state calls of 17 row blocks of 128 a head, more than two rounds' items of the SMs: at D = 128,
-    # past its CAUSAL_PERSISTENT_ROUNDS (two), on the plain grid; at D = 64 (up to 16) persistent, each program taking
-    # items of several rounds (longest first, alternate rounds reversed): the model bound on either grid
+def test_gpu_causal_calls_on_their_grid_are_their_emulation(on_the_core, monkeypatch, d, grid):
+    # causal fp16-state calls of 17 row blocks of 128 a head, more than two rounds' items of the SMs: persistent
+    # (within CAUSAL_PERSISTENT_ROUNDS), each program taking items of several rounds (longest first, alternate rounds
+    # reversed), and on the plain grid (past the rounds: no rounds allowed here): the model bound on either grid
+    if grid == "plain":
+        monkeypatch.setattr(ops, "CAUSAL_PERSISTENT_ROUNDS", 0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     hq = 2 * (2 * sms // 34 + 1)
     q, k, v = _emulation_case("cuda", hq, 2, 2100, 2200, d, 1.0)
     out = pasa_attention(q, k, v, causal=True)
     (plan,) = _pasa_plans()
-    assert 17 * hq > 2 * sms and plan.gluon.prepared.constexprs["PERSISTENT"] is (d == 64)
-    _assert_is_its_core_model(out, q, k, v, True, d, 1.0, f"D={d}")
+    assert 17 * hq > 2 * sms and plan.gluon.prepared.constexprs["PERSISTENT"] is (grid == "persistent")
+    _assert_is_its_core_model(out, q, k, v, True, d, 1.0, f"D={d}, {grid}")
 
 
 @pytest.mark.gpu

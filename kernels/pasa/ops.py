@@ -48,7 +48,7 @@ from torch import Tensor
 
 from kernels import _gluon_core as gluon_core
 from kernels._common import (LOG2E, LaunchPlan, Prepared, SignatureCache, block_d, forward_only_error, in_place,
-                             layout, sm_count)
+                             l2_bytes, layout, sm_count)
 from kernels._ops import KernelFunction, below_autograd, define_op, plain, register_autograd
 from kernels._tuning import TuningFileError, min_work_entries, read_configs, width_entries
 from kernels.pasa.beta import default_beta, ideal_invariance, shift_entries
@@ -110,24 +110,23 @@ BUILTIN_CORE_MIN_WORK = {(d, causal): 2**34 for d in gluon_core.HEAD_DIMS for ca
 # the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with
 # three (72-200 bytes; 1.7-2.1x two's time), as causal calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
-# Causal calls run persistent while their items fill at most this many rounds of the SMs, by (state, head dim); where
-# none is given, gluon_core.PERSISTENT_CAUSAL_ROUNDS (4, measured with ELSA). On the H200
-# (results/dev/pasa/causal_grid_h200.json, B=1, CUDA-graph time over cuDNN's causal, persistent / plain):
-# - the fp16 state at D = 128, whose causal persistent kernel spills 224 bytes where the plain grid's spills none
-#   (scripts/compile_check.py): 4K H=8 (1.9 rounds) 1.06 / 1.18, but 5K (2.4) 1.23 / 1.16, 6K (2.9) 1.29 / 1.13,
-#   8K (3.9) 1.27 / 1.10, 4K H=16 (3.9) 1.31 / 1.18: two rounds;
-# - D = 64 (no spill persistent): 10K (4.9 rounds) 1.00 / 1.18, 12K (5.8) 0.98-1.03 / 1.17, 14K (6.8) 1.04 / 1.14,
-#   6K H=16 (5.8) 1.02 / 1.25, the fp32 state at 12K 1.04-1.06 / 1.18; alike from 16K (7.8 rounds) to 32K (15.5):
-#   up to 16 rounds, as far as measured;
-# - the fp32 state at D = 128 (80 bytes persistent, 120 plain): 6K-8K 0.89-0.94 / 1.05-1.11, 16K 1.04-1.07 / 0.95-1.02:
-#   the core's four.
-CAUSAL_PERSISTENT_ROUNDS = {("fp16", 128): 2, ("fp16", 64): 16, ("fp32", 64): 16}
-# ... and only up to this many keys, by (state, head dim): the fp16 state's spilling persistent kernel at D = 128 pays
-# its spill per key tile and gains per item. At thin grids (results/dev/pasa/causal_thin_grids_h200.json: B·Hq 1-4,
-# 8K-32K, within two rounds; CUDA-graph time, persistent / plain over the Triton loop's) the plain grid was the faster
-# everywhere: one head of 8K-32K 2.05-1.17 / 1.03-0.60, two heads of 8K and 16K 0.98 / 0.72 and 0.72 / 0.52, four of
-# 8K 0.72 / 0.68; at 4K (8 heads) persistent was (causal_grid_h200.json: 1.06 / 1.18 of cuDNN's time).
-CAUSAL_PERSISTENT_MAX_KEYS = {("fp16", 128): 4096}
+# Causal calls run persistent (causal_rounds) while their items fill at most this many rounds of the SMs (the core's
+# own PERSISTENT_CAUSAL_ROUNDS, 4, is ELSA's), but for chunked prefill whose keys outgrow L2. On the H200
+# (results/dev/pasa/causal_persistent_h200.json, B=1, fp16 inputs, CUDA-graph time; no causal kernel spills persistent
+# since PASA's step folds Nk into each row's causal bound, _gluon_core.py's _pasa_softmax), the fp16 state
+# at D = 128 over cuDNN's causal, persistent / plain, H = 8: 4K (1.9 rounds) 0.88 / 1.20, 8K (3.9) 0.97 / 1.11, 12K
+# (5.8) 1.01 / 1.08, 16K (7.8) 1.04 / 1.05, 32K (15.5) 1.09 / 1.08; 4K H = 16 1.02 / 1.18; one to four heads of
+# 8K-32K the same or faster; the fp32 state at D = 128 8K 0.97 / 1.13, 16K 1.04 / 1.05; D = 64
+# (causal_grid_h200.json) 10K-14K 0.98-1.04 / 1.14-1.18, alike to 32K: the causal order (longest items first, the
+# heads fastest, every other round reversed: the core's _work) evens out items of many costs. With more keys than
+# queries (bottom-right: every row sees at least Nk - Nq keys) the items cost nearly alike and there is little to
+# even out, while that order reads K̃ and V of every kv head of min(B·Hq, SMs) query heads at once, where the plain
+# grid's (row blocks fastest) shares a head's keys between its programs: on Llama-3's 32 query heads over 8 kv heads,
+# persistent over plain, 2K and 4K rows on 8K keys (K̃ and V 32 MiB) 0.99, but 1K-8K rows on 16K-32K keys (64-128
+# MiB) 1.02-1.07; 8 heads of 8K and 16K rows on 32K keys (128 MiB, whose rounds span those heads either way) 0.99 and
+# 1.01.
+CAUSAL_PERSISTENT_ROUNDS = 16
+DEFAULT_L2_BYTES = 50 * 2**20         # the H100's, on the CPU (its interpreter has no cache to ask)
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -151,12 +150,12 @@ SHIFT_INLINE_MAX_KEYS = tuned_shift_rule()
 CORE_MIN_WORK = min_work_entries(TUNING_FILE, "core_min_work", BUILTIN_CORE_MIN_WORK)
 
 
-def causal_rounds(state: str, d: int, len_k: int) -> int | None:
-    """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; None: the core's
-    own PERSISTENT_CAUSAL_ROUNDS), 0 past CAUSAL_PERSISTENT_MAX_KEYS' keys."""
-    if len_k > CAUSAL_PERSISTENT_MAX_KEYS.get((state, d), len_k):
-        return 0
-    return CAUSAL_PERSISTENT_ROUNDS.get((state, d))
+def causal_rounds(bh_q: int, group: int, len_q: int, len_k: int, d: int, sms: int, l2: int) -> int:
+    """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; 0: the plain
+    grid): CAUSAL_PERSISTENT_ROUNDS, but 0 with more keys than queries where K̃ and V of the kv heads one round reads
+    (min(bh_q, sms) query heads, `group` of them a kv head, 4 * len_k * d bytes each) outgrow `l2` bytes."""
+    kv_heads = -(-min(bh_q, sms) // group)
+    return 0 if len_k > len_q and kv_heads * 4 * len_k * d > l2 else CAUSAL_PERSISTENT_ROUNDS
 
 
 def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k: int, sms: int) -> int:
@@ -310,7 +309,7 @@ class _Forward(LaunchPlan):
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= (opts["core_min_work"] or CORE_MIN_WORK[d, causal])):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
-                             scale, sm_count(q.device, 1))
+                             scale, sm_count(q.device, 1), l2_bytes(q.device, DEFAULT_L2_BYTES))
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
@@ -341,12 +340,12 @@ class _Forward(LaunchPlan):
                               (sk[0], sk[1], sk[2], heads_kv, len_k, diag, off), shift_meta)
 
     def _plan_gluon(self, beta: str, state: str, sk: tuple, sizes: tuple, causal: bool, scale: float,
-                    sms: int) -> None:
+                    sms: int, l2: int) -> None:
         """The Hopper path (module docstring): the K̃ pre-pass with the Gluon core's key tile as the window n, then
         the core in its PASA mode with its state in `state` ("fp16" / "fp32"), consumer warpgroups by
         pasa_consumers on `sms` SMs and the grid by the core's persistent_default with PASA's causal rounds
-        (causal_rounds). K̃ keeps the Triton path's layout (rows padded to block_d columns): the core's
-        descriptors read its first D columns through the row stride."""
+        (causal_rounds, for an L2 of `l2` bytes). K̃ keeps the Triton path's layout (rows padded to block_d
+        columns): the core's descriptors read its first D columns through the row stride."""
         bsz, heads_q, heads_kv, len_q, len_k, d = sizes
         diag, off, c, shift_meta = _window_plan(beta, gluon_core.TILES[d][0], d, scale)
         self._plan_prepass(sk, bsz, heads_kv, len_k, diag, off, shift_meta)
@@ -358,7 +357,8 @@ class _Forward(LaunchPlan):
         self.gluon = gluon_core.PlannedLaunch(causal=causal, qk_scale=LOG2E, width=len_k, lse_mode=0,
                                               n_blocks=n_blocks, pasa_c=c_state, pasa_state=state,
                                               consumers=consumers,
-                                              causal_rounds=causal_rounds(state, d, len_k))
+                                              causal_rounds=causal_rounds(bsz * heads_q, heads_q // heads_kv, len_q,
+                                                                            len_k, d, sms, l2))
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.convert is None:
