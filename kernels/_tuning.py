@@ -24,8 +24,8 @@ class TuningFileError(ValueError):
     """A tuning.json that cannot be read (names the file)."""
 
 
-def read_configs(path) -> dict:
-    """The "configs" mapping of a tuning file; {} when the file does not exist."""
+def _read(path) -> dict:
+    """A tuning file's object, its "configs" checked to be a mapping; {} when the file does not exist."""
     path = Path(path)
     if not path.is_file():
         return {}
@@ -33,10 +33,14 @@ def read_configs(path) -> dict:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise TuningFileError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
-    configs = data.get("configs", {}) if isinstance(data, dict) else None
-    if not isinstance(configs, dict):
+    if not isinstance(data, dict) or not isinstance(data.get("configs", {}), dict):
         raise TuningFileError(f"{path}: 'configs' must be a mapping of tables")
-    return configs
+    return data
+
+
+def read_configs(path) -> dict:
+    """The "configs" mapping of a tuning file; {} when the file does not exist."""
+    return _read(path).get("configs", {})
 
 
 def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, default=None) -> None:
@@ -52,18 +56,17 @@ def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, de
 def write_configs(path, updates: dict, measured: dict, note: str) -> dict:
     """Merge `updates` ({table: {key: value}}) into the file's configs (other entries kept) and write it
     atomically, `measured` recorded for the tables updated (the others keep theirs); returns the merged configs."""
-    path = Path(path)
-    configs = read_configs(path)
-    old = json.loads(path.read_text()).get("measured") if configs else None
+    data = _read(path)
+    configs = data.get("configs", {})
+    old = data.get("measured")
     if isinstance(old, dict) and "gpu" in old:          # one block for the whole file: each of its tables'
         old = dict.fromkeys(configs, old)
     by_table = {t: m for t, m in (old or {}).items() if t in configs}
     for table, entries in updates.items():
         configs.setdefault(table, {}).update(entries)
         by_table[table] = measured
-    data = {"note": note, "measured": dict(sorted(by_table.items())),
-            "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}}
-    write_json_atomic(path, data)
+    write_json_atomic(path, {"note": note, "measured": dict(sorted(by_table.items())),
+                             "configs": {t: dict(sorted(e.items())) for t, e in sorted(configs.items())}})
     return configs
 
 
