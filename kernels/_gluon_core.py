@@ -163,14 +163,14 @@ TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2),
 MIN_WORK = 2**31
 # The persistent launch (launch(persistent=...)): a program per SM walks the work items, so an item's epilogue
 # overlaps the next one's loads and no last wave runs part-empty. Measured against the plain grid on the H200
-# (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal; causal, the items' costs
-# differ and a static order evens them out only over few rounds (4K: 0.71 vs 1.05-1.29 of cuDNN's time alone,
-# in ELSA 0.87-0.92 vs 1.07-1.12) while many rounds lose the plain grid's sharing of a head's keys in L2
-# (64K D=128: ELSA 1.05 vs 0.98). PASA (not causal): 0.96-1.0 of the plain grid's time; causal, it hands prepare its
-# own rounds (causal_rounds: kernels/pasa/ops.py's CAUSAL_PERSISTENT_ROUNDS). D = 64 and 128
-# measured; the split head dims and 256 stay on the plain grid.
+# (results/dev/gluon_core/persistent_h200.json): faster or the same everywhere not causal (PASA 0.96-1.0 of the plain
+# grid's time). Causal, the items' costs differ and the causal order (_work) evens them out where they differ much,
+# while it gives up the plain grid's sharing of a head's keys in L2: how many rounds pay is each caller's own (its
+# items' spread of costs, its step's weight), so a causal launch runs persistent only with the caller's
+# causal_rounds (persistent_default): ELSA's kernels/elsa/config.py causal_rounds, PASA's kernels/pasa/ops.py's.
+# D = 64 and 128 measured; the split head dims and 256 stay on the plain grid.
 PERSISTENT_DIMS = (64, 128)
-PERSISTENT_CAUSAL_ROUNDS = 4
+DEFAULT_L2_BYTES = 50 * 2**20         # the H100's, on the CPU (its interpreter has no cache to ask)
 # The kernel's PASA constexpr: not PASA, or PASA's step with its state (m, l, the pseudo-average g, acc) held as
 # float16 values (the paper's full fp16 mode) or in float32 (its hybrid mode: only the scores Ŝ are float16).
 PASA_STATES = {"fp16": 1, "fp32": 2}
@@ -997,14 +997,19 @@ def _rows_descriptor(t: torch.Tensor, d: int, rows: int, cols: int):
     return tile_descriptor(t.view(-1, d), rows, cols)
 
 
-def persistent_default(d: int, causal: bool, items: int, sms: int, causal_rounds: int | None = None) -> bool:
+def persistent_default(d: int, causal: bool, items: int, sms: int, causal_rounds: int = 0) -> bool:
     """Whether a launch (not a walk) of `items` work items (row blocks x heads x partitions) on `sms` SMs runs
-    persistent: at the measured head dims (PERSISTENT_DIMS), and causal only while the items fill at most
-    causal_rounds (None: PERSISTENT_CAUSAL_ROUNDS) rounds of the SMs."""
+    persistent: at the measured head dims (PERSISTENT_DIMS), and causal only while the items fill at most the
+    caller's causal_rounds rounds of the SMs (0: the plain grid)."""
     if d not in PERSISTENT_DIMS:
         return False
-    rounds = PERSISTENT_CAUSAL_ROUNDS if causal_rounds is None else causal_rounds
-    return not causal or items <= rounds * sms
+    return not causal or items <= causal_rounds * sms
+
+
+def round_kv_bytes(bh_q: int, group: int, len_k: int, d: int, sms: int) -> int:
+    """The bytes of 16-bit K and V a causal persistent round reads: its programs take the heads fastest (_work), so
+    a round spans min(bh_q, sms) query heads, `group` of them a kv head, each kv head's len_k keys of K and V."""
+    return -(-min(bh_q, sms) // group) * 4 * len_k * d
 
 
 def launch(q, k, v, out, lse, sbuf, **options):
@@ -1035,7 +1040,7 @@ class PlannedLaunch:
 def prepare(q, k, v, *, causal: bool, qk_scale: float, q0: int = 0, n_blocks: int = 0, parts: int = 1,
             width: int = 0, n_slots: int = 0, summary: bool = False, lse_mode: int, consumers: int = 2,
             pingpong: bool = True, tiles=None, regs=None, walk=None, pasa_c=None, pasa_state: str = "fp16",
-            persistent: bool | None = None, causal_rounds: int | None = None, programs: int | None = None,
+            persistent: bool | None = None, causal_rounds: int = 0, programs: int | None = None,
             launch_dependents: bool = False) -> Prepared:
     """The launch over n_blocks blocks of 64 x `consumers` query rows from row q0 (work items: row blocks x B * Hq x
     parts; the plain grid has one program each, a persistent launch (persistent=True; None: persistent_default, with

@@ -190,14 +190,53 @@ def test_elsa_plan_takes_the_core_only_where_it_can(d):
 
 
 def test_persistent_default_where_measured():
-    """The persistent launch by default: not causal at D = 64 and 128; causal there while the work items fill at
-    most PERSISTENT_CAUSAL_ROUNDS rounds of the SMs; never at another head dim."""
-    sms, rounds = 132, gc.PERSISTENT_CAUSAL_ROUNDS
+    """The persistent launch by default: not causal at D = 64 and 128; causal there only while the work items fill at
+    most the caller's causal_rounds rounds of the SMs (none by default); never at another head dim."""
+    sms = 132
     for d in (64, 128):
         assert gc.persistent_default(d, False, 100 * sms, sms)
-        assert gc.persistent_default(d, True, rounds * sms, sms)
-        assert not gc.persistent_default(d, True, rounds * sms + 1, sms)
+        assert not gc.persistent_default(d, True, 1, sms)
+        assert gc.persistent_default(d, True, 5 * sms, sms, 5)
+        assert not gc.persistent_default(d, True, 5 * sms + 1, sms, 5)
     assert not any(gc.persistent_default(d, False, sms, sms) for d in gc.HEAD_DIMS if d not in (64, 128))
+    assert not gc.persistent_default(96, True, 1, sms, 16)
+
+
+@pytest.mark.cpu_only
+def test_elsa_causal_grid_rule_where_measured():
+    # kernels/elsa/config.py's causal_rounds through the core's persistent_default at the shapes of
+    # results/dev/elsa/causal_grid_h200.json (132 SMs, 50 MiB of L2; items: 128-row blocks x heads x 2 partitions):
+    # persistent on a square call's one q-chunk while a round's K and V fit in L2, up to 16 rounds; the plain grid
+    # for a second q-chunk (near-equal items), chunked prefill and K and V past L2
+    sms, l2 = 132, 50 * 2**20
+
+    def persistent(n, heads=8, kv_heads=None, keys=None, d=128, q_chunk=None):
+        rows = q_chunk or n
+        items = heads * -(-rows // 128) * 2
+        rounds = elsa_config.causal_rounds(n, keys or n, rows, heads, heads // (kv_heads or heads), d, sms, l2)
+        return gc.persistent_default(d, True, items, sms, rounds)
+
+    assert all(persistent(n, d=64) for n in (4096, 6144, 8192, 12288))
+    assert all(persistent(n) for n in (4096, 6144, 8192)) and persistent(2048, 32, 8) and persistent(4096, 32, 8)
+    assert not persistent(16384, q_chunk=8192) and not persistent(12288, q_chunk=6144)      # two q-chunks
+    assert not persistent(8192, 32, 8, q_chunk=4096) and not persistent(8192, 32, q_chunk=4096)
+    assert not any(persistent(n, 32, 8, keys=keys) for n, keys in ((2048, 8192), (4096, 8192), (2048, 32768)))
+    assert not persistent(2048, keys=32768)                                   # 2.9 rounds, but more keys than rows
+    # one q-chunk past L2 (8 kv heads of 16K at D = 128: 64 MiB) or past 16 rounds (34 heads of 4K: 16.5)
+    assert not persistent(16384) and persistent(4096, 33, d=64) and not persistent(4096, 34, d=64)
+    # a round's K and V: 25 kv heads of 8K at D = 64 fill 50 MiB, 26 do not fit
+    rounds = elsa_config.causal_rounds
+    assert rounds(8192, 8192, 8192, 25, 1, 64, 132, l2) == 16 and rounds(8192, 8192, 8192, 26, 1, 64, 132, l2) == 0
+
+
+def test_round_kv_bytes_counts_the_kv_heads_a_causal_round_spans():
+    # a causal round takes the heads fastest: min(B*Hq, SMs) query heads, `group` of them a kv head, 4 * Nk * D
+    # bytes each (16-bit K and V)
+    assert gc.round_kv_bytes(8, 1, 8192, 128, 132) == 8 * 4 * 8192 * 128
+    assert gc.round_kv_bytes(32, 4, 8192, 128, 132) == 8 * 4 * 8192 * 128
+    assert gc.round_kv_bytes(33, 4, 1024, 64, 132) == 9 * 4 * 1024 * 64
+    assert gc.round_kv_bytes(512, 2, 1024, 64, 132) == 66 * 4 * 1024 * 64
+    assert gc.round_kv_bytes(512, 1, 1024, 64, 24) == 24 * 4 * 1024 * 64
 
 
 def test_launch_refuses_what_it_cannot_run():
@@ -565,8 +604,9 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case, consumers):
     """ELSA's plan, slots and phase 2 around the core's launch (an emulation of what it writes), against float64,
     with CTAs of two and of three consumer warpgroups (128 and 192 rows): the grid, q-chunks, partitions and slot
     counts the host passes are what phase 2 reads."""
+    options = []                    # what each of the plan's launches is prepared with
     monkeypatch.setattr(gc, "available", lambda *a: True)
-    monkeypatch.setattr(gc, "prepare", _emulated_prepare)
+    monkeypatch.setattr(gc, "prepare", lambda q, k, v, **kw: options.append(kw) or _emulated_prepare(q, k, v, **kw))
     monkeypatch.setattr(gc, "THREE_CONSUMERS_ROW_TIME", 0 if consumers == 3 else 2**40)
     monkeypatch.setattr(elsa_host.core, "use_descriptors", lambda *a, **kw: True)
     monkeypatch.setattr(gc, "MIN_WORK", 0)
@@ -584,6 +624,10 @@ def test_elsa_host_wiring_of_the_core(monkeypatch, case, consumers):
         chunk = -(-case["config"]["plan"].get("q_chunk", case["nq"]) // rows) * rows      # whole CTAs a chunk
         assert len(plan.chunks) == -(-case["nq"] // chunk)
         out, lse = plan(q, k, v, None)
+        # causal, the grid's rounds are ELSA's rule's: persistent only on a square call's one q-chunk
+        one_triangle = case["causal"] and case["nq"] == case["nk"] and len(plan.chunks) == 1
+        rounds = elsa_config.CAUSAL_PERSISTENT_ROUNDS if one_triangle else 0
+        assert [o["causal_rounds"] for o in options] == [rounds] * len(plan.chunks)
         ref = reference_attention(q, k, v, causal=case["causal"])
         assert _rel_rms(out, ref) <= TOL[torch.float16]
         ref_lse = _reference_lse(q, k, case["causal"]) / math.log(2.0)          # ELSA's lse: base 2

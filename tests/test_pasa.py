@@ -642,7 +642,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
     # the grid is prepare's to decide (persistent_default), with PASA's causal rounds
     assert "persistent" not in seen
-    assert seen["causal_rounds"] == ops.causal_rounds(4, 2, nq, nk, d, 1, ops.DEFAULT_L2_BYTES)
+    assert seen["causal_rounds"] == ops.causal_rounds(4, 2, nq, nk, d, 1, gluon_core.DEFAULT_L2_BYTES)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]

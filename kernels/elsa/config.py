@@ -124,6 +124,28 @@ SHORT_BIAS_TILES = {
 # (runs/20261125T005121Z_nightly). Its prepared launch re-encodes the TMA maps alone (kernels/_launch.py): ELSA's
 # forward on the core costs 30-55 us of host time on the H200 host, as on the Triton core.
 
+# Causal phase 1 on the Gluon core runs persistent (the core's causal order: longest row blocks first, the heads
+# fastest, every other round reversed) only where its items' costs differ much: one launch (q-chunk) over a square
+# call's rows from 0, whose items span the whole causal triangle, while K and V of the kv heads a round reads fit in
+# L2 (gluon_core.round_kv_bytes), up to this many rounds of the SMs; elsewhere the plain grid, whose programs share a
+# head's keys. On the H200 (results/dev/elsa/causal_grid_h200.json: B=1, fp16 unless named, CUDA-graph time,
+# persistent over plain): such launches at H = 8 D = 64 4K-12K 0.76-0.95, D = 128 4K-8K 0.90-0.97 (bf16 8K 0.93),
+# Llama-3's 32 / 8 heads at 2K and 4K (15.5 rounds) 0.82 and 0.93. Two q-chunks (the second's rows from about Nq / 2:
+# half its items see a whole partition) and chunked prefill (more keys than queries) hold items of near-equal cost:
+# D = 128 12K-32K 1.05-1.08 (bf16 16K 1.06), D = 64 32K 1.03, 32 / 8 heads 8K-32K 1.06-1.10, 2K-8K rows on 8K-32K keys
+# 1.02-1.08 (8 heads of 2K rows on 32K keys at 2.9 rounds, persistent under the earlier rule of four rounds: 1.07);
+# 32 kv heads of 8K 1.20; one exception left plain, D = 64 16K in two q-chunks, 0.96.
+CAUSAL_PERSISTENT_ROUNDS = 16
+
+
+def causal_rounds(nq: int, nk: int, q_chunk: int, bh: int, group: int, d: int, sms: int, l2: int) -> int:
+    """The rounds a causal phase 1 on the Gluon core may run persistent (the core's causal_rounds; 0: the plain
+    grid): CAUSAL_PERSISTENT_ROUNDS for a square call in one q-chunk whose round's K and V fit in `l2` bytes."""
+    if nq != nk or q_chunk < nq or gluon_core.round_kv_bytes(bh, group, nk, d, sms) > l2:
+        return 0
+    return CAUSAL_PERSISTENT_ROUNDS
+
+
 # (dtype class, BLOCK_D) -> dq (BLOCK_M, BLOCK_N, warps, stages), dkdv (BLOCK_M, BLOCK_N, warps, stages).
 # In dkdv BLOCK_N is the key block a program owns and BLOCK_M the query tile it streams.
 BUILTIN_BWD_TABLE = {

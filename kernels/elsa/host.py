@@ -29,11 +29,12 @@ import torch
 from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
-from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, sm_count, unit_last
+from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precision, l2_bytes, sm_count, unit_last
 from .._launch import LaunchPlan, Prepared, SignatureCache, dependent_launch_ok, layout
 from .._ops import traceable
 from . import gluon_phase1, trace
-from .config import DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward, summary_numel
+from .config import (DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, causal_rounds, plan_backward, plan_forward,
+                     summary_numel)
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -170,9 +171,9 @@ class _FwdPlan(LaunchPlan):
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
         tf32_ok = c.prec == "tf32x3" and gluon_phase1.eligible(q)   # read() gives unit strides; the plan: no bias
-        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device, DEFAULT_SM_COUNT), config,
-                                        causal, bias is not None, core.warp_specialize_ok(c.device, use_desc),
-                                        gluon_ok, tf32_ok)
+        sms = sm_count(c.device, DEFAULT_SM_COUNT)
+        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sms, config, causal, bias is not None,
+                                        core.warp_specialize_ok(c.device, use_desc), gluon_ok, tf32_ok)
         if traced:          # a Gluon kernel (the core's, float32's) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not (plan.gluon or plan.tf32_gluon)
         bm, W, P = plan.block_m, plan.width, plan.parts
@@ -197,6 +198,8 @@ class _FwdPlan(LaunchPlan):
         if dependent:
             p2_const.update(launch_pdl=True)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
+        rounds = causal_rounds(c.NQ, c.NK, plan.q_chunk, c.BH, c.group, c.D, sms,
+                               l2_bytes(c.device, gluon_core.DEFAULT_L2_BYTES)) if causal and plan.gluon else 0
         if c.BH == 0:
             return
         for q0 in range(0, c.NQ, plan.q_chunk):
@@ -206,7 +209,8 @@ class _FwdPlan(LaunchPlan):
             if plan.gluon:
                 p1 = _GluonPhase1(causal=causal, qk_scale=c.qk_scale, q0=q0, n_blocks=QB, parts=P, width=W,
                                   n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0,
-                                  consumers=bm // gluon_core.ROWS_PER_CONSUMER, launch_dependents=dependent)
+                                  consumers=bm // gluon_core.ROWS_PER_CONSUMER, launch_dependents=dependent,
+                                  causal_rounds=rounds)
             else:
                 p1 = Prepared(phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
                                               c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)

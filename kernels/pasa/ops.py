@@ -110,8 +110,8 @@ BUILTIN_CORE_MIN_WORK = {(d, causal): 2**34 for d in gluon_core.HEAD_DIMS for ca
 # the rule keeps two: row times 0.93-0.96 once the rounds' fill is divided out. The fp32 (hybrid) state spills with
 # three (72-200 bytes; 1.7-2.1x two's time), as causal calls do (88-120 bytes): both keep two.
 THREE_CONSUMERS_ROW_TIME = 0.94
-# Causal calls run persistent (causal_rounds) while their items fill at most this many rounds of the SMs (the core's
-# own PERSISTENT_CAUSAL_ROUNDS, 4, is ELSA's), but for chunked prefill whose keys outgrow L2. On the H200
+# Causal calls run persistent (causal_rounds) while their items fill at most this many rounds of the SMs (ELSA has its
+# own rule: kernels/elsa/config.py, causal_rounds), but for chunked prefill whose keys outgrow L2. On the H200
 # (results/dev/pasa/causal_persistent_h200.json, B=1, fp16 inputs, CUDA-graph time; no causal kernel spills persistent
 # since PASA's step folds Nk into each row's causal bound, _gluon_core.py's _pasa_softmax), the fp16 state
 # at D = 128 over cuDNN's causal, persistent / plain, H = 8: 4K (1.9 rounds) 0.88 / 1.20, 8K (3.9) 0.97 / 1.11, 12K
@@ -126,7 +126,6 @@ THREE_CONSUMERS_ROW_TIME = 0.94
 # MiB) 1.02-1.07; 8 heads of 8K and 16K rows on 32K keys (128 MiB, whose rounds span those heads either way) 0.99 and
 # 1.01, which the rule keeps plain too (1.4 % lost at 8K rows).
 CAUSAL_PERSISTENT_ROUNDS = 16
-DEFAULT_L2_BYTES = 50 * 2**20         # the H100's, on the CPU (its interpreter has no cache to ask)
 BUILTIN_SHIFT_INLINE_MAX_KEYS = {16: 512, 32: 512, 64: 512, 128: 128, 256: 0}
 SHIFTS = ("auto", "inline", "prepass")    # the K̃ path: by SHIFT_INLINE_MAX_KEYS, or forced (tuning, tests)
 TUNING_FILE = Path(__file__).with_name("tuning.json")     # written by scripts/tune.py; attention.py reads it too
@@ -153,9 +152,10 @@ CORE_MIN_WORK = min_work_entries(TUNING_FILE, "core_min_work", BUILTIN_CORE_MIN_
 def causal_rounds(bh_q: int, group: int, len_q: int, len_k: int, d: int, sms: int, l2: int) -> int:
     """The rounds a causal call on the core may run persistent (the core's prepare's causal_rounds; 0: the plain
     grid): CAUSAL_PERSISTENT_ROUNDS, but 0 with more keys than queries where K̃ and V of the kv heads one round reads
-    (min(bh_q, sms) query heads, `group` of them a kv head, 4 * len_k * d bytes each) outgrow `l2` bytes."""
-    kv_heads = -(-min(bh_q, sms) // group)
-    return 0 if len_k > len_q and kv_heads * 4 * len_k * d > l2 else CAUSAL_PERSISTENT_ROUNDS
+    (gluon_core.round_kv_bytes) outgrow `l2` bytes."""
+    if len_k > len_q and gluon_core.round_kv_bytes(bh_q, group, len_k, d, sms) > l2:
+        return 0
+    return CAUSAL_PERSISTENT_ROUNDS
 
 
 def pasa_consumers(state: str, causal: bool, d: int, bh: int, len_q: int, len_k: int, sms: int) -> int:
@@ -309,7 +309,7 @@ class _Forward(LaunchPlan):
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= (opts["core_min_work"] or CORE_MIN_WORK[d, causal])):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
-                             scale, sm_count(q.device, 1), l2_bytes(q.device, DEFAULT_L2_BYTES))
+                             scale, sm_count(q.device, 1), l2_bytes(q.device, gluon_core.DEFAULT_L2_BYTES))
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
