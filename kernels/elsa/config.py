@@ -135,8 +135,8 @@ SHORT_BIAS_TILES = {
 # D = 128 12K-32K 1.05-1.08 (bf16 16K 1.06), D = 64 32K 1.03, 32 / 8 heads 8K-32K 1.06-1.10, 2K-8K rows on 8K-32K keys
 # 1.02-1.08 (8 heads of 2K rows on 32K keys at 2.9 rounds, persistent under the earlier rule of four rounds: 1.07);
 # 32 kv heads of 8K 1.20; one exception left plain, D = 64 16K in two q-chunks, 0.96. A persistent grid walking such
-# items in the plain grid's order instead gained 0-3 % or lost up to 20 % (results/dev/gluon_core/
-# causal_plain_order_h200.json): not kept.
+# items in the plain grid's order instead gained 0-3 % or lost up to 20 %
+# (results/dev/gluon_core/causal_plain_order_h200.json): not kept.
 CAUSAL_PERSISTENT_ROUNDS = 16
 
 
