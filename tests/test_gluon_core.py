@@ -205,9 +205,9 @@ def test_persistent_default_where_measured():
 @pytest.mark.cpu_only
 def test_elsa_causal_grid_rule_where_measured():
     # kernels/elsa/config.py's causal_rounds through the core's persistent_default at the shapes of
-    # results/dev/elsa/causal_grid_h200.json (132 SMs, 50 MiB of L2; items: 128-row blocks x heads x 2 partitions):
-    # persistent on a square call's one q-chunk while a round's K and V fit in L2, up to 16 rounds; the plain grid
-    # for a second q-chunk (near-equal items), chunked prefill and K and V past L2
+    # results/dev/elsa/causal_grid_h200.json and one_q_chunk_causal_h200.json (132 SMs, 50 MiB of L2; items: 128-row
+    # blocks x heads x 2 partitions): persistent on a square call's one q-chunk while a round's K and V fit in L2, up
+    # to 32 rounds; the plain grid for a second q-chunk (near-equal items), chunked prefill and K and V past L2
     sms, l2 = 132, 50 * 2**20
 
     def persistent(n, heads=8, kv_heads=None, keys=None, d=128, q_chunk=None):
@@ -222,11 +222,13 @@ def test_elsa_causal_grid_rule_where_measured():
     assert not persistent(8192, 32, 8, q_chunk=4096) and not persistent(8192, 32, q_chunk=4096)
     assert not any(persistent(n, 32, 8, keys=keys) for n, keys in ((2048, 8192), (4096, 8192), (2048, 32768)))
     assert not persistent(2048, keys=32768)                                   # 2.9 rounds, but more keys than rows
-    # one q-chunk past L2 (8 kv heads of 16K at D = 128: 64 MiB) or past 16 rounds (34 heads of 4K: 16.5)
-    assert not persistent(16384) and persistent(4096, 33, d=64) and not persistent(4096, 34, d=64)
+    # Llama-3 8K and H = 8 D = 64 16K in one q-chunk (31 and 15.5 rounds); past L2 (8 kv heads of 16K at D = 128: 64
+    # MiB; 32 of 8K: 128 MiB) or past 32 rounds (136 heads of 2K over 34 kv heads: 33 rounds) the plain grid
+    assert persistent(8192, 32, 8) and persistent(16384, d=64) and not persistent(16384) and not persistent(8192, 32)
+    assert persistent(2048, 132, 33, d=64) and not persistent(2048, 136, 34, d=64)
     # a round's K and V: 25 kv heads of 8K at D = 64 fill 50 MiB, 26 do not fit
     rounds = elsa_config.causal_rounds
-    assert rounds(8192, 8192, 8192, 25, 1, 64, 132, l2) == 16 and rounds(8192, 8192, 8192, 26, 1, 64, 132, l2) == 0
+    assert rounds(8192, 8192, 8192, 25, 1, 64, 132, l2) == 32 and rounds(8192, 8192, 8192, 26, 1, 64, 132, l2) == 0
 
 
 def test_round_kv_bytes_counts_the_kv_heads_a_causal_round_spans():

@@ -136,8 +136,13 @@ SHORT_BIAS_TILES = {
 # 1.02-1.08 (8 heads of 2K rows on 32K keys at 2.9 rounds, persistent under the earlier rule of four rounds: 1.07);
 # 32 kv heads of 8K 1.20; one exception left plain, D = 64 16K in two q-chunks, 0.96. A persistent grid walking such
 # items in the plain grid's order instead gained 0-3 % or lost up to 20 %
-# (results/dev/gluon_core/causal_plain_order_h200.json): not kept.
-CAUSAL_PERSISTENT_ROUNDS = 16
+# (results/dev/gluon_core/causal_plain_order_h200.json): not kept. The rounds stop at the most measured: a square
+# call in one q-chunk (config={"plan": {"q_chunk": N}}; results/dev/elsa/one_q_chunk_causal_h200.json, over cuDNN's
+# causal, the shipped two chunks / one chunk plain / one chunk persistent) gained persistent at 31 rounds, Llama-3's
+# 32 / 8 heads of 8K 1.05 / 1.06 / 1.02, and at H = 8 D = 64 16K 1.02 / 0.98 / 0.93, D = 128 12K 0.99 / 0.97 / 0.94;
+# past L2 it lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). One chunk's summaries cost ~35 % more memory above the
+# inputs there (SUMMARY_BUDGET), so the plan keeps its chunks and a caller may trade.
+CAUSAL_PERSISTENT_ROUNDS = 32
 
 
 def causal_rounds(nq: int, nk: int, q_chunk: int, bh: int, group: int, d: int, sms: int, l2: int) -> int:
