@@ -140,8 +140,8 @@ SHORT_BIAS_TILES = {
 # call in one q-chunk (config={"plan": {"q_chunk": N}}; results/dev/elsa/one_q_chunk_causal_h200.json, over cuDNN's
 # causal, the shipped two chunks / one chunk plain / one chunk persistent) gained persistent at 31 rounds, Llama-3's
 # 32 / 8 heads of 8K 1.05 / 1.06 / 1.02, and at H = 8 D = 64 16K 1.02 / 0.98 / 0.93, D = 128 12K 0.99 / 0.97 / 0.94;
-# past L2 it lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). One chunk's summaries cost ~35 % more memory above the
-# inputs there (SUMMARY_BUDGET), so the plan keeps its chunks and a caller may trade.
+# past L2 it gained at most 2 % or lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). One chunk's summaries cost ~35 %
+# more memory above the inputs there (SUMMARY_BUDGET), so the plan keeps its chunks and a caller may trade.
 CAUSAL_PERSISTENT_ROUNDS = 32
 
 
