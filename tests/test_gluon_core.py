@@ -231,6 +231,37 @@ def test_elsa_causal_grid_rule_where_measured():
     assert rounds(8192, 8192, 8192, 25, 1, 64, 132, l2) == 32 and rounds(8192, 8192, 8192, 26, 1, 64, 132, l2) == 0
 
 
+@pytest.mark.cpu_only
+def test_elsa_causal_plan_takes_one_q_chunk_where_it_runs_persistent():
+    # results/dev/elsa/one_q_chunk_causal_h200.json: a causal square call whose K and V fit in L2 ran 3-9 % faster in
+    # one persistent q-chunk than in the summary budget's two; the plan takes it where the rule runs that chunk
+    # persistent (132 SMs, 50 MiB of L2: the H100's) and hands the launches the rule's rounds
+    l2 = 50 * 2**20
+
+    def plan(n, heads, d, group=1, causal=True, config="", keys=None):
+        return elsa_config.plan_forward(n, keys or n, heads, d, torch.float16, 132, config, causal, False, False,
+                                        True, False, group, l2)
+
+    def chunks(p, n):
+        return -(-n // p.q_chunk)
+
+    # H = 8 D = 64 16K (32 MiB of K and V), D = 128 12K (48 MiB), Llama-3 8K (32 / 8 heads: 32 MiB; 31 rounds)
+    for n, heads, d, group in ((16384, 8, 64, 1), (12288, 8, 128, 1), (8192, 32, 128, 4)):
+        p = plan(n, heads, d, group)
+        assert p.gluon and p.parts == 2 and chunks(p, n) == 1, (n, heads, d)
+        assert p.causal_rounds == elsa_config.CAUSAL_PERSISTENT_ROUNDS
+        assert -(-n // p.block_m) * heads * p.parts <= p.causal_rounds * 132
+        assert chunks(plan(n, heads, d, group, causal=False), n) == 2          # not causal: the budget's chunks
+    # K and V past L2 (D = 128 16K: 64 MiB; 32 kv heads of 8K: 128 MiB), past 32 rounds (64 / 8 heads of 12K at D =
+    # 64: 93 rounds), chunked prefill, a caller's q-chunk: the budget's chunks, the plain grid
+    past = [plan(16384, 8, 128), plan(8192, 32, 128), plan(12288, 64, 64, 8), plan(4096, 8, 64, keys=32768),
+            plan(16384, 8, 64, config=elsa_config.canonical_config({"plan": {"q_chunk": 8192}}, torch.float16, 64))]
+    assert [p.causal_rounds for p in past] == [0] * len(past)
+    assert [chunks(p, n) for p, n in zip(past, (16384, 8192, 12288, 4096, 16384))] == [2, 2, 2, 1, 2]
+    # off the core (float32 on its Triton phase 1 here) no rounds
+    assert elsa_config.plan_forward(16384, 16384, 8, 64, torch.float32, 132, "", True, group=1, l2=l2).causal_rounds == 0
+
+
 def test_round_kv_bytes_counts_the_kv_heads_a_causal_round_spans():
     # a causal round takes the heads fastest: min(B*Hq, SMs) query heads, `group` of them a kv head, 4 * Nk * D
     # bytes each (16-bit K and V)

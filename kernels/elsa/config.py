@@ -140,8 +140,10 @@ SHORT_BIAS_TILES = {
 # call in one q-chunk (config={"plan": {"q_chunk": N}}; results/dev/elsa/one_q_chunk_causal_h200.json, over cuDNN's
 # causal, the shipped two chunks / one chunk plain / one chunk persistent) gained persistent at 31 rounds, Llama-3's
 # 32 / 8 heads of 8K 1.05 / 1.06 / 1.02, and at H = 8 D = 64 16K 1.02 / 0.98 / 0.93, D = 128 12K 0.99 / 0.97 / 0.94;
-# past L2 it gained at most 2 % or lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). One chunk's summaries cost ~35 %
-# more memory above the inputs there (SUMMARY_BUDGET), so the plan keeps its chunks and a caller may trade.
+# past L2 it gained at most 2 % or lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). So a causal plan on the core takes
+# one q-chunk wherever that chunk runs persistent by this rule (_partitions' persistent_rounds): 16-bit is speed
+# first, and one chunk's summaries there cost at most ~35 % more memory above the inputs than SUMMARY_BUDGET's chunks
+# (Llama-3 8K 98 -> 132 MiB), bounded by the rule's L2 and rounds.
 CAUSAL_PERSISTENT_ROUNDS = 32
 
 
@@ -377,6 +379,7 @@ class FwdPlan:
     warp_specialize: bool = False   # phase 1 runs the flash core's warp-specialized loop
     gluon: bool = False             # phase 1 runs the Gluon Hopper core (kernels/_gluon_core.py)
     tf32_gluon: bool = False        # float32 phase 1 runs on wgmma (gluon_phase1.py)
+    causal_rounds: int = 0          # causal on the core: the rounds its launches may run persistent (causal_rounds)
 
     @property
     def final(self) -> bool:
@@ -391,9 +394,11 @@ def _next_pow2(x: int) -> int:
 @functools.lru_cache(maxsize=1024)   # a pure function of its arguments
 def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "",
                  causal: bool = False, bias: bool = False, ws_capable: bool = False,
-                 gluon_capable: bool = False, tf32_capable: bool = False) -> FwdPlan:
+                 gluon_capable: bool = False, tf32_capable: bool = False, group: int = 1,
+                 l2: int = gluon_core.DEFAULT_L2_BYTES) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
-    streaming multiprocessors; ``config`` a canonical override string (canonical_config); ws_capable: the call's
+    streaming multiprocessors, `group` query heads a kv head, an L2 of `l2` bytes; ``config`` a canonical override
+    string (canonical_config); ws_capable: the call's
     tensors and device can take the flash core's warp-specialized loop (core.warp_specialize_ok with descriptors).
     Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
     blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
@@ -423,6 +428,9 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
     plan_given = overrides.get("plan", {})
+    # causal on the core: one q-chunk where that chunk would run persistent (CAUSAL_PERSISTENT_ROUNDS' note)
+    one_chunk_rounds = (causal_rounds(nq, nk, nq, bh, group, d, sms, l2)
+                        if gluon and causal and "q_chunk" not in plan_given else 0)
     if tf32_gluon:
         bm, bn, warps, stages = gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1
     if gluon:
@@ -431,22 +439,27 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         def busiest(consumers):
             rows = gluon_core.ROWS_PER_CONSUMER * consumers
             return _busiest_sm_work(nq, nk, bh, rows, bn, *_partitions(nq, nk, bh, rows, bn, d, dtype, sms,
-                                                                      plan_given), causal, sms)
+                                                                      plan_given, False, causal, one_chunk_rounds),
+                                    causal, sms)
 
         bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, busiest)
-    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given, tf32_gluon, causal)
+    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given, tf32_gluon, causal,
+                                   one_chunk_rounds)
     rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon)
+    rounds = causal_rounds(nq, nk, qc, bh, group, d, sms, l2) if gluon and causal else 0
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon, rounds)
 
 
 def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torch.dtype, sms: int,
-                plan_given: dict, one_cta_per_sm: bool = False, causal: bool = False) -> tuple[int, int, int]:
+                plan_given: dict, one_cta_per_sm: bool = False, causal: bool = False,
+                persistent_rounds: int = 0) -> tuple[int, int, int]:
     """(W, P, q_chunk) of a forward with bm-row blocks and bn-key tiles: config's plan overrides where given, else
     one partition below LONG_N keys and enough for TARGET_WAVES waves from it; q-chunks within the summary budget
     but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk; one_cta_per_sm: phase 1's programs
     run one a SM, so a wave is exactly `sms` programs, the fit may go down to the whole waves below and one wave
-    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES)."""
+    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES); one chunk of all rows where its programs fill at most
+    `persistent_rounds` rounds of the SMs (a causal call on the core that one chunk lets run persistent)."""
     cls = dtype_class(dtype)
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -459,8 +472,8 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
-    if parts == 1:
-        qc = all_rows                                      # no summaries, nothing to chunk
+    if parts == 1 or -(-max(nq, 1) // bm) * bh * parts <= persistent_rounds * sms:
+        qc = all_rows                                      # no summaries, nothing to chunk; or persistent in one
     elif "q_chunk" in plan_given:
         qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)
     else:

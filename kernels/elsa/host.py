@@ -33,7 +33,7 @@ from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precisi
 from .._launch import LaunchPlan, Prepared, SignatureCache, dependent_launch_ok, layout
 from .._ops import traceable
 from . import gluon_phase1, trace
-from .config import (DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, causal_rounds, plan_backward, plan_forward,
+from .config import (DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward,
                      summary_numel)
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
@@ -173,7 +173,8 @@ class _FwdPlan(LaunchPlan):
         tf32_ok = c.prec == "tf32x3" and gluon_phase1.eligible(q)   # read() gives unit strides; the plan: no bias
         sms = sm_count(c.device, DEFAULT_SM_COUNT)
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sms, config, causal, bias is not None,
-                                        core.warp_specialize_ok(c.device, use_desc), gluon_ok, tf32_ok)
+                                        core.warp_specialize_ok(c.device, use_desc), gluon_ok, tf32_ok, c.group,
+                                        l2_bytes(c.device, gluon_core.DEFAULT_L2_BYTES))
         if traced:          # a Gluon kernel (the core's, float32's) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not (plan.gluon or plan.tf32_gluon)
         bm, W, P = plan.block_m, plan.width, plan.parts
@@ -198,8 +199,6 @@ class _FwdPlan(LaunchPlan):
         if dependent:
             p2_const.update(launch_pdl=True)
         self.chunks = []            # per q-chunk: (phase-1 launch, phase-2 launch or None, trace info)
-        rounds = causal_rounds(c.NQ, c.NK, plan.q_chunk, c.BH, c.group, c.D, sms,
-                               l2_bytes(c.device, gluon_core.DEFAULT_L2_BYTES)) if causal and plan.gluon else 0
         if c.BH == 0:
             return
         for q0 in range(0, c.NQ, plan.q_chunk):
@@ -210,7 +209,7 @@ class _FwdPlan(LaunchPlan):
                 p1 = _GluonPhase1(causal=causal, qk_scale=c.qk_scale, q0=q0, n_blocks=QB, parts=P, width=W,
                                   n_slots=nrows, summary=not plan.final, lse_mode=2 if need_lse else 0,
                                   consumers=bm // gluon_core.ROWS_PER_CONSUMER, launch_dependents=dependent,
-                                  causal_rounds=rounds)
+                                  causal_rounds=plan.causal_rounds)
             else:
                 p1 = Prepared(phase1, grid1, (*c.qkv_strides, *c.bias_strides, *out_strides, c.H, c.group,
                                               c.NQ, c.NK, q0, QB, c.BH, W, nrows, c.qk_scale), p1_const)
