@@ -142,8 +142,10 @@ SHORT_BIAS_TILES = {
 # 32 / 8 heads of 8K 1.05 / 1.06 / 1.02, and at H = 8 D = 64 16K 1.02 / 0.98 / 0.93, D = 128 12K 0.99 / 0.97 / 0.94;
 # past L2 it gained at most 2 % or lost (32 kv heads of 8K 1.05 / 1.06 / 1.12). So a causal plan on the core takes
 # one q-chunk wherever that chunk runs persistent by this rule (_partitions' persistent_rounds): 16-bit is speed
-# first, and one chunk's summaries there cost at most ~35 % more memory above the inputs than SUMMARY_BUDGET's chunks
-# (Llama-3 8K 98 -> 132 MiB), bounded by the rule's L2 and rounds.
+# first, and one chunk's summaries cost 34-36 % more memory above the inputs than SUMMARY_BUDGET's chunks at the
+# measured shapes (Llama-3 8K 98 -> 132 MiB), bounded by the rule's L2 and rounds. As shipped, over the budget's chunks
+# (results/dev/elsa/one_q_chunk_default_h200.json, CUDA-graph time, outputs bit-identical): D = 64 16K 0.92 (bf16
+# 0.92), D = 128 12K 0.96 (0.95), Llama-3 8K 0.98; fwd+bwd D = 64 16K 0.97, Llama-3 8K 0.99.
 CAUSAL_PERSISTENT_ROUNDS = 32
 
 
