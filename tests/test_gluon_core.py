@@ -259,7 +259,8 @@ def test_elsa_causal_plan_takes_one_q_chunk_where_it_runs_persistent():
     assert [p.causal_rounds for p in past] == [0] * len(past)
     assert [chunks(p, n) for p, n in zip(past, (16384, 8192, 12288, 4096, 16384))] == [2, 2, 2, 1, 2]
     # off the core (float32 on its Triton phase 1 here) no rounds
-    assert elsa_config.plan_forward(16384, 16384, 8, 64, torch.float32, 132, "", True, group=1, l2=l2).causal_rounds == 0
+    fp32 = elsa_config.plan_forward(16384, 16384, 8, 64, torch.float32, 132, "", True, group=1, l2=l2)
+    assert not fp32.gluon and fp32.causal_rounds == 0
 
 
 def test_round_kv_bytes_counts_the_kv_heads_a_causal_round_spans():

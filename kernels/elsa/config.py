@@ -400,8 +400,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
                  l2: int = gluon_core.DEFAULT_L2_BYTES) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
     streaming multiprocessors, `group` query heads a kv head, an L2 of `l2` bytes; ``config`` a canonical override
-    string (canonical_config); ws_capable: the call's
-    tensors and device can take the flash core's warp-specialized loop (core.warp_specialize_ok with descriptors).
+    string (canonical_config); ws_capable: the call's tensors and device can take the flash core's warp-specialized
+    loop (core.warp_specialize_ok with descriptors).
     Phase 1 warp-specializes only with the core's warp-specialized tiles unchanged (no override of them), 128-row
     blocks (N > SHORT_N) and where the core has it proven (core.ws_proven: non-causal, NK a multiple of BLOCK_N).
     gluon_capable: the call's tensors and device can take the Gluon Hopper core (gluon_core.available, with
@@ -409,7 +409,8 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     unless the caller overrides the forward tiles (its CTA is 64 query rows a consumer warpgroup, as many as
     gluon_core.consumers_for chooses, its key tile gluon_core.TILES'). tf32_capable: float32 inputs with tf32x3
     products on a GPU gluon_phase1 takes; phase 1 then runs it without a bias, at its HEAD_DIMS, from its MIN_WORK,
-    unless the caller overrides the forward tiles."""
+    unless the caller overrides the forward tiles. Causal on the Gluon core, the plan's causal_rounds are
+    causal_rounds' for its q-chunks, and it takes one q-chunk wherever that chunk runs persistent."""
     bd = block_d(d)
     cls = dtype_class(dtype)
     overrides = parse_config(config)
