@@ -45,13 +45,14 @@ D = 64 the diagonal is its whole mask (a key past NK lies above it for every rea
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, check_inputs, default_scale, on_device
+from ._common import LOG2E, check_inputs, default_scale, on_device, sm_count
 from ._flash_core import _tma_layout_ok
-from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, described_rows
+from ._gluon_core import GLUON_VERSION, HAS_GLUON, available, busiest_sm, described_rows
 from ._gluon_core import eligible as core_eligible
 from ._launch import Prepared
 
@@ -65,6 +66,17 @@ TILES = {(64, False): (64, 64, 2, 32), (64, True): (64, 64, 2, 32), (128, False)
          (128, True): (64, 64, 2, 64)}
 CONSUMER_REGS = 240     # per consumer thread (setmaxnreg): two consumer warpgroups and the loader's in 64K
 LOADER_REGS = 24
+# The launch order. Causal, a key block's program walks the query tiles from its block's diagonal on, block 0 the
+# most. With key blocks fastest each head's blocks go longest first, but the last heads' longest start at the end of
+# the launch, which short grids (few waves) cannot absorb; heads fastest (every head's block 0, then every head's
+# block 1: longest first across the grid) spreads a wave over every head's Q and dO instead. Each forced, the backward
+# alone (results/dev/gluon_bwd/launch_order_h200.json, B=1, CUDA-graph time, heads fastest over blocks fastest): causal
+# H = 8 4K 0.69 / 0.73 (D = 64 / 128), 8K 0.88 / 0.90, Llama-3's 32 / 8 heads 4K 0.77, 8K 0.92; where either order
+# fills the SMs evenly 1-3 % slower (causal 16K-32K, 32 kv heads of 4K 0.99, not causal 8K-16K 1.00-1.03). So heads
+# fastest where the blocks-fastest order's busiest SM (gluon_core.busiest_sm of the programs' query tiles, plus one
+# for K and V) has at least HEADS_FASTEST_MIN_GAIN times heads fastest's work: 1.23 at every shape that gained, 1.13
+# at 32 kv heads of 4K (even), under 1.01 where heads fastest lost.
+HEADS_FASTEST_MIN_GAIN = 1.2
 
 if HAS_GLUON:
     from triton._C.libtriton import ir
@@ -229,16 +241,21 @@ if HAS_GLUON:
     @gluon.jit
     def _gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, DK, DV, heads, group, n_q, n_k,
                              causal_shift, qk_scale, sm_scale, lse_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """Program (key block kb of 2 * BN keys, b * Hkv + hk): a loader warp and two consumer warpgroups, each
-        owning BN of the block's keys; both read every Q / dO tile of the ring (its empty barrier counts both)."""
+                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, HEADS_FASTEST: gl.constexpr):
+        """Program (key block kb of 2 * BN keys, b * Hkv + hk), or (b * Hkv + hk, kb) with HEADS_FASTEST: a loader
+        warp and two consumer warpgroups, each owning BN of the block's keys; both read every Q / dO tile of the ring
+        (its empty barrier counts both)."""
         BN: gl.constexpr = k_desc.block_type.shape[0]
         D: gl.constexpr = k_desc.block_type.shape[1]
         BM: gl.constexpr = q_desc.block_type.shape[0]
         DQ_COLS: gl.constexpr = dq_desc.block_type.shape[1]
         dtype: gl.constexpr = k_desc.dtype
-        kb = gl.program_id(0)
-        bhk = gl.program_id(1)
+        if HEADS_FASTEST:
+            kb = gl.program_id(1)
+            bhk = gl.program_id(0)
+        else:
+            kb = gl.program_id(0)
+            bhk = gl.program_id(1)
         kv_heads = heads // group
         b = bhk // kv_heads
         hk = bhk % kv_heads
@@ -306,13 +323,15 @@ def _prologue(DO, O, Delta, DQ, heads, n_q, so_b, so_h, so_n, D: tl.constexpr, R
 PROLOGUE_ROWS = 32
 
 
-def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None, lse_scale: float = 1.0):
+def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, tiles=None, lse_scale: float = 1.0,
+              heads_fastest: bool | None = None):
     """(dq, dk, dv) of softmax attention on sm_90 (no autograd): q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D]
     contiguous, float16 / bfloat16, D in HEAD_DIMS; out, grad_out [B, Hq, Nq, D] (any strides; grad_out is copied
     when not contiguous); lse2 [B, Hq, Nq] fp32, the base-2 row statistic (p = exp2(q.k * scale * log2(e) - lse2);
     ELSA's forward stores it, +inf for a row that sees no key), or any row statistic that lse_scale times makes it
     (log2 e for a natural-log lse). Causal is bottom-right aligned. dk, dv are summed over each key/value head's query
-    group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'."""
+    group. tiles: (BLOCK_M, BLOCK_N, STAGES, DQ_COLS) instead of TILES'; heads_fastest: the launch order (None:
+    heads_fastest_pays')."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale)
     if not usable(q, k, v, grad_out):         # a grad_out that is not contiguous: Launch copies it
         raise ValueError(f"{NAME}: needs triton {GLUON_VERSION}'s Gluon, an sm_90 GPU, float16/bfloat16, head dim in "
@@ -324,18 +343,36 @@ def gluon_bwd(grad_out, q, k, v, out, lse2, causal: bool = False, scale=None, ti
                          f"dQ (head dim {shape.head_dim})")
     if out.stride(-1) != 1:
         out = out.contiguous()
-    return Launch(q, k, out.stride()[:3], causal, default_scale(scale, shape.head_dim), tiles, lse_scale)(
-        grad_out, q, k, v, out, lse2)
+    return Launch(q, k, out.stride()[:3], causal, default_scale(scale, shape.head_dim), tiles, lse_scale,
+                  heads_fastest)(grad_out, q, k, v, out, lse2)
 
 
-def grid(batch: int, kv_heads: int, n_k: int, tiles) -> tuple:
-    """The launch grid: (blocks of 2 x BLOCK_N keys, batch x key/value heads)."""
-    return triton.cdiv(n_k, 2 * tiles[1]), batch * kv_heads
+def heads_fastest_pays(batch: int, kv_heads: int, group: int, n_q: int, n_k: int, tiles, causal: bool,
+                       sms: int) -> bool:
+    """Whether the launch takes heads fastest (HEADS_FASTEST_MIN_GAIN): causal, where the blocks-fastest order's
+    busiest SM has that much more work."""
+    if not causal:
+        return False
+    block_m, block_n = tiles[0], tiles[1]
+    c0 = np.arange(triton.cdiv(n_k, 2 * block_n)) * 2 * block_n
+    i_lo = np.maximum(c0 - (n_k - n_q), 0) // block_m * block_m
+    costs = group * np.maximum(-(-(n_q - i_lo) // block_m), 0) + 1          # per key block of one kv head
+    heads = batch * kv_heads
+    blocks_first = busiest_sm(np.tile(costs, heads), sms)
+    return blocks_first >= HEADS_FASTEST_MIN_GAIN * busiest_sm(np.repeat(costs, heads), sms)
+
+
+def grid(batch: int, kv_heads: int, n_k: int, tiles, heads_fastest: bool = False) -> tuple:
+    """The launch grid: (blocks of 2 x BLOCK_N keys, batch x key/value heads), the other way round with
+    heads_fastest."""
+    blocks = triton.cdiv(n_k, 2 * tiles[1])
+    return (batch * kv_heads, blocks) if heads_fastest else (blocks, batch * kv_heads)
 
 
 class Launch:
     """gluon_bwd's launches for q, k, v laid out as those it is made with and an out of the strides o_strides (its
-    batch, head and row strides; the last is 1): a caller that checked them once (ELSA's and CQSA's backward plans),
+    batch, head and row strides; the last is 1), in the launch order heads_fastest_pays picks unless heads_fastest
+    says: a caller that checked them once (ELSA's and CQSA's backward plans),
     called as ``go(grad_out, q, k, v, out, lse)`` -> (dq, dk, dv), lse * lse_scale the base-2 row statistic. Two
     Prepared launches: the prologue (_prologue: Delta and the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps
     (q, k, v, dO, the fp32 dQ) are re-encoded at each call's tensors (kernels/_launch.py); then dQ cast to the inputs'
@@ -343,18 +380,22 @@ class Launch:
 
     __slots__ = ("prologue", "kernel", "empty")
 
-    def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles, lse_scale: float = 1.0):
+    def __init__(self, q, k, o_strides, causal: bool, scale: float, tiles, lse_scale: float = 1.0,
+                 heads_fastest: bool | None = None):
         b, hq, n_q, d = q.shape
         hkv, n_k = k.shape[1], k.shape[2]
         block_m, block_n, stages, dq_cols = tiles
+        if heads_fastest is None:
+            heads_fastest = heads_fastest_pays(b, hkv, hq // hkv, n_q, n_k, tiles, causal, sm_count(q.device, 1))
         self.empty = q.numel() == 0 or n_k == 0
         # the call's tensors: dO, O, Delta, the fp32 dQ
         self.prologue = Prepared(_prologue, (triton.cdiv(n_q, PROLOGUE_ROWS), b * hq), (hq, n_q, *o_strides),
                                  dict(D=d, ROWS=PROLOGUE_ROWS, num_warps=4))
         # the call's tensors: q, k, v, dO, dQ (described), then lse2, Delta, dK, dV
-        self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles), (
+        self.kernel = Prepared(_gluon_bwd_kernel, grid(b, hkv, n_k, tiles, heads_fastest), (
             hq, hq // hkv, n_q, n_k, n_k - n_q, scale * LOG2E, scale, lse_scale),
-            dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4),
+            dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                 HEADS_FASTEST=heads_fastest, num_warps=4),
             describe=tuple(described_rows(i, d, rows, cols) for i, (rows, cols) in enumerate(
                 ((block_m, d), (block_n, d), (block_n, d), (block_m, d), (block_m, dq_cols)))))
 

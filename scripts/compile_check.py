@@ -524,8 +524,9 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                                 {"Lse", "Sbuf"}, i32_ptrs={"Items", "Ranges"}, floats={"qk_scale", "pasa_c"},
                                 descs=descs, gluon=True, label=label))
         if d in gb.HEAD_DIMS:
-            # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N
-            for causal in (False, True):
+            # the backward (kernels/_gluon_bwd.py): Q and dO tiles of BLOCK_M rows, each consumer's K and V of BLOCK_N;
+            # causal in both launch orders (heads_fastest_pays)
+            for causal, heads_fastest in ((False, False), (True, False), (True, True)):
                 for bm, bn, stages, dq_cols in (BWD_TILE_CANDIDATES if tiles else [gb.TILES[(d, causal)]]):
                     if (d // 2) % dq_cols:
                         continue
@@ -536,9 +537,11 @@ def gluon_core_jobs(dtypes, dims, tiles: bool) -> list[Job]:
                                         f"{gc.descriptor_layout(bm, dq_cols, torch.float32)!r}>")
                     jobs.append(Job("gluon_core", "bwd", gb._gluon_bwd_kernel, dtype,
                                     dict(CAUSAL=causal, STAGES=stages, CONSUMER_REGS=gb.CONSUMER_REGS,
-                                         LOADER_REGS=gb.LOADER_REGS), 4, 1, {"DK", "DV"}, {"Lse", "Delta"},
+                                         LOADER_REGS=gb.LOADER_REGS, HEADS_FASTEST=heads_fastest), 4, 1,
+                                    {"DK", "DV"}, {"Lse", "Delta"},
                                     floats={"qk_scale", "sm_scale", "lse_scale"}, descs=descs, gluon=True,
-                                    label=dict(D=d, causal=causal, cfg=[bm, bn, stages, dq_cols])))
+                                    label=dict(D=d, causal=causal, heads_fastest=heads_fastest,
+                                               cfg=[bm, bn, stages, dq_cols])))
             # its prologue (a Triton kernel): Delta and the zeroed dQ buffer
             jobs.append(Job("gluon_core", "bwd_prologue", gb._prologue, dtype, dict(D=d, ROWS=gb.PROLOGUE_ROWS), 4,
                             1, {"DO", "O"}, {"Delta", "DQ"}, div16=re.compile(r"^so_[bhn]$").match,

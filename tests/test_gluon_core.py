@@ -864,9 +864,10 @@ def test_backward_prologue_writes_delta_and_zeroes_dq(device, d):
 BWD_CASES = [c for c in GPU_CASES if c[5] in gb.HEAD_DIMS]
 
 
-def _gluon_bwd_errors(case, dtype, scale=None, tiles=None):
+def _gluon_bwd_errors(case, dtype, scale=None, tiles=None, heads_fastest=None):
     """Relative RMS errors of gluon_bwd's dq, dk, dv against float64's, on the forward's output rounded to dtype
-    and its base-2 LSE (+inf where a row sees no key, as ELSA stores it)."""
+    and its base-2 LSE (+inf where a row sees no key, as ELSA stores it), in the launch order heads_fastest (None:
+    the rule's)."""
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = (t.requires_grad_(True) for t in _inputs(b, hq, hkv, nq, nk, d, dtype, "cuda"))
     ref = reference_attention(q, k, v, causal=causal)
@@ -874,7 +875,8 @@ def _gluon_bwd_errors(case, dtype, scale=None, tiles=None):
     want = torch.autograd.grad(ref, (q, k, v), g.double())
     lse2 = _reference_lse(q, k, causal) * math.log2(math.e)
     lse2 = torch.where(torch.isfinite(lse2), lse2, float("inf")).float()
-    got = gb.gluon_bwd(g, q.detach(), k.detach(), v.detach(), ref.detach().to(dtype), lse2, causal, scale, tiles)
+    got = gb.gluon_bwd(g, q.detach(), k.detach(), v.detach(), ref.detach().to(dtype), lse2, causal, scale, tiles,
+                       heads_fastest=heads_fastest)
     return [_rel_rms(x, y) for x, y in zip(got, want)]
 
 
@@ -898,6 +900,35 @@ def test_gpu_backward_two_dq_chunks_match_float64(d):
     for case in [(1, 4, 2, 777, 1000, d, False), (1, 4, 2, 1000, 777, d, True)]:
         for name, err in zip("qkv", _gluon_bwd_errors(case, torch.float16, tiles=tiles)):
             assert err <= 2 * TOL[torch.float16], f"{case} d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_fastest", [False, True], ids=["blocks-fastest", "heads-fastest"])
+@pytest.mark.parametrize("d", gb.HEAD_DIMS)
+def test_gpu_backward_in_either_launch_order_matches_float64(d, heads_fastest):
+    """Each launch order, forced, on grouped-query causal calls both ways of Nq != Nk (two batches: the grid's
+    head index spans them), and not causal."""
+    _need_core("cuda")
+    for case in [(2, 4, 2, 777, 1000, d, True), (2, 4, 2, 1000, 777, d, True), (1, 4, 4, 1000, 1000, d, False)]:
+        for name, err in zip("qkv", _gluon_bwd_errors(case, torch.float16, heads_fastest=heads_fastest)):
+            assert err <= 2 * TOL[torch.float16], f"{case} d{name}: rel RMS {err:.2e}"
+
+
+def test_backward_launch_order_where_measured():
+    # results/dev/gluon_bwd/launch_order_h200.json (132 SMs, B=1): heads fastest where it gained (causal 4K and 8K at
+    # 8 heads, D = 64 and 128; Llama-3's 32 / 8 heads at 4K and 8K), key blocks fastest where it lost or tied (causal
+    # 16K-32K, 32 kv heads of 4K) and whenever not causal; the grid swaps its axes with the order
+    def pays(d, hq, hkv, n, causal=True, nk=None):
+        return gb.heads_fastest_pays(1, hkv, hq // hkv, n, nk or n, gb.TILES[(d, causal)], causal, 132)
+
+    assert all(pays(d, 8, 8, n) for d in (64, 128) for n in (4096, 8192))
+    assert pays(128, 32, 8, 4096) and pays(128, 32, 8, 8192)
+    assert not any(pays(d, 8, 8, n) for d in (64, 128) for n in (16384, 32768))
+    assert not pays(128, 32, 8, 16384) and not pays(128, 32, 32, 4096)
+    assert not any(pays(d, 8, 8, n, causal=False) for d in (64, 128) for n in (4096, 8192, 16384))
+    assert not pays(128, 32, 8, 2048)                      # 128 programs: one a SM in either order
+    tiles = gb.TILES[(128, True)]
+    assert gb.grid(2, 8, 8192, tiles) == (64, 16) and gb.grid(2, 8, 8192, tiles, heads_fastest=True) == (16, 64)
 
 
 @pytest.mark.gpu
