@@ -72,7 +72,9 @@ ONE_LAUNCH_MAX_WORK = 1 << 25
 # scripts/tune.py --kernel elsa --sections gluonbwd measures the crossover through the harness's timer (fwd+bwd,
 # host time included) and writes it to the tuning file ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}), which
 # replaces these: on the H200 from 3K at D = 128 (causal: 0.99 +- 0.02 of the Triton one's time there) and 6K at
-# D = 64 (results/dev/gluon_bwd/crossover_harness_h200/).
+# D = 64 (results/dev/gluon_bwd/crossover_harness_h200/); re-tuned after the Gluon backward's launch order
+# (_gluon_bwd.heads_fastest_pays), D = 64 from 4K (results/dev/gluon_bwd/crossover_launch_order_h200/: at 4K 0.95,
+# causal 0.91 of the Triton one's time; 3K-4K calls are host-bound, and a repeat on the warm machine put both at 3K).
 BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 1 << 31, (64, True): 1 << 29, (128, False): 1 << 29, (128, True): 1 << 29}
 # The one-launch backward of short calls (Nq <= SHORT_N) in smaller key blocks and one stage (a tuning file's
 # "short_bwd" entries replace these: scripts/tune.py --kernel elsa --sections short16): on the H200
