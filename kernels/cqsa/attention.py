@@ -220,7 +220,10 @@ class _Forward(LaunchPlan):
 # ELSA's backward (kernels/FLASH_CORE.md, "Gluon: the backward"). `scripts/tune.py --kernel cqsa --sections gluonbwd`
 # measures the crossover with the harness's timer (paired, L2 flushed) and writes it to the tuning file
 # ("gluon_bwd_min_work": {"<D>,<causal 0/1>": work}), whose entries replace these: on the H200 it found 2K at D = 128
-# as here, and at D = 64 2K without a mask, 4K causal (results/dev/cqsa/gluon_backward_tune_h200/). A call's
+# as here, and at D = 64 2K without a mask, 4K causal (results/dev/cqsa/gluon_backward_tune_h200/); after the
+# backward's causal launch order (_gluon_bwd.heads_fastest_pays) causal D = 64 from 3K (1.02 -> 0.92 of the two
+# kernels' time there), D = 128 from 1K, causal 1.5K (results/dev/cqsa/gluon_backward_tune_launch_order_h200/: those
+# 1K-1.5K calls are host-bound, where the earlier tuning measured 1.07 / 1.08 and this one 0.89 / 0.94). A call's
 # config={"plan": {"gluon_bwd_min_work": work}} replaces them for that call (how the tuner times one backward against
 # the other).
 BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
