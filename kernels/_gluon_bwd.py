@@ -372,8 +372,8 @@ def grid(batch: int, kv_heads: int, n_k: int, tiles, heads_fastest: bool = False
 class Launch:
     """gluon_bwd's launches for q, k, v laid out as those it is made with and an out of the strides o_strides (its
     batch, head and row strides; the last is 1), in the launch order heads_fastest_pays picks unless heads_fastest
-    says: a caller that checked them once (ELSA's and CQSA's backward plans),
-    called as ``go(grad_out, q, k, v, out, lse)`` -> (dq, dk, dv), lse * lse_scale the base-2 row statistic. Two
+    says: a caller that checked them once (ELSA's and CQSA's backward plans), called as
+    ``go(grad_out, q, k, v, out, lse)`` -> (dq, dk, dv), lse * lse_scale the base-2 row statistic. Two
     Prepared launches: the prologue (_prologue: Delta and the zeroed fp32 dQ buffer) and the kernel, whose five TMA maps
     (q, k, v, dO, the fp32 dQ) are re-encoded at each call's tensors (kernels/_launch.py); then dQ cast to the inputs'
     dtype."""
