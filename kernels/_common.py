@@ -230,7 +230,10 @@ def sm_count(device: torch.device, default: int) -> int:
     return _device_property(device, "multi_processor_count", default)
 
 
-def l2_bytes(device: torch.device, default: int) -> int:
+DEFAULT_L2_BYTES = 50 * 2**20         # the H100's, on the CPU (its interpreter has no cache to ask)
+
+
+def l2_bytes(device: torch.device, default: int = DEFAULT_L2_BYTES) -> int:
     """The device's L2 cache in bytes; `default` where it is not a CUDA device."""
     return _device_property(device, "L2_cache_size", default)
 

@@ -170,7 +170,6 @@ MIN_WORK = 2**31
 # causal_rounds (persistent_default): ELSA's kernels/elsa/config.py causal_rounds, PASA's kernels/pasa/ops.py's.
 # D = 64 and 128 measured; the split head dims and 256 stay on the plain grid.
 PERSISTENT_DIMS = (64, 128)
-DEFAULT_L2_BYTES = 50 * 2**20         # the H100's, on the CPU (its interpreter has no cache to ask)
 # The kernel's PASA constexpr: not PASA, or PASA's step with its state (m, l, the pseudo-average g, acc) held as
 # float16 values (the paper's full fp16 mode) or in float32 (its hybrid mode: only the scores Ŝ are float16).
 PASA_STATES = {"fp16": 1, "fp32": 2}

@@ -258,6 +258,9 @@ def test_elsa_causal_plan_takes_one_q_chunk_where_it_runs_persistent():
             plan(16384, 8, 64, config=elsa_config.canonical_config({"plan": {"q_chunk": 8192}}, torch.float16, 64))]
     assert [p.causal_rounds for p in past] == [0] * len(past)
     assert [chunks(p, n) for p, n in zip(past, (16384, 8192, 12288, 4096, 16384))] == [2, 2, 2, 1, 2]
+    # at head dims the core does not run persistent (the split D = 80 / 96: K and V 40 / 48 MiB) one chunk would gain
+    # nothing: the budget's chunks
+    assert all(chunks(plan(16384, 8, d), 16384) == 2 for d in (80, 96))
     # off the core (float32 on its Triton phase 1 here) no rounds
     fp32 = elsa_config.plan_forward(16384, 16384, 8, 64, torch.float32, 132, "", True, group=1, l2=l2)
     assert not fp32.gluon and fp32.causal_rounds == 0

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels import _gluon_core as gluon_core
 from kernels import _launch
-from kernels._common import LOG2E, ForwardOnlyError
+from kernels._common import DEFAULT_L2_BYTES, LOG2E, ForwardOnlyError
 from kernels.pasa import fa16_attention, ops, pasa_attention
 from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
                                solve_beta)
@@ -642,7 +642,7 @@ def test_host_hands_the_core_the_shifted_keys_and_constants(monkeypatch, nq, nk,
     assert seen["width"] == nk and seen["consumers"] == consumers and seen["n_blocks"] == -(-nq // (64 * consumers))
     # the grid is prepare's to decide (persistent_default), with PASA's causal rounds
     assert "persistent" not in seen
-    assert seen["causal_rounds"] == ops.causal_rounds(4, 2, nq, nk, d, 1, gluon_core.DEFAULT_L2_BYTES)
+    assert seen["causal_rounds"] == ops.causal_rounds(4, 2, nq, nk, d, 1, DEFAULT_L2_BYTES)
     assert seen["v"] is v
     windows = -(-nk // n)
     k_shift = seen["k_shift"]

@@ -28,7 +28,7 @@ from .. import _flash_core as core
 from .. import _gluon_bwd as gluon_bwd
 from .. import _gluon_core as gluon_core
 from . import gluon_phase1
-from .._common import block_d, tile_config
+from .._common import DEFAULT_L2_BYTES, block_d, tile_config
 from .._tuning import TuningFileError, min_work_entries, parse_dim_key, read_configs
 
 # (dtype class, BLOCK_D) -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for phase 1.
@@ -399,7 +399,7 @@ def _next_pow2(x: int) -> int:
 def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int, config: str = "",
                  causal: bool = False, bias: bool = False, ws_capable: bool = False,
                  gluon_capable: bool = False, tf32_capable: bool = False, group: int = 1,
-                 l2: int = gluon_core.DEFAULT_L2_BYTES) -> FwdPlan:
+                 l2: int = DEFAULT_L2_BYTES) -> FwdPlan:
     """Tiles, partitions and q-chunks for one forward call: queries [bh, nq], keys [*, nk], head dim d, sms
     streaming multiprocessors, `group` query heads a kv head, an L2 of `l2` bytes; ``config`` a canonical override
     string (canonical_config); ws_capable: the call's tensors and device can take the flash core's warp-specialized
@@ -463,8 +463,8 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
     one partition below LONG_N keys and enough for TARGET_WAVES waves from it; q-chunks within the summary budget
     but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk; one_cta_per_sm: phase 1's programs
     run one a SM, so a wave is exactly `sms` programs, the fit may go down to the whole waves below and one wave
-    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES); one chunk of all rows where its programs fill at most
-    `persistent_rounds` rounds of the SMs (a causal call on the core that one chunk lets run persistent)."""
+    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES); one chunk of all rows where the core runs it persistent
+    with `persistent_rounds` (gluon_core.persistent_default: a causal call on the core that one chunk lets run so)."""
     cls = dtype_class(dtype)
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -477,7 +477,8 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
-    if parts == 1 or -(-max(nq, 1) // bm) * bh * parts <= persistent_rounds * sms:
+    if parts == 1 or (persistent_rounds and gluon_core.persistent_default(d, True, -(-max(nq, 1) // bm) * bh * parts,
+                                                                          sms, persistent_rounds)):
         qc = all_rows                                      # no summaries, nothing to chunk; or persistent in one
     elif "q_chunk" in plan_given:
         qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)

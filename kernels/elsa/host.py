@@ -174,7 +174,7 @@ class _FwdPlan(LaunchPlan):
         sms = sm_count(c.device, DEFAULT_SM_COUNT)
         plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sms, config, causal, bias is not None,
                                         core.warp_specialize_ok(c.device, use_desc), gluon_ok, tf32_ok, c.group,
-                                        l2_bytes(c.device, gluon_core.DEFAULT_L2_BYTES))
+                                        l2_bytes(c.device))
         if traced:          # a Gluon kernel (the core's, float32's) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not (plan.gluon or plan.tf32_gluon)
         bm, W, P = plan.block_m, plan.width, plan.parts

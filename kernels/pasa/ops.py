@@ -309,7 +309,7 @@ class _Forward(LaunchPlan):
         if (name == "pasa" and opts["core"] == "auto" and gluon_core.available(q, k, v)
                 and bsz * heads_q * len_q * len_k * d >= (opts["core_min_work"] or CORE_MIN_WORK[d, causal])):
             self._plan_gluon(opts["beta"], opts["state"], sk, (bsz, heads_q, heads_kv, len_q, len_k, d), causal,
-                             scale, sm_count(q.device, 1), l2_bytes(q.device, gluon_core.DEFAULT_L2_BYTES))
+                             scale, sm_count(q.device, 1), l2_bytes(q.device))
         elif name == "pasa":
             block_m, block_n, bd, diag, off, c, shift_meta, main_meta, path = _pasa_plan(options, d, causal, scale)
             main_args = (sq[0], sq[1], sq[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], heads_q, heads_kv, len_q,
