@@ -477,8 +477,7 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
-    if parts == 1 or (persistent_rounds and gluon_core.persistent_default(d, True, -(-max(nq, 1) // bm) * bh * parts,
-                                                                          sms, persistent_rounds)):
+    if parts == 1 or gluon_core.persistent_default(d, True, -(-max(nq, 1) // bm) * bh * parts, sms, persistent_rounds):
         qc = all_rows                                      # no summaries, nothing to chunk; or persistent in one
     elif "q_chunk" in plan_given:
         qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)
