@@ -40,8 +40,9 @@ Masks: a key past NK (a tile running past its head's keys reads the next head's 
 its P^T row set to 0, so it adds nothing to dQ, and its dK/dV rows are not stored; a query row past NQ has lse2 = +inf
 (P^T = 0) and Delta = 0, so its dQ part is 0: the reduction adds zeros to the rows past the head's end (the next
 head's first rows, or nothing: TMA clips the box at the tensor's end). Causal (bottom-right, key n visible from query
-m iff n <= m + NK - NQ) zeroes P^T above the diagonal and skips the query tiles that see none of the block's keys; at
-D = 64 the diagonal is its whole mask (a key past NK lies above it for every real row), measured faster there only.
+m iff n <= m + NK - NQ) zeroes P^T above the diagonal and skips the query tiles that see none of the block's keys; the
+diagonal is its whole mask (a key past NK lies above it for every real row), applied at D = 64 to every tile and at
+D = 128 only to the tiles that cross it (each measured the faster there).
 """
 from __future__ import annotations
 
@@ -182,17 +183,24 @@ if HAS_GLUON:
             st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
             lse2 = lse_bufs.index(s).load(gl.SliceLayout(0, st_layout))
             delta = delta_bufs.index(s).load(gl.SliceLayout(0, st_layout))
-            if CAUSAL and D == 64:
-                # the diagonal alone: a key past NK lies above every real row's diagonal (n >= NK > m + NK - NQ for
-                # m < NQ), and a query row past NQ has lse2 = +inf (P^T = 0). 0.91-0.96x the full mask's time on the
-                # H200; at D = 128 the same mask made ptxas spill more (72 spill loads, not 19) and took 1.05-1.06x,
-                # and non-causal, the key bound alone took 1.00-1.04x (results/dev/gluon_bwd/mask_h200.json)
-                keep = keys[:, None] <= qrows[None, :] + causal_shift
+            if CAUSAL and D == 128:
+                # the mask only on the tiles that cross this warpgroup's keys' diagonal (a key past NK lies above
+                # every real row's diagonal, n >= NK > m + NK - NQ for m < NQ; a query row past NQ has lse2 = +inf,
+                # P^T = 0): 0.94-0.96x the time of masking every tile on the H200 (4K-32K, 8 heads; Llama-3's 32 / 8
+                # at 4K). The same branch took 1.02x at causal D = 64 and 0.99-1.03x not causal (at D = 128 it spills
+                # more there), so those mask every tile (results/dev/gluon_bwd/mask_per_tile_h200.json)
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if kc0 + BN - 1 > i0 + causal_shift:
+                    pt = gl.where(keys[:, None] <= qrows[None, :] + causal_shift, pt, 0.0)
             else:
-                keep = key_ok[:, None] & q_ok[None, :]
                 if CAUSAL:
-                    keep = keep & (keys[:, None] <= qrows[None, :] + causal_shift)
-            pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+                    # the diagonal alone (as above): 0.91-0.96x the full mask's time on the H200 at D = 64; at D = 128
+                    # it made ptxas spill more and took 1.05-1.06x, and not causal, the key bound alone took
+                    # 1.00-1.04x (results/dev/gluon_bwd/mask_h200.json)
+                    keep = keys[:, None] <= qrows[None, :] + causal_shift
+                else:
+                    keep = key_ok[:, None] & q_ok[None, :]
+                pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
             dst = pt * (dpt - delta[None, :])
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dst16 = dst.to(dtype)
