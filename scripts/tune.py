@@ -43,7 +43,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
 With --device cpu nothing is written unless --write names a file (the kernel's own file holds GPU choices).
 --out DIR keeps every measurement (tune_<kernel>.json, rewritten after each one, so a cut-off run keeps them).
 Sections are timed one after the other; --budget-s stops before a candidate that would overrun (on a machine
-with a time limit per command, choose --sections to fit).
+with a time limit per command, choose --sections to fit). --dims 128 sweeps only the head dims named, in every
+section that sweeps head dims (e.g. `--sections gluonbwd --dims 128` after a change to one head dim's kernel).
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class Sweep:
 class Context:
     device: str
     chosen: dict = field(default_factory=dict)      # (table, key) -> value chosen by an earlier section
+    head_dims: tuple | None = None                  # --dims: the head dims a run sweeps (None: each section's own)
 
     @property
     def cpu(self) -> bool:
@@ -110,8 +112,11 @@ class Context:
         """The lengths a section times: the GPU's, or one tiny length on the CPU."""
         return (64,) if self.cpu else gpu_ns
 
-    def dims(self, items: list) -> list:
-        """The head dims (or (dtype class, D) pairs) a section sweeps: all on the GPU, the first on the CPU."""
+    def dims(self, items: list, head_dim=lambda item: item) -> list:
+        """The head dims (or pairs holding one, which head_dim picks) a section sweeps: those of --dims where it is
+        given, then all on the GPU, the first on the CPU."""
+        if self.head_dims is not None:
+            items = [x for x in items if head_dim(x) in self.head_dims]
         return items[:1] if self.cpu else items
 
     def heads(self, gpu_heads: int) -> int:
@@ -201,7 +206,7 @@ def elsa_sweeps(ctx: Context, section: str):
 
     from kernels.elsa import config
 
-    for cls, d in ctx.dims(ELSA_SECTIONS[section]):
+    for cls, d in ctx.dims(ELSA_SECTIONS[section], lambda pair: pair[1]):
         dtype = "float32" if cls == "32" else "float16"
         baseline = ctx.baseline("efficient" if cls == "32" else "flash")
         key = dim_key(cls, block_d(d))
@@ -362,7 +367,7 @@ def _cr_current(d: int) -> dict:
 def cron_root_sweeps(ctx: Context, section: str):
     from kernels.cron_root import configs
 
-    for d, heads in ctx.dims([(64, 8), (128, 16)]):
+    for d, heads in ctx.dims([(64, 8), (128, 16)], lambda pair: pair[0]):
         bucket = configs.bucket(d)
         current = _cr_current(d)
         ns = ctx.sizes(65536)
@@ -521,11 +526,11 @@ def _pct(x) -> str:
 
 class Tuner:
     def __init__(self, kernel: str, device: str, budget_s: float, out_dir: Path | None, log=print,
-                 cross_timing: str | None = None):
+                 cross_timing: str | None = None, head_dims: tuple | None = None):
         self.kernel, self.device, self.log = kernel, device, log
         # Cron Root's crossover: device time on a GPU (see crossover), the only timing the CPU has otherwise
         self.cross_timing = cross_timing or ("graph" if device == "cuda" else "eager")
-        self.ctx = Context(device)
+        self.ctx = Context(device, head_dims=head_dims)
         self.deadline = time.monotonic() + budget_s
         self.timing = CPU_TIMING if device == "cpu" else GPU_TIMING
         self.rows: list[dict] = []
@@ -898,7 +903,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cross-timing", choices=("graph", "eager"), default=None,
                     help="Cron Root's crossover and PASA's core section: device time (graph, the GPU's default) or "
                          "eager calls (the CPU's)")
+    ap.add_argument("--dims", default=None,
+                    help="comma list of head dims: sweep only those (default: each section's own), e.g. to re-tune "
+                         "after a change to one head dim's kernel")
     args = ap.parse_args(argv)
+    head_dims = None
+    if args.dims is not None:
+        try:
+            head_dims = tuple(int(x) for x in args.dims.split(","))
+        except ValueError:
+            print(f"error: --dims {args.dims!r}: a comma list of head dims (integers), e.g. 64,128", file=sys.stderr)
+            return 2
     _, known, default = SECTIONS[args.kernel]
     sections = (args.sections or default).split(",")
     unknown = [s for s in sections if s not in known]
@@ -913,7 +928,7 @@ def main(argv=None) -> int:
         print("error: --cross-timing graph needs a GPU (CUDA graphs)", file=sys.stderr)
         return 2
     tuner = Tuner(args.kernel, args.device, args.budget_s, args.out,
-                  log=lambda msg: print(msg, flush=True), cross_timing=args.cross_timing)
+                  log=lambda msg: print(msg, flush=True), cross_timing=args.cross_timing, head_dims=head_dims)
     decisions = tuner.run(sections)
     print("\n== chosen ==")
     for d in decisions:

@@ -69,15 +69,31 @@ def test_tune_refuses_unknown_sections_and_a_missing_gpu():
         assert proc.returncode == 3 and "--device cpu" in proc.stderr
 
 
-@pytest.mark.parametrize("kernel, section, expected", [
-    ("elsa", "gluonbwd", [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
-    ("cqsa", "gluonbwd", [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
-    ("pasa", "core", [("core_min_work", "64,1")]),
+def test_dims_limits_every_head_dim_sweep_to_those_named():
+    """--dims: a section sweeps only the head dims named, whichever element of its items holds D (ELSA's (dtype
+    class, D), Cron Root's (D, heads)); on the CPU the first of those; a bad list is one line and exit 2."""
+    gpu = tune.Context("cuda", head_dims=(128,))
+    assert gpu.dims(tune.GLUON_BWD_DIMS) == [128]
+    assert gpu.dims([("16", 64), ("16", 128), ("32", 128)], lambda pair: pair[1]) == [("16", 128), ("32", 128)]
+    assert gpu.dims([(64, 8), (128, 16)], lambda pair: pair[0]) == [(128, 16)]
+    assert tune.Context("cuda").dims([64, 128]) == [64, 128]
+    assert tune.Context("cpu", head_dims=(128,)).dims([64, 128]) == [128]
+    assert tune.Context("cpu").dims([64, 128]) == [64]
+    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--dims", "128,x")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --dims '128,x': a comma list of head dims (integers), e.g. 64,128")
+
+
+@pytest.mark.parametrize("kernel, section, extra, expected", [
+    ("elsa", "gluonbwd", (), [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
+    ("cqsa", "gluonbwd", (), [("gluon_bwd_min_work", "64,0"), ("gluon_bwd_min_work", "64,1")]),
+    ("cqsa", "gluonbwd", ("--dims", "128"), [("gluon_bwd_min_work", "128,0"), ("gluon_bwd_min_work", "128,1")]),
+    ("pasa", "core", (), [("core_min_work", "64,1")]),
 ])
-def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, kernel, section, expected):
+def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, kernel, section, extra, expected):
     """ELSA's and CQSA's gluonbwd and PASA's core sections on the CPU (no Gluon there): one decision per key they
-    tune there (the first head dim, both causal settings; PASA's first key), each keeping its entry and saying why,
-    nothing timed, nothing written."""
+    tune there (the first head dim, or the one --dims names, both causal settings; PASA's first key), each keeping
+    its entry and saying why, nothing timed, nothing written."""
     from kernels.cqsa import attention as cqsa
     from kernels.elsa import config
     from kernels.pasa import ops
@@ -85,7 +101,7 @@ def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, k
     current = {"elsa": config.GLUON_BWD_MIN_WORK, "cqsa": cqsa.GLUON_BWD_MIN_WORK, "pasa": ops.CORE_MIN_WORK}[kernel]
     target = tmp_path / "tuning.json"
     proc = run_tune("--kernel", kernel, "--device", "cpu", "--sections", section, "--write", str(target),
-                    "--out", str(tmp_path / "log"))
+                    "--out", str(tmp_path / "log"), *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = json.loads((tmp_path / "log" / f"tune_{kernel}.json").read_text())
     want = []

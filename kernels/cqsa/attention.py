@@ -223,7 +223,9 @@ class _Forward(LaunchPlan):
 # as here, and at D = 64 2K without a mask, 4K causal (results/dev/cqsa/gluon_backward_tune_h200/); after the
 # backward's causal launch order (_gluon_bwd.heads_fastest_pays) causal D = 64 from 3K (1.02 -> 0.92 of the two
 # kernels' time there), D = 128 from 1K, causal 1.5K (results/dev/cqsa/gluon_backward_tune_launch_order_h200/: those
-# 1K-1.5K calls are host-bound, where the earlier tuning measured 1.07 / 1.08 and this one 0.89 / 0.94). A call's
+# 1K-1.5K calls are host-bound, where the earlier tuning measured 1.07 / 1.08 and this one 0.89 / 0.94); after its
+# causal D = 128 tiles were masked only where they cross the diagonal, causal D = 128 from 1K too (0.91 there,
+# results/dev/gluon_bwd/crossover_per_tile_mask_h200/; 1K is the shortest length the section times). A call's
 # config={"plan": {"gluon_bwd_min_work": work}} replaces them for that call (how the tuner times one backward against
 # the other).
 BUILTIN_GLUON_BWD_MIN_WORK = {(64, False): 8 * 4096 ** 2, (64, True): 8 * 2048 ** 2, (128, False): 8 * 2048 ** 2,
