@@ -36,13 +36,15 @@ in torch that was five launches and three fp32 tensors of O's size (at D = 128, 
 17.8 us of host time a call, prepared 9.0 (results/dev/gluon_bwd/prologue_prepared_h200.json). dQ's buffer is cast to
 the inputs' dtype after it.
 
-Masks: a key past NK (a tile running past its head's keys reads the next head's rows, or TMA's zeros at the end) has
-its P^T row set to 0, so it adds nothing to dQ, and its dK/dV rows are not stored; a query row past NQ has lse2 = +inf
-(P^T = 0) and Delta = 0, so its dQ part is 0: the reduction adds zeros to the rows past the head's end (the next
-head's first rows, or nothing: TMA clips the box at the tensor's end). Causal (bottom-right, key n visible from query
-m iff n <= m + NK - NQ) zeroes P^T above the diagonal and skips the query tiles that see none of the block's keys; the
-diagonal is its whole mask (a key past NK lies above it for every real row), applied at D = 64 to every tile and at
-D = 128 only to the tiles that cross it (each measured the faster there).
+Masks: a key past NK (a tile running past its head's keys reads the next head's rows, or TMA's zeros at the end) adds
+nothing to dQ, and its dK/dV rows are not stored: causal, it lies above every real row's diagonal, whose mask sets its
+P^T row to 0; not causal, its warpgroup zeroes its K row in shared memory once (dS K then gets nothing from it), and
+the scores take no mask (0.99x the time of masking every tile on the H200 at H = 8, 0.96-0.97x at Llama-3's 32 / 8
+heads: results/dev/gluon_bwd/zeroed_k_h200.json); a query row past NQ has lse2 = +inf (P^T = 0) and Delta = 0, so its
+dQ part is 0: the reduction adds zeros to the rows past the head's end (the next head's first rows, or nothing: TMA
+clips the box at the tensor's end). Causal (bottom-right, key n visible from query m iff n <= m + NK - NQ) zeroes P^T
+above the diagonal and skips the query tiles that see none of the block's keys; the diagonal is its whole mask, applied
+at D = 64 to every tile and at D = 128 only to the tiles that cross it (each measured the faster there).
 """
 from __future__ import annotations
 
@@ -158,16 +160,26 @@ if HAS_GLUON:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, DQ_COLS, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         k_mine = k_smem.index(WG)
         v_mine = v_smem.index(WG)
         kc0 = c0 + WG * BN
         keys = kc0 + gl.arange(0, BN, layout=gl.SliceLayout(1, st_layout))
-        key_ok = keys < n_k
         dk = gl.zeros([BN, D], gl.float32, kv_layout)
         dv = gl.zeros([BN, D], gl.float32, kv_layout)
         zero_st = gl.zeros([BN, BM], gl.float32, st_layout)
         zero_dq = gl.zeros([BM, DQ_COLS], gl.float32, dq_layout)
         mbarrier.wait(kv_bar, 0)
+        if not CAUSAL:
+            if kc0 + BN > n_k:
+                # not causal, the scores need no mask: this warpgroup's K rows past NK are zeroed once, so those
+                # keys add nothing to dQ (dS K), and their dK, dV rows are not stored; both warpgroups' dQ GEMMs
+                # read them after the first tile's dS^T barrier (released: fence and arrive)
+                k_rows = k_mine.load(rows_layout)
+                k_ok = kc0 + gl.arange(0, BN, layout=gl.SliceLayout(1, rows_layout)) < n_k
+                k_mine.store(gl.where(k_ok[:, None], k_rows, gl.zeros_like(k_rows)))
+                fence_async_shared()
+                gl.thread_barrier()                  # every thread's rows before this warpgroup's first wgmma
         for it in range(total):
             s = it % STAGES
             b = it % 2                                    # the tile's dS^T buffers
@@ -179,7 +191,6 @@ if HAS_GLUON:
             st = warpgroup_mma(k_mine, q_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_mine, do_smem.permute((1, 0)), zero_st, use_acc=False, is_async=True)
             qrows = i0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_layout))
-            q_ok = qrows < n_q
             st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
             lse2 = lse_bufs.index(s).load(gl.SliceLayout(0, st_layout))
             delta = delta_bufs.index(s).load(gl.SliceLayout(0, st_layout))
@@ -187,20 +198,19 @@ if HAS_GLUON:
                 # the mask only on the tiles that cross this warpgroup's keys' diagonal (a key past NK lies above
                 # every real row's diagonal, n >= NK > m + NK - NQ for m < NQ; a query row past NQ has lse2 = +inf,
                 # P^T = 0): 0.94-0.96x the time of masking every tile on the H200 (4K-32K, 8 heads; Llama-3's 32 / 8
-                # at 4K). The same branch took 1.02x at causal D = 64 and 0.99-1.03x not causal (at D = 128 it spills
-                # more there), so those mask every tile (results/dev/gluon_bwd/mask_per_tile_h200.json)
+                # at 4K). At causal D = 64 the same branch took 1.02x, so that masks every tile
+                # (results/dev/gluon_bwd/mask_per_tile_h200.json)
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if kc0 + BN - 1 > i0 + causal_shift:
                     pt = gl.where(keys[:, None] <= qrows[None, :] + causal_shift, pt, 0.0)
+            elif CAUSAL:
+                # the diagonal alone (as above) on every tile: 0.91-0.96x the full mask's time on the H200 at D = 64
+                # (results/dev/gluon_bwd/mask_h200.json)
+                pt = gl.where(keys[:, None] <= qrows[None, :] + causal_shift,
+                              gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
             else:
-                if CAUSAL:
-                    # the diagonal alone (as above): 0.91-0.96x the full mask's time on the H200 at D = 64; at D = 128
-                    # it made ptxas spill more and took 1.05-1.06x, and not causal, the key bound alone took
-                    # 1.00-1.04x (results/dev/gluon_bwd/mask_h200.json)
-                    keep = keys[:, None] <= qrows[None, :] + causal_shift
-                else:
-                    keep = key_ok[:, None] & q_ok[None, :]
-                pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+                # no mask (K's rows past NK zeroed above; a query row past NQ has lse2 = +inf, P^T = 0)
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
             dst = pt * (dpt - delta[None, :])
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dst16 = dst.to(dtype)
