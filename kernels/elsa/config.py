@@ -433,9 +433,9 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
     bm, bn, warps, stages = _tiles("fwd", (bm, bn, warps, stages), overrides)
     ws = ws and (bm, bn, warps, stages) == ws_tiles
     plan_given = overrides.get("plan", {})
-    # causal on the core: one q-chunk where that chunk would run persistent (CAUSAL_PERSISTENT_ROUNDS' note)
-    one_chunk_rounds = (causal_rounds(nq, nk, nq, bh, group, d, sms, l2)
-                        if gluon and causal and "q_chunk" not in plan_given else 0)
+    # causal on the core: the rounds one q-chunk of all rows may run persistent, and one q-chunk where it would
+    # (CAUSAL_PERSISTENT_ROUNDS' note); a q-chunk short of the rows runs the plain grid
+    rounds = causal_rounds(nq, nk, nq, bh, group, d, sms, l2) if gluon and causal else 0
     if tf32_gluon:
         bm, bn, warps, stages = gluon_phase1.BLOCK_M, gluon_phase1.TILES[d], gluon_phase1.NUM_WARPS, 1
     if gluon:
@@ -444,16 +444,15 @@ def plan_forward(nq: int, nk: int, bh: int, d: int, dtype: torch.dtype, sms: int
         def busiest(consumers):
             rows = gluon_core.ROWS_PER_CONSUMER * consumers
             return _busiest_sm_work(nq, nk, bh, rows, bn, *_partitions(nq, nk, bh, rows, bn, d, dtype, sms,
-                                                                      plan_given, False, causal, one_chunk_rounds),
+                                                                      plan_given, False, causal, rounds),
                                     causal, sms)
 
         bm = gluon_core.ROWS_PER_CONSUMER * gluon_core.consumers_for(d, busiest)
-    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given, tf32_gluon, causal,
-                                   one_chunk_rounds)
+    width, parts, qc = _partitions(nq, nk, bh, bm, bn, d, dtype, sms, plan_given, tf32_gluon, causal, rounds)
     rows = min(PHASE2_ROWS[cls][bd], bm)
     kbt = min(PHASE2_KBT[cls][bd], _next_pow2(parts))
-    rounds = causal_rounds(nq, nk, qc, bh, group, d, sms, l2) if gluon and causal else 0
-    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon, rounds)
+    return FwdPlan(bm, bn, warps, stages, width, parts, qc, rows, kbt, ws, gluon, tf32_gluon,
+                   rounds if qc >= nq else 0)
 
 
 def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torch.dtype, sms: int,
@@ -463,8 +462,9 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
     one partition below LONG_N keys and enough for TARGET_WAVES waves from it; q-chunks within the summary budget
     but of at least CHUNK_MIN_WAVES waves, fitted to whole waves (fit_chunk; one_cta_per_sm: phase 1's programs
     run one a SM, so a wave is exactly `sms` programs, the fit may go down to the whole waves below and one wave
-    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES); one chunk of all rows where the core runs it persistent
-    with `persistent_rounds` (gluon_core.persistent_default: a causal call on the core that one chunk lets run so)."""
+    is enough, two when causal: ONE_CTA_PER_SM_MIN_WAVES); unless the caller gives q_chunk, one chunk of all rows
+    where the core runs it persistent with `persistent_rounds` (gluon_core.persistent_default: a causal call on the
+    core that one chunk lets run so)."""
     cls = dtype_class(dtype)
     if "partition_width" in plan_given:
         width = max(bn, -(-plan_given["partition_width"] // bn) * bn)
@@ -477,10 +477,12 @@ def _partitions(nq: int, nk: int, bh: int, bm: int, bn: int, d: int, dtype: torc
         width = max(bn, -(-(-(-nk // parts)) // bn) * bn)
     parts = max(1, -(-nk // width))
     all_rows = -(-max(nq, 1) // bm) * bm
-    if parts == 1 or gluon_core.persistent_default(d, True, -(-max(nq, 1) // bm) * bh * parts, sms, persistent_rounds):
-        qc = all_rows                                      # no summaries, nothing to chunk; or persistent in one
+    if parts == 1:
+        qc = all_rows                                      # no summaries, nothing to chunk
     elif "q_chunk" in plan_given:
         qc = max(bm, -(-plan_given["q_chunk"] // bm) * bm)
+    elif gluon_core.persistent_default(d, True, all_rows // bm * bh * parts, sms, persistent_rounds):
+        qc = all_rows                                      # the core runs one chunk of all rows persistent
     else:
         out_bytes = bh * nq * d * dtype.itemsize
         row_bytes = bh * summary_row_bytes(parts, d, dtype)  # summary bytes per query row

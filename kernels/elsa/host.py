@@ -33,8 +33,7 @@ from .._common import LOG2E, block_d, check_inputs, check_precision, dot_precisi
 from .._launch import LaunchPlan, Prepared, SignatureCache, dependent_launch_ok, layout
 from .._ops import traceable
 from . import gluon_phase1, trace
-from .config import (DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward,
-                     summary_numel)
+from .config import DEFAULT_SM_COUNT, PHASE2_WARPS, backward_launches, plan_backward, plan_forward, summary_numel
 from .kernel import _elsa_bwd_dkdv, _elsa_bwd_dq, _elsa_bwd_one_launch, _elsa_phase1, _elsa_phase2
 
 _INT32_MAX = 2**31 - 1
@@ -171,10 +170,9 @@ class _FwdPlan(LaunchPlan):
         # (results/dev/gluon_core/short_rows_h100.json)
         gluon_ok = c.scale_in_exp and (gluon_core.eligible(q) if traced else gluon_core.available(q, k, v))
         tf32_ok = c.prec == "tf32x3" and gluon_phase1.eligible(q)   # read() gives unit strides; the plan: no bias
-        sms = sm_count(c.device, DEFAULT_SM_COUNT)
-        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sms, config, causal, bias is not None,
-                                        core.warp_specialize_ok(c.device, use_desc), gluon_ok, tf32_ok, c.group,
-                                        l2_bytes(c.device))
+        plan = self.plan = plan_forward(c.NQ, c.NK, c.BH, c.D, c.dtype, sm_count(c.device, DEFAULT_SM_COUNT), config,
+                                        causal, bias is not None, core.warp_specialize_ok(c.device, use_desc),
+                                        gluon_ok, tf32_ok, c.group, l2_bytes(c.device))
         if traced:          # a Gluon kernel (the core's, float32's) is not a Triton kernel inductor can take
             self.traceable = self.traceable and not (plan.gluon or plan.tf32_gluon)
         bm, W, P = plan.block_m, plan.width, plan.parts
