@@ -42,6 +42,10 @@ A ``run-matrix --replicate`` run (every point on every device of a worker pool) 
 current (one line, exit 2): the gate judges one measurement per point. A pool run without --replicate is
 gated like any run (each point was measured once, on whichever device took it).
 
+A point id (cell@N) is the same point in both runs only if it measured the same problem: runs in which a shared
+id's kernel, baseline, dtype, mode, mask, timing mode or shape differ (a cell edited between them) are refused too
+(one line, exit 2), rather than their ratios compared as one point's.
+
 So a shift inside the noise is never called a regression: SLOWER needs the entire interval past the band.
 
 ``bless_run`` installs a run as the baseline of its GPU (``results/baselines/<gpu>/``), replacing the previous one.
@@ -268,7 +272,8 @@ def _device_model(run: Run) -> str:
 
 def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False) -> None:
     """Refuse (NotComparable) what would otherwise pass on nothing: runs from different GPU models (or a CPU
-    run against a GPU baseline) unless `allow_other_gpu`, and runs without one measured point in common."""
+    run against a GPU baseline) unless `allow_other_gpu`, runs without one measured point in common, and runs in
+    which a shared point id measured different problems (_check_same_problems)."""
     for run in (baseline, current):
         refuse_replicated(run)
     b_model, c_model = _device_model(baseline), _device_model(current)
@@ -287,6 +292,48 @@ def check_comparable(baseline: Run, current: Run, allow_other_gpu: bool = False)
                             f"{baseline.manifest.get('matrix_name', '?')}) and current {current.path} "
                             f"({len(c_points)}, matrix {current.manifest.get('matrix_name', '?')}) have no measured "
                             "point in common")
+    _check_same_problems(baseline, current)
+
+
+# the columns of points.csv that say what a point measured: a point id (cell@N) names the same problem in two runs
+# only while these agree (a run older than a column lacks it: not compared there)
+PROBLEM_COLUMNS = ("kernel", "baseline", "dtype", "mode", "causal", "timing", "batch", "heads", "kv_heads",
+                   "head_dim", "q_len", "kv_len")
+
+
+def _problem_value(x) -> str:
+    """A points.csv value as text that compares equal across runs however pandas typed the column (8 and 8.0; an
+    empty cell as "")."""
+    if isinstance(x, str):
+        return x
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return "" if value != value else repr(value)
+
+
+def _check_same_problems(baseline: Run, current: Run) -> None:
+    """Refuse (NotComparable) runs in which a point id names different problems (a cell's kernel, dtype, shape or
+    timing mode edited between them): their ratios would be compared as one point's."""
+    columns = [c for c in PROBLEM_COLUMNS if c in baseline.points.columns and c in current.points.columns]
+
+    def problems(run: Run) -> dict:
+        rows = run.points.drop_duplicates("point_id", keep="last")
+        return {r["point_id"]: [_problem_value(r[c]) for c in columns] for r in rows.to_dict("records")}
+
+    def first_difference(pid: str):      # an empty cell says nothing (a row written before its column was)
+        return next(((k, x, y) for k, x, y in zip(columns, b_problems[pid], c_problems[pid]) if x and y and x != y),
+                    None)
+
+    b_problems, c_problems = problems(baseline), problems(current)
+    differing = sorted(pid for pid in b_problems.keys() & c_problems.keys() if first_difference(pid))
+    if differing:
+        pid = differing[0]
+        column, b, c = first_difference(pid)
+        raise NotComparable(f"point {pid} measured a different problem in each run ({column} {b} in baseline "
+                            f"{baseline.path}, {c} in current {current.path}; {len(differing)} such point(s)): gate "
+                            "against a baseline made with the same matrix (bless one of the edited matrix)")
 
 
 def refuse_replicated(run: Run) -> None:

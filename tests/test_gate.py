@@ -270,6 +270,28 @@ def test_graph_points_pair_only_with_graph_points(tmp_path):
     assert rows == {"c@4096": "SAME", "c@4096:graph": "SLOWER"}
 
 
+@pytest.mark.parametrize("edit", [dict(kernel="pasa"), dict(dtype="bfloat16"), dict(head_dim=128), dict(heads=16)])
+def test_a_point_id_naming_another_problem_in_the_current_run_is_refused(tmp_path, edit):
+    """A cell edited between the runs (its kernel, dtype or shape) keeps its point ids: the gate refuses to compare
+    its ratios as one point's (one line, exit 2), where it would have called the change SLOWER or SAME."""
+    from attnbench.gate import NotComparable, check_comparable
+    from attnbench.store import load_run
+    from test_runner import cli
+
+    base = [dict(p, head_dim=64, heads=8) for p in _pts(BASE)]
+    b = make_run(tmp_path, base, name="nightly", seed=0)
+    c = make_run(tmp_path, [dict(p, **edit) if p["n"] == 16384 else p for p in base], name="nightly", seed=1,
+                 when=LATER, started="2026-11-23T01:00:00Z")
+    (column, value), = edit.items()
+    with pytest.raises(NotComparable, match=rf"point elsa_fp16_fwd_vs_flash@16384 measured a different problem "
+                                            rf"in each run \({column} .* 1 such point"):
+        check_comparable(load_run(b), load_run(c))
+    proc = cli("gate", "--baseline", str(b), "--current", str(c))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "different problem" in proc.stderr
+    check_comparable(load_run(b), load_run(b))          # a run against itself (and unedited cells) passes
+
+
 # --- bless -----------------------------------------------------------------------------------------------
 
 def test_bless_installs_the_run_for_its_gpu_and_replaces_the_previous_one(tmp_path):
