@@ -666,12 +666,15 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
 def _rescore_spot_check(matrix_path: Path, run_dir: Path) -> None:
     """Perf bands re-evaluated on a stored run (after a band change); writes spot_check_rescored.md beside it."""
     from attnbench import spotcheck
-    from attnbench.store import load_run
+    from attnbench.store import RunDirError, load_run
 
     try:
         plan = spotcheck.load_spot_check(matrix_path, device="cuda")   # device only for validation
         run = load_run(run_dir)
         perf = [c for c in plan.checks if c.get("kind") != "correctness"]    # correctness needs the kernels run
+        if not {c for check in perf for c in check["cells"]} & set(run.points["cell_id"]):
+            raise RunDirError(f"{run.path}: holds no point of the cells {matrix_path}'s checks judge (its matrix is "
+                              f"{run.manifest.get('matrix_name', '?')}): re-score a run of that spot-check file")
         results = spotcheck.evaluate_checks(perf, run, run_correctness=False)   # the points are all stored
     except _user_errors() as exc:
         fail(str(exc), 2)

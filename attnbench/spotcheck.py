@@ -181,6 +181,11 @@ def _validate_perf(check: dict, here: str, cell_ids) -> None:
 def _validate_correctness(check: dict, here: str) -> None:
     if not isinstance(check.get("kernel"), str) or not check["kernel"]:
         raise _err(here, f"field 'kernel' = {check.get('kernel')!r}: need a backend name")
+    try:
+        get_backend(check["kernel"])
+    except BackendError as exc:
+        if "not implemented yet" not in str(exc):       # one not landed yet is the check's NOT_LANDED verdict
+            raise _err(here, f"field 'kernel' = {check['kernel']!r}: {exc}") from None
     direction = check.get("direction", "fwd")
     if direction not in DIRECTIONS:
         raise _err(here, f"field 'direction' = {direction!r}: allowed {', '.join(DIRECTIONS)}")
@@ -292,7 +297,27 @@ def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None)
         # the run records the file the user named, not our filtered copy
         matrix.path = path
         matrix.sha256 = hashlib.sha256(text.encode()).hexdigest()
+        _check_rule_lengths(checks, matrix, str(path))
     return SpotCheckPlan(path=path, matrix=matrix, checks=checks, not_landed=not_landed, unrunnable=unrunnable)
+
+
+def _check_rule_lengths(checks: list[dict], matrix: Matrix, where: str) -> None:
+    """A perf rule's lengths (its `at`, or an order rule's list) must be among the seq_lens of each cell it judges
+    (of those that run here): MatrixError before anything is measured, where the check would otherwise end as an
+    ERROR once the whole run is done."""
+    lengths = {cell.id: cell.seq_lens for cell in matrix.cells}
+    for check in checks:
+        if check["kind"] != "perf":
+            continue
+        for j, rule in enumerate(check["rules"]):
+            kind = next(k for k in rule if k in BOUND_RULES or k in ORDER_RULES)
+            named = _ints(rule[kind]) if kind in ORDER_RULES else _ints(rule["at"]) if "at" in rule else []
+            for c in ([rule["cell"]] if "cell" in rule else check["cells"]):
+                absent = [n for n in named if c in lengths and n not in lengths[c]]
+                if absent:
+                    raise _err(f"{where}: check '{check['id']}'",
+                               f"rule #{j + 1}: length {absent[0]} is not in cell '{c}''s seq_lens "
+                               f"({', '.join(map(str, lengths[c]))})")
 
 
 def _device_reason(raw: dict, defaults: dict, device: str) -> str | None:

@@ -1,6 +1,7 @@
 """Spot-check schema, verdict logic (PASS / FAIL / NOT_LANDED / ERROR) and the correctness checks."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,40 @@ def test_cli_rescore_a_stored_run(tmp_path):
     assert "| C1 |" not in proc.stdout and "| P13 |" in (run / "spot_check_rescored.md").read_text()
     proc = cli("spot-check", "--rescore", str(tmp_path))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr and "Traceback" not in proc.stderr
+    # a run of another matrix holds none of the checked cells: refused, and nothing written into it
+    other = make_run(tmp_path / "runs", _cell("c1", {K: 0.5}), name="nightly")
+    proc = cli("spot-check", str(REPO / "matrices" / "spot_check.yaml"), "--rescore", str(other))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "holds no point of the cells" in proc.stderr and "its matrix is nightly" in proc.stderr
+    assert not (other / "spot_check_rescored.md").exists()
+
+
+SMALL_SPOT_CHECK = """
+defaults: {kernel: elsa, baseline: math, dtype: float32, mode: fwd, batch: 1, heads: 2, head_dim: 32}
+cells:
+  - {id: c1, seq_lens: [64, 128]}
+checks:
+"""
+
+
+@pytest.mark.parametrize("check, problem", [
+    ('  - {id: P1, cells: [c1], rules: [{lat_max: 2.0, at: 4096}]}',
+     "check 'P1': rule #1: length 4096 is not in cell 'c1''s seq_lens (64, 128)"),
+    ('  - {id: P1, cells: [c1], rules: [{lat_max: 2.0}, {lat_decreasing: [64, 256]}]}',
+     "check 'P1': rule #2: length 256 is not in cell 'c1''s seq_lens (64, 128)"),
+    ('  - {id: C1, kind: correctness, kernel: nokernel, shapes: [[1, 2, 64, 32, float32]], max_abs: {float32: 1.0e-5}}',
+     "check 'C1': field 'kernel' = 'nokernel': unknown backend"),
+])
+def test_a_check_that_could_only_end_in_error_is_refused_before_measuring(tmp_path, check, problem):
+    """A rule naming a length the cell does not sweep, or a correctness check of an unknown backend, would be an
+    ERROR once every point was measured: the file is refused when it is read (one line, exit 2), as run-matrix's."""
+    path = tmp_path / "sc.yaml"
+    path.write_text(SMALL_SPOT_CHECK + check + "\n")
+    with pytest.raises(MatrixError, match="^" + re.escape(f"{path}: {problem}")):
+        load_spot_check(path, device="cpu")
+    proc = cli("spot-check", str(path), "--device", "cpu", "--results-root", str(tmp_path / "runs"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and problem in proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 # -- perf verdicts -------------------------------------------------------------------------------------------
