@@ -326,10 +326,10 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
             raise MatrixError(f"{path}: unknown top-level key '{key}' (allowed: {', '.join(sorted(allowed_top))})")
     name = matrix_name(data, path)
     gate = dict(GATE_DEFAULTS)
-    gate.update(_mapping(path, "(matrix)", "gate", data.get("gate") or {}, GATE_DEFAULTS.keys()))
+    gate.update(_mapping(path, "(matrix)", "gate", data.get("gate"), GATE_DEFAULTS.keys()))
     _number(path, "(matrix)", "gate.max_util_pct", gate["max_util_pct"], minimum=0, maximum=100)
     _number(path, "(matrix)", "gate.min_free_gb", gate["min_free_gb"], minimum=0)
-    defaults = data.get("defaults") or {}
+    defaults = {} if data.get("defaults") is None else data["defaults"]    # an empty value is no defaults
     if not isinstance(defaults, dict):
         raise MatrixError(f"{path}: 'defaults' must be a mapping")
     for key in defaults:
@@ -347,7 +347,7 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
             raise MatrixError(f"{path}: cell '{cell.id}': duplicate id (ids must be unique)")
         seen.add(cell.id)
         cells.append(cell)
-    checks = data.get("checks") or []
+    checks = [] if data.get("checks") is None else data["checks"]
     if not isinstance(checks, list):
         raise MatrixError(f"{path}: 'checks' must be a list")
     return Matrix(name=name, path=path,
@@ -382,7 +382,7 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
     if mode not in modes:
         raise MatrixError(f"{where}: field 'mode' = {mode!r}: allowed {', '.join(modes)}")
     timing = dict(TIMING_DEFAULTS)
-    timing.update(_mapping(path, cid, "timing", merged.get("timing") or {}, TIMING_DEFAULTS.keys()))
+    timing.update(_mapping(path, cid, "timing", merged.get("timing"), TIMING_DEFAULTS.keys()))
     _number(path, cid, "timing.warmup_ms", timing["warmup_ms"], minimum=0)
     _number(path, cid, "timing.rep_ms", timing["rep_ms"], minimum=1)
     _number(path, cid, "timing.max_ms", timing["max_ms"], minimum=1)
@@ -396,7 +396,7 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
     _boolean(path, cid, "timing.flush_l2", timing["flush_l2"])
     _timing_mode(where, timing["mode"], is_model, mode, device)
     retry = dict(RETRY_DEFAULTS)
-    retry.update(_mapping(path, cid, "retry", merged.get("retry") or {}, RETRY_DEFAULTS.keys()))
+    retry.update(_mapping(path, cid, "retry", merged.get("retry"), RETRY_DEFAULTS.keys()))
     _number(path, cid, "retry.max_attempts", retry["max_attempts"], minimum=1, integer=True)
     _number(path, cid, "retry.backoff_s", retry["backoff_s"], minimum=0)
     frac = retry["min_clock_frac"]
@@ -435,8 +435,8 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
         _number(path, cid, "baseline_max_n", baseline_max_n, minimum=1, integer=True)
     cell = Cell(kernel=need("kernel"), baseline=need("baseline"), heads=heads, head_dim=head_dim,
                 seq_lens=seq_lens, causal=causal, baseline_max_n=baseline_max_n,
-                kernel_options=_mapping(path, cid, "kernel_options", merged.get("kernel_options") or {}),
-                baseline_options=_mapping(path, cid, "baseline_options", merged.get("baseline_options") or {}),
+                kernel_options=_mapping(path, cid, "kernel_options", merged.get("kernel_options")),
+                baseline_options=_mapping(path, cid, "baseline_options", merged.get("baseline_options")),
                 kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, **common)
     for slot in ("kernel", "baseline"):
         backend = _backend(path, cid, slot, getattr(cell, slot))
@@ -540,6 +540,10 @@ def _backend(path, cid, slot, name):
 
 
 def _mapping(path, cid, fieldname, value, allowed_keys=None) -> dict:
+    """The field's mapping, {} where it is absent or given no value; anything else not a mapping (a list, false, a
+    string: a mistake the defaults would otherwise hide) is a MatrixError."""
+    if value is None:
+        return {}
     if not isinstance(value, dict):
         raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: need a mapping")
     if allowed_keys is not None:

@@ -216,7 +216,7 @@ def _validate_correctness(check: dict, here: str) -> None:
     min_ok = check.get("min_ok")
     if min_ok is not None and (_ints(min_ok) is None or isinstance(min_ok, list)):
         raise _err(here, f"field 'min_ok' = {min_ok!r}: need a positive integer")
-    options = check.get("options") or {}
+    options = {} if check.get("options") is None else check["options"]
     if not isinstance(options, dict):
         raise _err(here, f"field 'options' = {options!r}: need a mapping")
     check["options"] = options
@@ -271,9 +271,12 @@ def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None)
         load_matrix(path, device=device, allow_checks=True)
         raise MatrixError(f"{path}: not a matrix")
     raw_cells = [c for c in data["cells"] if isinstance(c, dict)]
-    checks = validate_checks(data.get("checks") or [], {c.get("id") for c in raw_cells}, where=str(path))
+    checks = validate_checks([] if data.get("checks") is None else data["checks"], {c.get("id") for c in raw_cells},
+                             where=str(path))
     not_landed, unrunnable, keep = {}, {}, []
-    defaults = data.get("defaults") or {}
+    defaults = {} if data.get("defaults") is None else data["defaults"]
+    if not isinstance(defaults, dict):
+        raise MatrixError(f"{path}: 'defaults' must be a mapping")
     for raw in raw_cells:
         reason = _landed_reason(raw)
         if reason:

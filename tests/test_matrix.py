@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnbench import backends
-from attnbench.matrix import MatrixError, load_matrix
+from attnbench.matrix import TIMING_DEFAULTS, MatrixError, load_matrix
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,6 +59,11 @@ def test_good_matrix_expands_points(tmp_path):
     (GOOD_CELL + "    timing: {warmup: 3}\n", ["cell 'a'", "timing.warmup", "unknown key"]),
     (GOOD_CELL + "    retry: {max_attempts: 0}\n", ["cell 'a'", "retry.max_attempts", "≥ 1"]),
     (GOOD_CELL + "    causal: maybe\n", ["cell 'a'", "causal", "true, false"]),
+    # an empty list, false or an empty string where a mapping belongs is a mistake, not "the defaults"
+    (GOOD_CELL + "    timing: []\n", ["cell 'a'", "field 'timing' = []", "need a mapping"]),
+    (GOOD_CELL + "    retry: false\n", ["cell 'a'", "field 'retry' = False", "need a mapping"]),
+    (GOOD_CELL + "    kernel_options: ''\n", ["cell 'a'", "field 'kernel_options' = ''", "need a mapping"]),
+    (GOOD_CELL + "    baseline_options: 0\n", ["cell 'a'", "field 'baseline_options' = 0", "need a mapping"]),
 ])
 def test_validation_errors_name_file_cell_field_value(tmp_path, cells, expected):
     assert_one_line_matrix_error(tmp_path, cells, expected)
@@ -117,8 +122,14 @@ def test_yaml_syntax_error_reports_line(tmp_path):
     ("colour: red\ncells:\n" + GOOD_CELL, "unknown top-level key 'colour'"),
     ("- a\n- b\n", "top level must be a mapping"),
     ("defaults: {heads: 2, head_dim: 64, flavour: x}\ncells:\n" + GOOD_CELL, "defaults: unknown key 'flavour'"),
+    ("defaults: []\ncells:\n" + GOOD_CELL, "'defaults' must be a mapping"),
+    ("gate: []\ncells:\n" + GOOD_CELL, r"field 'gate' = \[\]: need a mapping"),
+    (matrix_text(GOOD_CELL + "    timing:\n"), None),                 # no value: no overrides (the defaults)
 ])
 def test_structural_errors(tmp_path, body, expected):
+    if expected is None:
+        assert load_matrix(write(tmp_path, body)).cells[0].timing == TIMING_DEFAULTS
+        return
     with pytest.raises(MatrixError, match=expected):
         load_matrix(write(tmp_path, body))
 
