@@ -99,7 +99,7 @@ def _skip_reason(point: Point, device: str) -> str | None:
     cell = point.cell
     if cell.is_model:
         return None
-    reasons = []
+    reasons = ["CUDA graph timing needs a GPU"] if point.timing_mode == "graph" and device == "cpu" else []
     for slot in ("kernel", "baseline"):
         backend = get_backend(getattr(cell, slot))
         reason = backend.unsupported_reason(dtype=cell.dtype, mode=cell.mode, causal=cell.causal,

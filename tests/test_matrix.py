@@ -175,9 +175,23 @@ def test_timing_mode_both_gives_an_eager_and_a_graph_point_per_length(tmp_path):
     assert [p.id for p in load_matrix(write(tmp_path, matrix_text())).points()] == ["a@128", "a@256"]   # eager default
 
 
+def test_graph_points_on_the_cpu_are_skipped_with_the_reason(tmp_path):
+    """Any matrix runs with --device cpu: a graph-mode point is recorded as skipped there (CUDA graphs need a
+    GPU), as a GPU-only backend's is, and the cell's eager points are measured; on the GPU nothing is skipped."""
+    from attnbench.runner import _skip_reason
+
+    cell = GOOD_CELL.replace("kernel: efficient", "kernel: flash") + "    timing: {mode: both}\n"
+    path = write(tmp_path, matrix_text(cell))
+    skips = {p.id: _skip_reason(p, "cpu") for p in load_matrix(path, device="cpu").points()}
+    assert skips == {"a@128": None, "a@128:graph": "CUDA graph timing needs a GPU", "a@256": None,
+                     "a@256:graph": "CUDA graph timing needs a GPU"}
+    assert not any(_skip_reason(p, "cuda") for p in load_matrix(path).points())
+    proc = run_cli("run-matrix", str(path), "--device", "cpu", "--dry-run")
+    assert proc.returncode == 0 and proc.stdout.count("skip: CUDA graph timing needs a GPU") == 2, proc.stderr
+
+
 @pytest.mark.parametrize("extra, device, expected", [
     ("    timing: {mode: fast}\n", "cuda", ["cell 'a'", "timing.mode", "'fast'", "eager, graph, both"]),
-    ("    timing: {mode: graph}\n", "cpu", ["cell 'a'", "timing.mode", "need a GPU"]),
     ("    timing: {mode: both}\n    mode: bwd\n", "cuda", ["cell 'a'", "timing.mode", "mode bwd", "fwdbwd"]),
     ("    timing: {ci_half_width: 0}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "(0, 1)"]),
     ("    timing: {ci_half_width: 1.5}\n", "cuda", ["cell 'a'", "timing.ci_half_width", "1.5"]),
