@@ -66,6 +66,12 @@ class Backend:
         dtypes = self.cpu_dtypes if device == "cpu" and self.cpu_dtypes is not None else self.dtypes
         if dtype not in dtypes:
             return f"{self.name}: {dtype} unsupported on {device} (supports {', '.join(dtypes)})"
+        return self.problem_reason(mode=mode, causal=causal, head_dim=head_dim, gqa=gqa, cross=cross)
+
+    def problem_reason(self, *, mode: str, causal: bool, head_dim: int, gqa: bool = False,
+                       cross: bool = False) -> str | None:
+        """unsupported_reason's checks that hold on every device: the problem itself (mode, mask, head dim, grouped
+        K/V, Nq != Nk)."""
         if mode not in self.modes:
             return f"{self.name}: mode {mode} unsupported (supports {', '.join(self.modes)})"
         if causal not in self.causal:

@@ -453,8 +453,10 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
         reason = backend.unsupported_reason(**capable, device=device)
         if reason and device == "cpu":
             # what only the CPU lacks (a GPU-only baseline, bf16 in the interpreter) makes `skipped` points there,
-            # so any GPU matrix also runs with --device cpu; what the backend cannot do on a GPU either is a mistake
-            reason = backend.unsupported_reason(**capable, device="cuda")
+            # so any GPU matrix also runs with --device cpu; what the backend cannot do on a GPU either is a mistake,
+            # named by the problem's own check where one fails (not by a GPU's dtypes the CPU does not need)
+            problem = {k: v for k, v in capable.items() if k != "dtype"}
+            reason = backend.problem_reason(**problem) or backend.unsupported_reason(**capable, device="cuda")
         if reason and not cell.allow_skip:
             raise MatrixError(f"{where}: {slot} {reason} (set allow_skip: true to record such points as skipped)")
     if memory_bytes is not None:

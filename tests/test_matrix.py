@@ -102,6 +102,11 @@ def test_backend_capabilities_are_checked_for_the_target_device(tmp_path):
     cell = GOOD_CELL.replace("kernel: efficient", "kernel: cudnn")
     with pytest.raises(MatrixError, match=r"head_dim 136 unsupported"):
         load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 136}\n")), device="cpu")
+    # flash in float32 runs on the CPU (not on a GPU): a head dim it cannot take is named, not the GPU's dtypes
+    cell = GOOD_CELL.replace("kernel: efficient", "kernel: flash").replace("dtype: float16", "dtype: float32")
+    assert load_matrix(write(tmp_path, matrix_text(cell)), device="cpu").cells[0].kernel == "flash"
+    with pytest.raises(MatrixError, match=r"kernel flash: head_dim 33 unsupported \(supports multiples of 8"):
+        load_matrix(write(tmp_path, matrix_text(cell, "defaults: {batch: 1, heads: 2, head_dim: 33}\n")), device="cpu")
 
 
 def test_reserved_kernel_not_landed_is_a_clear_error(tmp_path, monkeypatch):
