@@ -219,6 +219,8 @@ def read_yaml(path) -> tuple[object, str]:
     """(parsed data, text) of a matrix file, or a one-line MatrixError: missing, too big, not UTF-8 text,
     YAML syntax, duplicate keys, or aliases that expand past MAX_YAML_NODES (a "billion laughs" file)."""
     path = Path(path)
+    if path.is_dir():
+        raise MatrixError(f"{path}: a directory, not a matrix file")
     if not path.is_file():
         raise MatrixError(f"{path}: no such matrix file")
     size = path.stat().st_size

@@ -142,6 +142,8 @@ def test_structural_errors(tmp_path, body, expected):
 def test_missing_file(tmp_path):
     with pytest.raises(MatrixError, match="no such matrix file"):
         load_matrix(tmp_path / "nope.yaml")
+    with pytest.raises(MatrixError, match="a directory, not a matrix file"):
+        load_matrix(tmp_path)
 
 
 def run_cli(*args, env_extra=None):
