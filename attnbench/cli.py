@@ -565,7 +565,8 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
     except OSError as exc:
-        fail(f"cannot write the report or its plots: {exc.filename}: {exc.strerror or exc}", 2)
+        fail(f"cannot write the report{f' to {out}' if out else ''} or its plots: {exc.filename}: "
+             f"{exc.strerror or exc}", 2)
     console.print(f"wrote {path}", highlight=False)
 
 
