@@ -638,7 +638,7 @@ class Tuner:
         """A crossover section's paths ({name: kernel options}) checked against float64 at length n (accuracy); their
         errors are logged as a row of the section, and what passes TOLERANCE is returned as a reason each."""
         errors = {name: accuracy(s, opts, d, self.device, n) for name, opts in paths.items()}
-        self.rows.append({"section": s.section, "key": s.key, "rel_rmse": errors})
+        self.rows.append({"section": s.section, "key": s.key, "dtype": s.dtype, "rel_rmse": errors})
         return [f"{name} rel RMSE {e:.2e}" for name, e in errors.items() if not e <= TOLERANCE[s.dtype]]
 
     def decide(self, s: Sweep, value, current, complete: bool, why: str, **extra) -> dict:

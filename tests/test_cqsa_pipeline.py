@@ -53,10 +53,13 @@ def test_finalize_kernel_matches_torch_finalize(mscale):
     for g0 in range(0, n, 16):                   # chunks written into views of the full output
         g1 = min(n, g0 + 16)
         launch_finalize(acc.acc, acc.m, acc.s, o[:, :, g0:g1], lse[:, :, g0:g1], g0, mscale)
-    assert max_err(o, o_ref) <= 1e-3 and torch.equal(torch.isinf(lse), torch.isinf(l_ref))
+    # two implementations (the Triton kernel, torch's division): each value within an ulp of fp16 / a few of fp32 of
+    # the other's, relative to its size (acc / s reaches the thousands where s is small); a 1 % error fails
+    assert torch.equal(torch.isinf(lse), torch.isinf(l_ref))
+    assert ((o.float() - o_ref.float()).abs() <= 2 ** -10 * o_ref.float().abs() + 2 ** -24).all()
     assert (o[:, :, ::7] == 0).all() and (lse[:, :, ::7] == float("-inf")).all()
     f = torch.isfinite(l_ref)
-    assert max_err(lse[f], l_ref[f]) <= 1e-5
+    assert ((lse[f] - l_ref[f]).abs() <= 1e-6 * l_ref[f].abs() + 1e-6).all()
 
 
 def test_global_output_tables_map_local_rows_to_global_ids():

@@ -234,7 +234,7 @@ def test_a_killed_worker_leaves_a_resumable_run_and_resume_measures_only_the_mis
     stored = {r["point_id"] for r in _rows(run)}
     if stored == set(LONG_IDS):   # killed between two points (it held none): cpu:0 measured the rest, the run is complete
         assert proc.returncode == 0, err[-3000:]
-        return
+        pytest.skip("the worker died between two points, holding none: the run completed, so no resume to check")
     assert proc.returncode == 5, err[-3000:]
     hint = err.strip().splitlines()[-1]
     assert shlex.split(hint) == [sys.executable, "-m", "attnbench", *args, "--resume", f"runs/{run.name}"]

@@ -47,9 +47,12 @@ def test_spot_check_yaml_has_the_seed_16_points():
     ids = [c["id"] for c in plan.checks]
     assert ids == ["C1", "C2"] + [f"P{i}" for i in range(1, 15)]
     assert [c["kind"] for c in plan.checks].count("correctness") == 2
-    # model cells stay NOT_LANDED until attnbench.models exists
-    if not sc.model_support_landed():
-        assert all(f"spot_{m}" in plan.not_landed for m in ("vit_t_fp16_fwd", "swin_t_fp32_train"))
+    # every kernel and the model workloads have landed: nothing is NOT_LANDED; the model cells need timm to run
+    import importlib.util
+
+    assert sc.model_support_landed() and plan.not_landed == {}
+    models = {f"spot_{m}_{d}_{k}" for m in ("vit_t", "swin_t") for d in ("fp16", "fp32") for k in ("fwd", "train")}
+    assert set(plan.unrunnable) == (set() if importlib.util.find_spec("timm") else models)
 
 
 def test_spot_check_kernels_yaml_has_three_kernels():

@@ -50,11 +50,15 @@ def test_tune_runs_on_the_cpu_and_writes_only_where_asked(tmp_path, kernel, sect
     assert [(d["section"], d["table"], d["key"]) for d in log["decisions"]] == expected
     timed = [r for r in log["rows"] if r.get("points") or "ratio" in r]
     assert timed, "nothing was timed"
-    for r in log["rows"]:
-        if "points" in r:
-            assert r["rel_rmse"] <= tune.TOLERANCE[r["dtype"]] and all(p["ratio"] > 0 for p in r["points"])
+    # every config a sweep timed, and every path a crossover compared, held its accuracy against float64
+    checked = [r for r in log["rows"] if "rel_rmse" in r]
+    assert checked, "no accuracy was checked"
+    for r in checked:
+        errors = r["rel_rmse"] if isinstance(r["rel_rmse"], dict) else {"config": r["rel_rmse"]}
+        assert all(e <= tune.TOLERANCE[r["dtype"]] for e in errors.values()), r
+        assert all(p["ratio"] > 0 for p in r.get("points", ())), r
     changed = [d for d in log["decisions"] if d["changed"]]
-    assert target.is_file() == bool(changed) or kernel == "cron_root"
+    assert target.is_file() == bool(changed)
     # the kernels' own tuning files are untouched by a CPU run
     assert {p: p.read_bytes() for p in (REPO / "kernels").glob("*/tuning.json")} == before
 
