@@ -25,7 +25,6 @@ interpreter) there is no clock or power and the times mean nothing: the plumbing
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -35,6 +34,8 @@ from pathlib import Path
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before anything imports triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from attnbench.arguments import Parser, non_negative_float, output_file, positive_float, positive_int  # noqa: E402
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -49,26 +50,22 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="JSON file to write")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--kernel", default="pasa", help="the backend timed against the baseline (default pasa)")
     ap.add_argument("--baseline", default="cudnn", help="default cudnn")
     ap.add_argument("--shapes", default="16384x64,65536x64", help="NxD,... (default 16384x64,65536x64)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--mode", default="fwd", choices=("fwd", "bwd", "fwdbwd"))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--calls", type=int, default=20, help="timed calls a side in each phase (default 20)")
-    ap.add_argument("--warm-s", type=float, default=1.0, help="seconds of a side's calls before it is timed alone")
-    ap.add_argument("--repeats", type=int, default=2, help="alone and paired phases per shape (default 2)")
-    ap.add_argument("--sample-ms", type=float, default=2.0, help="NVML read interval (default 2 ms)")
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--calls", type=positive_int, default=20, help="timed calls a side in each phase (default 20)")
+    ap.add_argument("--warm-s", type=non_negative_float, default=1.0,
+                    help="seconds of a side's calls before it is timed alone")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="alone and paired phases per shape (default 2)")
+    ap.add_argument("--sample-ms", type=positive_float, default=2.0, help="NVML read interval (default 2 ms)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args(argv)
-    for name in ("batch", "heads", "calls", "repeats"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.warm_s < 0 or args.sample_ms <= 0:
-        ap.error("--warm-s must be >= 0 and --sample-ms > 0")
     try:
         args.shapes = parse_shapes(args.shapes)
     except ValueError as exc:
@@ -232,10 +229,7 @@ def line(row: dict, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    if not out.parent.exists():
-        print(f"clock_pairing: directory {out.parent} does not exist", file=sys.stderr)
-        return 2
+    out = args.out
     from attnbench.backends import BackendError
     from attnbench.gpu import NoGpuError
     from kernels._tuning import write_json_atomic

@@ -56,6 +56,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from attnbench.arguments import Parser, int_list, name_list, output_file  # noqa: E402
+from kernels._common import HEAD_DIMS  # noqa: E402
+
 SMEM_MAX = 232448   # sm_90: 227 KB of shared memory per block (opt-in); a config above it cannot launch
 PTX_COUNTS = {"wgmma": ("wgmma.mma_async",), "cp_async": ("cp.async.cg", "cp.async.ca"),
               "ex2": ("ex2.approx",), "cvt_f16x2": ("cvt.rn.f16x2.f32",), "cvt_f32_f16": ("cvt.f32.f16",)}
@@ -586,29 +589,39 @@ KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "c
            "flash_core": flash_core_jobs, "gluon_core": gluon_core_jobs}
 
 
+def _target(text: str) -> str:
+    """--target backend:arch:warp size, e.g. cuda:90:32 (checked here, made a GPUTarget by main)."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: need backend:arch:warp size, e.g. cuda:90:32")
+    return text
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel", required=True, choices=[*KERNELS, "all"])
-    p.add_argument("--dtypes", default="fp16,bf16,fp32", help="element types of the inputs (PASA: always fp16)")
-    p.add_argument("--dims", default="64,128", help="head dims")
+    p.add_argument("--dtypes", type=name_list, default=("fp16", "bf16", "fp32"),
+                   help="element types of the inputs (PASA: always fp16)")
+    p.add_argument("--dims", type=int_list, default=(64, 128), help="head dims")
     p.add_argument("--tiles", action="store_true", help="the candidate tiles of a tuning sweep, not the shipped ones")
     p.add_argument("--ws-only", action="store_true",
                    help="only the warp-specialized variants (their row double-offset audit, quickly)")
-    p.add_argument("--target", default="cuda:90:32", help="backend:arch:warp size")
+    p.add_argument("--target", type=_target, default="cuda:90:32", help="backend:arch:warp size")
     p.add_argument("--sass", action="store_true",
                    help="print each job's SASS digest too (in --json always): equal on two trees = the same code")
-    p.add_argument("--json", help="write every row here")
+    p.add_argument("--json", type=output_file, help="write every row here")
     p.add_argument("--inductor-writes", action="store_true",
                    help="compile nothing: what torch's analysis counts as written by each kernel handed to inductor "
                         "(ELSA's Triton kernels); exit 1 where that includes a tensor the kernel only reads")
     a = p.parse_args(argv)
-    dtypes = [x for x in a.dtypes.split(",") if x]
-    dims = [int(x) for x in a.dims.split(",") if x]
+    backend, arch, warp = a.target.split(":")
+    dtypes, dims, target = list(a.dtypes), list(a.dims), GPUTarget(backend, int(arch), int(warp))
     bad = [x for x in dtypes if x not in TORCH_DTYPES]
     if bad:
-        p.error(f"--dtypes {bad[0]!r}: allowed {', '.join(TORCH_DTYPES)}")
-    backend, arch, warp = a.target.split(":")
-    target = GPUTarget(backend, int(arch), int(warp))
+        p.error(f"argument --dtypes: {bad[0]!r}: allowed {', '.join(TORCH_DTYPES)}")
+    if not set(dims) <= set(HEAD_DIMS):
+        p.error(f"argument --dims: {','.join(map(str, dims))}: head dims are multiples of 8 from {HEAD_DIMS[0]} to "
+                f"{HEAD_DIMS[-1]}")
     if a.inductor_writes:
         return check_inductor_writes(a.kernel, dtypes, dims, target)
     rows, failures = [], 0

@@ -60,6 +60,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before kernels (and triton) are imported
 
+from attnbench.arguments import Parser, int_list, name_list, output_dir, positive_float, positive_int  # noqa: E402
 from kernels.cqsa import cqsa_attention, cqsa_attention_distributed  # noqa: E402
 from kernels._common import LOG2E, dot_precision  # noqa: E402
 from kernels.cqsa import kernel as K  # noqa: E402
@@ -214,13 +215,13 @@ def cmd_table(a):
     adopt_points(out, a.merge)
     path = out / TABLE_POINTS
     rows = _load(path)
-    passes = a.passes.split(",")
+    passes = list(a.passes)
     cfg = dict(device=_device_name(dev), total=a.total, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype,
                causal=a.causal, c=7)
     gen = torch.Generator(device=dev).manual_seed(0)
     if dev.type == "cuda":                          # compile the kernels outside the timed calls
         run_subsequence(build_tasks(7 * 128, 7, 1)[0], a.heads, a.head_dim, dtype, a.causal, dev, passes, gen)
-    itrs = sorted({int(i) for i in a.itr_measure.split(",")}, reverse=True)       # cheapest (deepest) first
+    itrs = sorted(set(a.itr_measure), reverse=True)       # cheapest (deepest) first
     last = None
     for itr in itrs:
         n_scaled = int(round(a.total * (3 / 7) ** (itr - 1)))
@@ -272,8 +273,8 @@ def cmd_dist(a):
     q, k, v, do = (torch.randn(shape, device=dev, dtype=dtype, generator=gen) for _ in range(4))
     for t in (q, k, v, do):
         dist.broadcast(t, 0)                         # every rank holds rank 0's inputs
-    passes = a.passes.split(",")
-    worlds = [w for w in (range(1, world + 1) if a.worlds == "all" else map(int, a.worlds.split(","))) if w <= world]
+    passes = list(a.passes)
+    worlds = [w for w in (range(1, world + 1) if a.worlds == "all" else a.worlds) if w <= world]
     groups = {w: dist.new_group(list(range(w))) for w in worlds}     # every rank creates every group
     ref = ref_grads = None
     if rank == 0:
@@ -529,7 +530,7 @@ def write_report(out: Path, a):
                scaling=scaling_model(dpoints, a) if dpoints else [])
     md = ["# Stream-CQSA at scale", "",
           f"Written by `scripts/cqsa_scaling.py` from `{TABLE_POINTS}` and `{DIST_POINTS}` in this directory.", ""]
-    itr_table = [int(i) for i in a.itr_table.split(",")]
+    itr_table = list(a.itr_table)
     cfgs = sorted({(r["device"], r["total"], r["heads"], r["head_dim"], r["dtype"], r["causal"]) for r in tpoints},
                   key=str)
     for cfg in cfgs:
@@ -608,36 +609,61 @@ def cmd_report(a):
     write_report(Path(a.out), a)
 
 
+def passes(text: str) -> tuple[str, ...]:
+    """--passes: a comma list of fwd, bwd, fwdbwd."""
+    names = name_list(text)
+    unknown = [x for x in names if x not in ("fwd", "bwd", "fwdbwd")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r}: passes are fwd, bwd, fwdbwd")
+    return names
+
+
+def worlds(text: str):
+    """--worlds: all, or a comma list of world sizes."""
+    return text if text == "all" else int_list(text)
+
+
+def existing_dir(text: str) -> Path:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+    return Path(text)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", required=True, help="directory for the points and the report")
-    common.add_argument("--merge", nargs="*", default=[], metavar="DIR",
+    ap = Parser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    common = Parser(add_help=False)
+    common.add_argument("--out", type=output_dir, required=True, help="directory for the points and the report")
+    common.add_argument("--merge", type=existing_dir, nargs="*", default=[], metavar="DIR",
                         help="directories of earlier calls whose points join this report")
-    common.add_argument("--itr-table", default="5,6,7,8,9", help="rows of the 1B table")
-    common.add_argument("--busbw-intra", type=float, default=300.0,
+    common.add_argument("--itr-table", type=int_list, default=(5, 6, 7, 8, 9), help="rows of the 1B table")
+    common.add_argument("--busbw-intra", type=positive_float, default=300.0,
                         help="assumed all-reduce bus bandwidth within a node, GB/s (when none was measured)")
-    common.add_argument("--busbw-inter", type=float, default=40.0, help="assumed bus bandwidth across nodes, GB/s")
-    common.add_argument("--heads", type=int, default=None)
-    common.add_argument("--head-dim", type=int, default=128)
+    common.add_argument("--busbw-inter", type=positive_float, default=40.0,
+                        help="assumed bus bandwidth across nodes, GB/s")
+    common.add_argument("--heads", type=positive_int, default=None)
+    common.add_argument("--head-dim", type=positive_int, default=128)
     common.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     common.add_argument("--causal", action="store_true")
-    common.add_argument("--deadline-s", type=float, default=240.0, help="start nothing new after this many seconds")
+    common.add_argument("--deadline-s", type=positive_float, default=240.0,
+                        help="start nothing new after this many seconds")
     t = sub.add_parser("table", parents=[common])
-    t.add_argument("--total", type=float, default=1e9, help="tokens of the full problem (the paper: 1B)")
-    t.add_argument("--itr-measure", default="7,8,9", help="divides whose 7 subsequences are timed")
-    t.add_argument("--passes", default="fwd,bwd")
-    t.add_argument("--subsequences", type=int, default=7, help="time this many of the 7 (t7 scales by 7/k)")
+    t.add_argument("--total", type=positive_float, default=1e9, help="tokens of the full problem (the paper: 1B)")
+    t.add_argument("--itr-measure", type=int_list, default=(7, 8, 9), help="divides whose 7 subsequences are timed")
+    t.add_argument("--passes", type=passes, default=("fwd", "bwd"))
+    t.add_argument("--subsequences", type=positive_int, default=7, help="time this many of the 7 (t7 scales by 7/k)")
     d = sub.add_parser("dist", parents=[common])
-    d.add_argument("--tokens", type=int, default=1 << 20, help="N (not --n: torchrun would take it for its own)")
-    d.add_argument("--passes", default="fwd")
-    d.add_argument("--reps", type=int, default=2)
-    d.add_argument("--worlds", default="all", help="'all' (1..W) or a list such as 1,2")
-    d.add_argument("--mem-budget", type=int, default=None, help="bytes per rank (streaming engine)")
-    d.add_argument("--pg-timeout-s", type=float, default=600.0)
+    d.add_argument("--tokens", type=positive_int, default=1 << 20,
+                   help="N (not --n: torchrun would take it for its own)")
+    d.add_argument("--passes", type=passes, default=("fwd",))
+    d.add_argument("--reps", type=positive_int, default=2)
+    d.add_argument("--worlds", type=worlds, default="all", help="'all' (1..W) or a list such as 1,2")
+    d.add_argument("--mem-budget", type=positive_int, default=None, help="bytes per rank (streaming engine)")
+    d.add_argument("--pg-timeout-s", type=positive_float, default=600.0)
     sub.add_parser("report", parents=[common])
     a = ap.parse_args(argv)
+    if a.cmd == "table" and a.subsequences > 7:
+        ap.error(f"argument --subsequences: {a.subsequences}: at most the 7 subsequences of a divide")
     if a.heads is None:
         a.heads = 1 if a.cmd == "table" else 4
     {"table": cmd_table, "dist": cmd_dist, "report": cmd_report}[a.cmd](a)

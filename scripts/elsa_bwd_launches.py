@@ -16,7 +16,6 @@ Writes the JSON list to OUT and one line per shape to stdout.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnbench.arguments import Parser, output_file  # noqa: E402
 
 SHAPES = [(8, 3, 197, 64), (8, 3, 577, 64), (8, 3, 1025, 64), (1, 8, 1024, 64), (1, 8, 2048, 64), (1, 8, 4096, 64),
           (1, 8, 8192, 64), (1, 8, 1024, 128), (1, 8, 2048, 128), (1, 8, 4096, 128), (1, 8, 8192, 128),
@@ -71,8 +72,8 @@ def measure(dtype, B, H, N, D, causal):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=output_file)
     ap.add_argument("--dtypes", default="float16,float32")
     args = ap.parse_args(argv)
     import torch

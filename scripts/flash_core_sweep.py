@@ -32,7 +32,6 @@ budget (so the GPU tests and one ncu run fit beside it in 9 minutes); what the b
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from attnbench.arguments import Parser, int_list, name_list, non_negative_int, output_dir, positive_float  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair  # noqa: E402
 from attnbench.workload import Workload  # noqa: E402
@@ -328,18 +328,18 @@ def summary(rows: list[dict], left_out: list[str]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="output directory (created)")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting new points after this many seconds")
-    ap.add_argument("--workers", type=int, default=0, help="compile processes (0: CPU count - 2, at most 12)")
-    ap.add_argument("--dtypes", default="fp16,bf16")
-    ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--cliff-dims", default="80,96,256")
+    ap = Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=output_dir, required=True, help="output directory (created)")
+    ap.add_argument("--budget-s", type=positive_float, default=330.0,
+                    help="stop starting new points after this many seconds")
+    ap.add_argument("--workers", type=non_negative_int, default=0,
+                    help="compile processes (0: CPU count - 2, at most 12)")
+    ap.add_argument("--dtypes", type=name_list, default=("fp16", "bf16"))
+    ap.add_argument("--dims", type=int_list, default=(64, 128))
+    ap.add_argument("--cliff-dims", type=int_list, default=(80, 96, 256))
     ap.add_argument("--quick", action="store_true", help="3 variants per point, no cliff check (a smoke run)")
     a = ap.parse_args(argv)
-    dtypes = [x for x in a.dtypes.split(",") if x]
-    dims = [int(x) for x in a.dims.split(",") if x]
-    cliff = [int(x) for x in a.cliff_dims.split(",") if x]
+    dtypes, dims, cliff = list(a.dtypes), list(a.dims), list(a.cliff_dims)
     for x in dtypes:
         if x not in DTYPES:
             ap.error(f"--dtypes: {x!r} unknown (fp16, bf16)")

@@ -67,7 +67,6 @@ Writes the JSON to OUT and a short table to stdout. A probe that fails is report
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
@@ -81,25 +80,28 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository root: kernels/, attnbench/
 
+from attnbench.arguments import Parser, name_list, non_negative_int, output_file, positive_int  # noqa: E402
+
 KERNELS = {"elsa": "kernels.elsa", "cron_root": "kernels.cron_root", "pasa": "kernels.pasa", "cqsa": "kernels.cqsa"}
 TARGET = {"elsa": 1.5, "cron_root": 1.5, "pasa": 1.5, "cqsa": 2.0}       # x SDPA's host time: the targets
 MODES = ("fwd", "fwd_nograd", "fwdbwd", "bwd")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="JSON file to write")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: Triton interpreter (checks the plumbing; the times mean nothing unless --stub-launches)")
     ap.add_argument("--stub-launches", action="store_true",
                     help="CPU only: launches take the fast path to a launcher that does nothing (the host path alone)")
-    ap.add_argument("--n", type=int, default=128, help="sequence length (default 128)")
+    ap.add_argument("--n", type=positive_int, default=128, help="sequence length (default 128)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"))
-    ap.add_argument("--calls", type=int, default=200, help="calls per timed loop (default 200)")
-    ap.add_argument("--warmup", type=int, default=20, help="calls before each timed loop (default 20)")
-    ap.add_argument("--repeats", type=int, default=15,
+    ap.add_argument("--calls", type=positive_int, default=200, help="calls per timed loop (default 200)")
+    ap.add_argument("--warmup", type=non_negative_int, default=20, help="calls before each timed loop (default 20)")
+    ap.add_argument("--repeats", type=positive_int, default=15,
                     help="rounds: timed loops per figure, median reported (default 15)")
-    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
+    ap.add_argument("--kernels", type=name_list, default=tuple(KERNELS),
+                    help="comma-separated subset of " + ",".join(KERNELS))
     ap.add_argument("--no-pieces", action="store_true", help="only the per-call figures (no pieces, no registration)")
     return ap.parse_args(argv)
 
@@ -563,7 +565,7 @@ def measure(torch, args) -> dict:
 
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    names = [n for n in args.kernels.split(",") if n]
+    names = list(args.kernels)
     schedule = Schedule(Timer(torch, args.device, args.calls, args.warmup, args.repeats))
     import triton
     res = {"meta": {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
@@ -678,11 +680,8 @@ def table(res) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    if out.parent and not out.parent.exists():
-        print(f"host_cost: directory {out.parent} does not exist", file=sys.stderr)
-        return 2
-    unknown = [n for n in args.kernels.split(",") if n and n not in KERNELS]
+    out = args.out
+    unknown = [n for n in args.kernels if n not in KERNELS]
     if unknown:
         print(f"host_cost: unknown kernel(s) {', '.join(unknown)} (known: {', '.join(KERNELS)})", file=sys.stderr)
         return 2

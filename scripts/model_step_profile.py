@@ -160,6 +160,16 @@ def main(argv=None) -> int:
     if not out.parent.exists():
         print(f"model_step_profile: directory {out.parent} does not exist", file=sys.stderr)
         return 2
+    import importlib.util
+
+    if importlib.util.find_spec("timm") is None:
+        print("model_step_profile: the models come from timm, which is not installed here", file=sys.stderr)
+        return 2
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("model_step_profile: no CUDA GPU here (--device cpu runs the plumbing)", file=sys.stderr)
+        return 3
     try:
         res = run(args)
     except ValueError as exc:         # a cell the harness refuses (model name, image size, dtype, kernel)

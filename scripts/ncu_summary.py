@@ -49,6 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from attnbench.arguments import Parser, output_dir, positive_int  # noqa: E402
+
 # workload -> (how to get the function, default kernel-name regex)
 WORKLOADS = {
     "elsa": ("kernels.elsa:elsa_attention", "phase1"),
@@ -417,15 +419,15 @@ def profile(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="elsa", help=f"{', '.join(WORKLOADS)} or MODULE:FUNCTION")
     ap.add_argument("--kernel", help="regex for the kernel name (default: the workload's)")
-    ap.add_argument("--out", default="ncu_out")
+    ap.add_argument("--out", type=output_dir, default=Path("ncu_out"))
     ap.add_argument("--label", help="file name stem of the outputs")
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--b", type=int, default=1)
-    ap.add_argument("--h", type=int, default=8)
+    ap.add_argument("--d", type=positive_int, default=128)
+    ap.add_argument("--n", type=positive_int, default=16384)
+    ap.add_argument("--b", type=positive_int, default=1)
+    ap.add_argument("--h", type=positive_int, default=8)
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", action="store_true",
@@ -440,10 +442,15 @@ def main(argv=None) -> int:
         summaries = []
         for path in a.compare:
             try:
-                summaries.append((Path(path).stem, json.loads(Path(path).read_text())))
+                summary = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
                 print(f"ncu_summary: {path}: {exc}", file=sys.stderr)
                 return 2
+            if not isinstance(summary, dict) or "kernel" not in summary:
+                print(f"ncu_summary: {path}: not a summary this tool wrote (a JSON object with its 'kernel')",
+                      file=sys.stderr)
+                return 2
+            summaries.append((Path(path).stem, summary))
         print(table(summaries))
         return 0
     if a.run_workload:

@@ -48,7 +48,6 @@ section that sweeps head dims (e.g. `--sections gluonbwd --dims 128` after a cha
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -64,10 +63,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from attnbench.arguments import Parser, int_list, output_dir, output_file, positive_float  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
-from kernels._common import block_d  # noqa: E402
+from kernels._common import HEAD_DIMS, block_d  # noqa: E402
 from kernels._tuning import dim_key, write_configs, write_json_atomic  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
 
@@ -892,28 +892,26 @@ def _write_cron_root(decisions: list[dict], path: Path, device: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", required=True, choices=sorted(SECTIONS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--sections", default=None, help="comma list (default: the kernel's usual set; see SECTIONS)")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="stop before a candidate would run past this")
-    ap.add_argument("--out", type=Path, default=None, help="folder for tune_<kernel>.json (every measurement)")
-    ap.add_argument("--write", type=Path, default=None, help="tuning file to write (default: the kernel's own, GPU only)")
+    ap.add_argument("--budget-s", type=positive_float, default=540.0, help="stop before a candidate would run past this")
+    ap.add_argument("--out", type=output_dir, default=None, help="folder for tune_<kernel>.json (every measurement)")
+    ap.add_argument("--write", type=output_file, default=None,
+                    help="tuning file to write (default: the kernel's own, GPU only)")
     ap.add_argument("--no-write", action="store_true", help="measure and report only")
     ap.add_argument("--cross-timing", choices=("graph", "eager"), default=None,
                     help="Cron Root's crossover and PASA's core section: device time (graph, the GPU's default) or "
                          "eager calls (the CPU's)")
-    ap.add_argument("--dims", default=None,
+    ap.add_argument("--dims", type=int_list, default=None,
                     help="comma list of head dims: sweep only those (default: each section's own), e.g. to re-tune "
                          "after a change to one head dim's kernel")
     args = ap.parse_args(argv)
-    head_dims = None
-    if args.dims is not None:
-        try:
-            head_dims = tuple(int(x) for x in args.dims.split(","))
-        except ValueError:
-            print(f"error: --dims {args.dims!r}: a comma list of head dims (integers), e.g. 64,128", file=sys.stderr)
-            return 2
+    head_dims = args.dims
+    if head_dims is not None and not set(head_dims) <= set(HEAD_DIMS):
+        ap.error(f"argument --dims: {','.join(map(str, head_dims))}: head dims are multiples of 8 from "
+                 f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     _, known, default = SECTIONS[args.kernel]
     sections = (args.sections or default).split(",")
     unknown = [s for s in sections if s not in known]

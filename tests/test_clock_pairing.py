@@ -33,8 +33,9 @@ def test_sampler_phase_keeps_the_reads_of_its_window():
 @pytest.mark.parametrize("argv, message", [
     (["--shapes", "16384"], "--shapes: '16384': need NxD with positive integers (e.g. 16384x64)"),
     (["--shapes", "16384x0"], "--shapes: '16384x0': need NxD"),
-    (["--calls", "0"], "--calls must be at least 1, got 0"),
-    (["--sample-ms", "0"], "--warm-s must be >= 0 and --sample-ms > 0"),
+    (["--calls", "0"], "argument --calls: '0': need a positive integer"),
+    (["--sample-ms", "0"], "argument --sample-ms: '0': need a positive number"),
+    (["--warm-s", "-1"], "argument --warm-s: '-1': need a non-negative number"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
@@ -44,8 +45,10 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
 
 def test_missing_output_directory_and_refused_points_are_one_line(tmp_path, capsys, device):
     mod = load_script("clock_pairing")
-    assert mod.main([str(tmp_path / "no" / "o.json")]) == 2
-    assert capsys.readouterr().err.strip() == f"clock_pairing: directory {tmp_path / 'no'} does not exist"
+    with pytest.raises(SystemExit) as exc:
+        mod.main([str(tmp_path / "no" / "o.json")])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"error: argument out: {tmp_path / 'no' / 'o.json'}: cannot be written (no folder {tmp_path / 'no'})")
     assert mod.main([str(tmp_path / "o.json"), "--kernel", "nope"]) == 2
     assert capsys.readouterr().err.strip().startswith("clock_pairing: unknown backend 'nope'")
     if device.type == "cpu":

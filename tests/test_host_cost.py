@@ -114,8 +114,13 @@ def test_ratio_to_sdpa_pairs_the_samples_of_each_round():
 
 def test_host_cost_bad_arguments_are_one_line(tmp_path, capsys):
     mod = _load()
-    assert mod.main([str(tmp_path / "missing" / "x.json"), "--device", "cpu"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    for argv, message in (([str(tmp_path / "missing" / "x.json")], "cannot be written (no folder"),
+                          ([str(tmp_path / "x.json"), "--n", "-5"], "argument --n: '-5': need a positive integer"),
+                          ([str(tmp_path / "x.json"), "--calls", "0"], "argument --calls: '0': need a positive"),
+                          ([str(tmp_path / "x.json"), "--kernels", ","], "argument --kernels: ',': need a comma list")):
+        with pytest.raises(SystemExit) as exc:
+            mod.main([*argv, "--device", "cpu"])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
     assert mod.main([str(tmp_path / "x.json"), "--device", "cpu", "--kernels", "elsa,nope"]) == 2
     assert "unknown kernel(s) nope" in capsys.readouterr().err
     assert mod.main([str(tmp_path / "x.json"), "--device", "cuda", "--stub-launches"]) == 2

@@ -85,7 +85,12 @@ def test_dims_limits_every_head_dim_sweep_to_those_named():
     assert tune.Context("cpu").dims([64, 128]) == [64]
     proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--dims", "128,x")
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: --dims '128,x': a comma list of head dims (integers), e.g. 64,128")
+        "error: argument --dims: '128,x': need a comma list of positive integers")
+    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--dims", "0")
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: argument --dims: '0': need a comma list of " \
+        "positive integers"
+    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--dims", "100")
+    assert proc.returncode == 2 and "--dims: 100: head dims are multiples of 8 from 16 to 256" in proc.stderr
 
 
 @pytest.mark.parametrize("kernel, section, extra, expected", [
