@@ -393,11 +393,18 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     """Run a YAML matrix: wait for a clean GPU, measure every point kernel ⇄ baseline interleaved, store the run.
     With --gpus (or --workers on the CPU): one worker process per device, points from one queue, one run directory."""
     from attnbench.matrix import load_matrix
+    from attnbench.store import load_run
 
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     _check_number("--max-attempts", max_attempts, 1, integer=True)
     layout = _pool_layout(device, gpu, gpus, workers, replicate)
+    try:        # the file and the options first, so a mistake in them is named on a machine without a GPU too
+        _parse_slowdown(slowdown, _selected(load_matrix(matrix_path, device=device), only, matrix_path))
+        if resume is not None:
+            load_run(resume)
+    except _user_errors() as exc:
+        fail(str(exc), 2)
     reader = _require_gpu() if device == "cuda" and not dry_run else None
     if layout is not None and layout.gpus_spec is not None and reader is not None:
         from attnbench.gpu import GpuListError, resolve_gpu_list
@@ -408,9 +415,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
             fail(str(exc), 2)
     try:
         matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
-        if not matrix.select(only).cells:
-            fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
-        slow = _parse_slowdown(slowdown, matrix.select(only))
+        slow = _parse_slowdown(slowdown, _selected(matrix, only, matrix_path))
         if dry_run:
             from attnbench.planning import point_seconds
 
@@ -426,6 +431,14 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         console.print(f"run directory: {run_dir}")
     except _user_errors() as exc:
         fail(str(exc), 2)
+
+
+def _selected(matrix, only: Optional[str], matrix_path: Path):
+    """The matrix's cells --only picks (one line, exit 2 when it picks none)."""
+    picked = matrix.select(only)
+    if not picked.cells:
+        fail(f"--only {only!r}: no cell of {matrix_path} matches", 2)
+    return picked
 
 
 def _pool_layout(device: str, gpu: Optional[str], gpus: Optional[str], workers: Optional[int], replicate: bool):
@@ -638,6 +651,12 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
         _rescore_spot_check(matrix_path, rescore)
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
+    try:        # the file first, so a mistake in it is named on a machine without a GPU too
+        spotcheck.load_spot_check(matrix_path, device=device)
+        if resume is not None:
+            load_run(resume)
+    except _user_errors() as exc:
+        fail(str(exc), 2)
     reader = _require_gpu() if device == "cuda" else None
     try:
         plan = spotcheck.load_spot_check(matrix_path, device=device, memory_bytes=_device_memory(device, reader))

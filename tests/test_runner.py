@@ -353,8 +353,10 @@ def test_cli_end_to_end_smoke_matrix_on_cpu(tmp_path):
 
 
 def test_cli_without_gpu_exits_3_in_one_line(tmp_path):
-    # no GPU for this process on any machine: CUDA_VISIBLE_DEVICES hides them from torch (NVML still sees them)
-    proc = cli("run-matrix", str(SMOKE), "--results-root", str(tmp_path), env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    # no GPU for this process on any machine: CUDA_VISIBLE_DEVICES hides them from torch (NVML still sees them); a
+    # matrix a GPU can run (the file is checked first: smoke_cpu.yaml's float32 flash cell is refused for cuda)
+    proc = cli("run-matrix", str(REPO / "matrices" / "nightly.yaml"), "--results-root", str(tmp_path),
+               env_extra={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 3
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "--device cpu" in lines[0] and "Traceback" not in proc.stderr
