@@ -10,15 +10,21 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 log="" max_util=8 min_free=12 wait_s=0 device=cuda
+usage_error() { echo "error: $*" >&2; exit 2; }
+number() {  # option value: a non-negative number, or one line and exit 2
+  [[ "$2" =~ ^[0-9]+([.][0-9]+)?$ ]] || usage_error "$1 '$2': need a non-negative number"
+}
 while [ $# -gt 0 ]; do
   case "$1" in
+    --log|--max-util|--min-free-gb|--wait|--device) [ $# -ge 2 ] || usage_error "$1 needs a value" ;;&
     --log) log="$2"; shift 2 ;;
-    --max-util) max_util="$2"; shift 2 ;;
-    --min-free-gb) min_free="$2"; shift 2 ;;
-    --wait) wait_s="$2"; shift 2 ;;
-    --device) device="$2"; shift 2 ;;
+    --max-util) number "$1" "$2"; max_util="$2"; shift 2 ;;
+    --min-free-gb) number "$1" "$2"; min_free="$2"; shift 2 ;;
+    --wait) number "$1" "$2"; wait_s="$2"; shift 2 ;;
+    --device) [ "$2" = cuda ] || [ "$2" = cpu ] || usage_error "--device '$2': allowed cuda, cpu"; device="$2"; shift 2 ;;
     --) shift; break ;;
     -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -*) usage_error "unknown option '$1' (the command to run goes after --)" ;;
     *) break ;;
   esac
 done

@@ -20,6 +20,7 @@ baselines_root="${BASELINES_ROOT:-results/baselines}"
 results_root="results/runs" resume="" bless=0
 args=() prev=""
 for a in "$@"; do
+  case "$a" in -h|--help) sed -n '2,15p' "$0"; exit 0 ;; esac
   case "$prev" in --results-root) results_root="$a" ;; --resume) resume="$a" ;; esac
   case "$a" in --results-root=*) results_root="${a#*=}" ;; --resume=*) resume="${a#*=}" ;; esac
   if [ "$a" = "--bless" ]; then bless=1; else args+=("$a"); fi
