@@ -342,7 +342,7 @@ def test_gpu_list_that_the_machine_cannot_serve(monkeypatch, spec, env, name1, c
 def test_gpu_index_beyond_the_machine_through_the_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(cli_mod, "_require_gpu", _two_gpus)   # a machine with two GPUs, as NVML reports them
-    (tmp_path / "tiny.yaml").write_text(TINY)
+    (tmp_path / "tiny.yaml").write_text(TINY.replace("dtype: float32", "dtype: float16"))   # a matrix a GPU runs
     result = cli(capsys, "run-matrix", tmp_path / "tiny.yaml", "--results-root", tmp_path / "runs", "--gpus", "0,7")
     assert_one_line(result, 2, "--gpus '0,7'", "GPU 7 does not exist")
 
