@@ -18,7 +18,6 @@ Prints one JSON line per comparison; exit 1 if a judged comparison is outside th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -26,6 +25,7 @@ import torch
 import triton
 import triton.testing
 
+from attnbench.arguments import Parser, output_file, positive_float
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import TIMING_DEFAULTS
 from attnbench.measure import measure_pair
@@ -74,9 +74,9 @@ def calibrate(points=POINTS) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=output_file, default=None, help="write the rows as JSON here")
+    ap.add_argument("--tolerance", type=positive_float, default=0.05, help="relative, e.g. 0.05")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("calibrate.py needs a CUDA GPU", file=sys.stderr)
