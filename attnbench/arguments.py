@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from kernels._common import HEAD_DIMS
+
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line ("error: argument --dims: ..."), exit 2, as the CLI's;
@@ -24,8 +26,7 @@ def _number(kind, text: str, positive: bool):
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an {noun}" if kind is int else
-                                         f"{text!r} is not a {noun}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an' if kind is int else 'a'} {noun}") from None
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise argparse.ArgumentTypeError(f"{text!r}: need a {'positive' if positive else 'non-negative'} {noun}")
     return value
@@ -56,6 +57,14 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(positive_int(x.strip()) for x in items)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r}: need a comma list of positive integers") from None
+
+
+def head_dims(text: str) -> tuple[int, ...]:
+    """A comma list of head dims the kernels take (kernels._common.HEAD_DIMS: multiples of 8 from 16 to 256)."""
+    dims = int_list(text)
+    if not set(dims) <= set(HEAD_DIMS):
+        raise argparse.ArgumentTypeError(f"{text}: head dims are multiples of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    return dims
 
 
 def name_list(text: str) -> tuple[str, ...]:

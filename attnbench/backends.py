@@ -39,6 +39,11 @@ class BackendError(ValueError):
     """A user-facing problem with a backend name or option (one line, no traceback)."""
 
 
+class NotLandedError(BackendError):
+    """A reserved kernel name whose kernel has not landed ("kernel 'x' is not implemented yet"): a spot-check's
+    NOT_LANDED verdict, an error everywhere else."""
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -204,11 +209,11 @@ def _kernel_backend(name: str) -> Backend:
         module = importlib.import_module(package)
     except ModuleNotFoundError as exc:
         if exc.name and package.startswith(exc.name.split(".")[0]) and exc.name in (package, "kernels"):
-            raise BackendError(f"kernel '{name}' is not implemented yet") from None
+            raise NotLandedError(f"kernel '{name}' is not implemented yet") from None
         raise
     spec = getattr(module, "BACKENDS", {}).get(name)
     if spec is None:
-        raise BackendError(f"kernel '{name}' is not implemented yet")
+        raise NotLandedError(f"kernel '{name}' is not implemented yet")
     spec = dict(spec)
     spec.setdefault("option_choices", _kernel_option_choices(package, spec.get("options", {})))
     return Backend(name=name, origin=package, **spec)

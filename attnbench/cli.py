@@ -400,7 +400,8 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     _check_number("--max-attempts", max_attempts, 1, integer=True)
     layout = _pool_layout(device, gpu, gpus, workers, replicate)
     try:        # the file and the options first, so a mistake in them is named on a machine without a GPU too
-        _parse_slowdown(slowdown, _selected(load_matrix(matrix_path, device=device), only, matrix_path))
+        matrix = _selected(load_matrix(matrix_path, device=device), only, matrix_path)
+        slow = _parse_slowdown(slowdown, matrix)
         if resume is not None:
             load_run(resume)
     except _user_errors() as exc:
@@ -414,8 +415,7 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
         except GpuListError as exc:
             fail(str(exc), 2)
     try:
-        matrix = load_matrix(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
-        slow = _parse_slowdown(slowdown, _selected(matrix, only, matrix_path))
+        matrix.check_fits(_device_memory(device, reader), device)
         if dry_run:
             from attnbench.planning import point_seconds
 
@@ -652,16 +652,16 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     try:        # the file first, so a mistake in it is named on a machine without a GPU too
-        spotcheck.load_spot_check(matrix_path, device=device)
+        plan = spotcheck.load_spot_check(matrix_path, device=device)
         if resume is not None:
             load_run(resume)
     except _user_errors() as exc:
         fail(str(exc), 2)
     reader = _require_gpu() if device == "cuda" else None
     try:
-        plan = spotcheck.load_spot_check(matrix_path, device=device, memory_bytes=_device_memory(device, reader))
         run = None
         if plan.matrix is not None:
+            plan.matrix.check_fits(_device_memory(device, reader), device)
             if resume is None:
                 _check_results_root(results_root)
             clean_check = _clean_gpu_check(plan.matrix.gate, max_util, min_free_gb)

@@ -167,6 +167,15 @@ class Matrix:
     def points(self) -> list[Point]:
         return [Point(cell, n, mode) for cell in self.cells for n in cell.seq_lens for mode in cell.timing_modes]
 
+    def check_fits(self, memory_bytes: int | None, device: str) -> None:
+        """Refuse (MatrixError) a length whose inputs alone cannot fit the device's `memory_bytes` (None: not known,
+        nothing checked): asked once the device is known, after the file was read and checked without it."""
+        if memory_bytes is None:
+            return
+        for cell in self.cells:
+            if not cell.is_model:
+                _check_inputs_fit(f"{self.path}: cell '{cell.id}'", cell, memory_bytes, device)
+
     def select(self, glob: str | None) -> "Matrix":
         """Keep only the cells whose id matches `glob` (run-matrix --only); None keeps all."""
         if glob:
@@ -315,6 +324,14 @@ def matrix_name(data: dict, path: Path) -> str:
     return str(name)
 
 
+def matrix_defaults(path: Path, data: dict) -> dict:
+    """A matrix file's `defaults` mapping ({} where it is absent or given no value); anything else is a MatrixError."""
+    defaults = {} if data.get("defaults") is None else data["defaults"]
+    if not isinstance(defaults, dict):
+        raise MatrixError(f"{path}: 'defaults' must be a mapping")
+    return defaults
+
+
 def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memory_bytes: int | None = None) -> Matrix:
     """Read and validate a matrix file for running on `device` ("cuda" or "cpu"). `memory_bytes`: the
     device's memory, when known, so that a length whose inputs alone cannot fit is refused here."""
@@ -331,9 +348,7 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
     gate.update(_mapping(path, "(matrix)", "gate", data.get("gate"), GATE_DEFAULTS.keys()))
     _number(path, "(matrix)", "gate.max_util_pct", gate["max_util_pct"], minimum=0, maximum=100)
     _number(path, "(matrix)", "gate.min_free_gb", gate["min_free_gb"], minimum=0)
-    defaults = {} if data.get("defaults") is None else data["defaults"]    # an empty value is no defaults
-    if not isinstance(defaults, dict):
-        raise MatrixError(f"{path}: 'defaults' must be a mapping")
+    defaults = matrix_defaults(path, data)
     for key in defaults:
         if key not in DEFAULT_KEYS:
             raise MatrixError(f"{path}: defaults: unknown key '{key}' (allowed: {', '.join(sorted(DEFAULT_KEYS))})")
@@ -344,7 +359,7 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
     for index, raw in enumerate(cells_raw):
         if not isinstance(raw, dict):
             raise MatrixError(f"{path}: cell #{index + 1}: must be a mapping")
-        cell = _parse_cell(path, index, raw, defaults, device, memory_bytes)
+        cell = _parse_cell(path, index, raw, defaults, device)
         if cell.id in seen:
             raise MatrixError(f"{path}: cell '{cell.id}': duplicate id (ids must be unique)")
         seen.add(cell.id)
@@ -352,12 +367,13 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
     checks = [] if data.get("checks") is None else data["checks"]
     if not isinstance(checks, list):
         raise MatrixError(f"{path}: 'checks' must be a list")
-    return Matrix(name=name, path=path,
-                  sha256=hashlib.sha256(text.encode()).hexdigest(), description=str(data.get("description") or ""),
-                  gate=gate, cells=cells, checks=checks)
+    matrix = Matrix(name=name, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                    description=str(data.get("description") or ""), gate=gate, cells=cells, checks=checks)
+    matrix.check_fits(memory_bytes, device)
+    return matrix
 
 
-def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, memory_bytes: int | None) -> Cell:
+def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str) -> Cell:
     cid = raw.get("id")
     if not isinstance(cid, str) or not cid.strip() or any(c in cid for c in " @/,"):
         raise MatrixError(f"{path}: cell #{index + 1}: field 'id' = {cid!r}: need a non-empty name without spaces, '@', '/' or ','")
@@ -461,8 +477,6 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str, 
             reason = backend.problem_reason(**problem) or backend.unsupported_reason(**capable, device="cuda")
         if reason and not cell.allow_skip:
             raise MatrixError(f"{where}: {slot} {reason} (set allow_skip: true to record such points as skipped)")
-    if memory_bytes is not None:
-        _check_inputs_fit(where, cell, memory_bytes, device)
     return cell
 
 

@@ -57,8 +57,8 @@ from pathlib import Path
 import yaml
 
 from attnbench.formatting import format_n, format_ratio, md_table
-from attnbench.backends import DTYPES, BackendError, get_backend
-from attnbench.matrix import Matrix, MatrixError, load_matrix, read_yaml
+from attnbench.backends import DTYPES, BackendError, NotLandedError, get_backend
+from attnbench.matrix import Matrix, MatrixError, load_matrix, matrix_defaults, read_yaml
 from attnbench.analysis import HOST_LEGEND, HOST_MARK
 from attnbench.measure.noise import MEASURED_STATUSES, host_bound
 from attnbench.store import Run
@@ -183,9 +183,10 @@ def _validate_correctness(check: dict, here: str) -> None:
         raise _err(here, f"field 'kernel' = {check.get('kernel')!r}: need a backend name")
     try:
         get_backend(check["kernel"])
+    except NotLandedError:
+        pass                                             # the check's NOT_LANDED verdict
     except BackendError as exc:
-        if "not implemented yet" not in str(exc):       # one not landed yet is the check's NOT_LANDED verdict
-            raise _err(here, f"field 'kernel' = {check['kernel']!r}: {exc}") from None
+        raise _err(here, f"field 'kernel' = {check['kernel']!r}: {exc}") from None
     direction = check.get("direction", "fwd")
     if direction not in DIRECTIONS:
         raise _err(here, f"field 'direction' = {direction!r}: allowed {', '.join(DIRECTIONS)}")
@@ -251,13 +252,14 @@ def _landed_reason(raw: dict) -> str | None:
             continue
         try:
             get_backend(name)
-        except BackendError as exc:
-            if "not implemented yet" in str(exc):
-                return str(exc)
+        except NotLandedError as exc:
+            return str(exc)
+        except BackendError:
+            pass
     return None
 
 
-def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None) -> SpotCheckPlan:
+def load_spot_check(path, device: str = "cuda") -> SpotCheckPlan:
     """Read a spot-check file; return the runnable part as a Matrix plus what has not landed.
 
     Cells whose kernel is not implemented yet, and model cells before model support exists, are left out
@@ -274,9 +276,7 @@ def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None)
     checks = validate_checks([] if data.get("checks") is None else data["checks"], {c.get("id") for c in raw_cells},
                              where=str(path))
     not_landed, unrunnable, keep = {}, {}, []
-    defaults = {} if data.get("defaults") is None else data["defaults"]
-    if not isinstance(defaults, dict):
-        raise MatrixError(f"{path}: 'defaults' must be a mapping")
+    defaults = matrix_defaults(path, data)
     for raw in raw_cells:
         reason = _landed_reason(raw)
         if reason:
@@ -294,7 +294,7 @@ def load_spot_check(path, device: str = "cuda", memory_bytes: int | None = None)
             tmp_path = Path(tmp) / path.name
             tmp_path.write_text(yaml.safe_dump(filtered, sort_keys=False))
             try:
-                matrix = load_matrix(tmp_path, device=device, allow_checks=True, memory_bytes=memory_bytes)
+                matrix = load_matrix(tmp_path, device=device, allow_checks=True)
             except MatrixError as exc:
                 raise MatrixError(str(exc).replace(str(tmp_path), str(path))) from None
         # the run records the file the user named, not our filtered copy
@@ -545,7 +545,7 @@ def run_correctness_check(check: dict, device) -> CheckResult:
     try:
         backend = get_backend(check["kernel"])
     except BackendError as exc:
-        verdict = "NOT_LANDED" if "not implemented yet" in str(exc) else "ERROR"
+        verdict = "NOT_LANDED" if isinstance(exc, NotLandedError) else "ERROR"
         return CheckResult(cid, "correctness", verdict, str(exc), desc)
     options = dict(backend.options)
     unknown = [k for k in check["options"] if k not in backend.options]

@@ -63,11 +63,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from attnbench.arguments import Parser, int_list, output_dir, output_file, positive_float  # noqa: E402
+from attnbench.arguments import Parser, head_dims, output_dir, output_file, positive_float  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
-from kernels._common import HEAD_DIMS, block_d  # noqa: E402
+from kernels._common import block_d  # noqa: E402
 from kernels._tuning import dim_key, write_configs, write_json_atomic  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
 
@@ -904,14 +904,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cross-timing", choices=("graph", "eager"), default=None,
                     help="Cron Root's crossover and PASA's core section: device time (graph, the GPU's default) or "
                          "eager calls (the CPU's)")
-    ap.add_argument("--dims", type=int_list, default=None,
+    ap.add_argument("--dims", type=head_dims, default=None,
                     help="comma list of head dims: sweep only those (default: each section's own), e.g. to re-tune "
                          "after a change to one head dim's kernel")
     args = ap.parse_args(argv)
-    head_dims = args.dims
-    if head_dims is not None and not set(head_dims) <= set(HEAD_DIMS):
-        ap.error(f"argument --dims: {','.join(map(str, head_dims))}: head dims are multiples of 8 from "
-                 f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     _, known, default = SECTIONS[args.kernel]
     sections = (args.sections or default).split(",")
     unknown = [s for s in sections if s not in known]
@@ -926,7 +922,7 @@ def main(argv=None) -> int:
         print("error: --cross-timing graph needs a GPU (CUDA graphs)", file=sys.stderr)
         return 2
     tuner = Tuner(args.kernel, args.device, args.budget_s, args.out,
-                  log=lambda msg: print(msg, flush=True), cross_timing=args.cross_timing, head_dims=head_dims)
+                  log=lambda msg: print(msg, flush=True), cross_timing=args.cross_timing, head_dims=args.dims)
     decisions = tuner.run(sections)
     print("\n== chosen ==")
     for d in decisions:

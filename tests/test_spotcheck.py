@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import attnbench.spotcheck as sc
-from attnbench.backends import Backend, BackendError, get_backend
+from attnbench.backends import Backend, NotLandedError, get_backend
 from attnbench.matrix import MatrixError
 from attnbench.spotcheck import (
     CheckResult, evaluate_checks, load_spot_check, run_correctness_check, spot_check_exit_code, spot_check_table,
@@ -254,7 +254,7 @@ checks:
 def _fake_lookup(monkeypatch, broken=None):
     def lookup(name):
         if name == "elsa":
-            raise BackendError("kernel 'elsa' is not implemented yet")
+            raise NotLandedError("kernel 'elsa' is not implemented yet")    # as get_backend says it
         if broken and name == "broken":
             return broken
         return get_backend(name)
