@@ -149,7 +149,8 @@ def core_consumers(d: int, bh: int, len_q: int, len_kv: int, sms: int, row_time:
 # KB). From D = 192 the 64-key tiles keep the consumers' accumulators, scores and probabilities within their 240
 # registers (sm_90 compile check, scripts/compile_check.py --kernel gluon_core); D = 160 spills 72-192 bytes with
 # 128-key tiles and still ran 7-8 % faster than with 64 on the H100 (results/dev/gluon_core/head_dims_h100.json,
-# "tiles", where the other head dims' candidates lost)
+# "tiles", where the other head dims' candidates lost). D = 128 with 192-key tiles (FA3's 176 is near it), held as two
+# score tiles of 128 and 64 keys, was exact and slower in ELSA, CQSA and causal calls (kernels/FLASH_CORE.md)
 TILES = {64: (128, 3), 80: (128, 3), 96: (128, 3), 128: (128, 2), 160: (128, 2), 192: (64, 2), 256: (64, 2)}
 # ELSA's phase 1 and CQSA's resident forward take this core from this much work (B*Hq * Nq * Nk * D; PASA has its
 # own, kernels/pasa/ops.py). It was 2^34 while each launch built its host-side descriptor objects (~48 us of CPU per
