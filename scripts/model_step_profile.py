@@ -20,7 +20,6 @@ structure mean anything.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -32,29 +31,29 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before anything imports triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from attnbench.arguments import Parser, output_file, positive_int  # noqa: E402
+
 TOP = 12
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="JSON file to write")
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--model", default="swin_tiny_patch4_window7_224.ms_in1k", help="timm model name")
-    ap.add_argument("--img-size", type=int, default=224)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--img-size", type=positive_int, default=224)
+    ap.add_argument("--batch", type=positive_int, default=8)
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"))
     ap.add_argument("--mode", default="train", choices=("train", "fwd"))
     ap.add_argument("--compile", action="store_true", help="the whole model under torch.compile on both sides")
     ap.add_argument("--kernel", default="elsa", help="the attention the model is patched with (default elsa)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--warmup", type=int, default=8, help="steps of each side before timing (default 8)")
-    ap.add_argument("--rounds", type=int, default=20, help="timed pairs, one step of each side each (default 20)")
-    ap.add_argument("--profile-steps", type=int, default=5, help="steps of each side profiled (default 5)")
+    ap.add_argument("--warmup", type=positive_int, default=8, help="steps of each side before timing (default 8)")
+    ap.add_argument("--rounds", type=positive_int, default=20,
+                    help="timed pairs, one step of each side each (default 20)")
+    ap.add_argument("--profile-steps", type=positive_int, default=5, help="steps of each side profiled (default 5)")
     args = ap.parse_args(argv)
     if args.kernel == "native":
         ap.error("--kernel native: the native model is the other side already; name a kernel (elsa)")
-    for name in ("img_size", "batch", "warmup", "rounds", "profile_steps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
 
 
@@ -156,10 +155,6 @@ def table(res) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    if not out.parent.exists():
-        print(f"model_step_profile: directory {out.parent} does not exist", file=sys.stderr)
-        return 2
     import importlib.util
 
     if importlib.util.find_spec("timm") is None:
@@ -175,7 +170,7 @@ def main(argv=None) -> int:
     except ValueError as exc:         # a cell the harness refuses (model name, image size, dtype, kernel)
         print(f"model_step_profile: {exc}", file=sys.stderr)
         return 2
-    out.write_text(json.dumps(res, indent=1))
+    args.out.write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0
 

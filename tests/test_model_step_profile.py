@@ -28,7 +28,8 @@ def test_kernel_summary_keeps_the_slowest_kernels():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: '0': need a positive integer"),
+    (["--batch", "x"], "argument --batch: 'x' is not an integer"),
     (["--dtype", "float64"], "invalid choice: 'float64'"),
     (["--kernel", "native"], "--kernel native: the native model is the other side already"),
 ])
@@ -39,8 +40,12 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
 
 
 def test_missing_output_directory_is_one_line(tmp_path, capsys):
-    assert load_script("model_step_profile").main([str(tmp_path / "no" / "o.json")]) == 2
-    assert capsys.readouterr().err.strip() == f"model_step_profile: directory {tmp_path / 'no'} does not exist"
+    """The output is checked as the other tools check theirs (attnbench.arguments.output_file), before any work."""
+    with pytest.raises(SystemExit) as exc:
+        load_script("model_step_profile").main([str(tmp_path / "no" / "o.json")])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"error: argument out: {tmp_path / 'no' / 'o.json'}: cannot be written "
+                                               f"(no folder {tmp_path / 'no'})")
 
 
 def test_cpu_run_writes_both_sides(tmp_path, capsys, device):

@@ -69,6 +69,7 @@ def test_output_paths(tmp_path):
     ("cqsa_scaling.py", ["report", "--out", "{tmp}/cq", "--merge", "{tmp}/nowhere"], "argument --merge:"),
     ("ncu_summary.py", ["--d", "-1"], "argument --d: '-1'"),
     ("calibrate.py", ["--tolerance", "-1"], "argument --tolerance: '-1'"),
+    ("model_step_profile.py", ["{file}/p.json", "--device", "cpu"], "argument out:"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(tmp_path, script, argv, message):
     a_file = tmp_path / "a_file"
