@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -597,6 +597,3 @@ def _lengths(path, cid, fieldname, value) -> tuple[int, ...]:
         raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: duplicate lengths")
     return tuple(value)
 
-
-def with_overrides(cell: Cell, **changes) -> Cell:
-    return replace(cell, **changes)
