@@ -104,9 +104,9 @@ def _device_memory(device: str, reader) -> int | None:
         return psutil.virtual_memory().total
     if reader is None:
         return None
-    from attnbench.gpu import visible_indices
+    from attnbench.gpu import visible_to_cuda
 
-    indices = visible_indices(reader.device_count())
+    indices = visible_to_cuda(reader)
     return max((reader.read(i)["mem_total"] for i in indices), default=None)
 
 

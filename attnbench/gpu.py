@@ -90,19 +90,13 @@ class PynvmlReader:
         }
 
 
-def visible_indices(count: int) -> list[int]:
-    """NVML indices that CUDA_VISIBLE_DEVICES lets this process use (integers only; UUIDs are matched later)."""
+def _integer_indices(count: int) -> list[int]:
+    """The NVML indices a CUDA_VISIBLE_DEVICES of integers lets this process use (visible_to_cuda resolves one
+    that names UUIDs)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None or env.strip() == "":
         return list(range(count)) if env is None else []
-    out = []
-    for item in env.split(","):
-        item = item.strip()
-        if item.isdigit() and int(item) < count:
-            out.append(int(item))
-        elif item.startswith("GPU-"):
-            return list(range(count))  # UUIDs: the caller filters by uuid
-    return out
+    return [int(item) for item in (x.strip() for x in env.split(",")) if item.isdigit() and int(item) < count]
 
 
 def _process_name(pid: int) -> str:
@@ -248,7 +242,7 @@ def _sync_cuda() -> None:
 def status_all(reader, check: CleanGpuCheck, sample_s: float = 1.0, samples: int = 10) -> dict:
     """What `attnbench gpu-status` shows: every visible GPU, whether it passes the clean-GPU check, and the system."""
     _prime_cpu_counters()
-    gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s, samples)
+    gpus = sample_gpus(reader, visible_to_cuda(reader), sample_s, samples)
     rows = []
     for g in gpus:
         fails = check.failures(g)
@@ -279,7 +273,7 @@ def wait_for_clean_gpu(reader, check: CleanGpuCheck, wanted: str | None, wait_s:
     """Probe until a GPU passes the check or `wait_s` runs out; `on_probe(gpus, failures, remaining_s)` shows a live line."""
     deadline = clock() + wait_s
     while True:
-        gpus = sample_gpus(reader, visible_indices(reader.device_count()), sample_s)
+        gpus = sample_gpus(reader, visible_to_cuda(reader), sample_s)
         choice, failures = choose_gpu(gpus, check, wanted)
         remaining = deadline - clock()
         if on_probe is not None:
@@ -329,11 +323,12 @@ def parse_gpu_list(spec: str) -> list[int] | None:
 
 
 def visible_to_cuda(reader) -> list[int]:
-    """The NVML indices CUDA_VISIBLE_DEVICES lets this process use, UUID (or UUID prefix) entries included."""
+    """The NVML indices CUDA_VISIBLE_DEVICES lets this process use, UUID (or UUID prefix) entries included: the GPUs
+    the clean-GPU check, gpu-status and --gpus consider."""
     count = reader.device_count()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None or not any(item.strip().startswith(("GPU-", "MIG-")) for item in env.split(",")):
-        return visible_indices(count)
+        return _integer_indices(count)
     uuids = {i: reader.read(i)["uuid"] for i in range(count)}
     out = []
     for item in (x.strip() for x in env.split(",")):

@@ -41,6 +41,17 @@ def test_gpu_status_says_which_gpus_are_clean(monkeypatch):
     assert status["clean_gpu_check"]["max_util_pct"] == 8.0
 
 
+@pytest.mark.parametrize("env", ["GPU-bbbb", "1"])
+def test_only_the_gpus_cuda_visible_devices_names_are_considered(monkeypatch, env):
+    """A GPU hidden from this process is never chosen, however clean, whether CUDA_VISIBLE_DEVICES names GPUs by
+    index or by UUID (prefix): the check, gpu-status and the wait see the GPUs CUDA will give the process."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    reader = FakeReader([[gpu_state(util=0, uuid="GPU-aaaa-0")], [gpu_state(util=5, uuid="GPU-bbbb-1")]])
+    assert [g["index"] for g in gpumod.status_all(reader, CleanGpuCheck(), sample_s=0, samples=1)["gpus"]] == [1]
+    choice, gpus, _ = wait_for_clean_gpu(reader, CleanGpuCheck(), None, 0, sample_s=0)
+    assert choice.uuid == "GPU-bbbb-1" and [g.index for g in gpus] == [1]
+
+
 def test_own_process_is_not_foreign():
     gpus = statuses(FakeReader([[gpu_state(pids=(OWN_PID,))]]))
     assert CleanGpuCheck().failures(gpus[0], {OWN_PID}) == []

@@ -463,13 +463,13 @@ cells:
 def test_gpus_all_runs_one_worker_per_gpu(tmp_path, capsys):
     import torch
 
-    from attnbench.gpu import PynvmlReader, visible_indices
+    from attnbench.gpu import PynvmlReader, visible_to_cuda
 
     if torch.cuda.is_initialized():
         pytest.skip("this pytest process holds a CUDA context, which the clean-GPU check sees as a foreign process: "
                     "run tests/test_pool.py on its own")
     reader = PynvmlReader()
-    indices = visible_indices(reader.device_count())
+    indices = visible_to_cuda(reader)
     held = sorted({pid for i in indices for pid, _ in reader.read(i)["processes"]})
     if held:
         pytest.skip(f"processes {held} hold a GPU (pytest-xdist's other workers, say), which the clean-GPU check "
