@@ -1,7 +1,7 @@
 """The command line: a thin Typer layer that parses, calls the harness functions and renders with rich.
 
-Exit codes: 0 ok · 1 a verdict failed (gate SLOWER, spot-check FAIL, verify failed) · 2 bad input
-(matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 5 a worker of a pool
+Exit codes: 0 ok · 1 a verdict failed (gate SLOWER or BROKEN, a spot-check that did not PASS, verify failed) · 2
+bad input (matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 5 a worker of a pool
 (--gpus / --workers) died or failed: the others' points are kept, the run is resumable · 130 interrupted.
 User mistakes get one line on stderr, never a traceback: the matrix and the run directory are validated
 where they are read (matrix.py, store.py), options here (`_check_number`, `_check_results_root`), and a
@@ -200,7 +200,7 @@ def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int
     known = [history[p.id] for p in points if history and p.id in history]
     skipped = sum(1 for p in points if _skip_reason(p, device))
     title = f"plan: {matrix.name} ({len(points)} points, device {device}"
-    title += f"; {skipped} skipped: their backend cannot run there)" if skipped else ")"
+    title += f"; {skipped} skipped: their backend or timing mode cannot run there)" if skipped else ")"
     if history is not None:
         title += (f"; last time {sum(known) / 60:.1f} min for {len(known)} of them "
                   f"(from {runs_read} stored {device} runs; {len(points) - len(known)} never measured)")
@@ -225,7 +225,8 @@ def _plan_table(matrix, device: str, history: dict | None = None, runs_read: int
 
 
 def _require_gpu():
-    """The NVML reader for the GPU path; no GPU/NVML/CUDA → one line, exit 3 (before anything else is done)."""
+    """The NVML reader for the GPU path; no GPU/NVML/CUDA → one line, exit 3 (before any measuring: the commands
+    check their own inputs first, so a mistake in them is named on a machine without a GPU too)."""
     reader = _reader()
     import torch
 
@@ -595,11 +596,12 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
              baselines_root: Path = typer.Option(Path("results/baselines"), "--baselines-root",
                                                  help="where --bless installs baselines")):
     """Per point SAME / FASTER / SLOWER / NOISY / BASELINE (only the baseline's own time moved) / HOST (a
-    host-bound point moved with the machine's host) from the paired-ratio samples of both runs; exit 1 on any
-    SLOWER.
+    host-bound point moved with the machine's host) from the paired-ratio samples of both runs, BROKEN (the kernel
+    failed in the current run only) and MISSING (no ratio in either run, or a point of one run only); exit 1 on any
+    SLOWER or BROKEN.
     With --bless RUN: make RUN the baseline of its GPU instead."""
     from attnbench import gate as gatemod
-    from attnbench.runs import resolve_run_dir
+    from attnbench.runs import resolve_run_dir, torn_text
     from attnbench.store import load_run
 
     if bless is not None:
@@ -618,6 +620,9 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
     try:
         b, c = resolve_run_dir(baseline), resolve_run_dir(current)
         base_run, current_run = load_run(b), load_run(c)
+        for run in (base_run, current_run):
+            if run.torn:           # a record left out of the comparison (a torn points row: MISSING): say so
+                err.print(f"warning: {run.path}: {torn_text(run)}", highlight=False, soft_wrap=True)
         gatemod.check_comparable(base_run, current_run, allow_other_gpu=allow_other_gpu)
         rows = gatemod.compare_runs(base_run, current_run, tolerance=tolerance)
     except (*_user_errors(), ValueError) as exc:
@@ -643,7 +648,8 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory"),
                rescore: Optional[Path] = typer.Option(None, "--rescore", help="no measuring: score a stored spot-check "
                                                       "run against the file's current bands (correctness checks: not run)")):
-    """Run the spot-check points and print PASS/FAIL per point; exit 0 only if every point passes."""
+    """Run the spot-check points and print one verdict per check (PASS, FAIL, NOT_LANDED, ERROR); exit 0 only if
+    there are checks and every one passes."""
     from attnbench import spotcheck
     from attnbench.store import load_run
 

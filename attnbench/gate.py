@@ -15,9 +15,11 @@ interval carries what is left of the uncertainty. With the tolerance band [1 −
 - FASTER  the whole interval is below 1 − t
 - SAME    the whole interval lies inside the band
 - NOISY   the interval crosses a band edge (we cannot tell), or either run's window was disturbed
-          (``attnbench.measure.noise``: a failed clean-GPU check, a foreign process, a clock sag…)
+          (``attnbench.measure.noise``: a failed clean-GPU check, a foreign process, a clock sag…), or one run has
+          no ratio for the point where the other has one or another status (skipped, say), or either run has too
+          few ratio samples (MIN_SAMPLES)
 - BROKEN  the kernel itself failed (error / OOM) in the current run where the baseline run measured it (exit 1)
-- MISSING the point is in only one run, or neither run has a ratio for it (e.g. skipped in both)
+- MISSING the point is in only one run, or neither run has a ratio for it for the same reason (e.g. skipped in both)
 - HOST    the ratio moved past the band (it would be SLOWER or FASTER) at a point whose kernel is host-bound (in
           either run its host time inside a call, the enqueue, is at least ``measure.noise.HOST_BOUND_SHARE`` of
           the call's eager time; never a graph-timed point), and the host time ratio (kernel's / baseline's, per

@@ -36,7 +36,7 @@ DEFAULT_KEYS = (ATTENTION_KEYS | MODEL_KEYS) - {"id", "seq_lens", "img_sizes", "
 TOP_KEYS = {"name", "description", "gate", "defaults", "cells"}
 
 MAX_FILE_BYTES = 1 << 20        # a matrix is a few KB; a bigger file is a mistake (or an attack)
-MAX_YAML_NODES = 100_000        # YAML nodes after expanding aliases: the full matrix has ~1,500
+MAX_YAML_NODES = 100_000        # YAML nodes after expanding aliases: the full matrix has ~2,000
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,100}")   # the matrix name is part of the run directory's name
 # q_len / kv_len: a fixed length (an int) or a rule over the swept length N: "N", "N/4", "N*2"
 LENGTH_RULE_RE = re.compile(r"N\s*(?:([*/])\s*([0-9]+))?")

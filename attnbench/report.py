@@ -17,7 +17,7 @@ from attnbench.analysis import (HOST_LEGEND, HOST_MARK, MEASURED, NOT_CLEAN, Cel
                                 replica_spreads, select_final, summarize_cells)
 from attnbench.formatting import finite as _finite
 from attnbench.formatting import format_ms, format_n, format_range, format_ratio, md_table
-from attnbench.runs import gpu_short_name, load_runs, sorted_runs
+from attnbench.runs import gpu_short_name, load_runs, sorted_runs, torn_text
 from attnbench.store import STATUSES
 
 CPU_BANNER = ("> **CPU run: performance numbers on CPU mean nothing.** These tables come from `--device cpu` "
@@ -93,7 +93,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
         rows.append([f"[`{r.path.name}`]({_rel(r.path, base)})", _v(m.get("matrix_name")),
                      f"{_v(m.get('started_utc'))} → {finished}", _device_text(m),
                      f"util ≤ {_v(gate.get('max_util_pct'))} %, free ≥ {_v(gate.get('min_free_gb'))} GB",
-                     f"{len(r.points)} ({status or 'none'})"])
+                     f"{len(r.points)} ({status or 'none'})" + (f"; {torn_text(r)}" if r.torn else "")])
     out.append(md_table(["run", "matrix", "started → finished (UTC)", "device", "clean-GPU gate", "points"], rows))
     out.append("\n## Environment\n")
     rows = []

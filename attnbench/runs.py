@@ -110,6 +110,13 @@ def read_run_list(path) -> list[tuple[Path, bool]]:
     return out
 
 
+def torn_text(run: Run) -> str | None:
+    """What readers say of a run whose torn last line they left out (store.load_run's Run.torn), or None."""
+    if not run.torn:
+        return None
+    return f"torn last line of {' and '.join(run.torn)} (a crash mid-write): resume re-measures its point"
+
+
 def run_progress(run: Run) -> dict:
     """How far a stored run got against the plan it was started with, and how to finish it.
 
@@ -149,7 +156,7 @@ def run_progress(run: Run) -> dict:
                        else "the matrix file changed since")
     except (MatrixError, OSError):
         problem = "its matrix file is missing or invalid now"
-    torn = f"torn last line of {' and '.join(run.torn)} (a crash mid-write): resume re-measures its point"
+    torn = torn_text(run)
     lost = planned is not None and measured < planned     # finished once, but rows are missing now
     if m.get("finished_utc") and not run.torn and not lost:
         state = "complete" + (f" ({problem})" if problem else "")

@@ -9,8 +9,8 @@ A point is finished once its complete row is in ``points.csv``; ``--resume`` ski
 interrupted run loses at most the point that was being measured.
 
 Crash safety. Both logs are written one whole line per append (fsync'd), so a crash can leave only a
-*torn last line*: the start of a record without its newline. Readers (report, runs, gate) ignore it and
-say so (``Run.torn``); a resume, holding the run directory's lock, moves it to ``torn_records.jsonl``
+*torn last line*: the start of a record without its newline. Readers (report, runs, gate) leave it out and
+say so (``Run.torn``: the report's runs table, the runs listing, a warning line of the gate); a resume, holding the run directory's lock, moves it to ``torn_records.jsonl``
 (kept, never dropped) and measures its point again. Anything malformed before the last line is
 corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid,
 so a second ``--resume`` of the same directory is refused instead of interleaving rows.

@@ -344,7 +344,10 @@ def test_torn_last_row_of_points_csv(tmp_path, capsys, complete_run):
     listed = cli(capsys, "runs", run.parent)
     assert listed.code == 0 and "2/3" in listed.out and "torn last line of points.csv" in listed.out
     assert cli(capsys, "report", run, "--no-plots", "--out", tmp_path / "r.md").code == 0
-    assert cli(capsys, "gate", "--baseline", complete_run, "--current", run, "--out", tmp_path / "g.md").code == 0
+    assert "torn last line of points.csv" in (tmp_path / "r.md").read_text()
+    gated = cli(capsys, "gate", "--baseline", complete_run, "--current", run, "--out", tmp_path / "g.md")
+    assert gated.code == 0 and f"warning: {run}: torn last line of points.csv" in gated.err
+    assert "MISSING" in (tmp_path / "g.md").read_text()
     assert (run / "points.csv").read_bytes() == before and not (run / TORN_FILE).exists()
     # resume: the torn row is set aside (kept), its point measured again, the other rows untouched
     result = resume(run, tmp_path, capsys)
@@ -635,7 +638,7 @@ def test_full_matrix_runs_on_the_cpu(tmp_path, capsys):
     full = REPO / "matrices" / "full.yaml"
     plan = cli(capsys, "run-matrix", full, "--device", "cpu", "--dry-run", "--results-root", tmp_path)
     assert plan.code == 0, plan.err
-    assert "skipped: their backend cannot run there" in plan.out
+    assert "skipped: their backend or timing mode cannot run there" in plan.out
     assert "skip: cudnn: device cpu unsupported (supports cuda)" in plan.out
     assert "skip: efficient: device cpu unsupported" in plan.out
     # a real run of full.yaml's cells whose baseline needs a GPU: every point `skipped` with the reason

@@ -124,7 +124,7 @@ class _Side:
     def __init__(self, workload: Workload, result: SideResult, factor: float):
         self.wl, self.res, self.factor = workload, result, factor
         self.call = None            # the armed, timed call
-        self.estimate_ms = None      # the median of trial_ms, the warm-up's timed calls
+        self.estimate_ms = None      # the median of trial_ms (>= 1 us); with a planted slowdown, its target
         self.trial_ms: list = []
         self.tokens: list = []
 
