@@ -91,10 +91,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_inputs(name: str, q, k, v, *, causal, scale, dtypes=FLOAT_DTYPES, self_attention: bool = False,
-                 causal_only: bool = False, head_dims=HEAD_DIMS) -> Shape:
+                 causal_only: bool = False, head_dims=HEAD_DIMS, cpu_bfloat16: bool = False) -> Shape:
     """Validate q, k, v and the contract's options; return the problem's Shape.
 
-    self_attention: the kernel needs Nq == Nk (Cron Root). causal_only: causal must be True.
+    self_attention: the kernel needs Nq == Nk (Cron Root). causal_only: causal must be True. cpu_bfloat16: the
+    caller takes bfloat16 CPU tensors (it converts them, or computes in torch): the Triton interpreter computes
+    bf16 wrongly, so they are refused otherwise.
     """
     for label, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -114,6 +116,8 @@ def check_inputs(name: str, q, k, v, *, causal, scale, dtypes=FLOAT_DTYPES, self
     if q.device.type == "cpu" and not interpreted():
         raise ValueError(f"{name}: CPU tensors need the Triton interpreter "
                          "(set TRITON_INTERPRET=1 before triton is imported)")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and not cpu_bfloat16:
+        raise ValueError(f"{name}: bfloat16 needs a CUDA device (the Triton CPU interpreter computes bf16 wrongly)")
     if k.shape != v.shape:
         raise ValueError(f"{name}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     (b, hq, nq, d), (bk, hkv, nk, dk) = q.shape, k.shape
@@ -272,7 +276,7 @@ def split_plan(name: str, config, params: tuple) -> tuple:
     work thresholds a call may set for itself, each one of ``params`` ({} for none). The plan is checked as
     tile_config checks a part (a dict of known parameters, positive ints), each value also at most MAX_WORK."""
     if not isinstance(config, dict) or "plan" not in config:
-        return config, {}
+        return config or None, {}           # {}: no override, as None
     tile_config(name, {"plan": dict.fromkeys(params, 0)}, {"plan": config["plan"]})
     for param, value in config["plan"].items():
         if value > MAX_WORK:

@@ -94,6 +94,26 @@ def test_bad_input_is_one_line_naming_the_problem(backend):
         assert needle in msg, f"{backend.name}, {label}: {msg!r} does not name {needle!r}"
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if "cpu" in b.devices and "bfloat16" in b.dtypes],
+                         ids=lambda b: b.name)
+def test_bfloat16_on_the_cpu_is_computed_right_or_refused_in_one_line(backend):
+    """The Triton interpreter computes bf16 wrongly: a kernel that would hand it bf16 tensors refuses them (one
+    line); one whose registry entry takes bf16 on the CPU (PASA converts it to float16 first) computes it right."""
+    if HAS_CUDA:
+        pytest.skip("the CPU interpreter's case")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 24, 32, generator=g).bfloat16() for _ in range(3))
+    causal = _causal(backend)
+    if "bfloat16" in (backend.cpu_dtypes or backend.dtypes):
+        out = backend.fn(q, k, v, causal=causal)
+        assert out.dtype == torch.bfloat16 and _rel_rms(out, _reference(backend, q, k, v, causal)) < 1.2e-2
+        return
+    with pytest.raises(ValueError) as exc:
+        backend.fn(q, k, v, causal=causal)
+    assert str(exc.value) == (f"{backend.name}: bfloat16 needs a CUDA device (the Triton CPU interpreter computes "
+                              "bf16 wrongly)")
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if _self_attention(b)], ids=lambda b: b.name)
 def test_self_attention_kernels_refuse_other_lengths_and_non_causal(backend):
     if DEVICE not in backend.devices:

@@ -435,6 +435,9 @@ def test_hybrid_switches_between_dense_and_sparse(device):
         cron_root_hybrid(q, k, v, causal=False)
     with pytest.raises(ValueError, match="crossover must be an int >= 0 or None, got -1"):
         cron_root_hybrid(q, k, v, crossover=-1)
+    for side in (50, 51):          # a bad tile override is refused on either side of the crossover
+        with pytest.raises(ValueError, match="config part 'bogus' unknown"):
+            cron_root_hybrid(q, k, v, crossover=side, config={"bogus": {}})
 
 
 def test_hybrid_grouped_kv_both_branches(device):

@@ -503,7 +503,8 @@ def test_default_call_leaves_the_main_loop_to_the_core_and_named_options_keep_tr
     pasa_attention(q, k, v, shift="prepass")
     pasa_attention(q, k, v, state_dtype="fp32")
     pasa_attention(q, k, v, state_dtype="fp32", variant="fused")
-    assert cores == ["auto", "auto", "triton", "triton", "triton", "auto", "triton"]
+    pasa_attention(q, k, v, config={})          # an empty config overrides nothing, as None
+    assert cores == ["auto", "auto", "triton", "triton", "triton", "auto", "triton", "auto"]
 
 
 @pytest.mark.cpu_only
@@ -917,7 +918,7 @@ def test_compiled_forward_equals_eager_and_backward_raises_when_run():
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda q, k, v: (q.float(), k.float(), v.float()), "dtype float32 unsupported .PASA is a float16 algorithm"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), r"dtype float32 unsupported \(supports float16, bfloat16\)"),
     (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), "head dim 20 unsupported"),
     (lambda q, k, v: (q, k[:, :, :16], v), "same shape"),
     (lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v])), "batch sizes differ"),

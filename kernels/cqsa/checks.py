@@ -12,15 +12,12 @@ def check_call(q, k, v, *, causal, scale, c, itr, precision, device: torch.devic
     """Validate one call; return its Shape. ``device``: where the kernels run when it is not q's device (the
     streaming engine copies host inputs to the GPU itself, so CPU inputs are fine there without the Triton
     interpreter)."""
-    if (device is not None and device.type == "cuda" and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and q.device.type == "cpu" and q.device == k.device == v.device):
-        # the shared checks see stand-ins on the compute device: zero-stride views of one element, same shapes
-        # and dtypes, no memory
+    if (device is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and q.device.type != device.type and q.device == k.device == v.device):
+        # the shared checks (bf16 on the CPU among them) see stand-ins on the compute device: zero-stride views of
+        # one element, same shapes and dtypes, no memory
         q, k, v = (torch.empty((), dtype=t.dtype, device=device).expand(t.shape) for t in (q, k, v))
     shape = check_inputs("cqsa", q, k, v, causal=causal, scale=scale)
-    compute = q.device if device is None else device
-    if q.dtype == torch.bfloat16 and compute.type != "cuda":
-        raise ValueError("cqsa: bfloat16 needs a CUDA device (the Triton CPU interpreter computes bf16 wrongly)")
     check_options(c, itr, precision)
     return shape
 

@@ -1,9 +1,9 @@
 """Stream-CQSA across the ranks of a torch.distributed process group (NCCL on GPUs, gloo on CPUs).
 
-``cqsa_attention_distributed(q, k, v, causal=False, scale=None, c=7, itr=None, mem_budget=None, group=None)``
-is SPMD: every rank of ``group`` calls it with the same q, k, v (held in host or device memory) and gets
-the whole, exact output; ``out.backward(dO)`` with the same dO on every rank gives every rank the whole
-dq, dk, dv.
+``cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=None, mem_budget=None, group=None,
+precision="tf32x3", return_stats=False, **stream_opts)`` (options by keyword) is SPMD: every rank of ``group``
+calls it with the same q, k, v (held in host or device memory) and gets the whole, exact output;
+``out.backward(dO)`` with the same dO on every rank gives every rank the whole dq, dk, dv.
 
 How the work is split. The c**itr tasks of one CQS Divide (divide.py) are independent: their kept
 (query, key) pairs partition the N×N score matrix. Every rank computes the same plan without talking:

@@ -70,7 +70,8 @@ def flex_cron_root(q, k, v, causal: bool = True, scale: float | None = None,
 
     Inputs as cron_root_attention's: q [B, H, N, D], k, v [B, Hkv, N, D] (grouped-query), D any multiple
     of 8 from 16 to 256, causal only."""
-    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
+    shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True,
+                         cpu_bfloat16=True)     # torch's FlexAttention computes, not the Triton interpreter
     check_options(NAME, shape, relay_threshold, "tf32x3")
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -60,10 +60,10 @@ def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, c
     """
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
     check_options(NAME, shape, relay_threshold, precision)
+    tiles = configs.encode(config)          # checked on either side of the crossover
     if shape.len_q < _resolve(crossover, q.device, _training(q, k, v)):
         return _sdpa_causal(q, k, v, scale, shape.group)
-    return fwd_call(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision,
-                    configs.encode(config))[0]
+    return fwd_call(q, k, v, default_scale(scale, shape.head_dim), relay_threshold, precision, tiles)[0]
 
 
 def cron_root_hybrid_reference(q, k, v, causal: bool = True, scale: float | None = None,

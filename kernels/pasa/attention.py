@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import (FLOAT_DTYPES, SignatureCache, block_d, check_inputs, default_scale, signature,
+from kernels._common import (SignatureCache, block_d, check_inputs, default_scale, signature,
                              split_plan, tile_config)
 from kernels._tuning import TuningFileError, read_configs, width_entries
 from kernels.pasa import ops
@@ -86,10 +86,8 @@ _is_compiling = torch.compiler.is_compiling
 
 def validate(name: str, q, k, v, causal, scale) -> tuple:
     """The contract's checks and PASA's dtypes; returns (scale, head-dim tile width)."""
-    shape = check_inputs(name, q, k, v, causal=causal, scale=scale, dtypes=FLOAT_DTYPES)
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"{name}: dtype {str(q.dtype).replace('torch.', '')} unsupported (PASA is a float16 "
-                         "algorithm: pass float16, or bfloat16, which is converted to float16)")
+    # bfloat16 is converted to float16 before any kernel (the interpreter never sees it)
+    shape = check_inputs(name, q, k, v, causal=causal, scale=scale, dtypes=_DTYPES, cpu_bfloat16=True)
     return default_scale(scale, shape.head_dim), block_d(shape.head_dim)
 
 
@@ -167,7 +165,8 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
 def fa16_attention(q, k, v, causal=False, scale=None, *, config=None):
     """The comparator FA16-FP32: PASA's tiling without the shift, the unscaled QKᵀ rounded to fp16
     (overflows once a score passes 65504: the row becomes NaN), softmax state and output in fp32.
-    Same inputs, dtypes and ``config`` as ``pasa_attention``; forward only."""
+    Same inputs and dtypes as ``pasa_attention``; ``config`` overrides its tiles only (the ``"fwd"`` part: it
+    has no Gluon core and so no ``"plan"``); forward only."""
     scale, bd = _check("fa16", q, k, v, causal, scale)
     options = _DEFAULT_OPTIONS["fa16"][bd] if config is None else ops.fa16_options(_tiles("fa16", bd, config))
     return ops.fa16_call(q, k, v, causal, scale, options)
