@@ -130,22 +130,23 @@ def test_next_batch_respects_budget_and_max_reps():
 def test_each_timed_call_records_the_hosts_time_inside_it():
     """Beside each side's timed samples on a GPU, the host's time inside each timed call (what the gate's HOST verdict
     and the report's host-bound mark read): one per sample, in the side's summary with its median; a call that keeps
-    the host 3 ms records >= 3 ms. On the CPU none (the host's time is the call's)."""
+    the host 20 ms records >= 20 ms (and the other side's, a few microseconds, stays below that even when a loaded
+    CI machine stalls it a while). On the CPU none (the host's time is the call's)."""
     res, _ = pair(spread=0.01, timing={"max_reps": 4})
     assert res.kernel.host_samples_ms == [] and "host_samples_ms" not in res.kernel.summary()
     timer, clock = FakeTimer(), FakeClock()
     timer.device = "cuda"                       # the fake device as a GPU: the loop records the host's time
     k, b = fake_workload(timer, clock, 1.0, 0.01, 1), fake_workload(timer, clock, 1.0, 0.01, 2)
-    slow_host = Workload(run=lambda: (k.run(), time.sleep(0.003)))
+    slow_host = Workload(run=lambda: (k.run(), time.sleep(0.020)))
     res = measure_pair(slow_host, b, kernel_name="k", baseline_name="b",
                        timing={**TIMING, "rep_ms": 8, "min_reps": 6, "max_reps": 6}, device="cpu", timer=timer,
                        clock=clock)
     assert len(res.kernel.host_samples_ms) == len(res.kernel.samples_ms) == res.reps == 6
     assert len(res.baseline.host_samples_ms) == 6
-    assert min(res.kernel.host_samples_ms) >= 3.0 > max(res.baseline.host_samples_ms)
+    assert min(res.kernel.host_samples_ms) >= 20.0 > max(res.baseline.host_samples_ms)
     summary = res.kernel.summary()
     assert summary["host_samples_ms"] == [round(x, 6) for x in res.kernel.host_samples_ms]
-    assert summary["host_ms_median"] >= 3.0
+    assert summary["host_ms_median"] >= 20.0
 
 
 def test_one_side_alone_is_timed_by_its_own_median():

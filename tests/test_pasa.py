@@ -290,8 +290,9 @@ def test_sm90_ex2_table_model():
 
 def test_fp16_exponent_model():
     # The core's fp16 state computes P in float16 arithmetic (exponent="fp16"): the model's error against float64
-    # stays within 1.3x the fp32 exponent's (measured at the paper's shape: 0.97-1.16x but one outlier point), on
-    # ordinary and biased inputs, causal or not; and the option exists only where the core uses it
+    # stays within 1.4x the fp32 exponent's (measured at the paper's shape: 0.97-1.16x but one outlier point; here
+    # 1.22-1.29x at D = 128, x0 = 20 over the summation orders of other CPUs' BLAS paths, MKL_CBWR=COMPATIBLE the
+    # highest), on ordinary and biased inputs, causal or not; and the option exists only where the core uses it
     gen = torch.Generator().manual_seed(3)
     for d, x0, causal in ((64, 0.0, False), (128, 0.0, True), (64, 3.0, True), (128, 20.0, False)):
         q, k = (x0 + torch.randn(1, 2, 300, d, generator=gen) for _ in range(2))
@@ -299,7 +300,7 @@ def test_fp16_exponent_model():
         ref = reference_attention(q, k, v, causal=causal)
         errs = {e: rel_rmse(pasa_emulate(q, k, v, causal=causal, block_n=128, variant="fused", exponent=e), ref)
                 for e in ("fp32", "fp16")}
-        assert errs["fp16"] != errs["fp32"] and errs["fp16"] <= 1.3 * errs["fp32"], (d, x0, causal, errs)
+        assert errs["fp16"] != errs["fp32"] and errs["fp16"] <= 1.4 * errs["fp32"], (d, x0, causal, errs)
     for bad in (dict(variant="ref"), dict(state_dtype="fp32"), dict(exponent="bf16")):
         with pytest.raises(ValueError, match="exponent"):
             pasa_emulate(q, k, v, **{"exponent": "fp16", **bad})
