@@ -6,7 +6,8 @@
 # re-probes every 10 s for --wait seconds, then prints "!! NO CLEAN GPU …" and exits 4 without running CMD.
 # --device cpu (or CMD containing `--device cpu`) skips the clean-GPU check and logs the system load only.
 # The log (default results/logs/bench_clean_<UTC>.log) gets: a header, uptime and the full gpu-status JSON
-# before; CMD's output; uptime and gpu-status JSON after; "<<< done rc=N". Exit code: CMD's.
+# before; CMD's output; uptime and gpu-status JSON after; "<<< done rc=N". Exit code: CMD's; without running
+# CMD, 2 for a bad option, 3 when gpu-status fails (no GPU or NVML), 4 when no GPU is clean.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 log="" max_util=8 min_free=12 wait_s=0 device=cuda

@@ -31,7 +31,8 @@ TTIR counts as written, and fails (exit 1) where that includes a tensor the kern
 Warp-specialized kernels (their TTGIR has ttg.warp_specialize) are also audited for the row double-offset hazard
 (kernels/_flash_core.py, row_index): a tt.splat of a value that a descriptor load/store of the same partition uses
 as its row coordinate. Each one is a failure (exit 1): the second consumer warpgroup would read or write rows 64
-past its own. ``--ws-only`` compiles only the warp-specialized variants (quick: the audit alone).
+past its own. ``--ws-only`` compiles only the warp-specialized variants (the Triton core's, and every Gluon kernel:
+the audit alone).
 """
 from __future__ import annotations
 
@@ -342,8 +343,9 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     from kernels.cron_root import kernel as K
     from kernels.cron_root.configs import default_gpu_configs, forward_tiles
 
-    if tiles:
-        raise SystemExit("--tiles: Cron Root has no candidate grid here; its tiles are swept on the GPU")
+    if tiles:                        # --kernel all --tiles goes on to the other kernels
+        print("cron_root: --tiles: no candidate grid here (its tiles are swept on the GPU): skipped", flush=True)
+        return []
     ptrs = {"Q", "K", "V", "RK", "RV", "O", "DO", "DQ", "DK", "DV"}
     stride = re.compile(r"^s[a-z]+[bhn]$").match
     fns = {"fwd": K._fwd, "fwd_small": K._fwd, "dq": K._bwd_dq, "glob": K._bwd_global, "loc": K._bwd_local}
@@ -370,10 +372,11 @@ def cron_root_jobs(dtypes, dims, tiles: bool) -> list[Job]:
     return jobs
 
 
-# PASA's sweep candidates (scripts/tune.py times them on the GPU)
+# PASA's sweep candidates: the tiles scripts/tune.py's PASA_TILES times on the GPU (tests/test_tune.py keeps the two
+# equal)
 PASA_CANDIDATES = {
-    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    64: [(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4)],
+    128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
 }
 
 
@@ -604,7 +607,7 @@ def main(argv=None) -> int:
     p.add_argument("--dims", type=head_dims, default=(64, 128), help="head dims")
     p.add_argument("--tiles", action="store_true", help="the candidate tiles of a tuning sweep, not the shipped ones")
     p.add_argument("--ws-only", action="store_true",
-                   help="only the warp-specialized variants (their row double-offset audit, quickly)")
+                   help="only the warp-specialized variants, Gluon kernels included (their row double-offset audit)")
     p.add_argument("--target", type=_target, default="cuda:90:32", help="backend:arch:warp size")
     p.add_argument("--sass", action="store_true",
                    help="print each job's SASS digest too (in --json always): equal on two trees = the same code")
@@ -623,8 +626,8 @@ def main(argv=None) -> int:
     rows, failures = [], 0
     for kernel in (KERNELS if a.kernel == "all" else [a.kernel]):
         jobs = KERNELS[kernel](dtypes, dims, a.tiles)
-        if a.ws_only:
-            jobs = [job for job in jobs if job.constexprs.get("WARP_SPECIALIZE")]
+        if a.ws_only:                # the Triton core's warp-specialized variants, and every Gluon kernel
+            jobs = [job for job in jobs if job.gluon or job.constexprs.get("WARP_SPECIALIZE")]
         for job in jobs:
             row = dict(kernel=job.kernel, function=job.name, dtype=job.dtype, **job.label)
             try:

@@ -609,13 +609,16 @@ def cmd_report(a):
     write_report(Path(a.out), a)
 
 
-def passes(text: str) -> tuple[str, ...]:
-    """--passes: a comma list of fwd, bwd, fwdbwd."""
-    names = name_list(text)
-    unknown = [x for x in names if x not in ("fwd", "bwd", "fwdbwd")]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"{unknown[0]!r}: passes are fwd, bwd, fwdbwd")
-    return names
+def passes(allowed: tuple[str, ...]):
+    """--passes of a subcommand: a comma list of the passes it times (table: a subsequence's fwd and bwd
+    separately; dist: the whole call's fwd and fwdbwd)."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = name_list(text)
+        unknown = [x for x in names if x not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{unknown[0]!r}: passes here are {', '.join(allowed)}")
+        return names
+    return parse
 
 
 def worlds(text: str):
@@ -650,12 +653,12 @@ def main(argv=None):
     t = sub.add_parser("table", parents=[common])
     t.add_argument("--total", type=positive_float, default=1e9, help="tokens of the full problem (the paper: 1B)")
     t.add_argument("--itr-measure", type=int_list, default=(7, 8, 9), help="divides whose 7 subsequences are timed")
-    t.add_argument("--passes", type=passes, default=("fwd", "bwd"))
+    t.add_argument("--passes", type=passes(("fwd", "bwd")), default=("fwd", "bwd"))
     t.add_argument("--subsequences", type=positive_int, default=7, help="time this many of the 7 (t7 scales by 7/k)")
     d = sub.add_parser("dist", parents=[common])
     d.add_argument("--tokens", type=positive_int, default=1 << 20,
                    help="N (not --n: torchrun would take it for its own)")
-    d.add_argument("--passes", type=passes, default=("fwd",))
+    d.add_argument("--passes", type=passes(("fwd", "fwdbwd")), default=("fwd",))
     d.add_argument("--reps", type=positive_int, default=2)
     d.add_argument("--worlds", type=worlds, default="all", help="'all' (1..W) or a list such as 1,2")
     d.add_argument("--mem-budget", type=positive_int, default=None, help="bytes per rank (streaming engine)")

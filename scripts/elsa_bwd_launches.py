@@ -12,7 +12,8 @@ the one launch saves on the default path. Each schedule runs in the tiles the pl
 the one launch takes config.SHORT_ONE_LAUNCH_BWD and two launches the backward table's, so there the comparison is
 of the two schedules as the default path would run them, tiles included, not of the launch count alone
 (results/dev/elsa/bwd_one_launch_h200.json predates the short tiles: both schedules in the table's there).
-Writes the JSON list to OUT and one line per shape to stdout.
+Writes {device, torch, rows} (one row per shape) as JSON to OUT and one line per shape to stdout.
+(results/dev/elsa/bwd_one_launch_h200.json's GPU times are do_bench's mean, its default then.)
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def measure(dtype, B, H, N, D, causal):
         out = elsa_attention(q, k, v, causal=causal, config=cfg)
         do = torch.randn_like(out)
         row[f"bwd{n}_ms"] = triton.testing.do_bench(
-            lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), warmup=25, rep=100)
+            lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), warmup=25, rep=100,
+            return_mode="median")
 
         def step(cfg=cfg, do=do):
             torch.autograd.grad(elsa_attention(q, k, v, causal=causal, config=cfg), (q, k, v), do)

@@ -27,8 +27,8 @@ and prints the markdown summary last.
 
 Budget: 73 compiles (8 variants x 8 (dtype, D, causal) + 9 cliff variants; ~1 s of CPU each for triton 3.6's
 sm_90 pipeline, measured ahead of time) on 12 workers: well under a minute; 80 timings at 16K (~0.3 s each with the
-check), 48 at 4K/64K (~0.5 s), SDPA twice per point: ~2 min. The whole run ~3 min on the H100, inside a 235 s
-budget (so the GPU tests and one ncu run fit beside it in 9 minutes); what the budget cuts is listed.
+check), 48 at 4K/64K (~0.5 s), SDPA twice per point: ~2 min. The whole run ~3 min on the H100, inside the default
+--budget-s of 330 s; what the budget cuts is listed.
 """
 from __future__ import annotations
 

@@ -66,6 +66,8 @@ def test_output_paths(tmp_path):
     ("clock_pairing.py", ["{tmp}/c.json", "--device", "cpu", "--warm-s", "-1"], "argument --warm-s: '-1'"),
     ("flash_core_sweep.py", ["--out", "{file}/sub"], "argument --out:"),
     ("cqsa_scaling.py", ["table", "--out", "{tmp}/cq", "--passes", "nosuch"], "argument --passes: 'nosuch'"),
+    ("cqsa_scaling.py", ["table", "--out", "{tmp}/cq", "--passes", "fwdbwd"], "'fwdbwd': passes here are fwd, bwd"),
+    ("cqsa_scaling.py", ["dist", "--out", "{tmp}/cq", "--passes", "bwd"], "'bwd': passes here are fwd, fwdbwd"),
     ("cqsa_scaling.py", ["report", "--out", "{tmp}/cq", "--merge", "{tmp}/nowhere"], "argument --merge:"),
     ("ncu_summary.py", ["--d", "-1"], "argument --d: '-1'"),
     ("calibrate.py", ["--tolerance", "-1"], "argument --tolerance: '-1'"),

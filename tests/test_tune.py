@@ -538,3 +538,11 @@ def test_a_tuning_file_records_where_each_table_was_measured(tmp_path):
     fresh = tmp_path / "fresh.json"
     write_configs(fresh, {"fwd": {"16,64": [64, 64, 4, 3]}}, h100, "n")
     assert json.loads(fresh.read_text())["measured"] == {"fwd": h100}
+
+
+def test_compile_check_filters_the_pasa_tiles_the_tuner_times():
+    """scripts/compile_check.py --tiles compiles, for sm_90 without a GPU, the PASA candidates tune.py times: one list
+    in two scripts, kept equal here."""
+    from scripts.compile_check import PASA_CANDIDATES
+
+    assert PASA_CANDIDATES == tune.PASA_TILES
