@@ -332,9 +332,9 @@ def matrix_defaults(path: Path, data: dict) -> dict:
     return defaults
 
 
-def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memory_bytes: int | None = None) -> Matrix:
-    """Read and validate a matrix file for running on `device` ("cuda" or "cpu"). `memory_bytes`: the
-    device's memory, when known, so that a length whose inputs alone cannot fit is refused here."""
+def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False) -> Matrix:
+    """Read and validate a matrix file for running on `device` ("cuda" or "cpu"). Whether its lengths fit the
+    device's memory is Matrix.check_fits's, asked once the device is known."""
     path = Path(path)
     data, text = read_yaml(path)
     if not isinstance(data, dict):
@@ -367,10 +367,8 @@ def load_matrix(path, *, device: str = "cuda", allow_checks: bool = False, memor
     checks = [] if data.get("checks") is None else data["checks"]
     if not isinstance(checks, list):
         raise MatrixError(f"{path}: 'checks' must be a list")
-    matrix = Matrix(name=name, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                    description=str(data.get("description") or ""), gate=gate, cells=cells, checks=checks)
-    matrix.check_fits(memory_bytes, device)
-    return matrix
+    return Matrix(name=name, path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
+                  description=str(data.get("description") or ""), gate=gate, cells=cells, checks=checks)
 
 
 def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str) -> Cell:

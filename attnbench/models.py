@@ -14,10 +14,11 @@ dynamic=False)`` on both sides, after the patch: inductor on CUDA, ``aot_eager``
 no code generated). A graph break is an error of that side, never a silent split. Compilation happens on the
 first call, outside every timed sample: the harness's first call (its wall time is the point's ``first_call_ms``),
 except for ``fwd`` on CUDA, where the build's eager calls before the CUDA-graph capture compile it.
-``input_bytes`` = parameters + buffers + input images; the peak is measured above the memory resident before
-a step (them included), so it is the activation and workspace memory. Replaying a CUDA graph allocates nothing (its memory lives in the graph's pool), so
-for fwd on CUDA the peak of one eager forward above the resident bytes is measured at build time and
-kept in ``info["peak_mb"]``, which ``attnbench.measure.peak_memory_mb`` uses instead of measuring a replay.
+``input_bytes`` = parameters + buffers + input images; the peak is measured above the memory resident before a step
+(them included), so it is the activation and workspace memory. Replaying a CUDA graph allocates nothing (its memory
+lives in the graph's pool), so for fwd on CUDA the peak of one eager forward above the resident bytes is measured at
+build time and kept in ``info["peak_mb"]``, which ``attnbench.measure.peak_memory_mb`` uses instead of measuring a
+replay.
 """
 from __future__ import annotations
 

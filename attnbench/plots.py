@@ -1,10 +1,10 @@
 """PNG figures for the RESULTS markdown (matplotlib, Agg canvas, no pyplot global state).
 
-Per cell, one figure with three panels: lat_ratio vs N (log2 x, p10–p90 error bars, a line at 1.0),
-time per backend vs N (median ms with p10–p90), and mem_ratio vs N. Per kernel, one overview of the
-lat_ratio of all its attention cells, and one of its model cells where it has any. File names depend only on the cell ids, so regenerating a report
-overwrites the same files; the PNG metadata carries no software version (the markdown, not the PNG
-bytes, is what must be identical on regeneration).
+Per cell, one figure with three panels: lat_ratio vs N (log2 x, p10–p90 error bars, a line at 1.0), time per backend
+vs N (median ms with p10–p90), and mem_ratio vs N. Per kernel, one overview of the lat_ratio of all its attention
+cells, and one of its model cells where it has any. File names depend only on the cell ids, so regenerating a report
+overwrites the same files; the PNG metadata carries no software version (the markdown, not the PNG bytes, is what must
+be identical on regeneration).
 """
 from __future__ import annotations
 

@@ -8,12 +8,12 @@ Layout (``results/runs/<UTC time>_<matrix name>/``):
 A point is finished once its complete row is in ``points.csv``; ``--resume`` skips exactly those, so an
 interrupted run loses at most the point that was being measured.
 
-Crash safety. Both logs are written one whole line per append (fsync'd), so a crash can leave only a
-*torn last line*: the start of a record without its newline. Readers (report, runs, gate) leave it out and
-say so (``Run.torn``: the report's runs table, the runs listing, a warning line of the gate); a resume, holding the run directory's lock, moves it to ``torn_records.jsonl``
-(kept, never dropped) and measures its point again. Anything malformed before the last line is
-corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid,
-so a second ``--resume`` of the same directory is refused instead of interleaving rows.
+Crash safety. Both logs are written one whole line per append (fsync'd), so a crash can leave only a *torn last line*:
+the start of a record without its newline. Readers (report, runs, gate) leave it out and say so (``Run.torn``: the
+report's runs table, the runs listing, a warning line of the gate); a resume, holding the run directory's lock, moves
+it to ``torn_records.jsonl`` (kept, never dropped) and measures its point again. Anything malformed before the last
+line is corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid, so a
+second ``--resume`` of the same directory is refused instead of interleaving rows.
 
 Several writers (a worker pool, attnbench.pool). The pool is one holder of ``.lock``: its parent takes it and
 every worker inherits the same locked file description, so the lock lasts while any of them lives, and the file

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnbench.arguments import Parser, output_file  # noqa: E402
+from attnbench.arguments import Parser, name_list, output_file  # noqa: E402
 
 SHAPES = [(8, 3, 197, 64), (8, 3, 577, 64), (8, 3, 1025, 64), (1, 8, 1024, 64), (1, 8, 2048, 64), (1, 8, 4096, 64),
           (1, 8, 8192, 64), (1, 8, 1024, 128), (1, 8, 2048, 128), (1, 8, 4096, 128), (1, 8, 8192, 128),
@@ -76,11 +76,11 @@ def measure(dtype, B, H, N, D, causal):
 def main(argv=None) -> int:
     ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=output_file)
-    ap.add_argument("--dtypes", default="float16,float32")
+    ap.add_argument("--dtypes", type=name_list, default=("float16", "float32"))
     args = ap.parse_args(argv)
     import torch
 
-    names = args.dtypes.split(",")
+    names = args.dtypes
     for name in names:
         if name not in ("float16", "bfloat16", "float32"):
             print(f"elsa_bwd_launches: --dtypes: {name!r} is not float16, bfloat16 or float32", file=sys.stderr)

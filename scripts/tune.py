@@ -896,7 +896,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", required=True, choices=sorted(SECTIONS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--sections", default=None, help="comma list (default: the kernel's usual set; see SECTIONS)")
-    ap.add_argument("--budget-s", type=positive_float, default=540.0, help="stop before a candidate would run past this")
+    ap.add_argument("--budget-s", type=positive_float, default=540.0,
+                    help="stop before a candidate would run past this")
     ap.add_argument("--out", type=output_dir, default=None, help="folder for tune_<kernel>.json (every measurement)")
     ap.add_argument("--write", type=output_file, default=None,
                     help="tuning file to write (default: the kernel's own, GPU only)")

@@ -426,11 +426,11 @@ def test_inputs_fit_check_counts_grouped_k_v_and_both_lengths(tmp_path):
     cell = "  - {id: a, kernel: math, baseline: flash, dtype: float16, mode: fwd, heads: 8, kv_heads: 1, seq_lens: [512, 1024]}\n"
     path = write(tmp_path, matrix_text(cell))
     with pytest.raises(MatrixError) as exc:
-        load_matrix(path, memory_bytes=700_000)
+        load_matrix(path).check_fits(700_000, "cuda")
     msg = str(exc.value)
     assert "seq_lens' has 1024" in msg and "q 1×8×1024×64, k 1×1×1024×64, v 1×1×1024×64 float16" in msg
     assert f"{10 * 1024 * 64 * 2:,} bytes" in msg
-    load_matrix(write(tmp_path, matrix_text(cell.replace(", 1024", ""))), memory_bytes=700_000)
+    load_matrix(write(tmp_path, matrix_text(cell.replace(", 1024", "")))).check_fits(700_000, "cuda")
 
 
 def test_full_matrix_holds_the_issue_17_cells():

@@ -203,6 +203,7 @@ def _check_inputs(q, k, v, causal, scale):
 
 
 def _check_bf16(dtype, device: torch.device):
+    """The streaming engine's device may be the CPU where the inputs are CUDA tensors (check_inputs saw those)."""
     if dtype == torch.bfloat16 and device.type != "cuda":
         raise ValueError(f"{NAME}: bfloat16 needs a CUDA device (the Triton CPU interpreter computes bf16 wrongly)")
 
@@ -500,8 +501,7 @@ def cqsa_attention_distributed(q, k, v, *, causal=False, scale=None, c=7, itr=No
         if stream_opts:
             raise ValueError(f"{NAME}: streaming option(s) {', '.join(sorted(stream_opts))} need mem_budget "
                              "or host inputs with a GPU")
-        engine_opts = None
-        _check_bf16(q.dtype, q.device)
+        engine_opts = None                   # bf16 CPU tensors: refused by check_inputs above
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{NAME}: torch.distributed is not initialised (start the ranks with torchrun and call "
                            "torch.distributed.init_process_group first)")
