@@ -74,7 +74,7 @@ def calibrate(points=POINTS) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=output_file, default=None, help="write the rows as JSON here")
     ap.add_argument("--tolerance", type=positive_float, default=0.05, help="relative, e.g. 0.05")
     args = ap.parse_args(argv)

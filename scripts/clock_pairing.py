@@ -50,7 +50,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--kernel", default="pasa", help="the backend timed against the baseline (default pasa)")
     ap.add_argument("--baseline", default="cudnn", help="default cudnn")

@@ -633,7 +633,7 @@ def existing_dir(text: str) -> Path:
 
 
 def main(argv=None):
-    ap = Parser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     common = Parser(add_help=False)
     common.add_argument("--out", type=output_dir, required=True, help="directory for the points and the report")

@@ -74,7 +74,7 @@ def measure(dtype, B, H, N, D, causal):
 
 
 def main(argv=None) -> int:
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=output_file)
     ap.add_argument("--dtypes", type=name_list, default=("float16", "float32"))
     args = ap.parse_args(argv)

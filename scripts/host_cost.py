@@ -88,7 +88,7 @@ MODES = ("fwd", "fwd_nograd", "fwdbwd", "bwd")
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: Triton interpreter (checks the plumbing; the times mean nothing unless --stub-launches)")

@@ -37,7 +37,7 @@ TOP = 12
 
 
 def parse_args(argv=None):
-    ap = Parser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=output_file, help="JSON file to write")
     ap.add_argument("--model", default="swin_tiny_patch4_window7_224.ms_in1k", help="timm model name")
     ap.add_argument("--img-size", type=positive_int, default=224)
