@@ -58,7 +58,10 @@ class Backend:
     origin: str = "pytorch"                     # "pytorch" or the kernels package
     cpu_dtypes: tuple[str, ...] | None = None   # dtypes on the CPU, when they differ from the GPU's
     reference: Callable | None = None           # float64 reference of the same function (sparse kernels)
-    option_choices: dict = field(default_factory=dict)   # option name -> the values it may take, when a closed set
+    # check_options(**options): raises ValueError naming a value the backend refuses (checked without a tensor,
+    # when a matrix is loaded, with every option at its default but those the cell sets)
+    check_options: Callable | None = None
+    eager_only_options: tuple[str, ...] = ()     # options that, set (not None), make a call eager only (no graphs)
     gqa: bool = False                 # k, v with fewer heads than q (grouped-query / multi-query attention)
     cross: bool = False               # query length != key length (causal: aligned bottom-right)
 
@@ -214,30 +217,7 @@ def _kernel_backend(name: str) -> Backend:
     spec = getattr(module, "BACKENDS", {}).get(name)
     if spec is None:
         raise NotLandedError(f"kernel '{name}' is not implemented yet")
-    spec = dict(spec)
-    spec.setdefault("option_choices", _kernel_option_choices(package, spec.get("options", {})))
     return Backend(name=name, origin=package, **spec)
-
-
-# Options whose values form a closed set, and the constant each kernel package checks them against (exported
-# by the package or its attention module): a matrix is validated against the kernel's own list, at load time.
-CLOSED_OPTIONS = {"precision": "PRECISIONS", "state_dtype": "STATE_DTYPES", "variant": "VARIANTS"}
-
-
-def _kernel_option_choices(package: str, options: dict) -> dict:
-    choices = {}
-    for option, constant in CLOSED_OPTIONS.items():
-        if option not in options:
-            continue
-        for module_name in (package, f"{package}.attention"):
-            try:
-                values = getattr(importlib.import_module(module_name), constant, None)
-            except ModuleNotFoundError:
-                values = None
-            if values is not None:
-                choices[option] = tuple(values)
-                break
-    return choices
 
 
 def get_backend(name: str) -> Backend:

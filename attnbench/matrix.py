@@ -456,15 +456,7 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str) 
                 kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, **common)
     for slot in ("kernel", "baseline"):
         backend = _backend(path, cid, slot, getattr(cell, slot))
-        options = getattr(cell, f"{slot}_options")
-        for key, value in options.items():
-            if key not in backend.options:
-                allowed = ", ".join(sorted(backend.options)) or "none"
-                raise MatrixError(f"{where}: field '{slot}_options.{key}': unknown option for {backend.name} (allowed: {allowed})")
-            choices = backend.option_choices.get(key)
-            if choices is not None and value not in choices:
-                raise MatrixError(f"{where}: field '{slot}_options.{key}' = {value!r}: {backend.name} allows "
-                                  f"{', '.join(map(str, choices))}")
+        _backend_options(where, slot, backend, getattr(cell, f"{slot}_options"), timing["mode"])
         capable = dict(dtype=dtype, mode=mode, causal=causal, head_dim=head_dim, gqa=cell.grouped, cross=cell.cross)
         reason = backend.unsupported_reason(**capable, device=device)
         if reason and device == "cpu":
@@ -543,6 +535,29 @@ def _timing_mode(where: str, value, is_model: bool, mode: str) -> None:
     if mode == "bwd":
         raise MatrixError(f"{where}: field 'timing.mode' = {value!r}: mode bwd has an untimed forward before each "
                           "call, which a graph replay cannot skip; time fwdbwd in graph mode")
+
+
+def _backend_options(where: str, slot: str, backend, options: dict, timing_mode: str) -> None:
+    """A cell's options for one backend: names it takes, values its own check accepts (each option alone over
+    the defaults, so the error names the field, then all together), none that is eager only in a graph-mode cell."""
+    for key, value in options.items():
+        if key not in backend.options:
+            allowed = ", ".join(sorted(backend.options)) or "none"
+            raise MatrixError(f"{where}: field '{slot}_options.{key}': unknown option for {backend.name} "
+                              f"(allowed: {allowed})")
+        if backend.check_options is not None:
+            try:
+                backend.check_options(**{**backend.options, key: value})
+            except ValueError as exc:
+                raise MatrixError(f"{where}: field '{slot}_options.{key}' = {value!r}: {exc}") from None
+        if key in backend.eager_only_options and value is not None and timing_mode != "eager":
+            raise MatrixError(f"{where}: field '{slot}_options.{key}' = {value!r}: {backend.name} runs eagerly with "
+                              f"it, so the cell cannot be timed in graph mode (timing.mode = {timing_mode!r})")
+    if backend.check_options is not None and len(options) > 1:
+        try:
+            backend.check_options(**{**backend.options, **options})
+        except ValueError as exc:
+            raise MatrixError(f"{where}: field '{slot}_options': {exc}") from None
 
 
 def _backend(path, cid, slot, name):

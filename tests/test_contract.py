@@ -114,6 +114,24 @@ def test_bfloat16_on_the_cpu_is_computed_right_or_refused_in_one_line(backend):
                               "bf16 wrongly)")
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.options], ids=lambda b: b.name)
+def test_options_check_without_a_tensor_agrees_with_the_call(backend):
+    # the harness checks a matrix's kernel_options at load time with check_options; a value it refuses must be
+    # the value the call refuses, with the same message (and the defaults must pass)
+    assert backend.check_options is not None
+    backend.check_options(**backend.options)
+    causal = _causal(backend)
+    q, k, v = _inputs(1, 2, 2, 16, 16, 32, _dtype(backend))
+    for option in backend.options:
+        with pytest.raises(ValueError) as refused:
+            backend.check_options(**{**backend.options, option: "x"})
+        assert option in str(refused.value) and "'x'" in str(refused.value)
+        if DEVICE in backend.devices:
+            with pytest.raises(ValueError) as called:
+                backend.fn(q, k, v, causal=causal, **{option: "x"})
+            assert str(called.value) == str(refused.value)
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if _self_attention(b)], ids=lambda b: b.name)
 def test_self_attention_kernels_refuse_other_lengths_and_non_causal(backend):
     if DEVICE not in backend.devices:

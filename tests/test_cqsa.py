@@ -848,12 +848,34 @@ def test_streaming_grouped_query_and_other_key_length(gather):
 def test_registered_with_attnbench():
     from attnbench.backends import get_backend
     b = get_backend("cqsa")
-    assert b.fn is cqsa_attention and b.options == {"c": 7, "itr": 1}
+    assert b.fn is cqsa_attention and b.options == {"c": 7, "itr": 1, "mem_budget": None}
+    assert b.eager_only_options == ("mem_budget",)
     assert b.origin == "kernels.cqsa" and set(b.modes) == {"fwd", "bwd", "fwdbwd"}
     assert b.head_dims == HEAD_DIMS
     assert b.unsupported_reason(dtype="bfloat16", mode="fwd", causal=False, head_dim=64, device="cpu")
     assert b.unsupported_reason(dtype="float16", mode="fwdbwd", causal=True, head_dim=80, device="cuda") is None
     assert set(BACKENDS["cqsa"]) <= set(b.__dataclass_fields__)
+
+
+def test_a_cells_mem_budget_streams_through_the_harness():
+    # kernel_options: {mem_budget: B} reaches the call: the streaming engine runs under it, exact, forward and
+    # backward through the harness's workload; a budget too small for one task is the engine's own error
+    from attnbench.backends import attention_inputs, check_accuracy, get_backend, make_attention_workload
+    b = get_backend("cqsa")
+    err = check_accuracy(b, batch=1, heads=2, n=50, head_dim=32, dtype="float32", causal=True, device="cpu",
+                         options={"mem_budget": 10**8})
+    assert err["rel_rms"] < 2e-6
+    shape = dict(batch=1, heads=2, n=50, head_dim=32, dtype="float32", mode="fwdbwd", causal=False, device="cpu")
+    grads = make_attention_workload(b, **shape, options={"mem_budget": 10**8}).run()
+    # the workload's inputs and dO, made again from the same seed, in float64
+    q, k, v, gen = attention_inputs(batch=1, heads=2, q_len=50, head_dim=32, dtype="float32", device="cpu")
+    d_out = torch.randn(q.shape, generator=gen)
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    refs = torch.autograd.grad(reference_attention(q, k, v), (q, k, v), d_out.double())
+    for grad, ref in zip(grads, refs):
+        assert (grad.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    with pytest.raises(torch.OutOfMemoryError, match="the budget, 1000 B"):
+        make_attention_workload(b, **shape, options={"mem_budget": 1000}).run()
 
 
 @pytest.mark.parametrize("bad,match", [

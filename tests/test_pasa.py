@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels import _gluon_core as gluon_core
 from kernels import _launch
 from kernels._common import DEFAULT_L2_BYTES, LOG2E, ForwardOnlyError
-from kernels.pasa import fa16_attention, ops, pasa_attention
+from kernels.pasa import check_options, fa16_attention, ops, pasa_attention
 from kernels.pasa.beta import (default_beta, ideal_invariance, realised_invariance, round_to_format, shift_entries,
                                solve_beta)
 from kernels.pasa.emulate import ex2_f16_sm90, pasa_emulate
@@ -957,8 +957,12 @@ def test_registered_with_the_harness():
         assert b.unsupported_reason(dtype="float16", mode="fwd", causal=True, head_dim=80, device="cpu") is None
     pasa = get_backend("pasa")
     assert pasa.options == {"beta": None, "state_dtype": "fp16", "variant": None}
-    # the closed sets a matrix is checked against: the kernel's own lists
-    assert pasa.option_choices == {"state_dtype": ("fp16", "fp32"), "variant": ("ref", "fused")}
+    # a matrix's options are checked by the kernel's own check (its lists), without a tensor
+    assert pasa.check_options is check_options
+    check_options(beta=0.5, state_dtype="fp32", variant="ref")
+    for bad in ({"beta": 1.0}, {"beta": True}, {"state_dtype": "bf16"}, {"variant": "fast"}):
+        with pytest.raises(ValueError, match=f"pasa: {next(iter(bad))} must be"):
+            check_options(**bad)
 
 
 # ----------------------------------------------------------------------------------------- GPU ----

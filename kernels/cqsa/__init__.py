@@ -11,6 +11,7 @@ in global order, so the causal mask composes with the responsibility mask.
 """
 from .._common import HEAD_DIMS
 from .attention import cqsa_attention
+from .checks import check_options
 from .distributed import cqsa_attention_distributed
 from .divide import INTEREST_SETS, balanced_layout, build_tasks, coverage_counts, is_difference_set, owner, refine
 
@@ -25,9 +26,11 @@ BACKENDS = {
         gqa=True,                                # K/V with fewer heads than q, read in place
         cross=True,                              # Nq != Nk (causal: bottom-right aligned)
         devices=("cuda", "cpu"),
-        options={"c": 7, "itr": 1},
+        options={"c": 7, "itr": 1, "mem_budget": None},
+        check_options=check_options,
+        eager_only_options=("mem_budget",),      # set, the call streams: eager, never captured in a graph
         description="Stream-CQSA: exact attention as c**itr CQS subsequence tasks merged by log-sum-exp "
-                    "(resident slot waves; mem_budget streams tasks under a budget)",
+                    "(resident slot waves; mem_budget, bytes, streams the tasks under that budget, eagerly)",
     ),
 }
 

@@ -2,6 +2,8 @@
 the kernel contract's checks (kernels/_common.check_inputs) plus CQSA's own options, each a one-line error."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._common import Shape, check_inputs, check_precision
@@ -22,11 +24,19 @@ def check_call(q, k, v, *, causal, scale, c, itr, precision, device: torch.devic
     return shape
 
 
-def check_options(c, itr, precision) -> None:
-    if c not in INTEREST_SETS:
+def check_options(c, itr, precision="tf32x3", mem_budget=None) -> None:
+    """CQSA's own options, checked without a tensor (the harness checks a matrix's cells with it at load time)."""
+    if isinstance(c, bool) or not isinstance(c, int) or c not in INTEREST_SETS:
         raise ValueError(f"cqsa: no interest set for c={c!r} (supported: {sorted(INTEREST_SETS)})")
     if not isinstance(itr, int) or isinstance(itr, bool) or itr < 1:
         raise ValueError(f"cqsa: itr must be an int >= 1, got {itr!r}")
     if itr * (len(INTEREST_SETS[c]) - 1) > MAX_BITS:
         raise ValueError(f"cqsa: itr={itr} with c={c} exceeds the {MAX_BITS}-bit responsibility budget")
     check_precision("cqsa", precision)
+    check_mem_budget(mem_budget)
+
+
+def check_mem_budget(mem_budget) -> None:
+    if mem_budget is not None and (isinstance(mem_budget, bool) or not isinstance(mem_budget, (int, float))
+                                   or not math.isfinite(mem_budget) or mem_budget <= 0):
+        raise ValueError(f"cqsa: mem_budget must be a positive number of bytes, got {mem_budget!r}")

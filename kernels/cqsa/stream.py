@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .._common import LN2, LOG2E, default_scale, dot_precision
-from .checks import check_call
+from .checks import check_call, check_mem_budget
 from .divide import Pieces, Task, build_tasks, interest_set, max_depth, refine
 from .kernel import constexprs, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd, resolve_tiles
 from .schedule import task_schedule
@@ -1109,8 +1109,7 @@ def _engine_kwargs(kw):
     if fc is not None and (not isinstance(fc, int) or isinstance(fc, bool) or fc < 1):
         raise ValueError(f"cqsa: final_chunk must be a positive int (rows), got {fc!r}")
     mb = allowed["mem_budget"]
-    if mb is not None and (not isinstance(mb, (int, float)) or mb <= 0):
-        raise ValueError(f"cqsa: mem_budget must be a positive number of bytes, got {mb!r}")
+    check_mem_budget(mb)
     allowed["mem_budget"] = int(mb) if mb is not None else None
     allowed["refine_mode"] = allowed.pop("refine")
     return allowed

@@ -9,10 +9,12 @@ Backends for attnbench:
 Also: CronRootMultiheadAttention (a drop-in for nn.MultiheadAttention in causal self-attention) and
 get_gpu_info().
 """
+from functools import partial
+
 from .._common import HEAD_DIMS
-from .attention import cron_root_attention
+from .attention import check_options, cron_root_attention
 from .flex import flex_cron_root
-from .hybrid import cron_root_hybrid, cron_root_hybrid_reference
+from .hybrid import check_options as check_hybrid_options, cron_root_hybrid, cron_root_hybrid_reference
 from .module import CronRootMultiheadAttention
 from .reference import RELAY_THRESHOLD, cron_root_mask, cron_root_reference, uses_relay, window
 from .tuning import crossover_for, get_gpu_info
@@ -29,6 +31,7 @@ BACKENDS = {
     "cron_root": dict(
         fn=cron_root_attention, dtypes=_ALL, cpu_dtypes=("float32", "float16"), modes=_MODES, causal=(True,),
         head_dims=HEAD_DIMS, gqa=True, devices=("cuda", "cpu"), options=dict(_OPTIONS),
+        check_options=partial(check_options, "cron_root"),
         description="Cron Root O(N√N) causal sparse attention (local √N window + strided anchors + relay "
                     "block means, one softmax), Triton fwd+bwd, grouped K/V read in place; relay only for "
                     "N > relay_threshold",
@@ -36,12 +39,13 @@ BACKENDS = {
     "cron_root_hybrid": dict(
         fn=cron_root_hybrid, dtypes=_ALL, cpu_dtypes=("float32", "float16"), modes=_MODES, causal=(True,),
         head_dims=HEAD_DIMS, gqa=True, devices=("cuda", "cpu"), options={"crossover": None, **_OPTIONS},
+        check_options=check_hybrid_options,
         description="DENSE SDPA causal for N < crossover (per GPU in tuning.json; default 1536), Cron Root sparse "
                     "from it on: two different functions, its reference follows the same switch",
         reference=cron_root_hybrid_reference),
     "flex_cron_root": dict(
         fn=flex_cron_root, dtypes=_ALL, modes=_MODES, causal=(True,), head_dims=HEAD_DIMS, devices=("cuda",),
-        options={"relay_threshold": RELAY_THRESHOLD},
+        options={"relay_threshold": RELAY_THRESHOLD}, check_options=partial(check_options, "flex_cron_root"),
         description="The Cron Root pattern through compiled FlexAttention (relay means appended to K/V, "
                     "mask_mod over N + R keys); compile excluded after the first call",
         reference=cron_root_reference),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._common import block_d, check_inputs, default_scale
-from .attention import check_options
+from .attention import check_problem
 from .reference import RELAY_THRESHOLD, visible_relay_blocks, window
 
 NAME = "flex_cron_root"
@@ -72,7 +72,7 @@ def flex_cron_root(q, k, v, causal: bool = True, scale: float | None = None,
     of 8 from 16 to 256, causal only."""
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True,
                          cpu_bfloat16=True)     # torch's FlexAttention computes, not the Triton interpreter
-    check_options(NAME, shape, relay_threshold, "tf32x3")
+    check_problem(NAME, shape, relay_threshold, "tf32x3")
     from torch.nn.attention.flex_attention import flex_attention
 
     n, d = shape.len_q, shape.head_dim

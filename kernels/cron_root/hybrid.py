@@ -14,7 +14,7 @@ from kernels.reference import reference_attention
 
 from .._common import check_inputs, default_scale
 from . import configs
-from .attention import check_options, fwd_call
+from .attention import check_options as check_cron_root_options, check_problem, fwd_call
 from .reference import RELAY_THRESHOLD, cron_root_reference
 from .tuning import crossover_for, device_name
 
@@ -31,12 +31,21 @@ def stored_crossover(device: torch.device, train: bool) -> int:
     return _device_crossover[key]
 
 
-def _resolve(crossover, device, train: bool) -> int:
-    if crossover is None:
-        return stored_crossover(device, train)
-    if type(crossover) is not int or crossover < 0:
+def check_options(crossover=None, relay_threshold=RELAY_THRESHOLD, precision="tf32x3") -> None:
+    """The hybrid's options, checked without a tensor (the harness checks a matrix's cells with it at load
+    time)."""
+    _check_crossover(crossover)
+    check_cron_root_options(NAME, relay_threshold, precision)
+
+
+def _check_crossover(crossover) -> None:
+    if crossover is not None and (type(crossover) is not int or crossover < 0):
         raise ValueError(f"{NAME}: crossover must be an int >= 0 or None, got {crossover!r}")
-    return crossover
+
+
+def _resolve(crossover, device, train: bool) -> int:
+    _check_crossover(crossover)
+    return stored_crossover(device, train) if crossover is None else crossover
 
 
 def _sdpa_causal(q, k, v, scale, group: int):
@@ -59,7 +68,7 @@ def cron_root_hybrid(q, k, v, causal: bool = True, scale: float | None = None, c
     Inputs as cron_root_attention's (grouped K/V included).
     """
     shape = check_inputs(NAME, q, k, v, causal=causal, scale=scale, self_attention=True, causal_only=True)
-    check_options(NAME, shape, relay_threshold, precision)
+    check_problem(NAME, shape, relay_threshold, precision)
     tiles = configs.encode(config)          # checked on either side of the crossover
     if shape.len_q < _resolve(crossover, q.device, _training(q, k, v)):
         return _sdpa_causal(q, k, v, scale, shape.group)

@@ -5,7 +5,7 @@ is the partially low-precision FlashAttention (fp16 scores, no shift) the paper 
 solves the paper's optimal-accuracy condition; ``emulate`` is a PyTorch model of the kernel's roundings.
 """
 from kernels._common import HEAD_DIMS
-from kernels.pasa.attention import fa16_attention, pasa_attention
+from kernels.pasa.attention import check_options, fa16_attention, pasa_attention
 from kernels.pasa.beta import default_beta, solve_beta
 
 # gqa: K/V with fewer heads than q, read in place; cross: Nq != Nk (causal: bottom-right aligned)
@@ -14,6 +14,7 @@ _COMMON = dict(dtypes=("float16", "bfloat16"), modes=("fwd",), causal=(False, Tr
 
 BACKENDS = {
     "pasa": dict(fn=pasa_attention, options={"beta": None, "state_dtype": "fp16", "variant": None},
+                 check_options=check_options,
                  description="PASA: fp16 scores and fp16 softmax state, K shifted by its block pseudo-average "
                              "(no fp16 overflow); forward only, bf16 converted to fp16",
                  **_COMMON),

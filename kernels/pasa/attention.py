@@ -113,6 +113,17 @@ def _tiles(name: str, bd: int, config) -> tuple:
     return tuple(fwd[p] for p in TILE_PARAMS)
 
 
+def check_options(beta=None, state_dtype="fp16", variant=None) -> None:
+    """PASA's own options, checked without a tensor (the harness checks a matrix's cells with it at load time)."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"pasa: state_dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"pasa: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0):
+        raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix singular), "
+                         f"got {beta!r}")
+
+
 def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype="fp16", variant=None, config=None,
                    shift="auto"):
     """PASA forward (Algorithm 1 of the spec): softmax attention computed with fp16 scores and fp16 state
@@ -140,15 +151,8 @@ def pasa_attention(q, k, v, causal=False, scale=None, beta=None, *, state_dtype=
     else:
         if shift not in ops.SHIFTS:
             raise ValueError(f"pasa: shift must be one of {', '.join(ops.SHIFTS)}, got {shift!r}")
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"pasa: state_dtype must be 'fp16' or 'fp32', got {state_dtype!r}")
-        if variant is not None and variant not in VARIANTS:
-            raise ValueError(f"pasa: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-        if beta is not None:
-            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-                raise ValueError(f"pasa: beta must be a number in [0, 1) (β = 1 makes the shifting matrix "
-                                 f"singular), got {beta!r}")
-            beta = float(beta)
+        check_options(beta, state_dtype, variant)
+        beta = None if beta is None else float(beta)
         tiles, plan = split_plan("pasa", config, PLAN_PARAMS)
         core_min_work = plan.get("core_min_work", 0)
         # a loop, tiles or K̃ path of the caller's own are the Triton kernel's: the Gluon core takes only the rest
