@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kernels._common import HEAD_DIMS
 
+EXIT_NO_GPU = 3     # a tool that needs a GPU, run on a machine without one: the CLI's exit code for the same
+
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line ("error: argument --dims: ..."), exit 2, as the CLI's;
@@ -65,6 +67,14 @@ def head_dims(text: str) -> tuple[int, ...]:
     if not set(dims) <= set(HEAD_DIMS):
         raise argparse.ArgumentTypeError(f"{text}: head dims are multiples of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     return dims
+
+
+def head_dim(text: str) -> int:
+    """One head dim the kernels take."""
+    dims = head_dims(text)
+    if len(dims) != 1:
+        raise argparse.ArgumentTypeError(f"{text}: need one head dim")
+    return dims[0]
 
 
 def name_list(text: str) -> tuple[str, ...]:

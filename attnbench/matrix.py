@@ -391,11 +391,11 @@ def _parse_cell(path: Path, index: int, raw: dict, defaults: dict, device: str) 
         return merged[key]
 
     dtype = need("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise MatrixError(f"{where}: field 'dtype' = {dtype!r}: allowed {', '.join(DTYPES)}")
     mode = need("mode")
     modes = MODEL_MODES if is_model else MODES
-    if mode not in modes:
+    if not isinstance(mode, str) or mode not in modes:
         raise MatrixError(f"{where}: field 'mode' = {mode!r}: allowed {', '.join(modes)}")
     timing = dict(TIMING_DEFAULTS)
     timing.update(_mapping(path, cid, "timing", merged.get("timing"), TIMING_DEFAULTS.keys()))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.testing
 
-from attnbench.arguments import Parser, output_file, positive_float
+from attnbench.arguments import EXIT_NO_GPU, Parser, output_file, positive_float
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import TIMING_DEFAULTS
 from attnbench.measure import measure_pair
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("calibrate.py needs a CUDA GPU", file=sys.stderr)
-        return 3
+        return EXIT_NO_GPU
     rows = calibrate()
     bad = [r for r in rows if r["judged"] and abs(r["rel_diff"]) > args.tolerance]
     for r in rows:

@@ -35,7 +35,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before anything imports triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attnbench.arguments import Parser, non_negative_float, output_file, positive_float, positive_int  # noqa: E402
+from attnbench.arguments import EXIT_NO_GPU, Parser, non_negative_float, output_file, positive_float, positive_int  # noqa: E402
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -239,7 +239,10 @@ def main(argv=None) -> int:
 
     try:
         run(args, on_row=write)
-    except (BackendError, NoGpuError, ValueError) as exc:   # a backend name, a point it refuses, no GPU
+    except NoGpuError as exc:
+        print(f"clock_pairing: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
+    except (BackendError, ValueError) as exc:   # a backend name, a point it refuses
         print(f"clock_pairing: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -594,8 +594,9 @@ KERNELS = {"elsa": elsa_jobs, "cron_root": cron_root_jobs, "pasa": pasa_jobs, "c
 def _target(text: str) -> str:
     """--target backend:arch:warp size, e.g. cuda:90:32 (checked here, made a GPUTarget by main)."""
     parts = text.split(":")
-    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: need backend:arch:warp size, e.g. cuda:90:32")
+    if len(parts) != 3 or parts[0] not in ("cuda", "hip") or not parts[1].isdigit() or not parts[2].isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: need backend:arch:warp size, the backend cuda or hip, "
+                                         "e.g. cuda:90:32")
     return text
 
 

@@ -51,6 +51,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # before kernels (and triton) are imported
 
-from attnbench.arguments import Parser, int_list, name_list, output_dir, positive_float, positive_int  # noqa: E402
+from attnbench.arguments import Parser, head_dim, int_list, name_list, output_dir, positive_float, positive_int  # noqa: E402
 from kernels.cqsa import cqsa_attention, cqsa_attention_distributed  # noqa: E402
 from kernels._common import LOG2E, dot_precision  # noqa: E402
 from kernels.cqsa import kernel as K  # noqa: E402
@@ -110,8 +111,20 @@ TABLE_KEY = ("device", "total", "heads", "head_dim", "dtype", "causal", "itr", "
 DIST_KEY = ("device", "n", "heads", "head_dim", "dtype", "causal", "mem_budget", "pass_", "world", "itr")
 
 
-def _load(path: Path) -> list:
-    return json.loads(path.read_text()) if path.exists() else []
+def _load(path: Path, key: tuple) -> list:
+    """The points a run of this tool stored in `path` ([] if it has none); anything else is one line, exit 2."""
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        problem = str(exc)
+    else:
+        if isinstance(rows, list) and all(isinstance(r, dict) and set(key) <= set(r) for r in rows):
+            return rows
+        problem = f"not this tool's points (a JSON list of rows with {', '.join(key)})"
+    print(f"error: {path}: {problem}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _store(path: Path, rows: list, new: dict, key: tuple):
@@ -127,7 +140,7 @@ def adopt_points(out: Path, dirs):
     for name, key in ((TABLE_POINTS, TABLE_KEY), (DIST_POINTS, DIST_KEY)):
         rows = []
         for d in list(dirs or []) + [out]:
-            for r in _load(Path(d) / name):
+            for r in _load(Path(d) / name, key):
                 _keep = [x for x in rows if tuple(x[k] for k in key) != tuple(r[k] for k in key)]
                 rows = _keep + [r]
         if rows:
@@ -214,7 +227,7 @@ def cmd_table(a):
     out = Path(a.out)
     adopt_points(out, a.merge)
     path = out / TABLE_POINTS
-    rows = _load(path)
+    rows = _load(path, TABLE_KEY)
     passes = list(a.passes)
     cfg = dict(device=_device_name(dev), total=a.total, heads=a.heads, head_dim=a.head_dim, dtype=a.dtype,
                causal=a.causal, c=7)
@@ -281,7 +294,7 @@ def cmd_dist(a):
         ref, ref_grads = _single_device(q, k, v, do, a.causal, "fwdbwd" in passes)
     cfg = dict(device=_device_name(dev), backend=dist.get_backend(), n=a.tokens, heads=a.heads, head_dim=a.head_dim,
                dtype=a.dtype, causal=a.causal, mem_budget=a.mem_budget)
-    rows = _load(out / DIST_POINTS) if rank == 0 else []
+    rows = _load(out / DIST_POINTS, DIST_KEY) if rank == 0 else []
     runs = [(w, None) for w in worlds]
     if 1 in worlds:         # the single-rank rate at the divides the projections use
         extra = {auto_itr(a.tokens, 7, w, a.causal) for w in PROJECT_WORLDS} - {auto_itr(a.tokens, 7, 1, a.causal)}
@@ -525,7 +538,7 @@ def _tok(x):
 
 
 def write_report(out: Path, a):
-    tpoints, dpoints = _load(out / TABLE_POINTS), _load(out / DIST_POINTS)
+    tpoints, dpoints = _load(out / TABLE_POINTS, TABLE_KEY), _load(out / DIST_POINTS, DIST_KEY)
     rep = dict(paper=dict(cite=PAPER_CITE, table1={str(k): v for k, v in PAPER_TABLE1.items()}), tables=[],
                scaling=scaling_model(dpoints, a) if dpoints else [])
     md = ["# Stream-CQSA at scale", "",
@@ -645,7 +658,7 @@ def main(argv=None):
     common.add_argument("--busbw-inter", type=positive_float, default=40.0,
                         help="assumed bus bandwidth across nodes, GB/s")
     common.add_argument("--heads", type=positive_int, default=None)
-    common.add_argument("--head-dim", type=positive_int, default=128)
+    common.add_argument("--head-dim", type=head_dim, default=128)
     common.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     common.add_argument("--causal", action="store_true")
     common.add_argument("--deadline-s", type=positive_float, default=240.0,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnbench.arguments import Parser, name_list, output_file  # noqa: E402
+from attnbench.arguments import EXIT_NO_GPU, Parser, name_list, output_file  # noqa: E402
 
 SHAPES = [(8, 3, 197, 64), (8, 3, 577, 64), (8, 3, 1025, 64), (1, 8, 1024, 64), (1, 8, 2048, 64), (1, 8, 4096, 64),
           (1, 8, 8192, 64), (1, 8, 1024, 128), (1, 8, 2048, 128), (1, 8, 4096, 128), (1, 8, 8192, 128),
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             return 2
     if not torch.cuda.is_available():
         print("elsa_bwd_launches: needs a CUDA GPU (timing only means something there)", file=sys.stderr)
-        return 2
+        return EXIT_NO_GPU
     rows = []
     for name in names:
         dtype = getattr(torch, name)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnbench.arguments import Parser, int_list, name_list, non_negative_int, output_dir, positive_float  # noqa: E402
+from attnbench.arguments import EXIT_NO_GPU, Parser, int_list, name_list, non_negative_int, output_dir, positive_float  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair  # noqa: E402
 from attnbench.workload import Workload  # noqa: E402
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     import torch
     if not torch.cuda.is_available():
         print("flash_core_sweep: needs a CUDA GPU (this machine has none)", file=sys.stderr)
-        return 2
+        return EXIT_NO_GPU
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep = Sweep(out_dir, a.budget_s)

@@ -80,7 +80,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository root: kernels/, attnbench/
 
-from attnbench.arguments import Parser, name_list, non_negative_int, output_file, positive_int  # noqa: E402
+from attnbench.arguments import EXIT_NO_GPU, Parser, name_list, non_negative_int, output_file, positive_int  # noqa: E402
 
 KERNELS = {"elsa": "kernels.elsa", "cron_root": "kernels.cron_root", "pasa": "kernels.pasa", "cqsa": "kernels.cqsa"}
 TARGET = {"elsa": 1.5, "cron_root": 1.5, "pasa": 1.5, "cqsa": 2.0}       # x SDPA's host time: the targets
@@ -554,7 +554,8 @@ def run(args) -> dict:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("host_cost: no CUDA device (--device cpu checks the plumbing)")
+        print("host_cost: no CUDA device (--device cpu checks the plumbing)", file=sys.stderr)
+        raise SystemExit(EXIT_NO_GPU)
     with stub_launches() if args.stub_launches else contextlib.nullcontext():
         return measure(torch, args)
 

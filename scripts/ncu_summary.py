@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from attnbench.arguments import Parser, output_dir, positive_int  # noqa: E402
+from attnbench.arguments import Parser, head_dim, output_dir, positive_int  # noqa: E402
 
 # workload -> (how to get the function, default kernel-name regex)
 WORKLOADS = {
@@ -424,7 +424,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", help="regex for the kernel name (default: the workload's)")
     ap.add_argument("--out", type=output_dir, default=Path("ncu_out"))
     ap.add_argument("--label", help="file name stem of the outputs")
-    ap.add_argument("--d", type=positive_int, default=128)
+    ap.add_argument("--d", type=head_dim, default=128)
     ap.add_argument("--n", type=positive_int, default=16384)
     ap.add_argument("--b", type=positive_int, default=1)
     ap.add_argument("--h", type=positive_int, default=8)

@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from attnbench.arguments import Parser, head_dims, output_dir, output_file, positive_float  # noqa: E402
+from attnbench.arguments import EXIT_NO_GPU, Parser, head_dims, output_dir, output_file, positive_float  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
 from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
@@ -918,7 +918,7 @@ def main(argv=None) -> int:
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device; use --device cpu (tiny sizes, meaningless times)", file=sys.stderr)
-        return 3
+        return EXIT_NO_GPU
     if args.cross_timing == "graph" and args.device == "cpu":
         print("error: --cross-timing graph needs a GPU (CUDA graphs)", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ def test_sweep_refuses_to_run_without_a_gpu(tmp_path):
                           capture_output=True, text=True, timeout=120)
     if "needs a CUDA GPU" not in proc.stderr:
         pytest.skip("a GPU is present")
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert proc.returncode == 3 and proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     bad = subprocess.run([sys.executable, str(REPO / "scripts/flash_core_sweep.py"), "--out", str(tmp_path),
                           "--dims", "48"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--dims: 48 has no candidate tiles" in bad.stderr

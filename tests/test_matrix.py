@@ -51,6 +51,8 @@ def test_good_matrix_expands_points(tmp_path):
     (GOOD_CELL.replace("[128, 256]", "[]"), ["cell 'a'", "seq_lens", "non-empty list"]),
     (GOOD_CELL + GOOD_CELL, ["cell 'a'", "duplicate id"]),
     (GOOD_CELL + "    colour: red\n", ["cell 'a'", "unknown key 'colour'", "allowed:"]),
+    (GOOD_CELL.replace("dtype: float16", "dtype: [float16]"), ["cell 'a'", "field 'dtype' = ['float16']", "allowed"]),
+    (GOOD_CELL.replace("mode: fwd", "mode: {a: 1}"), ["cell 'a'", "field 'mode' = {'a': 1}", "allowed"]),
     (GOOD_CELL + "    kernel_options: {beta: 2}\n", ["cell 'a'", "kernel_options.beta", "unknown option for efficient"]),
     (GOOD_CELL.replace("kernel: efficient", "kernel: pasa") + "    kernel_options: {variant: fast}\n",
      ["cell 'a'", "kernel_options.variant", "'fast'", "variant must be one of ref, fused"]),

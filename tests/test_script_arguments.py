@@ -69,18 +69,37 @@ def test_output_paths(tmp_path):
     ("cqsa_scaling.py", ["table", "--out", "{tmp}/cq", "--passes", "fwdbwd"], "'fwdbwd': passes here are fwd, bwd"),
     ("cqsa_scaling.py", ["dist", "--out", "{tmp}/cq", "--passes", "bwd"], "'bwd': passes here are fwd, fwdbwd"),
     ("cqsa_scaling.py", ["report", "--out", "{tmp}/cq", "--merge", "{tmp}/nowhere"], "argument --merge:"),
-    ("ncu_summary.py", ["--d", "-1"], "argument --d: '-1'"),
+    ("ncu_summary.py", ["--d", "-1"], "argument --d: '-1': need"),
+    ("ncu_summary.py", ["--d", "100"], "argument --d: 100: head dims are multiples of 8"),
+    ("cqsa_scaling.py", ["table", "--out", "{tmp}/cq", "--head-dim", "33"], "argument --head-dim: 33: head dims"),
+    ("cqsa_scaling.py", ["report", "--out", "{tmp}/cq", "--merge", "{tmp}/bad_points"], "table_points.json: Expecting"),
+    ("compile_check.py", ["--kernel", "elsa", "--target", "foo:90:32"], "the backend cuda or hip"),
     ("calibrate.py", ["--tolerance", "-1"], "argument --tolerance: '-1'"),
     ("model_step_profile.py", ["{file}/p.json", "--device", "cpu"], "argument out:"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(tmp_path, script, argv, message):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    (tmp_path / "bad_points").mkdir()
+    (tmp_path / "bad_points" / "table_points.json").write_text("{bad")
     argv = [a.replace("{file}", str(a_file)).replace("{tmp}", str(tmp_path)) for a in argv]
     proc = _run(sys.executable, str(REPO / "scripts" / script), *argv)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
     assert message in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")
+@pytest.mark.parametrize("script, argv", [
+    ("calibrate.py", []), ("clock_pairing.py", ["{tmp}/c.json"]), ("elsa_bwd_launches.py", ["{tmp}/e.json"]),
+    ("flash_core_sweep.py", ["--out", "{tmp}/f"]), ("host_cost.py", ["{tmp}/h.json"]),
+    ("tune.py", ["--kernel", "elsa"]),
+])
+def test_a_tool_that_needs_a_gpu_says_so_in_one_line_with_the_clis_exit_3(tmp_path, script, argv):
+    proc = _run(sys.executable, str(REPO / "scripts" / script), *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == arguments.EXIT_NO_GPU == 3 and len(lines) == 1, proc.stderr[-2000:]
+    assert "GPU" in lines[0] or "CUDA" in lines[0]
 
 
 @pytest.mark.parametrize("argv, message", [
