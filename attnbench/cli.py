@@ -2,7 +2,9 @@
 
 Exit codes: 0 ok · 1 a verdict failed (gate SLOWER or BROKEN, a spot-check that did not PASS, verify failed) · 2
 bad input (matrix, run directory, option) · 3 no GPU/NVML · 4 no clean GPU within --wait · 5 a worker of a pool
-(--gpus / --workers) died or failed: the others' points are kept, the run is resumable · 130 interrupted.
+(--gpus / --workers) died or failed: the others' points are kept, the run is resumable · 6 the run directory could
+not be written (disk full, no permission): what was stored is kept, the run is resumable · 130 interrupted (Ctrl-C
+or SIGTERM).
 User mistakes get one line on stderr, never a traceback: the matrix and the run directory are validated
 where they are read (matrix.py, store.py), options here (`_check_number`, `_check_results_root`), and a
 usage error from the option parser is one line too (`main`).
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -235,6 +238,23 @@ def _require_gpu():
     return reader
 
 
+class _PointCount:
+    """`[k/N, ETA h:mm:ss] ` for a point's line where no progress bar is drawn (not a terminal): the ETA from the
+    points this invocation has measured so far."""
+
+    def start(self, total: int, done: int) -> None:
+        import time
+
+        self.total, self.done, self.measured, self.t0 = total, done, 0, time.monotonic()
+
+    def advance(self) -> str:
+        import time
+
+        self.done, self.measured = self.done + 1, self.measured + 1
+        left = round((time.monotonic() - self.t0) / self.measured * max(self.total - self.done, 0))
+        return f"[{self.done}/{self.total}, ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}] "
+
+
 def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resume: Optional[Path],
          results_root: Path, max_attempts: Optional[int], argv: list[str], reader=None,
          slowdown: Optional[dict] = None, layout=None) -> Path:
@@ -251,7 +271,8 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
                       slowdown=slowdown or {})
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, transient=False)
-    state = {"task": None, "measuring": {}}
+    # not a terminal (CI log): the bar is not drawn until the end, so each point's line carries the count and ETA
+    state = {"task": None, "measuring": {}, "count": None if err.is_terminal else _PointCount()}
 
     def stop_progress():
         if state["task"] is not None:   # stopping a bar never started would print an empty line
@@ -286,6 +307,8 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
             err.print(f"run dir: {d['run_dir']}  ·  {where}  ·  {d['todo']}/{d['total']} {unit} to measure")
             progress.start()
             state["task"] = progress.add_task("starting", total=d["total"], completed=d["total"] - d["todo"])
+            if state["count"] is not None:
+                state["count"].start(d["total"], d["total"] - d["todo"])
         elif kind == "point_start":
             if "device" in d:   # a pool: what each worker is measuring now
                 state["measuring"][d["device"]] = d["point"].id
@@ -302,6 +325,8 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
             if r["ci_half_width"] is not None:
                 ratio += f" ±{r['ci_half_width']:.1%}"
             who = f"[{d['device']}] " if "device" in d else ""
+            if state["count"] is not None:
+                who = state["count"].advance() + who
             progress.console.print(f"{escape(who)}{r['point_id']}: {r['status']} lat_ratio {ratio}"
                                    + (f" ({r['reason']})" if r["reason"] else ""), highlight=False)
             if "device" in d:
@@ -317,6 +342,11 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
         runner = Pool(matrix, opts, layout, reader=reader, on_event=on_event)
     else:
         runner = Runner(matrix, opts, reader=reader, on_event=on_event)
+
+    def terminated(signum, frame):   # `timeout`, a batch scheduler: stopped as Ctrl-C stops a run (resumable, marked)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         return runner.run(resume=resume)
     except NoCleanGpu as exc:
@@ -327,11 +357,16 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
         from attnbench.store import RunStore, resume_command
 
         stop_progress()
-        err.print(f"[yellow]interrupted[/]: everything measured is kept in {exc.run_dir}; finish it with:",
-                  highlight=False, soft_wrap=True)
+        if exc.error:    # a file of the run that could not be written (disk full, no permission)
+            err.print(f"[bold red]error:[/] {escape(exc.error)}; everything measured is kept in "
+                      f"{escape(str(exc.run_dir))}; once it can be written, finish it with:",
+                      highlight=False, soft_wrap=True)
+        else:
+            err.print(f"[yellow]interrupted[/]: everything measured is kept in {escape(str(exc.run_dir))}; "
+                      "finish it with:", highlight=False, soft_wrap=True)
         err.print(resume_command(RunStore(exc.run_dir).read_manifest(), exc.run_dir), markup=False,
                   highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        raise typer.Exit(6 if exc.error else 130)
     except PoolIncomplete as exc:
         from attnbench.store import RunStore, resume_command
 
@@ -342,6 +377,7 @@ def _run(matrix, device: str, clean_check, gpu: Optional[str], wait: float, resu
                   highlight=False, soft_wrap=True)
         raise typer.Exit(5)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         stop_progress()
 
 
@@ -503,8 +539,11 @@ def runs(results_root: Path = typer.Argument(Path("results/runs"), help="folder 
     from attnbench.store import RunDirError, load_run, run_dirs
 
     if not results_root.is_dir():
-        fail(f"{results_root}: no such folder", 2)
-    directories = run_dirs(results_root)
+        fail(f"{results_root}: {'not a folder' if results_root.exists() else 'no such folder'}", 2)
+    try:
+        directories = run_dirs(results_root)
+    except RunDirError as exc:          # a root it cannot read
+        fail(str(exc), 2)
     if not directories:
         fail(f"{results_root}: no run directories", 2)
     table = Table("run", "matrix", "points", "state")
@@ -584,8 +623,18 @@ def report(run_dirs: Optional[List[Path]] = typer.Argument(None, help="run direc
     console.print(f"wrote {path}", highlight=False)
 
 
+def _options_given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among `names` (parameter names) given on the command line, as their flags: where an option means
+    nothing with another, it is refused rather than dropped in silence."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    return [flags[n] for n in names
+            if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")]
+
+
 @app.command("gate")
-def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline run dir (or a folder of runs: the newest)"),
+def gate_cmd(ctx: typer.Context,
+             baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline run dir (or a folder of runs: "
+                                                     "its newest other than --current)"),
              current: Optional[Path] = typer.Option(None, "--current", help="current run dir"),
              tolerance: float = typer.Option(0.07, "--tolerance", help="relative change that counts as SLOWER/FASTER"),
              out: Optional[Path] = typer.Option(None, "--out", help="markdown summary (default <current>/gate.md)"),
@@ -594,19 +643,20 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
              bless: Optional[Path] = typer.Option(None, "--bless", help="no comparison: install this finished run as "
                                                   "the baseline of its GPU (<baselines-root>/<gpu>/), replacing the last"),
              baselines_root: Path = typer.Option(Path("results/baselines"), "--baselines-root",
-                                                 help="where --bless installs baselines")):
+                                                 help="where --bless installs baselines (one bless at a time)")):
     """Per point SAME / FASTER / SLOWER / NOISY / BASELINE (only the baseline's own time moved) / HOST (a
     host-bound point moved with the machine's host) from the paired-ratio samples of both runs, BROKEN (the kernel
     failed in the current run only) and MISSING (no ratio in either run, or a point of one run only); exit 1 on any
-    SLOWER or BROKEN.
+    SLOWER or BROKEN; a run against itself is refused (exit 2).
     With --bless RUN: make RUN the baseline of its GPU instead."""
     from attnbench import gate as gatemod
-    from attnbench.runs import resolve_run_dir, torn_text
+    from attnbench.runs import torn_text
     from attnbench.store import load_run
 
     if bless is not None:
-        if baseline is not None or current is not None:
-            fail("--bless RUN installs a baseline; it takes no --baseline/--current", 2)
+        extra = _options_given(ctx, "baseline", "current", "tolerance", "out", "allow_other_gpu")
+        if extra:
+            fail(f"--bless RUN installs a baseline and compares nothing; it takes no {', '.join(extra)}", 2)
         try:
             target = gatemod.bless_run(bless, baselines_root)
         except _user_errors() as exc:
@@ -616,10 +666,11 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
         return
     if baseline is None or current is None:
         fail("gate needs --baseline RUN and --current RUN (or --bless RUN)", 2)
+    if _options_given(ctx, "baselines_root"):
+        fail("--baselines-root is where --bless installs a baseline; a comparison takes --baseline RUN", 2)
     _check_number("--tolerance", tolerance, 0, 1, low_open=True, high_open=True)
     try:
-        b, c = resolve_run_dir(baseline), resolve_run_dir(current)
-        base_run, current_run = load_run(b), load_run(c)
+        base_run, current_run = gatemod.load_pair(baseline, current)
         for run in (base_run, current_run):
             if run.torn:           # a record left out of the comparison (a torn points row: MISSING): say so
                 err.print(f"warning: {run.path}: {torn_text(run)}", highlight=False, soft_wrap=True)
@@ -627,8 +678,8 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
         rows = gatemod.compare_runs(base_run, current_run, tolerance=tolerance)
     except (*_user_errors(), ValueError) as exc:
         fail(str(exc), 2)
-    md = gatemod.gate_markdown(rows, baseline=str(b), current=str(c), tolerance=tolerance)
-    target = out or c / "gate.md"
+    md = gatemod.gate_markdown(rows, baseline=str(base_run.path), current=str(current_run.path), tolerance=tolerance)
+    target = out or current_run.path / "gate.md"
     try:
         target.write_text(md)
     except OSError as exc:
@@ -638,7 +689,9 @@ def gate_cmd(baseline: Optional[Path] = typer.Option(None, "--baseline", help="b
 
 
 @app.command("spot-check")
-def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml"), help="spot-check YAML (cells + checks)"),
+def spot_check(ctx: typer.Context,
+               matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml"),
+                                                  help="spot-check YAML (cells + checks)"),
                device: str = DeviceOpt,
                gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID"),
                max_util: Optional[float] = typer.Option(None, help="clean-GPU check: max utilisation %"),
@@ -647,16 +700,20 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
                results_root: Path = typer.Option(Path("results/runs"), help="where the run directory is kept"),
                resume: Optional[Path] = typer.Option(None, "--resume", help="finish an interrupted spot-check run directory"),
                rescore: Optional[Path] = typer.Option(None, "--rescore", help="no measuring: score a stored spot-check "
-                                                      "run against the file's current bands (correctness checks: not run)")):
+                                                      "run against the file's current bands (correctness checks: not "
+                                                      "run), the file read for the device the run was measured on")):
     """Run the spot-check points and print one verdict per check (PASS, FAIL, NOT_LANDED, ERROR); exit 0 only if
     there are checks and every one passes."""
     from attnbench import spotcheck
     from attnbench.store import load_run
 
-    if rescore is not None:
-        _rescore_spot_check(matrix_path, rescore)
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
+    if rescore is not None:
+        extra = _options_given(ctx, "gpu", "max_util", "min_free_gb", "wait", "results_root", "resume")
+        if extra:
+            fail(f"--rescore DIR scores a stored run without measuring; it takes no {', '.join(extra)}", 2)
+        _rescore_spot_check(matrix_path, rescore, device if _options_given(ctx, "device") else None)
     try:        # the file first, so a mistake in it is named on a machine without a GPU too
         plan = spotcheck.load_spot_check(matrix_path, device=device)
         if resume is not None:
@@ -689,14 +746,19 @@ def spot_check(matrix_path: Path = typer.Argument(Path("matrices/spot_check.yaml
     raise typer.Exit(spotcheck.spot_check_exit_code(results))
 
 
-def _rescore_spot_check(matrix_path: Path, run_dir: Path) -> None:
-    """Perf bands re-evaluated on a stored run (after a band change); writes spot_check_rescored.md beside it."""
+def _rescore_spot_check(matrix_path: Path, run_dir: Path, device: str | None) -> None:
+    """Perf bands re-evaluated on a stored run (after a band change); writes spot_check_rescored.md beside it. The
+    file is read for the device the run was measured on (a --device given must be that one)."""
     from attnbench import spotcheck
     from attnbench.store import RunDirError, load_run
 
     try:
-        plan = spotcheck.load_spot_check(matrix_path, device="cuda")   # device only for validation
         run = load_run(run_dir)
+        measured_on = run.manifest.get("device") or "cuda"
+        if device not in (None, measured_on):
+            raise RunDirError(f"--device {device}: {run.path} was measured on {measured_on}, and --rescore reads "
+                              f"{matrix_path} for that device (leave --device out)")
+        plan = spotcheck.load_spot_check(matrix_path, device=measured_on)   # the device only for validation
         perf = [c for c in plan.checks if c.get("kind") != "correctness"]    # correctness needs the kernels run
         if not {c for check in perf for c in check["cells"]} & set(run.points["cell_id"]):
             raise RunDirError(f"{run.path}: holds no point of the cells {matrix_path}'s checks judge (its matrix is "
@@ -706,8 +768,12 @@ def _rescore_spot_check(matrix_path: Path, run_dir: Path) -> None:
         fail(str(exc), 2)
     table = (f"Perf bands of `{matrix_path}` re-scored on this stored run (`attnbench spot-check --rescore`); "
              "the correctness checks are in the run's own spot_check.md.\n\n" + spotcheck.spot_check_table(results))
+    target = run.path / "spot_check_rescored.md"
+    try:
+        target.write_text(table)
+    except OSError as exc:
+        fail(f"{target}: cannot write the re-scored table ({exc.strerror or exc})", 2)
     console.print(table, highlight=False, soft_wrap=True, markup=False)
-    (run.path / "spot_check_rescored.md").write_text(table)
     raise typer.Exit(spotcheck.spot_check_exit_code(results))
 
 
@@ -727,12 +793,20 @@ def accuracy(device: str = DeviceOpt,
     _check_device(device)
     for option, value in (("--n", n), ("--heads-q", heads_q), ("--seeds", seeds)):
         _check_number(option, value, 1, integer=True)
+    if heads_q % acc.PAPER_HEADS_KV:
+        fail(f"--heads-q {heads_q}: need a multiple of {acc.PAPER_HEADS_KV} (the grid's key/value heads, each shared "
+             "by a group of query heads)", 2)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--out-dir {out_dir}: cannot make it a folder ({exc.strerror or exc})", 2)
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        fail(f"--out-dir {out_dir}: not writable by this user", 2)
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             fail("no CUDA device; use --device cpu (slow: the kernels run in the Triton interpreter)", 3)
-    out_dir.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("accuracy grid"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
                   TimeRemainingColumn(), console=err) as progress:
         task = progress.add_task("grid", total=None)

@@ -46,15 +46,19 @@ gated like any run (each point was measured once, on whichever device took it).
 
 A point id (cell@N) is the same point in both runs only if it measured the same problem: runs in which a shared
 id's kernel, baseline, dtype, mode, mask, timing mode or shape differ (a cell edited between them) are refused too
-(one line, exit 2), rather than their ratios compared as one point's.
+(one line, exit 2), rather than their ratios compared as one point's. So is a run against itself (one directory, or a
+run and its blessed copy): it would pass whatever it measured. A folder given as the baseline (results/baselines/h100/,
+results/runs/) stands for its newest run other than the current one (``load_pair``).
 
 So a shift inside the noise is never called a regression: SLOWER needs the entire interval past the band.
 
-``bless_run`` installs a run as the baseline of its GPU (``results/baselines/<gpu>/``), replacing the previous one.
+``bless_run`` installs a run as the baseline of its GPU (``results/baselines/<gpu>/``), replacing the previous one;
+one bless at a time per baselines root (its ``.lock``).
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +68,7 @@ from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.measure.noise import HOST_BOUND_SHARE, MEASURED_STATUSES, host_bound, window_disturbed
 from attnbench.measure.stats import bootstrap_change
 from attnbench.runs import gpu_short_name, resolve_run_dir
-from attnbench.store import Run, RunDirError, final_attempts, load_run
+from attnbench.store import Run, RunDirError, RunStore, final_attempts, load_run, run_dirs
 
 VERDICTS = ("SLOWER", "BROKEN", "NOISY", "MISSING", "BASELINE", "HOST", "FASTER", "SAME")
 FAILING = ("SLOWER", "BROKEN")
@@ -168,11 +172,10 @@ def _disturbed(row, attempt: dict | None) -> bool:
 def compare_runs(baseline_run, current_run, tolerance: float = 0.07, n_boot: int = 2000, seed: int = 0) -> list[GateRow]:
     """Verdict per point of the union of both runs' points, sorted by cell id then N.
 
-    Each run is a Run, a run directory, or a folder holding run directories (e.g. results/baselines/h100/,
-    whose newest run is used).
+    Each run is a Run or a run directory; the baseline may be a folder holding run directories (e.g.
+    results/baselines/h100/, whose newest run other than the current one is used): ``load_pair``.
     """
-    base: Run = _load(baseline_run)
-    cur: Run = _load(current_run)
+    base, cur = load_pair(baseline_run, current_run)
     refuse_replicated(base)
     refuse_replicated(cur)
     same_model = _device_model(base) == _device_model(cur)       # absolute times compare only there
@@ -354,6 +357,32 @@ def _load(run_or_dir) -> Run:
     return run_or_dir if isinstance(run_or_dir, Run) else load_run(resolve_run_dir(run_or_dir))
 
 
+def _same_run(a: Run, b: Run) -> bool:
+    """One run: the same directory, or a run and its copy (a blessed baseline keeps the run's name and start)."""
+    return a.path.resolve() == b.path.resolve() or (
+        a.path.name == b.path.name and a.manifest.get("started_utc") == b.manifest.get("started_utc"))
+
+
+def load_pair(baseline, current) -> tuple[Run, Run]:
+    """The (baseline, current) runs to compare, each a Run, a run directory, or (the baseline) a folder of runs,
+    e.g. results/baselines/h100/ or results/runs/: its newest run other than the current one. NotComparable (one line)
+    where both are one run: a run against itself passes whatever it measured."""
+    cur = _load(current)
+    folder = None if isinstance(baseline, Run) or (Path(baseline) / "manifest.json").is_file() else Path(baseline)
+    if folder is None:
+        base = _load(baseline)
+    else:
+        resolve_run_dir(folder)                     # RunDirError where the folder holds no run at all
+        base = next((run for run in map(load_run, reversed(run_dirs(folder))) if not _same_run(run, cur)), None)
+        if base is None:
+            raise NotComparable(f"baseline {folder}: holds no run other than the current one ({cur.path}); "
+                                "gate against an earlier run")
+    if _same_run(base, cur):
+        raise NotComparable(f"baseline {base.path} and current {cur.path} are the same run: a run against itself "
+                            "passes whatever it measured; gate against an earlier run")
+    return base, cur
+
+
 def gate_exit_code(rows: list[GateRow]) -> int:
     """1 if any point is SLOWER (or BROKEN: the kernel now fails where it used to run), else 0."""
     return 1 if any(r.verdict in FAILING for r in rows) else 0
@@ -405,7 +434,8 @@ BASELINE_RECORD = "baseline.json"
 def bless_run(run_dir, baselines_root="results/baselines") -> Path:
     """Install a finished run as the baseline of its GPU: copied to ``<baselines_root>/<gpu>/<run name>``, with
     ``baseline.json`` naming the run and the commit it measured; the previous baseline run there is removed.
-    Returns the installed copy. RunDirError (one line) for a run that is unfinished or had a planted slowdown."""
+    Returns the installed copy. RunDirError (one line) for a run that is unfinished or had a planted slowdown, for a
+    baselines root that cannot be written, and while another bless holds the root's lock (one at a time)."""
     run = load_run(Path(run_dir))
     m = run.manifest
     if not m.get("finished_utc") or m.get("interrupted"):
@@ -418,22 +448,46 @@ def bless_run(run_dir, baselines_root="results/baselines") -> Path:
     if (m.get("pool") or {}).get("replicate"):
         raise RunDirError(f"{run.path}: a --replicate run holds each point once per device; a baseline holds one "
                           "measurement per point: bless a run made without --replicate")
-    folder = Path(baselines_root) / gpu_short_name(m).lower()
+    root = Path(baselines_root)
+    folder = root / gpu_short_name(m).lower()
     target = folder / run.path.name
     if target.resolve() == run.path.resolve():
         raise RunDirError(f"{run.path}: already the baseline in {folder}")
-    folder.mkdir(parents=True, exist_ok=True)
-    incoming = folder / f".incoming-{run.path.name}"
-    if incoming.exists():
-        shutil.rmtree(incoming)
-    shutil.copytree(run.path, incoming)          # copied first: a failure leaves the old baseline in place
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable by this user", str(root))
+        lock = RunStore(root)     # the run directory's lock, on the root: one bless at a time (RunDirError: its pid)
+        lock.lock()
+        try:
+            _install(run, folder, target)
+        finally:
+            lock.unlock()
+    except OSError as exc:
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        raise RunDirError(f"baselines root {root}: cannot install {run.path.name} there "
+                          f"({exc.strerror or exc}{where})") from None
+    return target
+
+
+def _install(run: Run, folder: Path, target: Path) -> None:
+    """Copy the run in beside the old baseline, then remove the old one and leftovers of a bless that crashed, then
+    rename the copy into place and write baseline.json (under the baselines root's lock)."""
+    folder.mkdir(exist_ok=True)
+    incoming = folder / f".incoming-{run.path.name}-{os.getpid()}"
+    try:
+        shutil.copytree(run.path, incoming)      # copied first: a failure leaves the old baseline in place
+    except BaseException:
+        shutil.rmtree(incoming, ignore_errors=True)
+        raise
     for old in folder.iterdir():
-        if old != incoming and old.is_dir() and (old / "manifest.json").is_file():
+        if old != incoming and old.is_dir() and ((old / "manifest.json").is_file()
+                                                 or old.name.startswith(".incoming-")):
             shutil.rmtree(old)
     incoming.rename(target)
+    m = run.manifest
     statuses = run.points["status"].value_counts().to_dict()
     record = {"run": run.path.name, "git_commit": m.get("git_commit"), "matrix": m.get("matrix_name"),
               "gpu": (m.get("gpu") or {}).get("name") or m.get("device"), "started_utc": m.get("started_utc"),
               "finished_utc": m.get("finished_utc"), "points": {str(k): int(v) for k, v in sorted(statuses.items())}}
     (folder / BASELINE_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    return target

@@ -21,9 +21,10 @@ The run directory (attnbench.store) has several writers: each record is one lock
 holder of its lock (the workers inherit the parent's locked file description), so a second --resume is
 refused naming the parent and its workers. Only the parent writes the manifest. Workers report to the parent
 (ready, point_start, attempt, point_done, exit; error or interrupted); the parent relays these to `on_event`
-(the CLI's progress bar). Ctrl-C (SIGINT to the process group, or to the parent alone) stops
-every worker and leaves the run resumable (RunInterrupted); a worker that dies or fails leaves the others
-running and the run resumable (PoolIncomplete).
+(the CLI's progress bar). Ctrl-C (SIGINT to the process group, or to the parent alone), or a manifest write that
+fails, stops every worker and leaves the run resumable (RunInterrupted); a worker that dies or fails leaves the
+others running and the run resumable (PoolIncomplete; RunInterrupted with the error when what failed was a write to
+the run directory: a full disk is every worker's).
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ from typing import Callable
 
 from attnbench import gpu as gpumod
 from attnbench.matrix import Matrix
-from attnbench.runner import (NoCleanGpu, Runner, RunInterrupted, RunOptions, check_resumable, cpu_ran_on,
-                              gpu_ran_on, prepare_device)
-from attnbench.store import RunStore, utc_now
+from attnbench.runner import (NoCleanGpu, Runner, RunOptions, check_resumable, cpu_ran_on, gpu_ran_on, holding,
+                              prepare_device)
+from attnbench.store import RunDirError, RunStore, RunWriteError, utc_now
 
 STOP_GRACE_S = 30.0      # after Ctrl-C, how long a worker may take to finish its current call before it is killed
 
@@ -167,7 +168,9 @@ def worker_main(spec: WorkerSpec, matrix: Matrix, options: RunOptions, run_dir: 
             send("interrupted")
     except BaseException as exc:   # noqa: BLE001 - reported to the parent, which names the worker
         with contextlib.suppress(_ParentGone):
-            send("error", message=f"{type(exc).__name__}: {exc}".splitlines()[0], traceback=traceback.format_exc())
+            message = str(exc) if isinstance(exc, RunDirError) else f"{type(exc).__name__}: {exc}"   # ours: one line
+            send("error", message=message.splitlines()[0], traceback=traceback.format_exc(),
+                 write_error=isinstance(exc, RunWriteError))
 
 
 # -- the parent -------------------------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ class Pool:
         if resume is not None:
             store = RunStore.open_existing(resume)
             store.lock()
-            try:
+            with holding(store):
                 manifest = check_resumable(store, self.matrix, self.opt, self.layout.replicate)
                 for line in store.repair():
                     self.on_event("repair", run_dir=store.path, message=line)
@@ -241,8 +244,6 @@ class Pool:
                 pool.update(self._pool_record(specs, left_out, pool.get("devices")))
                 store.update_manifest(interrupted=False, resumed_utc=utc_now(), pool=pool)
                 return self._measure(store, specs, left_out)
-            finally:
-                store.unlock()
         specs, left_out = self.worker_specs()
         manifest = Runner(self.matrix, self.opt, reader=self.reader).manifest(None)
         if self.opt.device == "cuda":
@@ -250,10 +251,8 @@ class Pool:
             manifest["gpu"] = {"index": first["index"], "name": first["name"], "uuid": first["uuid"]}
         manifest["pool"] = self._pool_record(specs, left_out, None)
         store = RunStore.create(self.opt.results_root, self.matrix.name, manifest)
-        try:
+        with holding(store):
             return self._measure(store, specs, left_out)
-        finally:
-            store.unlock()
 
     def _pool_record(self, specs: list[WorkerSpec], left_out: list[dict], devices: list | None) -> dict:
         """The manifest's `pool`: the layout asked for, and every device that has measured in this run."""
@@ -304,11 +303,10 @@ class Pool:
                 event_in.close()
                 procs[spec.worker], channels[spec.worker] = proc, (task_in, event_out)
             store.name_lock_holders([p.pid for p in procs.values()])
-            problems = self._relay(store, specs, procs, channels, todo)
-        except KeyboardInterrupt:
-            self._stop(procs, channels)
-            store.update_manifest(interrupted=True)
-            raise RunInterrupted(store.path) from None
+            problems, write_error = self._relay(store, specs, procs, channels, todo)
+        except (KeyboardInterrupt, RunWriteError):   # Ctrl-C, or the manifest could not be written: every worker
+            self._stop(procs, channels)              # stops, and the run is left interrupted (holding)
+            raise
         finally:
             for proc in procs.values():
                 if proc.is_alive():
@@ -322,6 +320,8 @@ class Pool:
         # (a worker that failed after the others had measured everything leaves a complete run: its line was shown)
         still = self._missing(store, self._known_devices(store.read_manifest()))
         if still:
+            if write_error:   # a worker could not write the run directory (disk full): stopped as a single run is
+                raise RunWriteError(write_error)
             missing = "still missing: " + ", ".join(f"{len(v)} points on {label}" if label else f"{len(v)} points"
                                                     for label, v in sorted(still.items(), key=str))
             store.update_manifest(interrupted=True)
@@ -331,14 +331,15 @@ class Pool:
         return store.path
 
     def _relay(self, store: RunStore, specs: list[WorkerSpec], procs: dict, channels: dict,
-               todo: dict[str | None, list[int]]) -> list[str]:
+               todo: dict[str | None, list[int]]) -> tuple[list[str], str | None]:
         """Hand out points one at a time (to a worker that is ready or has just finished one) and relay the
-        workers' events until every worker has ended; returns a line per worker that died or failed."""
+        workers' events until every worker has ended; returns a line per worker that died or failed, and the
+        first run-directory write that failed in a worker (its RunWriteError's line), if one did."""
         by_worker = {s.worker: s for s in specs}
         open_pipes = {channels[w][1]: w for w in procs}
         ended: set[int] = set()
         measuring: dict[int, str | None] = {w: None for w in procs}
-        problems = []
+        problems, write_error = [], None
 
         def hand_out(worker):
             queue = todo.get(by_worker[worker].ran_on["label"] if self.layout.replicate else None) or []
@@ -377,6 +378,8 @@ class Pool:
                     hand_out(worker)
                 elif kind == "error":
                     ended.add(worker)
+                    if d.get("write_error"):
+                        write_error = write_error or d["message"]
                     line = f"worker {label} failed{where}: {d['message']}"
                     problems.append(line)
                     self.on_event("worker_failed", device=label, message=line, traceback=d["traceback"])
@@ -385,7 +388,7 @@ class Pool:
                     problems.append(f"worker {label} was interrupted{where}")
                 elif kind == "exit":
                     ended.add(worker)
-        return problems
+        return problems, write_error
 
     def _record_ready(self, store: RunStore, spec: WorkerSpec, d: dict) -> None:
         """The manifest learns each worker's pid (and its GPU's SM count, which only CUDA can tell)."""

@@ -8,6 +8,7 @@ an `on_event` callback. How to time, pair, sample and judge lives in attnbench.m
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -22,15 +23,32 @@ from attnbench import gpu as gpumod
 from attnbench.backends import get_backend, make_attention_workload
 from attnbench.matrix import Matrix, Point
 from attnbench.measure import ClockMonitor, NoisePolicy, PairResult, SideResult, measure_pair
-from attnbench.store import RunDirError, RunStore, recorded_only, resume_command, utc_now
+from attnbench.store import (RunDirError, RunStore, RunWriteError, matrix_file, recorded_only, resume_command,
+                             utc_now)
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C during a run; the directory is consistent and can be resumed."""
+    """Ctrl-C during a run, or `error`: a file of the run directory that could not be written (disk full, no
+    permission; one line naming it). The directory is consistent and can be resumed."""
 
-    def __init__(self, run_dir: Path):
-        super().__init__(str(run_dir))
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Path, error: str | None = None):
+        super().__init__(error or str(run_dir))
+        self.run_dir, self.error = run_dir, error
+
+
+@contextlib.contextmanager
+def holding(store: RunStore):
+    """While a run writes its (locked) run directory: unlocked at the end, and a Ctrl-C or a write that fails
+    stops the run as an interrupted one (RunInterrupted), marked so in the manifest where it can still be written:
+    everything already stored is kept and a resume finishes it."""
+    try:
+        yield store
+    except (KeyboardInterrupt, RunWriteError) as exc:
+        with contextlib.suppress(RunDirError):   # the disk may be what failed: then the run stays "unfinished"
+            store.update_manifest(interrupted=True)
+        raise RunInterrupted(store.path, str(exc) if isinstance(exc, RunWriteError) else None) from None
+    finally:
+        store.unlock()
 
 
 @dataclass
@@ -298,16 +316,12 @@ class Runner:
         if resume is not None:
             store = RunStore.open_existing(resume)
             store.lock()
-            try:
+            with holding(store):
                 return self._resume(store)
-            finally:
-                store.unlock()
         choice = self._choose_and_bind_gpu()
         store = RunStore.create(self.opt.results_root, self.matrix.name, self.manifest(choice))
-        try:
+        with holding(store):
             return self._measure(store, self.matrix.points(), set(), choice)
-        finally:
-            store.unlock()
 
     def _choose_and_bind_gpu(self):
         choice = self.select_gpu()
@@ -332,14 +346,10 @@ class Runner:
     def _measure(self, store: RunStore, points: list[Point], done: set[str], choice) -> Path:
         todo = [p for p in points if p.id not in done]
         self.on_event("start", run_dir=store.path, total=len(points), todo=len(todo), gpu=choice)
-        try:
-            for point in todo:
-                self.on_event("point_start", point=point)
-                row = self.run_point(point, store)
-                self.on_event("point_done", point=point, row=row)
-        except KeyboardInterrupt:
-            store.update_manifest(interrupted=True)
-            raise RunInterrupted(store.path) from None
+        for point in todo:     # a Ctrl-C or a failed write: RunInterrupted (holding)
+            self.on_event("point_start", point=point)
+            row = self.run_point(point, store)
+            self.on_event("point_done", point=point, row=row)
         store.update_manifest(finished_utc=utc_now(), interrupted=False)
         self.on_event("finish", run_dir=store.path)
         return store.path
@@ -391,15 +401,22 @@ def check_resumable(store: RunStore, matrix: Matrix, opt: RunOptions, replicate:
     # sampling policy too) is refused, unless it is complete under today's plan: then nothing is measured,
     # so nothing can mix with what it holds
     complete = bool(manifest.get("finished_utc")) and matrix.covered_by(store.finished_point_ids())
-    if not matrix.can_resume(manifest) and not complete:
-        raise RunDirError(f"{store.path}: the cells of {matrix.path} this run measures changed since it "
-                          f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
-                          f"{matrix.sha256[:12]}); start a new run")
+
     def refuse(started: str, resumed: str, why: str = "") -> RunDirError:
         # a setting every point of a run must share, not the run's own: the command that finishes it
         return RunDirError(f"{store.path}: started with {started}, resumed with {resumed}{why}; finish it with: "
                            f"{resume_command(manifest, store.path)}")
 
+    if not matrix.can_resume(manifest) and not complete:
+        own = matrix_file(manifest)
+        if (manifest.get("matrix_name") or matrix.name) != matrix.name or \
+                (own is not None and os.path.realpath(own) != os.path.realpath(matrix.path)):
+            # another matrix file than the run's own: name the run's, not a change of the file given
+            raise refuse(f"{manifest.get('matrix_path')} (matrix {manifest.get('matrix_name', '?')!r})",
+                         f"{matrix.path} (matrix {matrix.name!r})")
+        raise RunDirError(f"{store.path}: the cells of {matrix.path} this run measures changed since it "
+                          f"started (sha256 {str(manifest.get('matrix_sha256', '?'))[:12]} → "
+                          f"{matrix.sha256[:12]}); start a new run")
     if not complete:
         # the same file selected by another --only (or none) would add other cells' points to the run (can_resume
         # accepts the file's hash alone): unless the cells are the same problem, the selection must be the run's own

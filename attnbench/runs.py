@@ -122,18 +122,18 @@ def run_progress(run: Run) -> dict:
 
     Returns: run, matrix, started, measured (points stored; for a --replicate run, (point, device) pairs),
     planned (points in the plan, times the pool's devices for a --replicate run; None when the
-    matrix file is gone or its measured cells changed since), state, resume (the command that finishes it,
-    or None when it is complete or can no longer be resumed)."""
+    matrix file is gone or its measured cells changed since), state ("running now, pid …" while a process
+    holds its lock), resume (the command that finishes it, or None when it is complete, running or can no longer
+    be resumed)."""
     from attnbench.matrix import MatrixError, load_matrix
-    from attnbench.store import recorded_only, resume_command
+    from attnbench.store import lock_holder, matrix_file, recorded_only, resume_command
 
     m = run.manifest
     argv = [str(a) for a in (m.get("argv") or [])]
     command = argv[0] if argv and argv[0] in ("run-matrix", "spot-check") else "run-matrix"
     only = recorded_only(m)
     path = m.get("matrix_path") or "?"
-    # a relative matrix path is relative to where the run was started (recorded as cwd since it is)
-    where = Path(m["cwd"]) / path if m.get("cwd") and not Path(path).is_absolute() else Path(path)
+    where = matrix_file(m) or Path(path)
     measured = int(run.points["point_id"].nunique()) if len(run.points) else 0
     # a --replicate run owes every point on every device of its pool: count (point, device) pairs
     replicas = len((m.get("pool") or {}).get("devices") or []) if (m.get("pool") or {}).get("replicate") else 1
@@ -158,7 +158,10 @@ def run_progress(run: Run) -> dict:
         problem = "its matrix file is missing or invalid now"
     torn = torn_text(run)
     lost = planned is not None and measured < planned     # finished once, but rows are missing now
-    if m.get("finished_utc") and not run.torn and not lost:
+    holder = lock_holder(run.path)
+    if holder:                # being measured (or resumed) by a live process now: nothing to finish
+        state = f"running now, pid {holder}"
+    elif m.get("finished_utc") and not run.torn and not lost:
         state = "complete" + (f" ({problem})" if problem else "")
     elif problem:
         state = f"unfinished, not resumable: {problem}"

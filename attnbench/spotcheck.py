@@ -136,6 +136,14 @@ def validate_checks(checks, cell_ids=None, where: str = "checks") -> list[dict]:
     return out
 
 
+def _flag(check: dict, here: str, field: str, default: bool) -> bool:
+    """A true / false field, as matrix.py's cell fields: a quoted 'no' is a string, which bool() would call true."""
+    value = check.get(field, default)
+    if not isinstance(value, bool):
+        raise _err(here, f"field '{field}' = {value!r}: allowed true, false")
+    return value
+
+
 def _validate_perf(check: dict, here: str, cell_ids) -> None:
     cells = check.get("cells")
     if isinstance(cells, str):
@@ -147,7 +155,7 @@ def _validate_perf(check: dict, here: str, cell_ids) -> None:
             if c not in cell_ids:
                 raise _err(here, f"field 'cells': unknown cell '{c}' (not among this file's cells)")
     check["cells"] = cells
-    check["allow_noisy"] = bool(check.get("allow_noisy", True))
+    check["allow_noisy"] = _flag(check, here, "allow_noisy", True)
     rules = check.get("rules")
     if not isinstance(rules, list) or not rules:
         raise _err(here, "field 'rules': need a non-empty list")
@@ -191,10 +199,7 @@ def _validate_correctness(check: dict, here: str) -> None:
     if direction not in DIRECTIONS:
         raise _err(here, f"field 'direction' = {direction!r}: allowed {', '.join(DIRECTIONS)}")
     check["direction"] = direction
-    causal = check.get("causal", False)
-    if not isinstance(causal, bool):
-        raise _err(here, f"field 'causal' = {causal!r}: allowed true, false")
-    check["causal"] = causal
+    check["causal"] = _flag(check, here, "causal", False)
     max_abs = check.get("max_abs")
     if not isinstance(max_abs, dict) or not max_abs:
         raise _err(here, "field 'max_abs': need a mapping dtype → tolerance, e.g. {float32: 1.0e-5}")
@@ -210,7 +215,8 @@ def _validate_correctness(check: dict, here: str) -> None:
         if not isinstance(shapes, list) or not shapes:
             raise _err(here, f"field '{field_name}': need a non-empty list of [B, H, N, D, dtype]")
         for s in shapes:
-            if (not isinstance(s, list) or len(s) != 5 or _ints(s[:4]) is None or s[4] not in DTYPES):
+            if not isinstance(s, list) or len(s) != 5 or _ints(s[:4]) is None or not isinstance(s[4], str) \
+                    or s[4] not in DTYPES:
                 raise _err(here, f"field '{field_name}' has {s!r}: need [B, H, N, D, dtype] with positive ints")
             if s[4] not in max_abs:
                 raise _err(here, f"field '{field_name}' has {s!r}: no max_abs given for {s[4]}")
@@ -272,7 +278,12 @@ def load_spot_check(path, device: str = "cuda") -> SpotCheckPlan:
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         load_matrix(path, device=device, allow_checks=True)
         raise MatrixError(f"{path}: not a matrix")
-    raw_cells = [c for c in data["cells"] if isinstance(c, dict)]
+    raw_cells = data["cells"]
+    for index, raw in enumerate(raw_cells):   # what load_matrix refuses in a cell that runs, refused in every cell
+        if not isinstance(raw, dict):
+            raise MatrixError(f"{path}: cell #{index + 1}: must be a mapping")
+        if not isinstance(raw.get("id"), str):
+            raise MatrixError(f"{path}: cell #{index + 1}: field 'id' = {raw.get('id')!r}: need a name")
     checks = validate_checks([] if data.get("checks") is None else data["checks"], {c.get("id") for c in raw_cells},
                              where=str(path))
     not_landed, unrunnable, keep = {}, {}, []

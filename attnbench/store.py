@@ -12,20 +12,26 @@ Crash safety. Both logs are written one whole line per append (fsync'd), so a cr
 the start of a record without its newline. Readers (report, runs, gate) leave it out and say so (``Run.torn``: the
 report's runs table, the runs listing, a warning line of the gate); a resume, holding the run directory's lock, moves
 it to ``torn_records.jsonl`` (kept, never dropped) and measures its point again. Anything malformed before the last
-line is corruption: a one-line ``RunDirError``. While a run is written, ``.lock`` (fcntl) holds the writer's pid, so a
-second ``--resume`` of the same directory is refused instead of interleaving rows.
+line is corruption: a one-line ``RunDirError``, as is a file that cannot be read, a manifest field of the wrong type
+or a points.csv number that is not one. While a run is written, ``.lock`` (fcntl) holds the writer's pid, so a
+second ``--resume`` of the same directory is refused instead of interleaving rows, and ``runs`` lists the run as
+running (``lock_holder``). A write that fails (disk full, no permission) is a ``RunWriteError`` naming the file and
+the OS error; an append that fails is cut off again, so its file ends as it did (the runner then stops the run,
+resumable: attnbench.runner.holding).
 
 Several writers (a worker pool, attnbench.pool). The pool is one holder of ``.lock``: its parent takes it and
 every worker inherits the same locked file description, so the lock lasts while any of them lives, and the file
 names the parent and its workers. Each record is appended under an exclusive flock of its file, in one
 ``write`` (looped only on a short write) and fsync'd, so two workers' records never interleave. A writer killed
 mid-record leaves a partial line that the next append finds, under that lock, and sets aside in
-``torn_records.jsonl`` before writing: a torn record never ends up in the middle of a file. Every row names the
+``torn_records.jsonl`` (itself appended to the same way) before writing: a torn record never ends up in the middle
+of a file. Every row names the
 device that ran it (``ran_on``: ``cuda:<NVML index>`` or ``cpu:<worker>``, and the GPU's UUID); with
 ``--replicate`` a point is finished per device (``finished_replicas``).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -33,6 +39,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -62,6 +69,9 @@ POINT_COLUMNS = [
 REQUIRED_COLUMNS = POINT_COLUMNS[:POINT_COLUMNS.index("timing")]
 # clean | disturbed: the measurement window (attnbench.measure.noise); "noisy": runs written before that split
 STATUSES = ("clean", "disturbed", "noisy", "oom", "skipped", "error")
+TEXT_COLUMNS = {"point_id", "cell_id", "kernel", "baseline", "dtype", "mode", "causal", "status", "reason", "timing",
+                "ran_on", "ran_on_uuid"}
+NUMBER_COLUMNS = [c for c in POINT_COLUMNS if c not in TEXT_COLUMNS]
 HEADER_LINE = ",".join(POINT_COLUMNS) + "\r\n"   # as csv.writer writes it
 LOCK_FILE = ".lock"                      # the writer's pid (a pool's: its parent's, then its workers') while measured
 TORN_FILE = "torn_records.jsonl"         # torn last lines set aside by a resume, with where they came from
@@ -70,6 +80,19 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 class RunDirError(ValueError):
     """A run directory that cannot be read or resumed (one line for the user)."""
+
+
+class RunWriteError(RunDirError):
+    """A file of a run directory that could not be written (disk full, no permission): one line naming the file
+    and the OS error. Nothing already stored is touched: a failed append leaves its file as it was."""
+
+
+def _cannot_read(path, exc: OSError) -> RunDirError:
+    return RunDirError(f"{path}: cannot read ({exc.strerror or exc})")
+
+
+def _cannot_write(path, exc: OSError) -> RunWriteError:
+    return RunWriteError(f"{path}: cannot write ({exc.strerror or exc})")
 
 
 def utc_now() -> str:
@@ -112,14 +135,18 @@ class RunStore:
             except OSError as exc:
                 raise RunDirError(f"{root}: cannot create a run directory there ({exc.strerror or exc})") from None
         store = cls(path)
-        store.lock()
         try:
+            store.lock()
             store.write_manifest(manifest)
-            with open(path / "points.csv", "w", newline="") as fh:
-                fh.write(HEADER_LINE)
-            (path / "attempts.jsonl").touch()
+            for name, text in (("points.csv", HEADER_LINE), ("attempts.jsonl", "")):
+                try:
+                    with open(path / name, "w", newline="") as fh:
+                        fh.write(text)
+                except OSError as exc:
+                    raise _cannot_write(path / name, exc) from None
         except BaseException:
             store.unlock()
+            shutil.rmtree(path, ignore_errors=True)   # made just now and never a run: nothing of it is kept
             raise
         return store
 
@@ -127,7 +154,11 @@ class RunStore:
     def open_existing(cls, path: Path) -> "RunStore":
         path = Path(path)
         for name in ("manifest.json", "points.csv", "attempts.jsonl"):
-            if not (path / name).is_file():
+            try:
+                present = (path / name).is_file()
+            except OSError as exc:   # a folder this user may not look into
+                raise _cannot_read(path / name, exc) from None
+            if not present:
                 raise RunDirError(f"{path}: not a run directory ({name} missing)")
         return cls(path)
 
@@ -142,13 +173,11 @@ class RunStore:
                 fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as exc:
                 raise RunDirError(f"{self.path}: cannot write the run directory ({exc.strerror or exc})") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            if not _try_flock(fd, fcntl.LOCK_EX, PROBE_GRACE_S):   # (a reader's probe holds it for a moment only)
                 holder = _lock_holder(fd)
                 os.close(fd)
                 raise RunDirError(f"{self.path}: in use by another attnbench process (pid {holder}) that holds "
-                                  f"its lock ({LOCK_FILE}); wait for it to finish or stop it") from None
+                                  f"its lock ({LOCK_FILE}); wait for it to finish or stop it")
             # the previous holder unlinks the file when it lets go: make sure we locked the file that is there now
             try:
                 if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
@@ -156,8 +185,12 @@ class RunStore:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        _write_holder(fd, f"{os.getpid()}")
         self._lock_fd = fd
+        try:
+            _write_holder(fd, f"{os.getpid()}")
+        except OSError as exc:
+            self.unlock()
+            raise _cannot_write(lock_path, exc) from None
 
     @property
     def lock_fd(self) -> int | None:
@@ -167,15 +200,18 @@ class RunStore:
     def name_lock_holders(self, worker_pids) -> None:
         """Write the pool's workers beside this process's pid into the lock file (what a refused resume names)."""
         assert self._lock_fd is not None, "name_lock_holders() needs the run directory's lock"
-        _write_holder(self._lock_fd, f"{os.getpid()}" + (f" (workers {', '.join(map(str, worker_pids))})"
-                                                         if worker_pids else ""))
+        try:
+            _write_holder(self._lock_fd, f"{os.getpid()}" + (f" (workers {', '.join(map(str, worker_pids))})"
+                                                             if worker_pids else ""))
+        except OSError as exc:
+            raise _cannot_write(self.path / LOCK_FILE, exc) from None
 
     def unlock(self) -> None:
         if self._lock_fd is None:
             return
         try:
             os.unlink(self.path / LOCK_FILE)   # while still holding it, so a waiter re-checks which file it locked
-        except FileNotFoundError:
+        except OSError:   # gone already, or a folder it may not change: closing releases the lock all the same
             pass
         os.close(self._lock_fd)
         self._lock_fd = None
@@ -185,16 +221,23 @@ class RunStore:
         path = self.path / "manifest.json"
         try:
             manifest = json.loads(path.read_bytes().decode("utf-8"))
+        except OSError as exc:
+            raise _cannot_read(path, exc) from None
         except UnicodeDecodeError:
             raise RunDirError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
             raise RunDirError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
         if not isinstance(manifest, dict):
             raise RunDirError(f"{path}: must be a JSON object, found {type(manifest).__name__}")
+        _check_manifest(path, manifest)
         return manifest
 
     def write_manifest(self, manifest: dict) -> None:
-        write_json_atomic(self.path / "manifest.json", manifest, sort_keys=True, default=_json_default)
+        path = self.path / "manifest.json"
+        try:
+            write_json_atomic(path, manifest, sort_keys=True, default=_json_default)
+        except OSError as exc:
+            raise _cannot_write(path, exc) from None
 
     def update_manifest(self, **changes) -> None:
         manifest = self.read_manifest()
@@ -254,10 +297,13 @@ class RunStore:
             self._set_aside("points.csv", torn)
             done.append(f"points.csv: torn last row {_preview(torn)} set aside in {TORN_FILE}; its point is measured again")
         if not rows:
-            with open(points, "w", newline="") as fh:   # 0 bytes, or only a torn header
-                fh.write(HEADER_LINE)
-                fh.flush()
-                os.fsync(fh.fileno())
+            try:
+                with open(points, "w", newline="") as fh:   # 0 bytes, or only a torn header
+                    fh.write(HEADER_LINE)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError as exc:
+                raise _cannot_write(points, exc) from None
             done.append("points.csv: header restored")
         elif torn:
             _truncate_tail(points, len(torn.encode("utf-8", "surrogateescape")))
@@ -272,29 +318,45 @@ class RunStore:
         return done
 
     def _set_aside(self, source: str, text: str) -> None:
-        record = {"file": source, "set_aside_utc": utc_now(), "text": text}
-        _append_line(self.path / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n")
+        _set_aside(self.path, source, text)
+
+
+def _set_aside(run_dir: Path, source: str, text: str) -> None:
+    """A torn last line of `source`, kept in torn_records.jsonl with where it came from."""
+    record = {"file": source, "set_aside_utc": utc_now(), "text": text}
+    _append_line(run_dir / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n", heal=True)
 
 
 def _append_line(path: Path, line: str, *, heal: bool = False) -> None:
     """Append one whole record and fsync it, under an exclusive flock of the file: the records of several
     writers (a worker pool) never interleave. `heal`: first set aside a partial last line that a writer killed
     mid-record left (it cannot be one being written: that writer would hold the lock), so the new record starts
-    on a line of its own and the torn one never ends up in the middle of the file."""
+    on a line of its own and the torn one never ends up in the middle of the file. A write that fails (disk
+    full, no permission) is cut off again, so the file ends as it did, and raised as RunWriteError."""
     import fcntl
 
     data = line.encode("utf-8")
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)   # read too: _heal_tail
+    fd = None
     try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)   # read too: _heal_tail
         fcntl.flock(fd, fcntl.LOCK_EX)
         if heal:
             _heal_tail(path, fd)
-        view = memoryview(data)
-        while view:   # one write for a regular file; the loop only guards against a short write
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        end = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:   # one write for a regular file; the loop only guards against a short write
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)   # a part of this record (a disk that filled up mid-write) is not left behind
+            raise
+    except OSError as exc:
+        raise _cannot_write(path, exc) from None
     finally:
-        os.close(fd)   # releases the flock
+        if fd is not None:
+            os.close(fd)   # releases the flock
 
 
 def _heal_tail(path: Path, fd: int) -> None:
@@ -314,24 +376,26 @@ def _heal_tail(path: Path, fd: int) -> None:
     if start == 0 and path.name == "points.csv":
         return   # a torn header: resume restores it
     tail = os.pread(fd, size - start, start).decode("utf-8", "surrogateescape")
-    if path.name == "attempts.jsonl":
+    if path.name in ("attempts.jsonl", TORN_FILE):
         try:
             whole = isinstance(json.loads(tail), dict)
         except ValueError:
             whole = False
-        if whole:
+        if whole or path.name == TORN_FILE:   # torn_records.jsonl keeps a torn record of its own as its own line
             os.write(fd, b"\n")
             return
-    record = {"file": path.name, "set_aside_utc": utc_now(), "text": tail}
-    _append_line(path.parent / TORN_FILE, json.dumps(record, ensure_ascii=True) + "\n")
+    _set_aside(path.parent, path.name, tail)
     os.ftruncate(fd, start)
 
 
 def _truncate_tail(path: Path, nbytes: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.truncate(os.fstat(fh.fileno()).st_size - nbytes)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(path, "r+b") as fh:
+            fh.truncate(os.fstat(fh.fileno()).st_size - nbytes)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise _cannot_write(path, exc) from None
 
 
 def _preview(text: str, width: int = 40) -> str:
@@ -354,7 +418,10 @@ def _csv_value(value):
 
 def _split_tail(path: Path) -> tuple[str, str]:
     """A line-oriented file → (its complete lines, the torn tail after the last newline or '')."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise _cannot_read(path, exc) from None
     cut = data.rfind(b"\n") + 1
     try:
         complete = data[:cut].decode("utf-8")
@@ -430,6 +497,34 @@ def _nan_to_none(obj):
 
 # -- reading back ----------------------------------------------------------------------------------
 
+# the manifest's fields that readers use, with the JSON type each must have (null is allowed: not known)
+MANIFEST_TYPES = {
+    "argv": list, "program": list, "matrix_path": str, "matrix_name": str, "cwd": str, "device": str,
+    "started_utc": str, "finished_utc": str, "resumed_utc": str, "git_commit": str, "host": str,
+    "matrix_sha256": str, "plan_sha256": str, "interrupted": bool, "gpu": dict, "pool": dict, "versions": dict,
+    "gate": dict, "kernel_switches": dict, "injected_slowdown": dict,
+}
+_JSON_NAMES = {list: "a list", str: "a string", bool: "true or false", dict: "an object", float: "a number"}
+
+
+def _check_manifest(path: Path, manifest: dict) -> None:
+    """Each field readers use has its JSON type (RunDirError naming the field and its value otherwise)."""
+    def check(key: str, value, kind) -> None:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else \
+            isinstance(value, kind)
+        if value is not None and not ok:
+            raise RunDirError(f"{path}: field {key!r} must be {_JSON_NAMES[kind]}, found {json.dumps(value)[:60]}")
+
+    for key, kind in MANIFEST_TYPES.items():
+        check(key, manifest.get(key), kind)
+    devices = (manifest.get("pool") or {}).get("devices")
+    check("pool.devices", devices, list)
+    for i, device in enumerate(devices or []):
+        check(f"pool.devices[{i}]", device, dict)
+    for name, factor in (manifest.get("injected_slowdown") or {}).items():
+        check(f"injected_slowdown.{name}", factor, float)
+
+
 @dataclass
 class Run:
     path: Path
@@ -440,9 +535,21 @@ class Run:
 
 
 def run_dirs(root) -> list[Path]:
-    """The run directories directly under `root` (folders holding a manifest.json), oldest name first."""
+    """The run directories directly under `root` (folders holding a manifest.json, and folders this user may not
+    look into: reading one names the problem), oldest name first; RunDirError when `root` cannot be read."""
     root = Path(root)
-    return sorted(p for p in root.iterdir() if (p / "manifest.json").is_file()) if root.is_dir() else []
+    try:
+        entries = list(root.iterdir()) if root.is_dir() else []
+    except OSError as exc:
+        raise _cannot_read(root, exc) from None
+    return sorted(p for p in entries if _holds_manifest(p))
+
+
+def _holds_manifest(folder: Path) -> bool:
+    try:
+        return (folder / "manifest.json").is_file()
+    except OSError:     # a folder that may not be looked into (a permission): its reader says so
+        return True
 
 
 def load_run(run_dir) -> Run:
@@ -455,6 +562,7 @@ def load_run(run_dir) -> Run:
         points = pd.read_csv(io.StringIO(complete), dtype={"point_id": str, "cell_id": str, "reason": str})
     else:   # an empty points.csv (a crash right after creating it): no points yet
         points = pd.DataFrame({c: pd.Series(dtype=object) for c in POINT_COLUMNS})
+    _check_numbers(store.path / "points.csv", points)
     attempts, torn_attempts, _ = _read_attempts(store.path / "attempts.jsonl")
     for col in POINT_COLUMNS[len(REQUIRED_COLUMNS):]:   # a run from before the column: eager, the rest unknown
         if col not in points.columns:
@@ -466,6 +574,17 @@ def load_run(run_dir) -> Run:
     if not rows or "kernel_host_ms" not in rows[0]:
         _host_times_from_attempts(run)
     return run
+
+
+def _check_numbers(path: Path, points: pd.DataFrame) -> None:
+    """Every number column of points.csv holds numbers (or nothing): RunDirError naming the row, column, value."""
+    for col in NUMBER_COLUMNS:
+        if col not in points.columns or pd.api.types.is_numeric_dtype(points[col]):   # read as numbers already
+            continue
+        bad = points[col].notna() & pd.to_numeric(points[col], errors="coerce").isna()
+        if bad.any():
+            row = int(bad.to_numpy().argmax())
+            raise RunDirError(f"{path}:{row + 2}: column {col!r}: {points[col].iloc[row]!r} is not a number")
 
 
 def final_attempts(run: Run) -> dict[str, dict]:
@@ -496,6 +615,40 @@ def check_results_root(root) -> None:
         raise RunDirError(f"results root {root}: not writable by this user")
 
 
+def lock_holder(run_dir) -> str | None:
+    """Who is writing a run directory now: what the holder of its lock wrote (its pid; a pool's parent and
+    workers), or None when no process holds it (a lock file left by a killed process is not held). The check is a
+    non-blocking try of the lock, let go at once (`RunStore.lock` gives such a probe PROBE_GRACE_S)."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+    except OSError:        # no lock file: nobody (one that cannot be opened: not known, so not claimed)
+        return None
+    try:
+        return None if _try_flock(fd, fcntl.LOCK_SH, 0.0) else _lock_holder(fd)
+    finally:
+        os.close(fd)       # lets go of the probe's lock
+
+
+PROBE_GRACE_S = 0.2
+
+
+def _try_flock(fd: int, kind: int, wait_s: float) -> bool:
+    """flock `kind` without blocking, tried again for up to wait_s: False when another process holds it."""
+    import fcntl
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
 def _write_holder(fd: int, text: str) -> None:
     """The lock holder's pid (and its workers') into its lock file: written over the old text, then cut to length,
     so a refused process never reads an emptied file."""
@@ -522,6 +675,14 @@ def recorded_only(manifest: dict) -> str | None:
     if "--only" in argv[:-1]:
         only = argv[argv.index("--only") + 1]
     return only
+
+
+def matrix_file(manifest: dict) -> Path | None:
+    """The matrix file a run was started with (a relative path is relative to where it was started: its cwd)."""
+    path = manifest.get("matrix_path")
+    if not path:
+        return None
+    return Path(manifest["cwd"]) / path if manifest.get("cwd") and not Path(path).is_absolute() else Path(path)
 
 
 def resume_command(manifest: dict, run_dir) -> str:

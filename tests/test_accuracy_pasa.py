@@ -147,3 +147,26 @@ def test_metrics_count_non_finite_exactly():
     assert row["nonfinite_frac"] == 4 / 168
     assert row["nonfinite_rows_frac"] == 2 / 21
     assert math.isnan(row["rel_rmse"])
+
+
+@pytest.mark.parametrize("args, culprits", [
+    (["--out-dir", "{file}"], ["--out-dir {file}"]),
+    (["--heads-q", "5", "--out-dir", "{tmp}/acc"], ["--heads-q 5", "multiple of 4"]),
+])
+def test_accuracy_refuses_bad_options_before_the_grid(tmp_path, capsys, monkeypatch, args, culprits):
+    """An --out-dir that is a file, or query heads the grid's 4 key/value heads do not divide: one line, exit 2, before
+    any grid point is computed (they were tracebacks, the second after the grid had started)."""
+    import functools
+
+    import kernels.pasa.accuracy as acc
+    from test_faults import assert_one_line
+    from test_faults import cli as run_cli
+
+    def no_grid(*a, **k):
+        raise AssertionError("the grid started")
+    monkeypatch.setattr(acc, "accuracy_grid", functools.wraps(acc.accuracy_grid)(no_grid))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    fill = lambda text: text.replace("{file}", str(a_file)).replace("{tmp}", str(tmp_path))   # noqa: E731
+    assert_one_line(run_cli(capsys, "accuracy", "--device", "cpu", "--n", "16", "--seeds", "1",
+                            *map(fill, args)), 2, *map(fill, culprits))

@@ -260,7 +260,7 @@ OTHER_COMMANDS = {
     "gate-tolerance-nan": (["gate", "--baseline", "{run}", "--current", "{run}", "--tolerance", "nan"],
                            ["--tolerance nan"]),
     "gate-baseline-missing": (["gate", "--baseline", "{tmp}/nowhere", "--current", "{run}"], ["{tmp}/nowhere"]),
-    "gate-out-unwritable": (["gate", "--baseline", "{run}", "--current", "{run}", "--out", "{tmp}/no/dir/gate.md"],
+    "gate-out-unwritable": (["gate", "--baseline", "{complete}", "--current", "{run}", "--out", "{tmp}/no/dir/gate.md"],
                             ["{tmp}/no/dir/gate.md", "cannot write"]),
     "report-not-a-run": (["report", "{tmp}", "--no-plots"], ["{tmp}", "not a run directory"]),
     "report-out-unwritable": (["report", "{run}", "--no-plots", "--out", "{file}/r.md"], ["{file}/r.md", "{file}"]),
@@ -283,7 +283,8 @@ def test_bad_input_to_other_commands_is_one_line_exit_2(tmp_path, capsys, comple
     (tmp_path / "empty").mkdir()
     run = tmp_path / "run"
     shutil.copytree(complete_run, run)
-    fill = {"{run}": str(run), "{tmp}": str(tmp_path), "{file}": str(a_file), "{tiny}": str(_tiny(tmp_path))}
+    fill = {"{run}": str(run), "{complete}": str(complete_run), "{tmp}": str(tmp_path), "{file}": str(a_file),
+            "{tiny}": str(_tiny(tmp_path))}
 
     def sub(text):
         for key, value in fill.items():
@@ -328,6 +329,17 @@ def resume(run: Path, tmp_path: Path, capsys=None) -> Result:
     return cli(capsys, *args) if capsys is not None else cli_process(*args)
 
 
+def assert_counted(result: Result, ids: list[str], first: int, total: int = 3) -> None:
+    """Not a terminal (as in CI): each point's line starts with its count and the ETA, which no bar shows there."""
+    import re
+
+    lines = [line for line in result.err_lines if " lat_ratio " in line]
+    assert len(lines) == len(ids), lines
+    for k, (line, point) in enumerate(zip(lines, ids), first):
+        assert re.match(rf"\[{k}/{total}, ETA \d+:\d\d:\d\d\] {re.escape(point)}: ", line), line
+    assert lines[-1].startswith(f"[{total}/{total}, ETA 0:00:00] ")
+
+
 def assert_points_once_each(run: Path, ids=("a@16", "a@32", "a@48")):
     pts = pd.read_csv(run / "points.csv")
     assert sorted(pts.point_id) == sorted(ids), pts.point_id.tolist()
@@ -345,7 +357,9 @@ def test_torn_last_row_of_points_csv(tmp_path, capsys, complete_run):
     assert listed.code == 0 and "2/3" in listed.out and "torn last line of points.csv" in listed.out
     assert cli(capsys, "report", run, "--no-plots", "--out", tmp_path / "r.md").code == 0
     assert "torn last line of points.csv" in (tmp_path / "r.md").read_text()
-    gated = cli(capsys, "gate", "--baseline", complete_run, "--current", run, "--out", tmp_path / "g.md")
+    baseline = tmp_path / "baseline"           # the same run under its own name: a run is not gated against itself
+    shutil.copytree(complete_run, baseline)
+    gated = cli(capsys, "gate", "--baseline", baseline, "--current", run, "--out", tmp_path / "g.md")
     assert gated.code == 0 and f"warning: {run}: torn last line of points.csv" in gated.err
     assert "MISSING" in (tmp_path / "g.md").read_text()
     assert (run / "points.csv").read_bytes() == before and not (run / TORN_FILE).exists()
@@ -353,6 +367,7 @@ def test_torn_last_row_of_points_csv(tmp_path, capsys, complete_run):
     result = resume(run, tmp_path, capsys)
     assert result.code == 0, result.err[-2000:]
     assert "torn last row" in result.err and "a@48" in result.err
+    assert_counted(result, ["a@48"], first=3)
     assert data_lines(run / "points.csv")[:2] == kept
     assert_points_once_each(run)
     (aside,) = [json.loads(line) for line in (run / TORN_FILE).read_text().splitlines()]
@@ -405,6 +420,7 @@ def test_points_csv_without_its_header(tmp_path, capsys, complete_run, damage):
     result = resume(run, tmp_path, capsys)
     assert result.code == 0, result.err[-2000:]
     assert "header restored" in result.err
+    assert_counted(result, ["a@16", "a@32", "a@48"], first=1)
     assert (run / "points.csv").read_bytes().startswith(HEADER_LINE.encode())
     assert_points_once_each(run)
 
@@ -432,7 +448,24 @@ CORRUPT = {
     "manifest-a-list": ("manifest.json", lambda rows: "[1, 2]", ["manifest.json", "must be a JSON object"]),
     "manifest-invalid": ("manifest.json", lambda rows: "{", ["manifest.json", "invalid JSON"]),
     "manifest-binary": ("manifest.json", lambda rows: "\udcff", ["manifest.json", "not UTF-8"]),
+    "points-csv-ratio-not-a-number": ("points.csv",
+                                      lambda rows: HEADER_LINE + rows[0] + _with(rows[1], "lat_ratio", "fast"),
+                                      ["points.csv:3", "column 'lat_ratio'", "'fast' is not a number"]),
+    "points-csv-n-not-a-number": ("points.csv", lambda rows: HEADER_LINE + _with(rows[0], "n", "x16") + rows[1],
+                                  ["points.csv:2", "column 'n'", "'x16' is not a number"]),
 }
+
+
+def _with(row: str, column: str, value: str) -> str:
+    """A points.csv row (its text) with one column's value replaced."""
+    import csv
+    import io
+
+    fields = next(csv.reader([row]))
+    fields[HEADER_LINE.strip().split(",").index(column)] = value
+    buf = io.StringIO()
+    csv.writer(buf).writerow(fields)
+    return buf.getvalue()
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPT))
@@ -451,6 +484,61 @@ def test_corrupt_run_directory(tmp_path, capsys, complete_run, case):
         assert_one_line(cli(capsys, *args), 2, str(run), *culprits)
     listed = cli(capsys, "runs", run.parent)
     assert listed.code == 0 and "unreadable" in listed.out and "healthy" in listed.out and "3/3" in listed.out
+
+
+@pytest.mark.parametrize("field, value, said", [("argv", 5, "must be a list, found 5"),
+                                                ("pool", "x", 'must be an object, found "x"'),
+                                                ("matrix_path", 5, "must be a string, found 5"),
+                                                ("gpu", "str", 'must be an object, found "str"')])
+def test_manifest_field_of_the_wrong_type(tmp_path, capsys, complete_run, field, value, said):
+    """Valid JSON with a field of the wrong type is an unreadable run: one line naming the file and the field."""
+    run = crashed_copy(complete_run, tmp_path)
+    healthy = tmp_path / "runs" / "healthy"
+    shutil.copytree(complete_run, healthy)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest[field] = value
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    culprits = [f"{run}/manifest.json", f"field {field!r}", said]
+    for args in (["report", run, "--no-plots", "--out", tmp_path / "r.md"],
+                 ["gate", "--baseline", healthy, "--current", run, "--out", tmp_path / "g.md"],
+                 ["run-matrix", tmp_path / "tiny.yaml", "--device", "cpu", "--resume", run]):
+        assert_one_line(cli(capsys, *args), 2, *culprits)
+    listed = cli(capsys, "runs", run.parent)
+    assert listed.code == 0 and "3/3" in listed.out and "Traceback" not in listed.err
+    (row,) = [line for line in listed.out.splitlines() if run.name in line]
+    assert "unreadable" in row and all(c in row for c in culprits)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "points.csv", "attempts.jsonl"])
+def test_unreadable_run_file_is_one_line(tmp_path, capsys, complete_run, monkeypatch, name):
+    """A run file this user may not read (EACCES, simulated: the tests may run as root) is one line naming it for
+    every command that reads the run; `runs` lists it as unreadable and --dry-run passes over it."""
+    import errno
+    import pathlib
+
+    run = crashed_copy(complete_run, tmp_path)
+    healthy = tmp_path / "runs" / "healthy"
+    shutil.copytree(complete_run, healthy)
+    read_bytes = pathlib.Path.read_bytes
+
+    def refused(self):
+        if self == run / name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return read_bytes(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", refused)
+    culprits = [f"{run / name}: cannot read (Permission denied)"]
+    for args in (["report", run, "--no-plots", "--out", tmp_path / "r.md"],
+                 ["gate", "--baseline", healthy, "--current", run, "--out", tmp_path / "g.md"],
+                 ["gate", "--bless", run, "--baselines-root", tmp_path / "baselines"],
+                 ["spot-check", "--rescore", run],
+                 ["run-matrix", tmp_path / "tiny.yaml", "--device", "cpu", "--resume", run]):
+        assert_one_line(cli(capsys, *args), 2, *culprits)
+    listed = cli(capsys, "runs", run.parent)
+    assert listed.code == 0 and "unreadable" in listed.out and culprits[0] in listed.out and "3/3" in listed.out
+    planned = cli(capsys, "run-matrix", tmp_path / "tiny.yaml", "--device", "cpu", "--dry-run",
+                  "--results-root", run.parent)
+    assert planned.code == 0 and "last time 0.0 min for 3 of them" in planned.out, planned.err
 
 
 def test_resume_of_a_complete_run_changes_nothing(tmp_path, capsys, complete_run):
@@ -544,9 +632,164 @@ def _plan(matrix: Path) -> str:
     return load_matrix(matrix, device="cpu").plan_sha256()
 
 
+# -- a run directory that cannot be written ---------------------------------------------------------------------
+
+def _fail_writes(monkeypatch, path_suffix: str, after: int, err: int):
+    """os.write to a file whose path ends with `path_suffix` fails with `err` from its `after`-th call on (the
+    first failing record is half written first: a disk that fills up mid-record). The tests may run as root, where
+    permissions do not stop a write: the OS error is simulated."""
+    import errno as errno_mod
+
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if not target.endswith(path_suffix):
+            return real_write(fd, data)
+        calls.append(len(data))
+        if len(calls) < after:
+            return real_write(fd, data)
+        if len(calls) == after and len(data) > 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(err, os.strerror(err))
+
+    assert err in (errno_mod.ENOSPC, errno_mod.EACCES)
+    monkeypatch.setattr(os, "write", write)
+
+
+def assert_write_error(result: Result, run: Path, culprits) -> str:
+    """Exit 6, no traceback, one error line naming the culprits, and last the command that finishes the run."""
+    assert "Traceback" not in result.err, result.err
+    assert result.code == 6, (result.code, result.err)
+    (line,) = [line for line in result.err_lines if line.startswith("error:")]
+    for culprit in culprits:
+        assert culprit in line, (culprit, line)
+    assert f"everything measured is kept in {run}" in line
+    hint = result.err_lines[-1]
+    assert shlex.split(hint)[-2:] == ["--resume", str(run)], hint
+    return hint
+
+
+def test_a_disk_full_mid_run_stops_it_resumably(tmp_path, capsys, monkeypatch):
+    """ENOSPC while the second point's attempt is appended: one line naming attempts.jsonl and the OS error, the
+    command that finishes the run, exit 6; the half-written record is cut off again, the first point kept, the
+    manifest says interrupted; the command finishes the run once the disk has room."""
+    import errno
+
+    _fail_writes(monkeypatch, "attempts.jsonl", after=2, err=errno.ENOSPC)
+    result = cli(capsys, "run-matrix", _tiny(tmp_path), "--device", "cpu", "--results-root", tmp_path / "runs")
+    monkeypatch.undo()
+    (run,) = (tmp_path / "runs").iterdir()
+    assert_write_error(result, run, [f"{run}/attempts.jsonl: cannot write (No space left on device)"])
+    assert [json.loads(line)["point_id"] for line in (run / "attempts.jsonl").read_text().splitlines(True)] == ["a@16"]
+    assert (run / "attempts.jsonl").read_bytes().endswith(b"\n")
+    kept = data_lines(run / "points.csv")
+    assert len(kept) == 1 and json.loads((run / "manifest.json").read_text())["interrupted"] is True
+    listed = cli(capsys, "runs", run.parent)
+    assert "1/3" in listed.out and "interrupted" in listed.out
+    assert cli(capsys, "run-matrix", _tiny(tmp_path), "--device", "cpu", "--resume", run).code == 0
+    assert data_lines(run / "points.csv")[:1] == kept
+    assert_points_once_each(run)
+
+
+def test_an_unwritable_manifest_at_the_end_keeps_every_point(tmp_path, capsys, monkeypatch):
+    """EACCES when the finished run's manifest is written: one line naming manifest.json, exit 6, every point kept;
+    the resume measures nothing and marks it finished."""
+    import errno
+
+    from attnbench import store as store_mod
+
+    real, calls = store_mod.write_json_atomic, []
+
+    def write_json_atomic(path, obj, **kw):
+        calls.append(path)
+        if len(calls) > 1:   # the manifest of the new run is written; then the disk refuses
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path) + ".tmp")
+        return real(path, obj, **kw)
+
+    monkeypatch.setattr(store_mod, "write_json_atomic", write_json_atomic)
+    result = cli(capsys, "run-matrix", _tiny(tmp_path), "--device", "cpu", "--results-root", tmp_path / "runs")
+    monkeypatch.undo()
+    (run,) = (tmp_path / "runs").iterdir()
+    assert_write_error(result, run, [f"{run}/manifest.json: cannot write (Permission denied)"])
+    assert_points_once_each(run)
+    resumed = cli(capsys, "run-matrix", _tiny(tmp_path), "--device", "cpu", "--resume", run)
+    assert resumed.code == 0 and "0/3 points to measure" in resumed.err, resumed.err
+    assert json.loads((run / "manifest.json").read_text())["finished_utc"]
+
+
+def test_an_unwritable_run_directory_with_a_stale_lock(tmp_path, capsys, complete_run, monkeypatch):
+    """A run left by kill -9 (its .lock still there) in a folder that can no longer be written: the resume says so
+    in one line with the command that finishes the run, exit 6 (not a traceback from the manifest, then another from
+    removing the lock file); nothing in the run changes."""
+    import errno
+
+    from attnbench import store as store_mod
+
+    run = crashed_copy(complete_run, tmp_path)
+    (run / "points.csv").write_bytes(HEADER_LINE.encode() + data_lines(run / "points.csv")[0])
+    (run / ".lock").write_text("4242\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    real_unlink = os.unlink
+
+    def unlink(path, *a, **kw):
+        if Path(path).parent == run:
+            raise denied
+        return real_unlink(path, *a, **kw)
+
+    def write_json_atomic(*a, **kw):
+        raise denied
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(store_mod, "write_json_atomic", write_json_atomic)
+    result = resume(run, tmp_path, capsys)
+    monkeypatch.undo()
+    assert_write_error(result, run, [f"{run}/manifest.json: cannot write (Permission denied)"])
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == {**before, ".lock": f"{os.getpid()}\n".encode()}
+
+
+def test_runs_shows_a_run_being_measured_as_running(tmp_path, capsys, complete_run):
+    """A run whose lock a live process holds is running (its pid), with no command to finish it; a lock file
+    left by a killed process does not count."""
+    run = crashed_copy(complete_run, tmp_path)
+    (run / "points.csv").write_bytes(HEADER_LINE.encode() + data_lines(run / "points.csv")[0])
+    holder = RunStore(run)
+    holder.lock()
+    try:
+        listed = cli(capsys, "runs", run.parent)
+    finally:
+        holder.unlock()
+    (row,) = [line for line in listed.out.splitlines() if run.name in line]
+    assert f"running now, pid {os.getpid()}" in row and "interrupted" not in row
+    assert "--resume" not in listed.out
+    (run / ".lock").write_text("4242\n")          # left by kill -9: nobody holds it
+    listed = cli(capsys, "runs", run.parent)
+    assert "running" not in listed.out and listed.out.strip().splitlines()[-1].endswith(f"--resume {run}")
+
+
+def test_dry_run_passes_over_corrupt_attempt_records(tmp_path, capsys, complete_run):
+    """One hand-edited attempt record (no time, or one that does not read) anywhere under the results root does
+    not stop --dry-run: the other points keep their last wall time."""
+    run = crashed_copy(complete_run, tmp_path)
+    lines = (run / "attempts.jsonl").read_text().splitlines(keepends=True)
+    first = json.loads(lines[0])
+    del first["utc"]
+    (run / "attempts.jsonl").write_text(json.dumps(first) + "\n" + "".join(lines[1:]) + '{"utc": "garbage"}\n')
+    planned = cli(capsys, "run-matrix", tmp_path / "tiny.yaml", "--device", "cpu", "--dry-run",
+                  "--results-root", run.parent)
+    assert planned.code == 0 and "Traceback" not in planned.err, planned.err
+    assert "for 1 of them" in planned.out   # a@48 (a@16 has no time, so a@32's is not known either)
+
+
 # -- Ctrl-C and the hints that finish a run --------------------------------------------------------------------
 
-def test_ctrl_c_hint_and_runs_hint_finish_the_run_when_pasted(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_hint_and_runs_hint_finish_the_run_when_pasted(tmp_path, stop):
+    # SIGTERM (`timeout`, a batch scheduler) stops a run as Ctrl-C does: marked interrupted, the same hint
     work = tmp_path / "work"
     work.mkdir()
     (work / "slow.yaml").write_text(TINY.replace("seq_lens: [16, 32, 48]", f"seq_lens: {list(range(16, 16 + 12))}"))
@@ -562,12 +805,13 @@ def test_ctrl_c_hint_and_runs_hint_finish_the_run_when_pasted(tmp_path):
             break
         time.sleep(0.05)
     assert points is not None, "the run never stored two points"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     hint = err.strip().splitlines()[-1]
     run_dir = points.parent
+    assert json.loads((run_dir / "manifest.json").read_text())["interrupted"] is True
     assert shlex.split(hint) == [sys.executable, "-m", "attnbench", *args, "--resume", f"my runs/{run_dir.name}"]
     measured = data_lines(points)
     assert 2 <= len(measured) < 12
@@ -608,9 +852,10 @@ def test_gate_refuses_runs_from_another_gpu_and_runs_with_nothing_in_common(tmp_
     pts.to_csv(skipped / "points.csv", index=False)
     assert_one_line(cli(capsys, "gate", "--baseline", complete_run, "--current", skipped, "--out", tmp_path / "g.md"),
                     2, "nothing to compare")
-    # and a run against itself is judged
-    same = cli(capsys, "gate", "--baseline", complete_run, "--current", complete_run, "--out", tmp_path / "g.md")
-    assert same.code == 0 and "Gate: PASS" in same.out
+    # a run against itself (or its copy: same name, same start) is refused, not passed
+    for current in (complete_run, crashed_copy(complete_run, tmp_path)):
+        assert_one_line(cli(capsys, "gate", "--baseline", complete_run, "--current", current, "--out",
+                            tmp_path / "g.md"), 2, "same run")
 
 
 # -- readable in a CI log ------------------------------------------------------------------------------------

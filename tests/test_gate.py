@@ -8,6 +8,8 @@ import pytest
 
 from attnbench.gate import bootstrap_change, compare_runs, gate_exit_code, gate_markdown
 from test_analysis import make_run
+from test_faults import assert_one_line
+from test_faults import cli as run_cli      # the real entry point, in this process
 
 LATER = datetime(2026, 11, 23, 1, tzinfo=timezone.utc)
 
@@ -201,10 +203,33 @@ def test_bootstrap_is_deterministic():
     assert change == pytest.approx(1.1) and lo <= change <= hi
 
 
-def test_baseline_folder_resolves_to_its_run(tmp_path):
-    b, c = _pair(tmp_path, BASE, seed=0)
-    rows = compare_runs(b.parent, c)   # a folder of runs: the newest one (here the current run itself)
-    assert set(verdicts(rows).values()) == {"SAME"}
+def test_baseline_folder_resolves_to_its_newest_run_other_than_the_current(tmp_path):
+    b, c = _pair(tmp_path, {4096: 2.0 * 1.25, 16384: 1.3, 65536: 1.1})
+    rows = compare_runs(b.parent, c)   # a folder of runs: its newest but the current one (the newest), so b
+    assert verdicts(rows) == {4096: "SLOWER", 16384: "SAME", 65536: "SAME"}
+
+
+def test_a_run_is_never_gated_against_itself(tmp_path, capsys):
+    """--baseline and --current naming one run would PASS whatever it measured: refused, one line, exit 2. A folder
+    baseline is its newest run other than the current one: the results root that holds the current run too gates
+    it against the run before it, and a folder holding only the current run (or its blessed copy) has none."""
+    from attnbench.gate import NotComparable, bless_run
+
+    b, c = _pair(tmp_path / "runs", {4096: 2.0 * 1.25, 16384: 1.3, 65536: 1.1})
+    out = tmp_path / "g.md"
+    line = assert_one_line(run_cli(capsys, "gate", "--baseline", c, "--current", c, "--out", out), 2, str(c),
+                           "same run")
+    assert "PASS" not in line and not out.exists()
+    with pytest.raises(NotComparable, match="same run"):
+        compare_runs(c, c)
+    gated = run_cli(capsys, "gate", "--baseline", c.parent, "--current", c, "--out", out)
+    assert gated.code == 1 and f"baseline run: `{b}`" in gated.out and "SLOWER" in gated.out
+    solo = make_run(tmp_path / "solo", _pts(BASE), name="nightly")
+    assert_one_line(run_cli(capsys, "gate", "--baseline", solo.parent, "--current", solo, "--out", out), 2,
+                    str(solo.parent), "no run other than")
+    bless_run(c, tmp_path / "baselines")           # the folder holds c's copy: c against itself again
+    assert_one_line(run_cli(capsys, "gate", "--baseline", tmp_path / "baselines" / "h100", "--current", c,
+                            "--out", out), 2, "no run other than")
 
 
 # --- every measured point is judged, whatever its spread ------------------------------------------------
@@ -295,7 +320,7 @@ def test_a_point_id_naming_another_problem_in_the_current_run_is_refused(tmp_pat
 # --- bless -----------------------------------------------------------------------------------------------
 
 def test_bless_installs_the_run_for_its_gpu_and_replaces_the_previous_one(tmp_path):
-    from attnbench.gate import bless_run
+    from attnbench.gate import NotComparable, bless_run
 
     first = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
     second = make_run(tmp_path / "runs", _pts(BASE), name="nightly", seed=2, when=LATER, started="2026-11-23T01:00:00Z")
@@ -307,9 +332,12 @@ def test_bless_installs_the_run_for_its_gpu_and_replaces_the_previous_one(tmp_pa
     record = json.loads((root / "h100" / "baseline.json").read_text())
     assert record["run"] == second.name and record["git_commit"] == "abc123def4567890"
     assert record["points"] == {"clean": 3}
-    # the gate reads the folder: the blessed run is the baseline
-    rows = compare_runs(root / "h100", second)
-    assert {r.verdict for r in rows} == {"SAME"} and all(r.change == 1 for r in rows)
+    # the gate reads the folder: the blessed run is the baseline (of another run: not of itself)
+    rows = compare_runs(root / "h100", first)
+    assert {r.verdict for r in rows} == {"SAME"}
+    assert [r.baseline_ratio for r in rows] == [r.current_ratio for r in compare_runs(first, second)]
+    with pytest.raises(NotComparable, match="no run other than"):
+        compare_runs(root / "h100", second)
 
 
 def test_bless_refuses_unfinished_and_slowed_runs(tmp_path):
@@ -340,6 +368,77 @@ def test_cli_bless_and_gate(tmp_path):
     assert proc.returncode == 2 and "--baseline RUN and --current RUN" in proc.stderr and "Traceback" not in proc.stderr
     proc = cli("gate", "--bless", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr
+
+
+def test_bless_takes_no_comparison_options_and_a_comparison_no_baselines_root(tmp_path, capsys):
+    """Options that mean nothing with --bless (or without it) are refused, not silently dropped."""
+    run = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    root = tmp_path / "baselines"
+    assert_one_line(run_cli(capsys, "gate", "--bless", run, "--baselines-root", root, "--tolerance", "5", "--out",
+                            "/nonexistent/x.md"), 2, "--bless", "--tolerance", "--out")
+    assert_one_line(run_cli(capsys, "gate", "--bless", run, "--baselines-root", root, "--allow-other-gpu"), 2,
+                    "--allow-other-gpu")
+    assert not root.exists()
+    assert_one_line(run_cli(capsys, "gate", "--baseline", run, "--current", run, "--baselines-root", root), 2,
+                    "--baselines-root", "--bless")
+
+
+def test_bless_into_a_root_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    """A file as --baselines-root, or a copy that fails (an unwritable root, a full disk): one line, exit 2, and the
+    previous baseline stays installed with nothing half-copied beside it."""
+    import os
+    import shutil
+
+    first = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    second = make_run(tmp_path / "runs", _pts(BASE), name="nightly", seed=2, when=LATER, started="2026-11-23T01:00:00Z")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert_one_line(run_cli(capsys, "gate", "--bless", first, "--baselines-root", a_file), 2, str(a_file))
+    root = tmp_path / "baselines"
+    assert run_cli(capsys, "gate", "--bless", first, "--baselines-root", root).code == 0
+
+    def denied(src, dst, **kwargs):     # a copy that fails half-way
+        os.mkdir(dst)
+        raise PermissionError(13, "Permission denied", str(dst))
+    monkeypatch.setattr(shutil, "copytree", denied)
+    assert_one_line(run_cli(capsys, "gate", "--bless", second, "--baselines-root", root), 2, str(root),
+                    "Permission denied")
+    assert sorted(p.name for p in (root / "h100").iterdir()) == [first.name, "baseline.json"]
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root writes into read-only folders")
+def test_bless_into_a_read_only_root_is_one_line(tmp_path, capsys):
+    run = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o555)
+    try:
+        assert_one_line(run_cli(capsys, "gate", "--bless", run, "--baselines-root", root), 2, str(root))
+    finally:
+        root.chmod(0o755)
+
+
+def test_bless_while_another_bless_holds_the_root_is_refused(tmp_path, capsys):
+    """Two blesses at once would copy into one folder and remove each other's runs: the baselines root's lock lets one
+    in; the other is one line naming the holder's pid, and the installed baseline is whole."""
+    import os
+
+    from attnbench.store import RunStore
+
+    first = make_run(tmp_path / "runs", _pts(BASE), name="nightly")
+    second = make_run(tmp_path / "runs", _pts(BASE), name="nightly", seed=2, when=LATER, started="2026-11-23T01:00:00Z")
+    root = tmp_path / "baselines"
+    assert run_cli(capsys, "gate", "--bless", first, "--baselines-root", root).code == 0
+    holder = RunStore(root)
+    holder.lock()                      # another bless, mid-install
+    try:
+        assert_one_line(run_cli(capsys, "gate", "--bless", second, "--baselines-root", root), 2, str(root),
+                        f"pid {os.getpid()}")
+    finally:
+        holder.unlock()
+    assert json.loads((root / "h100" / "baseline.json").read_text())["run"] == first.name
+    assert run_cli(capsys, "gate", "--bless", second, "--baselines-root", root).code == 0
+    assert sorted(p.name for p in (root / "h100").iterdir()) == [second.name, "baseline.json"]
 
 
 def test_nightly_script_blesses_gates_and_refuses_to_bless_a_slowed_run(tmp_path):

@@ -92,7 +92,9 @@ def test_two_workers_measure_every_point_once_each_stamped(pooled, capsys, tmp_p
     assert cli(capsys, "report", run, "--no-plots", "--out", tmp_path / "r.md").code == 0
     text = (tmp_path / "r.md").read_text()
     assert "| cpu, 2 workers |" in text and "| CPU, 2 workers |" in text and "Cross-device spread" not in text
-    gated = cli(capsys, "gate", "--baseline", run, "--current", run, "--out", tmp_path / "g.md")
+    baseline = tmp_path / "baseline"           # the same run under its own name: a run is not gated against itself
+    shutil.copytree(run, baseline)
+    gated = cli(capsys, "gate", "--baseline", baseline, "--current", run, "--out", tmp_path / "g.md")
     assert gated.code == 0 and "**Gate: PASS**" in gated.out
 
 
@@ -279,6 +281,66 @@ def test_ctrl_c_stops_every_worker_and_the_hint_finishes_the_run(tmp_path):
     assert data_lines(run / "points.csv")[: len(rows)] == rows
     assert sorted((r["point_id"], r["ran_on"]) for r in _rows(run)) == sorted(
         (p, d) for p in MID_IDS for d in ("cpu:0", "cpu:1"))
+
+
+FULL_DISK = """
+import errno, os
+_write = os.write
+
+def write(fd, data):   # every process of the pool (the spawned workers import this too): attempts.jsonl is full
+    try:
+        full = os.readlink(f"/proc/self/fd/{fd}").endswith("attempts.jsonl")
+    except OSError:
+        full = False
+    if full:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _write(fd, data)
+
+os.write = write
+"""
+
+
+def test_a_full_disk_stops_the_pool_as_a_single_run(tmp_path):
+    """The workers cannot append (ENOSPC, simulated in every process through a sitecustomize): each is named with
+    the file and the OS error, and the run ends as a single process's would: one error line, the command that
+    finishes it (with --workers), exit 6, the manifest interrupted; the command finishes it once there is room."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tiny.yaml").write_text(TINY)
+    args = ["run-matrix", "tiny.yaml", "--device", "cpu", "--results-root", "runs", "--workers", "2"]
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(site), os.environ["PYTHONPATH"]])}
+    full = subprocess.run([sys.executable, "-m", "attnbench", *args], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=300)
+    (run,) = (work / "runs").iterdir()
+    assert full.returncode == 6 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    lines = full.stderr.strip().splitlines()
+    failed = f"runs/{run.name}/attempts.jsonl: cannot write (No space left on device)"
+    assert sum(line.startswith("worker cpu:") and line.endswith(failed) for line in lines) == 2, lines
+    (error,) = [line for line in lines if line.startswith("error:")]
+    assert error.startswith(f"error: {failed}; everything measured is kept in runs/{run.name}")
+    assert shlex.split(lines[-1]) == [sys.executable, "-m", "attnbench", *args, "--resume", f"runs/{run.name}"]
+    assert load_run(run).manifest["interrupted"] and (run / "attempts.jsonl").read_bytes() == b""
+    pasted = subprocess.run(lines[-1], shell=True, cwd=work, env=_env(), capture_output=True, text=True, timeout=300)
+    assert pasted.returncode == 0, pasted.stderr[-3000:]
+    assert sorted(r["point_id"] for r in _rows(run)) == IDS
+
+
+def test_a_set_aside_record_never_glues_onto_a_torn_one(tmp_path):
+    """torn_records.jsonl is appended to as the run's logs are: a record a writer died in the middle of is kept as
+    a line of its own, and the next one set aside starts on a new line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torn_aside = '{"file": "attempts.jsonl", "set_aside_utc": "2026-12-01T00:00:00Z", "text": "{\\"po'
+    (run / TORN_FILE).write_text(torn_aside)
+    (run / "attempts.jsonl").write_text('{"point_id": "a@16"}\n{"point_id": "a@3')
+    RunStore(run).append_attempt({"point_id": "a@48"})
+    lines = (run / TORN_FILE).read_text().splitlines()
+    assert lines[0] == torn_aside and json.loads(lines[1])["text"] == '{"point_id": "a@3'
+    assert [json.loads(line)["point_id"] for line in (run / "attempts.jsonl").read_text().splitlines()] == \
+        ["a@16", "a@48"]
 
 
 # -- bad options --------------------------------------------------------------------------------------------------

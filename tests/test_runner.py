@@ -206,6 +206,20 @@ def test_resume_refuses_a_changed_matrix_and_a_non_run_dir(tmp_path, monkeypatch
         make_runner(m, tmp_path).run(resume=tmp_path)
 
 
+def test_resume_with_another_matrix_names_the_runs_own(tmp_path, monkeypatch):
+    """A run resumed with another matrix file is refused naming the file and matrix it was started with (not "the
+    cells of the other file changed"), with the command that finishes it."""
+    m, run_dir = interrupted_run(tmp_path, monkeypatch)
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    (other_dir / "n.yaml").write_text(m.path.read_text().replace("seq_lens: [16, 32]", "seq_lens: [64]"))
+    with pytest.raises(RunDirError) as refused:
+        make_runner(load_matrix(other_dir / "n.yaml", device="cpu"), tmp_path).run(resume=run_dir)
+    assert str(refused.value).startswith(f"{run_dir}: started with {m.path} (matrix 'm'), resumed with "
+                                         f"{other_dir / 'n.yaml'} (matrix 'n'); finish it with: ")
+    assert str(refused.value).endswith(f" run-matrix {m.path} --resume {run_dir}")
+
+
 def test_resume_accepts_a_change_of_the_sampling_policy(tmp_path, monkeypatch):
     """How precisely points are sampled and how disturbed windows are retried is not what a run measures."""
     m, run_dir = interrupted_run(tmp_path, monkeypatch)

@@ -75,3 +75,47 @@ def test_point_seconds_from_attempt_times(tmp_path):
     seconds, n_runs = point_seconds(tmp_path, "cuda")
     assert n_runs == 2 and seconds == {"x@1": 5.0, "y@2": 10.0}
     assert point_seconds(tmp_path / "none", "cuda") == ({}, 0)
+
+
+def test_point_seconds_passes_over_records_without_a_readable_time(tmp_path):
+    """A hand-edited record (no utc, a utc that does not read, no point id, ran_on not an object) does not stop the
+    plan: its point and the next one of its device are unknown, the others timed as before."""
+    from attnbench.planning import point_seconds
+
+    manifest = {"matrix_name": "a", "device": "cuda", "started_utc": "2026-11-22T01:00:00Z"}
+    store = RunStore.create(tmp_path, "a", manifest, now=datetime(2026, 11, 22, 1))
+    for record in ({"point_id": "w@1", "utc": "2026-11-22T01:00:02Z"}, {"point_id": "x@1"},
+                   {"point_id": "y@2", "utc": "2026-11-22T01:00:20Z"}, {"point_id": "z@3", "utc": "garbage"},
+                   {"utc": "2026-11-22T01:00:30Z", "ran_on": "cpu"},
+                   {"point_id": "v@4", "utc": "2026-11-22T01:00:34Z"}):
+        store.append_attempt(record)
+    assert point_seconds(tmp_path, "cuda") == ({"w@1": 2.0, "v@4": 4.0}, 1)
+
+
+def test_unreadable_folders_are_one_line(tmp_path, monkeypatch, seed_run):
+    """A results root or a run directory this user may not look into (EACCES, simulated: the tests may run as
+    root): RunDirError naming it, not a PermissionError; a run folder that cannot be looked into is still listed,
+    so its reader names the problem."""
+    import errno
+    import os
+    import pathlib
+
+    from attnbench.store import load_run, run_dirs
+
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    iterdir, is_file = pathlib.Path.iterdir, pathlib.Path.is_file
+    monkeypatch.setattr(pathlib.Path, "iterdir", lambda self: (_ for _ in ()).throw(denied) if self == seed_run.parent
+                        else iterdir(self))
+    with pytest.raises(RunDirError, match=rf"^{seed_run.parent}: cannot read \(Permission denied\)$"):
+        run_dirs(seed_run.parent)
+    monkeypatch.undo()
+
+    def refused(self):
+        if self.parent == seed_run:
+            raise denied
+        return is_file(self)
+
+    monkeypatch.setattr(pathlib.Path, "is_file", refused)
+    assert run_dirs(seed_run.parent) == [seed_run]
+    with pytest.raises(RunDirError, match=rf"^{seed_run}/manifest.json: cannot read \(Permission denied\)$"):
+        load_run(seed_run)

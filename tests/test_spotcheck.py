@@ -100,6 +100,67 @@ def test_cli_rescore_a_stored_run(tmp_path):
     assert not (other / "spot_check_rescored.md").exists()
 
 
+CPU_SPOT_CHECK = """\
+defaults: {batch: 1, heads: 2, head_dim: 64, dtype: float32, mode: fwd}
+cells:
+  - {id: sdpa_cpu, kernel: flash, baseline: math, seq_lens: [128]}
+checks:
+  - {id: A, cells: [sdpa_cpu], rules: [{lat_max: 100}]}
+"""
+
+
+def _cpu_spot_run(tmp_path):
+    path = tmp_path / "cpu_sc.yaml"
+    path.write_text(CPU_SPOT_CHECK)      # flash in float32: a CPU file (on a GPU, flash takes 16-bit types only)
+    return path, make_run(tmp_path / "runs", [dict(cell_id="sdpa_cpu", kernel="flash", n=128, ratio=0.9)],
+                          device="cpu", name="cpu_sc")
+
+
+def test_rescore_reads_the_file_for_the_device_the_run_was_measured_on(tmp_path, capsys):
+    from test_faults import cli as run_cli
+
+    path, run = _cpu_spot_run(tmp_path)
+    for device in ([], ["--device", "cpu"]):
+        result = run_cli(capsys, "spot-check", path, *device, "--rescore", run)
+        assert result.code == 0 and "| A | perf | – | PASS |" in result.out, result.err
+    assert "| A | perf | – | PASS |" in (run / "spot_check_rescored.md").read_text()
+
+
+@pytest.mark.parametrize("args, culprits", [
+    (["--device", "gpu"], ["--device 'gpu'"]),
+    (["--device", "cuda"], ["--device cuda", "cpu"]),
+    (["--max-util", "500"], ["--max-util 500"]),
+    (["--wait", "-3"], ["--wait -3"]),
+    (["--max-util", "5"], ["--rescore", "--max-util"]),
+    (["--resume", "{run}"], ["--rescore", "--resume"]),
+    (["--gpu", "0", "--results-root", "{tmp}"], ["--rescore", "--gpu", "--results-root"]),
+])
+def test_rescore_checks_its_options_and_refuses_those_that_mean_nothing(tmp_path, capsys, args, culprits):
+    from test_faults import assert_one_line
+    from test_faults import cli as run_cli
+
+    path, run = _cpu_spot_run(tmp_path)
+    fill = lambda text: text.replace("{run}", str(run)).replace("{tmp}", str(tmp_path))   # noqa: E731
+    assert_one_line(run_cli(capsys, "spot-check", path, "--rescore", run, *map(fill, args)), 2, *culprits)
+    assert not (run / "spot_check_rescored.md").exists()
+
+
+def test_rescore_into_a_run_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    from test_faults import assert_one_line
+    from test_faults import cli as run_cli
+
+    path, run = _cpu_spot_run(tmp_path)
+    write_text = Path.write_text
+
+    def read_only(self, *args, **kwargs):
+        if self.name == "spot_check_rescored.md":
+            raise PermissionError(13, "Permission denied", str(self))
+        return write_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "write_text", read_only)
+    assert_one_line(run_cli(capsys, "spot-check", path, "--rescore", run), 2, str(run / "spot_check_rescored.md"),
+                    "Permission denied")
+
+
 SMALL_SPOT_CHECK = """
 defaults: {kernel: elsa, baseline: math, dtype: float32, mode: fwd, batch: 1, heads: 2, head_dim: 32}
 cells:
@@ -220,12 +281,35 @@ def test_table_and_exit_code():
       "max_abs": {"float32": 1e-5}}, "[B, H, N, D, dtype]"),
     ({"id": "a", "kind": "correctness", "kernel": "elsa", "direction": "up", "shapes": [[1, 2, 64, 64, "float32"]],
       "max_abs": {"float32": 1e-5}}, "field 'direction'"),
+    ({"id": "a", "kind": "correctness", "kernel": "math", "shapes": [[1, 1, 16, 16, ["a"]]],
+      "max_abs": {"float32": 1e-5}}, "field 'shapes' has [1, 1, 16, 16, ['a']]: need [B, H, N, D, dtype]"),
+    ({"id": "a", "cells": ["c"], "allow_noisy": "no", "rules": [{"lat_max": 1}]},
+     "check 'a': field 'allow_noisy' = 'no': allowed true, false"),
 ])
 def test_schema_errors(check, message):
     with pytest.raises(MatrixError) as exc:
         validate_checks([check], {"c"}, where="m.yaml")
     assert message in str(exc.value) and str(exc.value).startswith("m.yaml: ")
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("cells, problem", [
+    ("[{id: c1, seq_lens: [64]}, oops]", "cell #2: must be a mapping"),
+    ("[{id: [x], seq_lens: [64]}]", "cell #1: field 'id' = ['x']: need a name"),
+])
+def test_a_cell_a_run_matrix_refuses_is_refused_in_a_spot_check_file(tmp_path, capsys, cells, problem):
+    """A cell that is not a mapping was dropped silently, an id that is a list crashed (unhashable): both one line."""
+    from test_faults import assert_one_line
+    from test_faults import cli as run_cli
+
+    path = tmp_path / "sc.yaml"
+    path.write_text("defaults: {kernel: elsa, baseline: math, dtype: float32, mode: fwd, heads: 2, head_dim: 32}\n"
+                    f"cells: {cells}\n")
+    with pytest.raises(MatrixError, match="^" + re.escape(f"{path}: {problem}")):
+        load_spot_check(path, device="cpu")
+    assert_one_line(run_cli(capsys, "spot-check", path, "--device", "cpu", "--results-root", tmp_path / "runs"), 2,
+                    f"{path}: {problem}")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_duplicate_check_ids():

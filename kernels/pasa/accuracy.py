@@ -32,6 +32,7 @@ import torch
 from kernels.pasa import BACKENDS as PASA_BACKENDS
 
 PAPER_SEED = 2024724
+PAPER_HEADS_KV = 4          # the paper's key/value heads, each shared by a group of query heads (28 by default)
 DISTRIBUTIONS = ("uniform", "hybrid")
 PAPER_MEANS = (0.0, 10.0, 20.0, 30.0)
 PAPER_AMPLITUDES = (0.5, 5.0, 10.0, 20.0)
@@ -131,8 +132,9 @@ def sample(dist: str, x0: float, am: float, shape, generator: torch.Generator, d
     raise ValueError(f"unknown distribution {dist!r} (use uniform or hybrid)")
 
 
-def make_inputs(dist: str, x0: float, am: float, *, batch: int = 1, heads_q: int = 28, heads_kv: int = 4,
-                n: int = 1407, head_dim: int = 128, seed: int = 0, device="cpu", dtype: str = "float16"):
+def make_inputs(dist: str, x0: float, am: float, *, batch: int = 1, heads_q: int = 28,
+                heads_kv: int = PAPER_HEADS_KV, n: int = 1407, head_dim: int = 128, seed: int = 0, device="cpu",
+                dtype: str = "float16"):
     """q, k, v [B, Hq, N, D] in `dtype`; k and v are drawn for Hkv heads and shared by each group of
     Hq/Hkv query heads (the paper's GQA shape), expanded so every method sees plain [B, H, N, D]."""
     if heads_q % heads_kv:
@@ -186,7 +188,7 @@ def method_unsupported_reason(method: str, *, device: str, dtype: str, head_dim:
 
 
 def accuracy_grid(points: list[dict] | None = None, *, methods=DEFAULT_METHODS, seeds=(0, 1, 2), batch: int = 1,
-                  heads_q: int = 28, heads_kv: int = 4, n: int = 1407, head_dim: int = 128,
+                  heads_q: int = 28, heads_kv: int = PAPER_HEADS_KV, n: int = 1407, head_dim: int = 128,
                   dtype: str = "float16", causal: bool = False, device="cuda",
                   options: dict | None = None, on_point=None) -> pd.DataFrame:
     """Run every method on every grid point and seed; one row per (point, seed, method).
