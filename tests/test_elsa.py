@@ -100,7 +100,7 @@ def test_forward_backward_float16(device, N, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("D", [16, 24, 40, 80, 96, 136, 256])
+@pytest.mark.parametrize("D", [16, 24, 40, 80, 96, 128, 136, 256])
 def test_head_dims_padded_and_unpadded(device, D, dtype):
     """Every head-dim tile width (16, 32, 64, 128, 256), with and without padding columns, fwd and grads."""
     for causal in (False, True):
