@@ -435,6 +435,12 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     _check_number("--max-attempts", max_attempts, 1, integer=True)
+    if device == "cpu" and gpu is not None:
+        fail("--gpu picks a GPU for --device cuda; --device cpu measures on the CPU", 2)
+    if dry_run and resume is not None:
+        fail("--dry-run prints a new run's plan; --resume DIR finishes a stored run (give one of them)", 2)
+    if only is not None and not only.strip():
+        fail("--only '': need a glob of cell ids (e.g. 'elsa_*'); leave --only out for every cell", 2)
     layout = _pool_layout(device, gpu, gpus, workers, replicate)
     try:        # the file and the options first, so a mistake in them is named on a machine without a GPU too
         matrix = _selected(load_matrix(matrix_path, device=device), only, matrix_path)
@@ -524,6 +530,8 @@ def _parse_slowdown(items: list[str], matrix) -> dict:
             fail(f"--slowdown {item!r}: {name!r} is not measured by {matrix.path} (its backends: {', '.join(used)})", 2)
         if not math.isfinite(factor) or factor <= 1:
             fail(f"--slowdown {item!r}: the factor must be a finite number > 1 (1.15 = 15 % slower)", 2)
+        if name in out:
+            fail(f"--slowdown {item!r}: {name} has a factor already ({name}={out[name]:g}): give one per backend", 2)
         out[name] = factor
     return out
 
