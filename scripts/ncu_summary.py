@@ -446,9 +446,14 @@ def main(argv=None) -> int:
             except (OSError, ValueError) as exc:
                 print(f"ncu_summary: {path}: {exc}", file=sys.stderr)
                 return 2
-            if not isinstance(summary, dict) or "kernel" not in summary:
-                print(f"ncu_summary: {path}: not a summary this tool wrote (a JSON object with its 'kernel')",
-                      file=sys.stderr)
+            problem = None if isinstance(summary, dict) and "kernel" in summary else "a JSON object with its 'kernel'"
+            if problem is None:
+                try:        # its own column: a field of another shape is named with its file
+                    table([(Path(path).stem, summary)])
+                except (TypeError, AttributeError, ValueError) as exc:
+                    problem = f"a field of another shape: {exc}"
+            if problem:
+                print(f"ncu_summary: {path}: not a summary this tool wrote ({problem})", file=sys.stderr)
                 return 2
             summaries.append((Path(path).stem, summary))
         print(table(summaries))

@@ -154,6 +154,14 @@ def test_ncu_compare_and_workloads(tmp_path, capsys):
     assert ncu.main(["--compare", str(tmp_path / "before.json"), str(tmp_path / "after.json")]) == 0
     assert "| | before | after |" in capsys.readouterr().out
     assert ncu.main(["--compare", str(tmp_path / "missing.json")]) == 2
+    # a JSON of another shape is one line naming its file, not a traceback
+    shapes = {"list": "[1]", "kernel_not_text": '{"kernel": 1}', "pipes_not_a_map": '{"kernel": "k", "top_pipes_pct": 5}'}
+    for name, text in shapes.items():
+        (tmp_path / f"{name}.json").write_text(text)
+        capsys.readouterr()
+        assert ncu.main(["--compare", str(tmp_path / f"{name}.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{name}.json: not a summary this tool wrote" in err
     assert callable(ncu.resolve("flash_core")) and callable(ncu.resolve("kernels.elsa:elsa_attention"))
     with pytest.raises(SystemExit, match="expected one of"):
         ncu.resolve("nonsense")
