@@ -15,6 +15,7 @@ per-GPU ``tuning.json`` format (crossovers + configs per GPU name, ``kernels/cro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -49,8 +50,17 @@ def write_json_atomic(path, obj, *, indent: int = 2, sort_keys: bool = False, de
     result files through it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())      # on disk before the rename: a crash leaves the old file or the new, whole
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()               # a write that failed (a full disk) leaves nothing beside the file
+        raise
 
 
 def write_configs(path, updates: dict, measured: dict, note: str) -> dict:

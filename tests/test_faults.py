@@ -677,6 +677,23 @@ def assert_write_error(result: Result, run: Path, culprits) -> str:
     return hint
 
 
+def test_an_atomic_json_write_that_fails_leaves_the_old_file_and_nothing_beside_it(tmp_path, monkeypatch):
+    import errno
+
+    from kernels import _tuning
+
+    path = tmp_path / "manifest.json"
+    _tuning.write_json_atomic(path, {"a": 1})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_tuning.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        _tuning.write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
 def test_a_disk_full_mid_run_stops_it_resumably(tmp_path, capsys, monkeypatch):
     """ENOSPC while the second point's attempt is appended: one line naming attempts.jsonl and the OS error, the
     command that finishes the run, exit 6; the half-written record is cut off again, the first point kept, the
