@@ -90,11 +90,11 @@ def _check_clean_gpu_options(max_util, min_free_gb, wait=None) -> None:
     _check_number("--wait", wait, 0)
 
 
-def _check_results_root(results_root: Path) -> None:
+def _check_results_root(results_root: Path, name: str = "results root") -> None:
     from attnbench.store import RunDirError, check_results_root
 
     try:
-        check_results_root(results_root)
+        check_results_root(results_root, name)
     except RunDirError as exc:
         fail(str(exc), 2)
 
@@ -435,8 +435,6 @@ def run_matrix(matrix_path: Path = typer.Argument(..., help="YAML matrix (see ma
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
     _check_number("--max-attempts", max_attempts, 1, integer=True)
-    if device == "cpu" and gpu is not None:
-        fail("--gpu picks a GPU for --device cuda; --device cpu measures on the CPU", 2)
     if dry_run and resume is not None:
         fail("--dry-run prints a new run's plan; --resume DIR finishes a stored run (give one of them)", 2)
     if only is not None and not only.strip():
@@ -484,14 +482,20 @@ def _selected(matrix, only: Optional[str], matrix_path: Path):
     return picked
 
 
+def _check_gpu_option(device: str, gpu: Optional[str]) -> None:
+    if gpu is not None and device != "cuda":
+        fail("--gpu picks a GPU for --device cuda; --device cpu measures on the CPU", 2)
+
+
 def _pool_layout(device: str, gpu: Optional[str], gpus: Optional[str], workers: Optional[int], replicate: bool):
     """The worker pool asked for (attnbench.pool.PoolLayout), or None for today's single process. The rule: --gpus
-    is for --device cuda (one worker per GPU), --workers for --device cpu; --gpu (one GPU) excludes --gpus;
-    --replicate needs one of them. Bad values: one line, exit 2 (the GPU indices are checked against the
-    machine once NVML is read)."""
+    is for --device cuda (one worker per GPU), --workers for --device cpu; --gpu (one GPU) is for --device cuda too
+    and excludes --gpus; --replicate needs one of them. Bad values: one line, exit 2 (the GPU indices are checked
+    against the machine once NVML is read)."""
     from attnbench.gpu import GpuListError, parse_gpu_list
     from attnbench.pool import PoolLayout
 
+    _check_gpu_option(device, gpu)
     if gpus is not None:
         if device != "cuda":
             fail("--gpus selects GPUs for --device cuda; with --device cpu give --workers N", 2)
@@ -717,6 +721,7 @@ def spot_check(ctx: typer.Context,
 
     _check_device(device)
     _check_clean_gpu_options(max_util, min_free_gb, wait)
+    _check_gpu_option(device, gpu)
     if rescore is not None:
         extra = _options_given(ctx, "gpu", "max_util", "min_free_gb", "wait", "results_root", "resume")
         if extra:
@@ -804,12 +809,7 @@ def accuracy(device: str = DeviceOpt,
     if heads_q % acc.PAPER_HEADS_KV:
         fail(f"--heads-q {heads_q}: need a multiple of {acc.PAPER_HEADS_KV} (the grid's key/value heads, each shared "
              "by a group of query heads)", 2)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        fail(f"--out-dir {out_dir}: cannot make it a folder ({exc.strerror or exc})", 2)
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        fail(f"--out-dir {out_dir}: not writable by this user", 2)
+    _check_results_root(out_dir, "--out-dir")
     if device == "cuda":
         import torch
 

@@ -594,9 +594,14 @@ def _number(path, cid, fieldname, value, *, minimum, maximum=None, integer=False
 
 
 def _boolean(path, cid, fieldname, value) -> bool:
+    return boolean_field(f"{path}: cell '{cid}'", fieldname, value)
+
+
+def boolean_field(where: str, fieldname: str, value) -> bool:
+    """A true / false field of a matrix or spot-check file (`where`: the file and its cell or check)."""
     # YAML 1.1 would read an unquoted `no` as false, but a quoted 'no' is a string that bool() calls true
     if not isinstance(value, bool):
-        raise MatrixError(f"{path}: cell '{cid}': field '{fieldname}' = {value!r}: allowed true, false")
+        raise MatrixError(f"{where}: field '{fieldname}' = {value!r}: allowed true, false")
     return value
 
 

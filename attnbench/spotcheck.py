@@ -58,7 +58,7 @@ import yaml
 
 from attnbench.formatting import format_n, format_ratio, md_table
 from attnbench.backends import DTYPES, BackendError, NotLandedError, get_backend
-from attnbench.matrix import Matrix, MatrixError, load_matrix, matrix_defaults, read_yaml
+from attnbench.matrix import Matrix, MatrixError, boolean_field, load_matrix, matrix_defaults, read_yaml
 from attnbench.analysis import HOST_LEGEND, HOST_MARK
 from attnbench.measure.noise import MEASURED_STATUSES, host_bound
 from attnbench.store import Run
@@ -136,14 +136,6 @@ def validate_checks(checks, cell_ids=None, where: str = "checks") -> list[dict]:
     return out
 
 
-def _flag(check: dict, here: str, field: str, default: bool) -> bool:
-    """A true / false field, as matrix.py's cell fields: a quoted 'no' is a string, which bool() would call true."""
-    value = check.get(field, default)
-    if not isinstance(value, bool):
-        raise _err(here, f"field '{field}' = {value!r}: allowed true, false")
-    return value
-
-
 def _validate_perf(check: dict, here: str, cell_ids) -> None:
     cells = check.get("cells")
     if isinstance(cells, str):
@@ -155,7 +147,7 @@ def _validate_perf(check: dict, here: str, cell_ids) -> None:
             if c not in cell_ids:
                 raise _err(here, f"field 'cells': unknown cell '{c}' (not among this file's cells)")
     check["cells"] = cells
-    check["allow_noisy"] = _flag(check, here, "allow_noisy", True)
+    check["allow_noisy"] = boolean_field(here, "allow_noisy", check.get("allow_noisy", True))
     rules = check.get("rules")
     if not isinstance(rules, list) or not rules:
         raise _err(here, "field 'rules': need a non-empty list")
@@ -199,7 +191,7 @@ def _validate_correctness(check: dict, here: str) -> None:
     if direction not in DIRECTIONS:
         raise _err(here, f"field 'direction' = {direction!r}: allowed {', '.join(DIRECTIONS)}")
     check["direction"] = direction
-    check["causal"] = _flag(check, here, "causal", False)
+    check["causal"] = boolean_field(here, "causal", check.get("causal", False))
     max_abs = check.get("max_abs")
     if not isinstance(max_abs, dict) or not max_abs:
         raise _err(here, "field 'max_abs': need a mapping dtype → tolerance, e.g. {float32: 1.0e-5}")

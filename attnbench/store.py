@@ -139,11 +139,7 @@ class RunStore:
             store.lock()
             store.write_manifest(manifest)
             for name, text in (("points.csv", HEADER_LINE), ("attempts.jsonl", "")):
-                try:
-                    with open(path / name, "w", newline="") as fh:
-                        fh.write(text)
-                except OSError as exc:
-                    raise _cannot_write(path / name, exc) from None
+                _write_whole(path / name, text)
         except BaseException:
             store.unlock()
             shutil.rmtree(path, ignore_errors=True)   # made just now and never a run: nothing of it is kept
@@ -294,16 +290,10 @@ class RunStore:
         points = self.path / "points.csv"
         rows, _, torn = _read_points(points)
         if torn and not (not rows and HEADER_LINE.startswith(torn)):   # a torn header holds no measurement
-            self._set_aside("points.csv", torn)
+            _set_aside(self.path, "points.csv", torn)
             done.append(f"points.csv: torn last row {_preview(torn)} set aside in {TORN_FILE}; its point is measured again")
         if not rows:
-            try:
-                with open(points, "w", newline="") as fh:   # 0 bytes, or only a torn header
-                    fh.write(HEADER_LINE)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            except OSError as exc:
-                raise _cannot_write(points, exc) from None
+            _write_whole(points, HEADER_LINE)     # 0 bytes, or only a torn header
             done.append("points.csv: header restored")
         elif torn:
             _truncate_tail(points, len(torn.encode("utf-8", "surrogateescape")))
@@ -312,13 +302,20 @@ class RunStore:
         if complete_tail:      # a whole record that only lacks its newline
             _append_line(attempts, "\n")
         elif torn:
-            self._set_aside("attempts.jsonl", torn)
+            _set_aside(self.path, "attempts.jsonl", torn)
             _truncate_tail(attempts, len(torn.encode("utf-8", "surrogateescape")))
             done.append(f"attempts.jsonl: torn last record {_preview(torn)} set aside in {TORN_FILE}")
         return done
 
-    def _set_aside(self, source: str, text: str) -> None:
-        _set_aside(self.path, source, text)
+def _write_whole(path: Path, text: str) -> None:
+    """A file's whole text, fsync'd (a run's new logs, a header restored); RunWriteError where it cannot be."""
+    try:
+        with open(path, "w", newline="") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise _cannot_write(path, exc) from None
 
 
 def _set_aside(run_dir: Path, source: str, text: str) -> None:
@@ -602,17 +599,18 @@ def _host_times_from_attempts(run: Run) -> None:
         run.points[f"{side}_host_ms"] = [float("nan") if v is None else float(v) for v in values]
 
 
-def check_results_root(root) -> None:
-    """`root` exists (created if needed) and this process may create run directories in it; else RunDirError."""
+def check_results_root(root, name: str = "results root") -> None:
+    """`root` exists (created if needed) and this process may create files in it (run directories; any output
+    folder of the CLI, named by `name` in the error); else RunDirError."""
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise RunDirError(f"results root {root}: exists and is not a folder") from None
+        raise RunDirError(f"{name} {root}: exists and is not a folder") from None
     except OSError as exc:
-        raise RunDirError(f"results root {root}: cannot create it ({exc.strerror or exc})") from None
+        raise RunDirError(f"{name} {root}: cannot create it ({exc.strerror or exc})") from None
     if not os.access(root, os.W_OK | os.X_OK):
-        raise RunDirError(f"results root {root}: not writable by this user")
+        raise RunDirError(f"{name} {root}: not writable by this user")
 
 
 def lock_holder(run_dir) -> str | None:

@@ -257,6 +257,7 @@ def test_read_only_results_root(tmp_path, capsys):
 
 OTHER_COMMANDS = {
     # id: (arguments, culprits)
+    "spot-check-gpu-on-the-cpu": (["spot-check", "{tiny}", "--device", "cpu", "--gpu", "0"], ["--gpu", "--device cpu"]),
     "gate-tolerance-negative": (["gate", "--baseline", "{run}", "--current", "{run}", "--tolerance", "-1"],
                                 ["--tolerance -1", "(0, 1)"]),
     "gate-tolerance-zero": (["gate", "--baseline", "{run}", "--current", "{run}", "--tolerance", "0"], ["--tolerance 0"]),
