@@ -594,9 +594,16 @@ def _host_times_from_attempts(run: Run) -> None:
     """A run written after the host's time was recorded per call but before points.csv had its columns: each
     point's host times from its final attempt record (the same medians the runner now writes)."""
     final = final_attempts(run)
+    path = run.path / "attempts.jsonl"
     for side in ("kernel", "baseline"):
-        values = [((final.get(pid) or {}).get(side) or {}).get("host_ms_median") for pid in run.points["point_id"]]
-        run.points[f"{side}_host_ms"] = [float("nan") if v is None else float(v) for v in values]
+        values = []
+        for pid in run.points["point_id"]:
+            part = (final.get(pid) or {}).get(side)
+            v = part.get("host_ms_median") if isinstance(part, dict) else None
+            if v is not None and (type(v) not in (int, float) or not v >= 0):
+                raise RunDirError(f"{path}: point {pid}: {side}.host_ms_median {v!r} is not a time in ms")
+            values.append(float("nan") if v is None else float(v))
+        run.points[f"{side}_host_ms"] = values
 
 
 def check_results_root(root, name: str = "results root") -> None:

@@ -5,6 +5,7 @@ attnbench.store.RunStore, so the tests read exactly what the runner writes.
 """
 from __future__ import annotations
 
+import json
 import random
 from datetime import datetime, timezone
 
@@ -15,7 +16,7 @@ from attnbench.formatting import format_n, format_ratio
 from attnbench.measure.stats import median_ci, median_ci_half_width, robust_cv
 from attnbench.report import sweep_table
 from attnbench.runs import load_runs
-from attnbench.store import RunStore
+from attnbench.store import RunDirError, RunStore
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-0000", "sm_count": 132}
 
@@ -342,3 +343,12 @@ def test_host_bound_eager_points_carry_a_mark_and_their_host_time(tmp_path):
     assert loaded["kernel_host_ms"].isna().sum() == 1
     (s,) = summarize_cells(load_runs([run]))
     assert s.sweep == "4K 0.20† · 16K 0.11 · 64K 0.03"
+    # a final attempt whose host time is not a number: one line naming the file, the point and the field
+    attempts = run / "attempts.jsonl"
+    lines = attempts.read_text().splitlines()
+    last = json.loads(lines[-1])
+    last["kernel"]["host_ms_median"] = "fast"
+    attempts.write_text("\n".join(lines[:-1] + [json.dumps(last)]) + "\n")
+    with pytest.raises(RunDirError, match=rf"attempts.jsonl: point {last['point_id']}: "
+                                          r"kernel.host_ms_median 'fast' is not a time in ms"):
+        load_run(run)

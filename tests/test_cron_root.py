@@ -342,7 +342,8 @@ def test_kernel_relay_changes_the_function(device):
 @pytest.mark.parametrize("bad,match", [
     (dict(causal=False), "cron_root: causal=False is not supported"),
     (dict(precision="fp8"), "precision must be one of tf32x3, ieee, tf32, got 'fp8'"),
-    (dict(relay_threshold=1.5), "relay_threshold must be an int, got 1.5"),
+    (dict(relay_threshold=1.5), r"relay_threshold must be an int >= 0 \(0: always relay\), got 1.5"),
+    (dict(relay_threshold=-5), r"relay_threshold must be an int >= 0 \(0: always relay\), got -5"),
     (dict(scale=0.0), "scale must be a positive finite number or None, got 0.0"),
     (dict(config={"fwdd": {}}), r"config part 'fwdd' unknown"),
     (dict(config={"fwd": {"BLOCK_K": 16}}), r"config\['fwd'\] has no parameter 'BLOCK_K'"),

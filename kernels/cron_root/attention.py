@@ -290,8 +290,8 @@ not_differentiable(_lib, "cron_root_bwd")
 def check_options(name: str, relay_threshold=RELAY_THRESHOLD, precision="tf32x3") -> None:
     """Cron Root's own options, checked without a tensor (the harness checks a matrix's cells with it at load
     time)."""
-    if type(relay_threshold) is not int:
-        raise ValueError(f"{name}: relay_threshold must be an int, got {relay_threshold!r}")
+    if type(relay_threshold) is not int or relay_threshold < 0:
+        raise ValueError(f"{name}: relay_threshold must be an int >= 0 (0: always relay), got {relay_threshold!r}")
     if precision not in PRECISIONS:
         check_precision(name, precision)
 
