@@ -24,6 +24,7 @@ from kernels.cqsa.divide import (INTEREST_SETS, SEED_C133_SET, Pieces, Task, bal
                                  tasks_from_paths)
 from kernels.cqsa.kernel import resolve_tiles
 from kernels.cqsa.schedule import build_schedule, resident_schedule, task_schedule
+import kernels.cqsa.stream as stream_mod
 from kernels.cqsa.stream import STREAM_EAGER_ONLY, MergeError, StableAccumulator, stream_backward, stream_forward
 from kernels.reference import reference_attention
 
@@ -814,6 +815,68 @@ def test_tiny_budget_plans_deeper_and_stays_exact():
     assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
 
 
+def _planner(engine, n, d, h, budget, held):
+    """An engine of either kind for q, k, v [1, h, n, d] float16 (O and dO too for the backward), not run: only
+    planned, with `held` bytes already on the device (the CPU engine's ledger stands in for the allocator)."""
+    x = [torch.empty((1, h, n, d), dtype=torch.float16) for _ in range(5)]
+    inputs = x[:3] if engine is stream_mod._FwdEngine else [*x[:4], torch.empty((1, h, n)), x[4]]
+    eng = engine("test", inputs, **stream_mod._prepare(*x[:3], False, None, 7, 1, "tf32x3", None,
+                                                         dict(mem_budget=budget, device="cpu")))
+    eng.ledger = held
+    return eng
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("engine", ["_FwdEngine", "_BwdEngine"])
+def test_plan_is_the_fastest_that_fits_and_never_slower_with_more_budget(engine):
+    """Under a budget the planner takes, of every (accumulator place, depth) whose peak fits, the one it ranks
+    fastest; a larger budget fits more plans, so it never picks a slower one (the planner used to try the device
+    accumulator at every depth first: 16,807 tasks where a host accumulator at depth 1 fitted)."""
+    cls = getattr(stream_mod, engine)
+    n, d, h, held = 16384, 128, 8, 100 << 20
+    seconds, places = [], set()
+    for budget in np.geomspace(0.12e9, 1.2e9, 40).astype(int).tolist():
+        eng = _planner(cls, n, d, h, budget, held)
+        itr, acc = eng.plan()
+        eng.configure(acc == "device")
+        fits = []
+        for place in ("device", "host"):
+            eng.configure(place == "device")
+            for depth in range(1, max_depth(n, 7) + 1):
+                if held + eng.peak_estimate(place == "device", depth) <= 0.95 * budget:
+                    fits.append((eng.plan_seconds(place == "device", depth), depth, place))
+        if not fits:
+            assert (itr, acc) == (max_depth(n, 7), "host")
+            continue
+        assert (itr, acc) == min(fits)[1:]
+        seconds.append(min(fits)[0])
+        places.add(acc)
+    # the sweep crosses from the smallest budgets (nothing fits) through host plans to the device's depth 1
+    assert seconds == sorted(seconds, reverse=True) and places == {"host", "device"}
+
+
+@pytest.mark.cpu_only("host_inputs")
+def test_plan_does_not_sum_the_task_loop_and_the_finish():
+    """The backward's dQ, dK, dV are allocated after the last task, so a plan needs the larger of the task loop and
+    the finish, not both: at a budget between the two the engine runs at depth 1 with its accumulator on the
+    device (the planner used to add them and go a level deeper), inside the budget and exact."""
+    n, d = 60, 32
+    q, k, v = _inputs(n, d, grad=True)
+    eng = _planner(stream_mod._BwdEngine, n, d, 1, 10 ** 9, 0)
+    loop = eng.peak_estimate(True, 1) - eng.resident_bytes(True)       # one task at depth 1
+    grads = eng.finish_bytes(True) - eng.resident_bytes(True)
+    assert loop > grads > 0
+    budget = int((eng.resident_bytes(True) + loop + grads // 2) / 0.95)
+    ref = reference_attention(q, k, v, causal=True)
+    do = torch.randn_like(ref)
+    out, lse, _ = stream_forward(q.detach(), k.detach(), v.detach(), causal=True, c=7, itr=1, precision="ieee")
+    *grad, st = stream_backward(q.detach(), k.detach(), v.detach(), out, lse, do.float(), causal=True, c=7, itr=1,
+                                mem_budget=budget, precision="ieee")
+    assert (st.itr_start, st.acc) == (1, "device") and st.peak_bytes <= budget and st.pairs_covered == n * n
+    for name, a, b in zip("qkv", grad, torch.autograd.grad(ref, (q, k, v), do)):
+        assert max_err(a, b) <= F32_TOL, name
+
+
 def test_streamed_backward_with_guardrail_matches_dense():
     n = 45
     q, k, v = _inputs(n, grad=True)
@@ -1161,8 +1224,11 @@ def test_gpu_streaming_from_pinned_host_is_exact_and_within_budget():
     dev = [t.detach().cuda() for t in (q, k, v)]
     resident = cqsa_attention(*dev, causal=True, c=7, itr=2)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()          # the engine's peak_bytes is exact from a fresh counter
     held = torch.cuda.memory_allocated()
-    budget = held + 64 * 2 ** 20 + StableAccumulator.nbytes(1, h, n, d)
+    # room (the planner keeps 5 % back) for the device accumulator and two depth-2 tasks' inputs, 143 MB, but not
+    # for two depth-1 tasks with a host accumulator, 178 MB: it plans depth 2 on the device
+    budget = int((held + 160 * 2 ** 20) / 0.95)
     out, st = cqsa_attention(q, k, v, causal=True, c=7, itr=1, mem_budget=budget, return_stats=True)
     assert out.device.type == "cpu" and st.inputs == "host" and st.acc == "device"
     assert st.itr_final >= 2 and st.peak_bytes <= budget and st.pairs_covered == n * n
@@ -1192,11 +1258,34 @@ def test_gpu_streaming_grouped_query_host_inputs():
 
 
 @pytest.mark.gpu
+def test_gpu_streaming_leaves_the_callers_peak_counter_alone():
+    """The harness measures a call's peak with the device's peak counter, so the engine never resets it: a peak
+    reached before the call survives the call, and from a fresh counter the call's stats.peak_bytes is the
+    counter's value, inside the budget."""
+    n, h, d = 16384, 4, 128
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    big = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    del big
+    budget = held + (1 << 30)
+    out, _, st = stream_forward(q, k, v, c=7, itr=1, mem_budget=budget)
+    assert torch.cuda.max_memory_allocated() >= held + (4 << 30)
+    assert held < st.peak_bytes <= budget
+    del out
+    torch.cuda.reset_peak_memory_stats()
+    out, _, st = stream_forward(q, k, v, c=7, itr=1, mem_budget=budget)
+    assert torch.cuda.max_memory_allocated() == st.peak_bytes and held < st.peak_bytes <= budget
+
+
+@pytest.mark.gpu
 def test_gpu_budget_with_device_inputs_and_real_allocator_oom():
     n, h, d = 65536, 2, 128
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
     ref = cqsa_attention(q, k, v, c=7, itr=1)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()
     budget = held + 2 * q.numel() * 2 + StableAccumulator.nbytes(1, h, n, d) + 96 * 2 ** 20
     out, lse, st = stream_forward(q, k, v, c=7, itr=1, mem_budget=budget)

@@ -15,7 +15,7 @@ On the CPU the same loop runs synchronously (no streams), which is what the test
 Guardrail (spec §5.4, paper §2.5): a task that hits OOM (a real one, the budget check, or one
 injected by ``oom_hook``) is evicted — nothing of it merged — and requeued; n_cap drops by one;
 at n_cap = 1 the failing task (``refine="hybrid"``) or every queued task (``"uniform"``) is
-refined one level deeper and a calibration pass (one task alone, peak measured) re-sizes n_cap.
+refined one level deeper and a calibration pass (one task alone, its footprint measured) re-sizes n_cap.
 Merges are idempotent per task path; the engine checks at the end that the merged tasks' kept
 pairs sum to exactly Nq·Nk (each pair once), so a lost or doubled contribution cannot go unnoticed.
 
@@ -63,7 +63,10 @@ class StreamStats:
     acc: str = "device"
     inputs: str = "device"                  # device (read in place) | host
     budget: int | None = None
-    peak_bytes: int | None = None           # max bytes allocated on the compute device during the run
+    # max bytes allocated on the compute device during the run. On CUDA: the device's peak counter (which the engine
+    # never resets: it is its caller's window, the harness's) when it rose during the run; else the highest
+    # allocation the engine saw (after each launch and at the end). Reset the counter before the call for an exact peak.
+    peak_bytes: int | None = None
     times_s: dict = field(default_factory=lambda: dict(plan=0.0, gather=0.0, h2d=0.0, compute=0.0, merge=0.0,
                                                           d2h=0.0, finalize=0.0, wall=0.0))
     # forward pipeline options in effect (see stream_forward) and the row-chunk finaliser's counts
@@ -127,6 +130,15 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torc
     for s in range(0, N, chunk):
         delta[:, :, s:s + chunk] = (do[:, :, s:s + chunk].float() * out[:, :, s:s + chunk].float()).sum(-1)
     return delta
+
+
+# Rates that rank the plans under a budget (plan_seconds; each engine has its kernels' FLOP/s as `flops_per_s`),
+# fitted to the engine timed at forced plans on the H200 (B=1, H=8, D=128 fp16, 16K and 64K:
+# results/dev/cqsa/stream_plan_rates_h200.json). Only their ratios matter: what a deeper divide's extra work and
+# tasks cost against merging partials on the host.
+PLAN_TASK_S = 5e-4            # host time per kernel launch of a task (tables, copies, events, Python)
+PLAN_LINK_BPS = 25e9          # host <-> device bytes/s (pinned)
+PLAN_HOST_MERGE_BPS = 16e9    # partials' bytes/s the host's PyTorch merge folds in
 
 
 def _depth_bound(n: int, c: int, itr: int) -> int:
@@ -363,27 +375,56 @@ class _Engine(ABC):
         """Bytes one task of Lq query and Lk key tokens needs on the device."""
 
     @abstractmethod
-    def floor_bytes(self, acc_on_device: bool) -> int:
-        """Bytes resident for the whole run (accumulators on the device or not)."""
+    def resident_bytes(self, acc_on_device: bool) -> int:
+        """Bytes held on the device while tasks run (accumulators there or on the host)."""
+
+    @abstractmethod
+    def finish_bytes(self, acc_on_device: bool) -> int:
+        """Bytes held on the device while the results are written (after the last task: not on top of one)."""
+
+    @abstractmethod
+    def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
+        """One task's (flops, bytes copied host -> device, bytes merged on the host)."""
 
     def _stream_ctx(self, s):
         return torch.cuda.stream(s) if s is not None else _nullctx()
 
     # planning -----------------------------------------------------------------------------------
+    def peak_estimate(self, acc_on_device: bool, itr: int) -> int:
+        """Bytes the run would add to what the device holds, at depth itr: the larger of the task loop (resident
+        state plus n_cap_max tasks in flight) and the finish (results written after the last task)."""
+        slots = self.n_cap_max if self.cuda else 1
+        need = self.task_need(_depth_bound(self.N, self.c, itr), _depth_bound(self.Nk, self.c, itr))
+        return max(self.resident_bytes(acc_on_device) + slots * need, self.finish_bytes(acc_on_device))
+
+    def plan_seconds(self, acc_on_device: bool, itr: int) -> float:
+        """A rough time for the run at depth itr, to rank the plans: the kernels' work or the host's per-task cost,
+        whichever is longer (the host enqueues ahead of the GPU), plus the bytes crossing the host link (host
+        inputs) and the partials merged on the host (a host accumulator), which the loop waits for."""
+        n_tasks = self.c ** itr
+        flops, h2d, host_merge = self.task_traffic(_depth_bound(self.N, self.c, itr),
+                                                   _depth_bound(self.Nk, self.c, itr), acc_on_device)
+        overlapped = max(flops / self.flops_per_s, self.launches * PLAN_TASK_S)
+        host_link = h2d / PLAN_LINK_BPS + host_merge * (1 / PLAN_LINK_BPS + 1 / PLAN_HOST_MERGE_BPS)
+        return n_tasks * (overlapped + host_link)
+
     def plan(self) -> tuple[int, str]:
+        """(depth, accumulator place): under a budget, the fastest plan by plan_seconds among those whose
+        peak_estimate fits; the rank does not depend on the budget, so a larger budget never picks a slower plan."""
         cap = max_depth(self.N, self.c, self.Nk)
         accs = [self.acc_mode] if self.acc_mode != "auto" else ["device", "host"]
         if self.budget is None:
             return self.itr_min, accs[0]
         base = self.mem_now()
-        slots = self.n_cap_max if self.cuda else 1
+        fitting = []
         for acc in accs:
             self.configure(acc == "device")
-            floor = base + self.floor_bytes(acc == "device")
             for itr in range(self.itr_min, max(cap, self.itr_min) + 1):
-                need = self.task_need(_depth_bound(self.N, self.c, itr), _depth_bound(self.Nk, self.c, itr))
-                if floor + slots * need <= 0.95 * self.budget:
-                    return itr, acc
+                if base + self.peak_estimate(acc == "device", itr) <= 0.95 * self.budget:
+                    fitting.append((self.plan_seconds(acc == "device", itr), itr, acc))
+        if fitting:
+            _, itr, acc = min(fitting)
+            return itr, acc
         # nothing fits by the estimate: start at the deepest level; the guardrail raises if it really fails
         return max(cap, self.itr_min), accs[-1]
 
@@ -392,10 +433,10 @@ class _Engine(ABC):
         t_wall = time.perf_counter()
         origin = None
         if self.cuda:
-            # the engine resets the device's peak counter; stats.peak_bytes is the run's own peak
+            # the device's peak counter is the caller's (the harness measures a call's peak with it): never reset
             torch.cuda.synchronize(self.dev)
-            torch.cuda.reset_peak_memory_stats(self.dev)
-            self.peak_seen = torch.cuda.max_memory_allocated(self.dev)
+            self.counter_at_start = torch.cuda.max_memory_allocated(self.dev)
+            self.peak_seen = torch.cuda.memory_allocated(self.dev)
             origin = torch.cuda.Event(enable_timing=True)
             origin.record(torch.cuda.current_stream(self.dev))
         t0 = time.perf_counter()
@@ -427,9 +468,6 @@ class _Engine(ABC):
                 if self.merged(task):
                     continue
                 base = self.mem_now()
-                if self.cuda:
-                    self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(self.dev))
-                    torch.cuda.reset_peak_memory_stats(self.dev)
                 try:
                     h = self.launch(task, 0)
                 except OOM as exc:
@@ -437,11 +475,14 @@ class _Engine(ABC):
                     queue.appendleft(task)
                     self.escalate(task, queue, cap_depth)
                     continue
+                # the task's buffers are allocated at launch and live until it retires: what the device holds
+                # now is the task's footprint (the merge's temporaries are the estimate's, need_scale >= 1)
+                held = self.mem_now()
                 self.retire(h)
                 if self.peak_hook is not None:
                     delta = int(self.peak_hook(task))
                 elif self.cuda:
-                    delta = max(torch.cuda.max_memory_allocated(self.dev) - base, 1)
+                    delta = max(held - base, 1)
                 else:
                     delta = max(h.need, 1)
                 # admissions from now on charge each task the measured footprint when it beats the estimate
@@ -506,7 +547,8 @@ class _Engine(ABC):
             self.stats.escalations.append(("all", task.depth + 1))
 
     def final_chunk(self, bytes_per_token: int) -> int:
-        """Tokens per finalisation slab: temporaries stay inside the budget (and under 64K tokens)."""
+        """Tokens per slab of a whole-sequence pass (δ, the finalisation): temporaries stay inside the budget (and
+        under 64K tokens)."""
         if self.budget is None:
             return 1 << 16
         free = self.budget - self.mem_now() - (1 << 20)
@@ -532,7 +574,8 @@ class _Engine(ABC):
         for k, v in tot.items():
             st.times_s[k] = st.times_s.get(k, 0.0) + v
         if self.cuda:
-            st.peak_bytes = int(max(self.peak_seen, torch.cuda.max_memory_allocated(self.dev)))
+            counter = torch.cuda.max_memory_allocated(self.dev)
+            st.peak_bytes = int(counter if counter > self.counter_at_start else max(self.peak_seen, self.mem_now()))
             wall = st.times_s["wall"]
             comp = intervals.get("compute", [])
             st.gpu_compute_fraction = _union_length(comp) / wall if wall > 0 else None
@@ -761,6 +804,9 @@ class _RowFinalizer:
 
 
 class _FwdEngine(_Engine):
+    launches = 1            # kernel launches per task
+    flops_per_s = 5e14      # plan_seconds' rate of the forward kernel
+
     def gathered(self):
         q, k, v = self.inputs
         return [(q, "q"), (k, "k"), (v, "k")]
@@ -793,14 +839,28 @@ class _FwdEngine(_Engine):
         # out_i, lse_i, merge temporaries (m1, a, w per row), tables, allocator rounding slack
         return inputs + 4 * Lq * BH * D + 4 * Lq * BH + 12 * Lq * BH + (2 << 20)
 
-    def floor_bytes(self, acc_on_device: bool) -> int:
+    def _state_bytes(self, acc_on_device: bool, with_out: bool) -> int:
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
         acc = StableAccumulator.nbytes(B, H, N, D) if acc_on_device else 0
-        out = (s * B * H * N * D + 4 * B * H * N) if self.src_device == self.dev else 0
+        out = (s * B * H * N * D + 4 * B * H * N) if with_out and self.src_device == self.dev else 0
         stage = 0
         if acc_on_device and self.out_path in ("pinned", "pageable"):
             stage = _RowFinalizer.staging_bytes(B, H, D, s, self.fin_chunk)
         return acc + out + stage + (4 << 20)
+
+    def resident_bytes(self, acc_on_device: bool) -> int:
+        # the row finaliser writes O while tasks run; the legacy one allocates it after the last task
+        return self._state_bytes(acc_on_device, with_out=self.fin_eff != "legacy")
+
+    def finish_bytes(self, acc_on_device: bool) -> int:
+        # the legacy finaliser's slabs are sized to what is left of the budget (final_chunk)
+        return self._state_bytes(acc_on_device, with_out=True)
+
+    def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
+        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
+        flops = 4.0 * BH * Lq * Lk * D * (0.5 if self.causal else 1.0)
+        h2d = 0 if self.inputs_in_place else s * D * (Lq * BH + 2 * Lk * self.B * self.Hkv)
+        return flops, h2d, (0 if acc_on_device else 4 * Lq * BH * (D + 1))
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
@@ -843,7 +903,7 @@ class _FwdEngine(_Engine):
                 lse_i = torch.empty((B, H, L), dtype=torch.float32, device=self.dev)
             if not self.cuda:
                 self.ledger += h.need
-                self.peak_seen = max(self.peak_seen, self.ledger)
+            self.peak_seen = max(self.peak_seen, self.mem_now())
             c0 = self.timer.start(self.comp_s)
             if kernel_merge:
                 # every task's kernel runs on comp_s, one after another, and a task holds each global row
@@ -962,6 +1022,9 @@ class _FwdEngine(_Engine):
 
 
 class _BwdEngine(_Engine):
+    launches = 2            # dQ, then dK and dV
+    flops_per_s = 2.5e14    # plan_seconds' rate of the backward kernels
+
     def gathered(self):     # q, dO (query side) and k, v (key side) are copied per task; lse and δ rows ride along
         q, k, v, _o, _lse, do = self.inputs
         return [(q, "q"), (k, "k"), (v, "k"), (do, "q")]
@@ -971,12 +1034,23 @@ class _BwdEngine(_Engine):
         inputs = 0 if self.inputs_in_place else (2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq)
         return inputs + 4 * D * (Lq * BHq + 2 * Lk * BHk) + (2 << 20)
 
-    def floor_bytes(self, acc_on_device: bool) -> int:
-        B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
+    def resident_bytes(self, acc_on_device: bool) -> int:
+        B, H, N, D = self.B, self.H, self.N, self.D
         acc = GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk) if acc_on_device else 0
-        rows = 8 * B * H * N if self.inputs_in_place else 0
+        rows = 8 * B * H * N if self.inputs_in_place else 0          # δ and lse on the device
+        return acc + rows + (4 << 20)
+
+    def finish_bytes(self, acc_on_device: bool) -> int:
+        # dQ, dK, dV in the inputs' dtype, allocated after the last task; the casts go in slabs (final_chunk)
+        B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
         grads = s * B * D * (H * N + 2 * self.Hkv * self.Nk) if self.src_device == self.dev else 0
-        return acc + rows + grads + (4 << 20)
+        return self.resident_bytes(acc_on_device) + grads
+
+    def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
+        BHq, BHk, D, s = self.B * self.H, self.B * self.Hkv, self.D, self.dtype.itemsize
+        flops = 10.0 * BHq * Lq * Lk * D * (0.5 if self.causal else 1.0)       # 2.5x the forward's
+        h2d = 0 if self.inputs_in_place else 2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq
+        return flops, h2d, (0 if acc_on_device else 4 * D * (Lq * BHq + 2 * Lk * BHk))
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
@@ -985,7 +1059,9 @@ class _BwdEngine(_Engine):
                                    self.Hkv, self.Nk)
         if not self.cuda:
             self.ledger += GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk)
-        self.delta = row_delta(do, o)              # where O and dO live (host inputs: on the host)
+        # where O and dO live (host inputs: on the host); on the device, in slabs that fit what the budget leaves
+        on_dev = o.device == self.dev
+        self.delta = row_delta(do, o, chunk=self.final_chunk(12 * B * H * D) if on_dev else 1 << 16)
         self.lse = lse.contiguous()
         self.consts_dq = constexprs("dq", D, self.tiles, self.causal, self.prec, DELTA_FROM_O=False)
         self.consts_dkdv = constexprs("dkdv", D, self.tiles, self.causal, self.prec)
@@ -1012,7 +1088,7 @@ class _BwdEngine(_Engine):
                      torch.empty((B, self.Hkv, Lk, D), **f32)]
             if not self.cuda:
                 self.ledger += h.need
-                self.peak_seen = max(self.peak_seen, self.ledger)
+            self.peak_seen = max(self.peak_seen, self.mem_now())
             c0 = self.timer.start(self.comp_s)
             # one task: first = last = wave 0, so the kernels write the parts directly; δ is read from `delta`
             # (the workspace argument), O is not needed
