@@ -877,6 +877,26 @@ def test_plan_does_not_sum_the_task_loop_and_the_finish():
         assert max_err(a, b) <= F32_TOL, name
 
 
+def test_launch_tables_are_kept_across_calls(monkeypatch):
+    """A plan's launch tables are built once and kept: a second call with the same plan builds none and gives the
+    same output; past the byte cap the least recently used tables go."""
+    q, k, v = _inputs(60)
+    monkeypatch.setattr(stream_mod, "_TABLES", type(stream_mod._TABLES)())
+    monkeypatch.setattr(stream_mod, "_tables_bytes", 0)
+    built = []
+    schedule = stream_mod.task_schedule
+    monkeypatch.setattr(stream_mod, "task_schedule", lambda *a, **kw: built.append(a[0].path) or schedule(*a, **kw))
+    out, _, st = stream_forward(q, k, v, causal=True, c=7, itr=2, precision="ieee")
+    assert len(built) == st.n_tasks == len(stream_mod._TABLES) and len(set(built)) == len(built)
+    again, _, _ = stream_forward(q, k, v, causal=True, c=7, itr=2, precision="ieee")
+    assert len(built) == st.n_tasks and torch.equal(again, out)
+    assert max_err(out, reference_attention(q, k, v, causal=True)) <= F32_TOL
+    monkeypatch.setattr(stream_mod, "TABLES_KEPT_BYTES", 1)
+    stream_forward(q, k, v, causal=True, c=7, itr=1, precision="ieee")        # another plan: new tables
+    (kept,) = stream_mod._TABLES.values()
+    assert stream_mod._tables_bytes == sum(t.nbytes for t in kept)
+
+
 def test_streamed_backward_with_guardrail_matches_dense():
     n = 45
     q, k, v = _inputs(n, grad=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,6 +139,13 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torc
 PLAN_TASK_S = 5e-4            # host time per kernel launch of a task (tables, copies, events, Python)
 PLAN_LINK_BPS = 25e9          # host <-> device bytes/s (pinned)
 PLAN_HOST_MERGE_BPS = 16e9    # partials' bytes/s the host's PyTorch merge folds in
+
+
+# The tasks' launch tables, kept across calls (_Engine.tables), ~20 bytes per block of rows (13 MB for a depth-4
+# plan over 2^20 tokens); past TABLES_KEPT_BYTES the least recently used go first.
+TABLES_KEPT_BYTES = 64 << 20
+_TABLES: OrderedDict = OrderedDict()
+_tables_bytes = 0
 
 
 def _depth_bound(n: int, c: int, itr: int) -> int:
@@ -366,7 +373,9 @@ class _Engine(ABC):
     # memory -------------------------------------------------------------------------------------
     def mem_now(self) -> int:
         if self.cuda:
-            return torch.cuda.memory_allocated(self.dev)
+            # torch.cuda.memory_allocated flattens every allocator statistic into a new dict first: a third of a
+            # task's host time when it is read per task; the nested form is the allocator's own
+            return torch.cuda.memory_stats_as_nested_dict(self.dev)["allocated_bytes"]["all"]["current"]
         return self.ledger
 
     # The forward and backward engines differ in what one task and the resident state cost in bytes.
@@ -436,7 +445,7 @@ class _Engine(ABC):
             # the device's peak counter is the caller's (the harness measures a call's peak with it): never reset
             torch.cuda.synchronize(self.dev)
             self.counter_at_start = torch.cuda.max_memory_allocated(self.dev)
-            self.peak_seen = torch.cuda.memory_allocated(self.dev)
+            self.peak_seen = self.mem_now()
             origin = torch.cuda.Event(enable_timing=True)
             origin.record(torch.cuda.current_stream(self.dev))
         t0 = time.perf_counter()
@@ -633,11 +642,26 @@ class _Engine(ABC):
         return out
 
     def tables(self, task: Task, block_rows: int, rows: str = "q", out_global: bool = False):
+        """The task's launch tables (column ranges, one wave of row items) on the compute device. The same plan
+        has the same tables on every call, so they are kept (_TABLES): building and copying them per task cost
+        more host time than the launch."""
+        key = (str(self.dev), self.N, self.Nk, task.path, task.cs, block_rows, rows, out_global, self.causal,
+               self.causal_off, self.inputs_in_place)
+        found = _TABLES.get(key)
+        if found is not None:
+            _TABLES.move_to_end(key)
+            return found
         sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global, rows, self.causal_off)
         r = torch.from_numpy(sched.ranges)
         w = torch.from_numpy(sched.waves[0])
         if self.cuda:
             r, w = r.pin_memory().to(self.dev, non_blocking=True), w.pin_memory().to(self.dev, non_blocking=True)
+        _TABLES[key] = (r, w)
+        global _tables_bytes
+        _tables_bytes += r.nbytes + w.nbytes
+        while _tables_bytes > TABLES_KEPT_BYTES and len(_TABLES) > 1:
+            dropped = _TABLES.popitem(last=False)[1]
+            _tables_bytes -= sum(t.nbytes for t in dropped)
         return r, w
 
     def to_dev_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
