@@ -132,13 +132,11 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torc
     return delta
 
 
-# Rates that rank the plans under a budget (plan_seconds; each engine has its kernels' FLOP/s as `flops_per_s`),
-# fitted to the engine timed at forced plans on the H200 (B=1, H=8, D=128 fp16, 16K and 64K:
-# results/dev/cqsa/stream_plan_rates_h200.json). Only their ratios matter: what a deeper divide's extra work and
-# tasks cost against merging partials on the host.
-PLAN_TASK_S = 5e-4            # host time per kernel launch of a task (tables, copies, events, Python)
-PLAN_LINK_BPS = 25e9          # host <-> device bytes/s (pinned)
-PLAN_HOST_MERGE_BPS = 16e9    # partials' bytes/s the host's PyTorch merge folds in
+# plan_seconds ranks the plans under a budget with rates fitted to the engine timed at forced plans on the H200
+# (B=1, H=8, D=128 fp16, 16K and 64K: results/dev/cqsa/stream_plan_rates_h200.json); each engine has its own
+# (flops_per_s, task_host_s, host_merge_bps), and host inputs cross the link at PLAN_LINK_BPS. Only their ratios
+# matter: what a deeper divide's extra work and tasks cost against merging partials on the host.
+PLAN_LINK_BPS = 25e9          # host -> device bytes/s (pinned)
 
 
 # The tasks' launch tables, kept across calls (_Engine.tables), ~20 bytes per block of rows (13 MB for a depth-4
@@ -413,9 +411,8 @@ class _Engine(ABC):
         n_tasks = self.c ** itr
         flops, h2d, host_merge = self.task_traffic(_depth_bound(self.N, self.c, itr),
                                                    _depth_bound(self.Nk, self.c, itr), acc_on_device)
-        overlapped = max(flops / self.flops_per_s, self.launches * PLAN_TASK_S)
-        host_link = h2d / PLAN_LINK_BPS + host_merge * (1 / PLAN_LINK_BPS + 1 / PLAN_HOST_MERGE_BPS)
-        return n_tasks * (overlapped + host_link)
+        overlapped = max(flops / self.flops_per_s, self.task_host_s)
+        return n_tasks * (overlapped + h2d / PLAN_LINK_BPS + host_merge / self.host_merge_bps)
 
     def plan(self) -> tuple[int, str]:
         """(depth, accumulator place): under a budget, the fastest plan by plan_seconds among those whose
@@ -828,8 +825,9 @@ class _RowFinalizer:
 
 
 class _FwdEngine(_Engine):
-    launches = 1            # kernel launches per task
-    flops_per_s = 5e14      # plan_seconds' rate of the forward kernel
+    # plan_seconds' rates: the kernel's FLOP/s; the host's time per task (a launch, events); a host accumulator's
+    # partials per second (copied to the host and folded in by the log-sum-exp merge there)
+    flops_per_s, task_host_s, host_merge_bps = 5e14, 1.3e-4, 6e9
 
     def gathered(self):
         q, k, v = self.inputs
@@ -1046,8 +1044,9 @@ class _FwdEngine(_Engine):
 
 
 class _BwdEngine(_Engine):
-    launches = 2            # dQ, then dK and dV
-    flops_per_s = 2.5e14    # plan_seconds' rate of the backward kernels
+    # plan_seconds' rates: the kernels' FLOP/s; the host's time per task (two launches, the merge's adds per piece,
+    # events); a host accumulator's partials per second (copied to the host and added there)
+    flops_per_s, task_host_s, host_merge_bps = 2.5e14, 5e-4, 14e9
 
     def gathered(self):     # q, dO (query side) and k, v (key side) are copied per task; lse and δ rows ride along
         q, k, v, _o, _lse, do = self.inputs
