@@ -647,18 +647,25 @@ class _Engine(ABC):
         found = _TABLES.get(key)
         if found is not None:
             _TABLES.move_to_end(key)
-            return found
-        sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global, rows, self.causal_off)
-        r = torch.from_numpy(sched.ranges)
-        w = torch.from_numpy(sched.waves[0])
+            r, w = found
+        else:
+            sched = task_schedule(task, block_rows, self.causal, self.inputs_in_place, out_global, rows,
+                                  self.causal_off)
+            r = torch.from_numpy(sched.ranges)
+            w = torch.from_numpy(sched.waves[0])
+            if self.cuda:
+                r, w = r.pin_memory().to(self.dev, non_blocking=True), w.pin_memory().to(self.dev, non_blocking=True)
+            _TABLES[key] = (r, w)
+            global _tables_bytes
+            _tables_bytes += r.nbytes + w.nbytes
+            while _tables_bytes > TABLES_KEPT_BYTES and len(_TABLES) > 1:
+                dropped = _TABLES.popitem(last=False)[1]
+                _tables_bytes -= sum(t.nbytes for t in dropped)
         if self.cuda:
-            r, w = r.pin_memory().to(self.dev, non_blocking=True), w.pin_memory().to(self.dev, non_blocking=True)
-        _TABLES[key] = (r, w)
-        global _tables_bytes
-        _tables_bytes += r.nbytes + w.nbytes
-        while _tables_bytes > TABLES_KEPT_BYTES and len(_TABLES) > 1:
-            dropped = _TABLES.popitem(last=False)[1]
-            _tables_bytes -= sum(t.nbytes for t in dropped)
+            # made on an earlier call's stream maybe: if dropped while this launch is queued, the allocator must
+            # wait for the stream that reads them (the caller's, compute) before it hands their memory out again
+            for t in (r, w):
+                t.record_stream(torch.cuda.current_stream(self.dev))
         return r, w
 
     def to_dev_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
