@@ -16,10 +16,11 @@ graph mode, unless --cross-timing eager: see Tuner.crossover), PASA's "shift" (P
 pre-pass, pasa_attention(shift=...): up to which key length the main kernel shifts K itself), PASA's "core" (its
 default call on the Gluon core against its Triton loop: from how much work the core runs; timed as "cross" is;
 Tuner.pasa_core) and ELSA's and CQSA's "gluonbwd" (the backward on the sm_90 Gluon kernel against the kernel's Triton
-one, fwd+bwd eager: from how much work the Gluon kernel runs; Tuner.gluon_bwd). Otherwise a candidate's score is the
-geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is candidate
-0, and it is replaced only when the best candidate's score is lower by more than the combined CI half-widths (a
-change must be real, not noise).
+one, fwd+bwd eager: from how much work the Gluon kernel runs; Tuner.gluon_bwd). CQSA's "plan" times its streaming
+engine at forced plans for the rates its planner ranks plans with (Tuner.stream_plan). Otherwise a candidate's score
+is the geometric mean of its median ratios over the section's lengths (and causal settings); the current entry is
+candidate 0, and it is replaced only when the best candidate's score is lower by more than the combined CI
+half-widths (a change must be real, not noise).
 
 The chosen entries are written where the kernel reads them, keyed like the kernel's own tables (dtype class and
 head-dim tile width BLOCK_D, the head dim padded to a power of two):
@@ -36,7 +37,8 @@ head-dim tile width BLOCK_D, the head dim padded to a power of two):
              runs on the Gluon core, ops.CORE_MIN_WORK, keyed by head dim and causal 0 / 1)
 - cqsa:      kernels/cqsa/tuning.json  ("fwd"/"dq"/"dkdv": {"16,128": [bm, bn, warps, stages]};
              kernels/cqsa/kernel.py's built-in GPU tiles; "gluon_bwd_min_work": {"128,0": work}, section gluonbwd:
-             attention.GLUON_BWD_MIN_WORK, keyed by head dim and causal 0 / 1)
+             attention.GLUON_BWD_MIN_WORK, keyed by head dim and causal 0 / 1; "plan_rates": {"fwd": [FLOP/s, host
+             seconds a task, host-merge bytes/s]}, section plan: the streaming planner's rates, stream.PLAN_RATES)
 - cron_root: kernels/cron_root/tuning.json, the entry of this GPU's name: the hybrid's crossovers
              (crossover_fwd / crossover_fwdbwd / crossover, section "cross") and "configs" per head-dim bucket
              (kernels/cron_root/configs.py merges them over its GPU_CONFIGS).
@@ -66,7 +68,7 @@ import torch  # noqa: E402
 from attnbench.arguments import EXIT_NO_GPU, Parser, head_dims, output_dir, output_file, positive_float  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
-from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
+from attnbench.measure import make_timer, measure_pair, median_ci_half_width  # noqa: E402
 from kernels._common import block_d  # noqa: E402
 from kernels._tuning import dim_key, write_configs, write_json_atomic  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
@@ -308,6 +310,8 @@ CQSA_TILES = {
     ("dkdv", 64): [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 8, 2)],
 }
 CQSA_DEFAULT = "fwd,dq,dkdv"
+STREAM_PLAN_NS = (16384, 65536)     # section plan: the host's time per task at the shorter, the rates at the longer
+STREAM_PLAN_DEEP = 4                # ... and the depth it times for the host's time (2,401 tasks)
 
 
 def cqsa_sweeps(ctx: Context, section: str):
@@ -393,7 +397,7 @@ def cron_root_sweeps(ctx: Context, section: str):
 SECTIONS = {
     "elsa": (elsa_sweeps, [*ELSA_SECTIONS, "gluonbwd"], ELSA_DEFAULT),
     "pasa": (pasa_sweeps, ["variant", "tiles", "shift", "core"], PASA_DEFAULT),
-    "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv", "gluonbwd"], CQSA_DEFAULT),
+    "cqsa": (cqsa_sweeps, ["fwd", "dq", "dkdv", "gluonbwd", "plan"], CQSA_DEFAULT),
     "cron_root": (cron_root_sweeps, ["cross", "fwd", "dq", "glob", "loc", "seg"], CRON_ROOT_DEFAULT),
 }
 
@@ -610,6 +614,9 @@ class Tuner:
             if section == "gluonbwd":
                 self.gluon_bwd()
                 continue
+            if self.kernel == "cqsa" and section == "plan":
+                self.stream_plan()
+                continue
             for s in sweeps(self.ctx, section):
                 self.run_sweep(s)
         return self.decisions
@@ -722,6 +729,72 @@ class Tuner:
                     f"the Gluon backward at least as fast from N = {cross} (B=1, H={heads})" if cross is not None
                     else "the Triton backward faster at the longest measured length: the entry stays")
                 self.decide(s, value, current, complete, why)
+
+    def stream_plan(self) -> None:
+        """Stream-CQSA's planner rates (kernels/cqsa/stream.py, PLAN_RATES: what plan_seconds ranks the plans under a
+        budget with), per engine, from the engine timed at forced plans with no budget: fp16, B = 1, H = 8, D = 128,
+        not causal, inputs on the device, one call (its whole run: host time included) by the harness's eager
+        timer, the median of three after a warm one. FLOP/s from depth 1 at the longer length (the planner's own
+        count of a task's FLOPs), the host's time per task from the deepest plan at the shorter one (thousands of
+        small tasks: the host is the bottleneck), a host accumulator's merge rate from its extra time over the
+        device accumulator's at depth 1 and the longer length. Every timing is a row of the log."""
+        from kernels.cqsa import stream
+        from kernels.cqsa.divide import max_depth
+
+        heads, d = (1, 32) if self.ctx.cpu else (8, 128)
+        short, long = (32, 64) if self.ctx.cpu else STREAM_PLAN_NS
+        deep = min(STREAM_PLAN_DEEP, max_depth(short, 7))
+        timer = make_timer(self.device)
+        gen = torch.Generator(device=self.device).manual_seed(7)
+
+        def inputs(n):
+            q, k, v, do = (torch.randn((1, heads, n, d), generator=gen, device=self.device, dtype=torch.float16)
+                           for _ in range(4))
+            out, lse, _ = stream.stream_forward(q, k, v, c=7)
+            return dict(q=q, k=k, v=v, out=out, lse=lse, do=do)
+
+        def seconds(mode, x, itr, acc, label) -> float | None:
+            if not self._time_left():
+                self.log(f"plan {label}: budget reached")
+                return None
+            t0 = time.monotonic()
+            args = (x["q"], x["k"], x["v"]) if mode == "fwd" else (x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"])
+            run = stream.stream_forward if mode == "fwd" else stream.stream_backward
+            times = []
+            for i in range(4):                               # a warm call, then three timed
+                token = timer.start()
+                run(*args, c=7, itr=itr, acc=acc)
+                token = timer.stop(token)
+                timer.sync()
+                if i:
+                    times.append(timer.elapsed_ms(token) / 1e3)
+            self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+            s = sorted(times)[1]
+            self.rows.append({"section": "plan", "mode": mode, "n": x["q"].shape[2], "itr": itr, "acc": acc,
+                              "seconds": s, "samples": times})
+            self._save()
+            self.log(f"plan {label}: {s * 1e3:.3g} ms")
+            return s
+
+        x_short, x_long = inputs(short), inputs(long)
+        for mode in ("fwd", "bwd"):
+            flops, merge_bytes = stream.plan_traffic(mode, x_long["q"], x_long["k"])     # a depth-1 task's
+            t_dev = seconds(mode, x_long, 1, "device", f"{mode} N={long} depth 1, device accumulator")
+            t_host = seconds(mode, x_long, 1, "host", f"{mode} N={long} depth 1, host accumulator")
+            t_deep = seconds(mode, x_short, deep, "device", f"{mode} N={short} depth {deep}, device accumulator")
+            current = list(stream.PLAN_RATES[mode])
+            complete = None not in (t_dev, t_host, t_deep)
+            value, why = current, "the timings did not finish: the rates stay"
+            if complete:
+                value = [7 * flops / t_dev, t_deep / 7 ** deep, current[2]]
+                why = "[FLOP/s, host seconds a task, host-merge bytes/s] measured"
+                if t_host > t_dev:
+                    value[2] = 7 * merge_bytes / (t_host - t_dev)
+                else:
+                    why += "; the host accumulator no slower than the device's: its merge rate stays"
+            s = Sweep("plan", "cqsa", "plan_rates", mode, "float16", mode, (d,), heads, (short, long), [None],
+                      lambda v, _d: {})
+            self.decide(s, value, current, complete, why)
 
     def pasa_shift(self) -> None:
         """PASA's K̃ path per head-dim tile width: inline (the main kernel shifts each window itself) against the
@@ -841,7 +914,9 @@ NOTES = {
             "entries replace kernels/cqsa/kernel.py's built-in GPU choice: {kind: {dtype class,D: [BLOCK_M, BLOCK_N, "
             "num_warps, num_stages]}}; gluon_bwd_min_work {D,causal 0/1: B*Hq*Nq*Nk from which the resident "
             "backward runs on the Gluon kernel} (its Triton backward paired against it), replacing "
-            "kernels/cqsa/attention.py's BUILTIN_GLUON_BWD_MIN_WORK.",
+            "kernels/cqsa/attention.py's BUILTIN_GLUON_BWD_MIN_WORK; plan_rates {fwd | bwd: [FLOP/s, host seconds a "
+            "task, host-merge bytes/s]} (section plan: the streaming engine timed at forced plans), replacing "
+            "kernels/cqsa/stream.py's BUILTIN_PLAN_RATES.",
 }
 
 

@@ -856,6 +856,16 @@ def test_plan_is_the_fastest_that_fits_and_never_slower_with_more_budget(engine)
 
 
 @pytest.mark.cpu_only("host_inputs")
+@pytest.mark.cpu_only
+def test_plan_traffic_counts_a_task_as_the_planner_does():
+    """scripts/tune.py fits the planner's rates with plan_traffic: a depth-1 task of 70 tokens has 3 of the 7 chunks,
+    30 tokens a side; grouped K/V (4 query heads, 2 key heads) changes the backward's partials, not the FLOPs."""
+    q, k = torch.empty(1, 4, 70, 32), torch.empty(1, 2, 70, 32)
+    assert stream_mod.plan_traffic("fwd", q, k) == (4.0 * 4 * 30 * 30 * 32, 4 * 30 * 4 * 33)
+    assert stream_mod.plan_traffic("bwd", q, k) == (10.0 * 4 * 30 * 30 * 32, 4 * 32 * (30 * 4 + 2 * 30 * 2))
+    assert stream_mod.plan_traffic("fwd", q, k, itr=2)[0] == 4.0 * 4 * 15 * 15 * 32     # 3 of 7 chunks of 30
+
+
 def test_plan_does_not_sum_the_task_loop_and_the_finish():
     """The backward's dQ, dK, dV are allocated after the last task, so a plan needs the larger of the task loop and
     the finish, not both: at a budget between the two the engine runs at depth 1 with its accumulator on the

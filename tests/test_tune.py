@@ -294,6 +294,51 @@ def test_cqsa_reads_its_gluon_backward_thresholds(tmp_path):
             min_work_entries(path, "gluon_bwd_min_work", cqsa.BUILTIN_GLUON_BWD_MIN_WORK)
 
 
+@pytest.mark.cpu_only
+def test_the_plan_section_times_the_streaming_engine_and_writes_its_rates(tmp_path):
+    """CQSA's plan section times the streaming engine at three forced plans per engine (depth 1 with either
+    accumulator at the longer length, the deepest plan at the shorter), fits the planner's rates from them and writes
+    them where stream.py reads them."""
+    from kernels.cqsa import stream
+
+    target = tmp_path / "tuning.json"
+    proc = run_tune("--kernel", "cqsa", "--device", "cpu", "--sections", "plan", "--write", str(target),
+                    "--out", str(tmp_path / "log"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = json.loads((tmp_path / "log" / "tune_cqsa.json").read_text())
+    assert [(d["table"], d["key"], d["complete"]) for d in log["decisions"]] == [("plan_rates", "fwd", True),
+                                                                                 ("plan_rates", "bwd", True)]
+    rows = {(r["mode"], r["n"], r["itr"], r["acc"]): r for r in log["rows"]}
+    # on the CPU the lengths are 32 and 64, and the deepest plan at 32 tokens is depth 1
+    assert len(log["rows"]) == 6 and set(rows) == {(m, n, 1, acc) for m in ("fwd", "bwd")
+                                                   for n, acc in ((64, "device"), (64, "host"), (32, "device"))}
+    for d in log["decisions"]:
+        flops_per_s, task_host_s, merge_bps = d["value"]
+        deep = rows[(d["key"], 32, 1, "device")]
+        assert task_host_s == deep["seconds"] / 7 and sorted(deep["samples"])[1] == deep["seconds"]
+        assert flops_per_s > 0 and merge_bps > 0
+    assert stream.plan_rates(target) == {d["key"]: tuple(d["value"]) for d in log["decisions"]}
+
+
+def test_cqsa_reads_its_plan_rates(tmp_path):
+    """The streaming planner's rates: tuning.json's plan_rates entries replace the built-in ones; another key or a
+    value that is not three positive numbers is one line naming the file."""
+    from kernels._tuning import TuningFileError
+    from kernels.cqsa import stream
+    from kernels.cqsa.kernel import TUNING_FILE
+
+    path = tmp_path / "tuning.json"
+    tune.write_choices("cqsa", [decision("plan_rates", "fwd", [1e14, 2e-4, 5e9])], path, "cpu")
+    assert stream.plan_rates(path) == {**stream.BUILTIN_PLAN_RATES, "fwd": (1e14, 2e-4, 5e9)}
+    assert stream.PLAN_RATES == stream.plan_rates(TUNING_FILE)
+    for bad in ({"fwd": [1, 2]}, {"mid": [1, 2, 3]}, {"bwd": [1, 0, 3]}, {"bwd": [1, True, 3]}, {"fwd": "fast"},
+                {"bwd": [1, float("inf"), 3]}):
+        path.write_text(json.dumps({"configs": {"plan_rates": bad}}))
+        with pytest.raises(TuningFileError, match=r"tuning.json: plan_rates\[") as exc:
+            stream.plan_rates(path)
+        assert "\n" not in str(exc.value)
+
+
 def test_pasa_reads_its_core_thresholds(tmp_path):
     """A core_min_work entry replaces its built-in threshold, keyed "<D>,<causal 0/1>" (any head dim of the core);
     another key or a value that is not a positive int is one line naming the file."""

@@ -36,9 +36,11 @@ import numpy as np
 import torch
 
 from .._common import LN2, LOG2E, default_scale, dot_precision
+from .._tuning import TuningFileError, read_configs
 from .checks import check_call, check_mem_budget
 from .divide import Pieces, Task, build_tasks, interest_set, max_depth, refine
-from .kernel import constexprs, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd, resolve_tiles
+from .kernel import (TUNING_FILE, constexprs, launch_bwd_dkdv, launch_bwd_dq, launch_finalize, launch_fwd,
+                     resolve_tiles)
 from .schedule import task_schedule
 
 OOM = torch.OutOfMemoryError
@@ -132,11 +134,32 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torc
     return delta
 
 
-# plan_seconds ranks the plans under a budget with rates fitted to the engine timed at forced plans on the H200
-# (B=1, H=8, D=128 fp16, 16K and 64K: results/dev/cqsa/stream_plan_rates_h200.json); each engine has its own
-# (flops_per_s, task_host_s, host_merge_bps), and host inputs cross the link at PLAN_LINK_BPS. Only their ratios
-# matter: what a deeper divide's extra work and tasks cost against merging partials on the host.
+# plan_seconds ranks the plans under a budget with each engine's rates: its kernels' FLOP/s, the host's time per task
+# (launches, events, bookkeeping) and a host accumulator's partials per second (copied to the host and merged
+# there); host inputs cross the link at PLAN_LINK_BPS. Only their ratios matter: what a deeper divide's extra work
+# and tasks cost against merging partials on the host. Built in: fitted to the engine timed at forced plans on the
+# H200 (B=1, H=8, D=128 fp16, 16K and 64K: results/dev/cqsa/stream_plan_rates_h200.json); tuning.json's
+# "plan_rates" entry (scripts/tune.py --kernel cqsa --sections plan, which times the same) replaces them.
+BUILTIN_PLAN_RATES = {"fwd": (5e14, 1.3e-4, 6e9), "bwd": (2.5e14, 5e-4, 14e9)}
 PLAN_LINK_BPS = 25e9          # host -> device bytes/s (pinned)
+
+
+def plan_rates(path) -> dict:
+    """BUILTIN_PLAN_RATES with the tuning file's "plan_rates" entries in place ({"fwd" | "bwd": [FLOP/s, host
+    seconds a task, host-merge bytes/s]}); another key or a value that is not three positive finite numbers is a
+    TuningFileError naming the file."""
+    rates = dict(BUILTIN_PLAN_RATES)
+    for key, value in read_configs(path).get("plan_rates", {}).items():
+        ok = (key in rates and isinstance(value, list) and len(value) == 3
+              and all(type(x) in (int, float) and math.isfinite(x) and x > 0 for x in value))
+        if not ok:
+            raise TuningFileError(f"{path}: plan_rates[{key!r}] = {value!r}: keys are fwd, bwd; values "
+                                  "[FLOP/s, host seconds a task, host-merge bytes/s], positive numbers")
+        rates[key] = tuple(float(x) for x in value)
+    return rates
+
+
+PLAN_RATES = plan_rates(TUNING_FILE)
 
 
 # The tasks' launch tables, kept across calls (_Engine.tables), ~20 bytes per block of rows (13 MB for a depth-4
@@ -411,8 +434,9 @@ class _Engine(ABC):
         n_tasks = self.c ** itr
         flops, h2d, host_merge = self.task_traffic(_depth_bound(self.N, self.c, itr),
                                                    _depth_bound(self.Nk, self.c, itr), acc_on_device)
-        overlapped = max(flops / self.flops_per_s, self.task_host_s)
-        return n_tasks * (overlapped + h2d / PLAN_LINK_BPS + host_merge / self.host_merge_bps)
+        flops_per_s, task_host_s, host_merge_bps = PLAN_RATES[self.rates]
+        overlapped = max(flops / flops_per_s, task_host_s)
+        return n_tasks * (overlapped + h2d / PLAN_LINK_BPS + host_merge / host_merge_bps)
 
     def plan(self) -> tuple[int, str]:
         """(depth, accumulator place): under a budget, the fastest plan by plan_seconds among those whose
@@ -832,9 +856,7 @@ class _RowFinalizer:
 
 
 class _FwdEngine(_Engine):
-    # plan_seconds' rates: the kernel's FLOP/s; the host's time per task (a launch, events); a host accumulator's
-    # partials per second (copied to the host and folded in by the log-sum-exp merge there)
-    flops_per_s, task_host_s, host_merge_bps = 5e14, 1.3e-4, 6e9
+    rates = "fwd"           # its PLAN_RATES
 
     def gathered(self):
         q, k, v = self.inputs
@@ -1051,9 +1073,7 @@ class _FwdEngine(_Engine):
 
 
 class _BwdEngine(_Engine):
-    # plan_seconds' rates: the kernels' FLOP/s; the host's time per task (two launches, the merge's adds per piece,
-    # events); a host accumulator's partials per second (copied to the host and added there)
-    flops_per_s, task_host_s, host_merge_bps = 2.5e14, 5e-4, 14e9
+    rates = "bwd"           # its PLAN_RATES
 
     def gathered(self):     # q, dO (query side) and k, v (key side) are copied per task; lse and δ rows ride along
         q, k, v, _o, _lse, do = self.inputs
@@ -1276,6 +1296,16 @@ def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr
     stats = eng.run()
     dq, dk, dv = eng.grads
     return dq, dk, dv, stats
+
+
+def plan_traffic(mode: str, q: torch.Tensor, k: torch.Tensor, *, c: int = 7, itr: int = 1) -> tuple[float, int]:
+    """One task of a depth-itr plan of this problem (not causal, inputs read in place), as the planner counts it:
+    (its FLOPs, the bytes of partials a host accumulator merges). scripts/tune.py fits PLAN_RATES with it."""
+    engine = _FwdEngine if mode == "fwd" else _BwdEngine
+    inputs = [q, k, k] if mode == "fwd" else [q, k, k, q, q[..., 0], q]
+    eng = engine(mode, inputs, **_prepare(q, k, k, False, None, c, itr, "tf32x3", None, {"device": q.device}))
+    flops, _, merge_bytes = eng.task_traffic(_depth_bound(eng.N, c, itr), _depth_bound(eng.Nk, c, itr), False)
+    return flops, merge_bytes
 
 
 # --- the streaming path of cqsa_attention (eager only) ------------------------------------------------------
