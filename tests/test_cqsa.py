@@ -831,7 +831,7 @@ def _planner(engine, n, d, h, budget, held):
 def test_plan_is_the_fastest_that_fits_and_never_slower_with_more_budget(engine):
     """Under a budget the planner takes, of every (accumulator place, depth) whose peak fits, the one it ranks
     fastest; a larger budget fits more plans, so it never picks a slower one (the planner used to try the device
-    accumulator at every depth first: 16,807 tasks where a host accumulator at depth 1 fitted)."""
+    accumulator at every depth first, however many tasks the depth that fitted took)."""
     cls = getattr(stream_mod, engine)
     n, d, h, held = 16384, 128, 8, 100 << 20
     seconds, places = [], set()
@@ -855,7 +855,6 @@ def test_plan_is_the_fastest_that_fits_and_never_slower_with_more_budget(engine)
     assert seconds == sorted(seconds, reverse=True) and places == {"host", "device"}
 
 
-@pytest.mark.cpu_only("host_inputs")
 @pytest.mark.cpu_only
 def test_plan_traffic_counts_a_task_as_the_planner_does():
     """scripts/tune.py fits the planner's rates with plan_traffic: a depth-1 task of 70 tokens has 3 of the 7 chunks,
@@ -866,6 +865,7 @@ def test_plan_traffic_counts_a_task_as_the_planner_does():
     assert stream_mod.plan_traffic("fwd", q, k, itr=2)[0] == 4.0 * 4 * 15 * 15 * 32     # 3 of 7 chunks of 30
 
 
+@pytest.mark.cpu_only("host_inputs")
 def test_plan_does_not_sum_the_task_loop_and_the_finish():
     """The backward's dQ, dK, dV are allocated after the last task, so a plan needs the larger of the task loop and
     the finish, not both: at a budget between the two the engine runs at depth 1 with its accumulator on the
