@@ -68,7 +68,8 @@ import torch  # noqa: E402
 from attnbench.arguments import EXIT_NO_GPU, Parser, head_dims, output_dir, output_file, positive_float  # noqa: E402
 from attnbench.backends import DTYPES, get_backend, make_attention_workload  # noqa: E402
 from attnbench.matrix import TIMING_DEFAULTS  # noqa: E402
-from attnbench.measure import make_timer, measure_pair, median_ci_half_width  # noqa: E402
+from attnbench.measure import measure_pair, median_ci_half_width  # noqa: E402
+from attnbench.workload import Workload  # noqa: E402
 from kernels._common import block_d  # noqa: E402
 from kernels._tuning import dim_key, write_configs, write_json_atomic  # noqa: E402
 from kernels.reference import reference_attention  # noqa: E402
@@ -733,8 +734,8 @@ class Tuner:
     def stream_plan(self) -> None:
         """Stream-CQSA's planner rates (kernels/cqsa/stream.py, PLAN_RATES: what plan_seconds ranks the plans under a
         budget with), per engine, from the engine timed at forced plans with no budget: fp16, B = 1, H = 8, D = 128,
-        not causal, inputs on the device, one call (its whole run: host time included) by the harness's eager
-        timer, the median of three after a warm one. FLOP/s from depth 1 at the longer length (the planner's own
+        not causal, inputs on the device, one call (its whole run: host time included) timed alone by the
+        harness (measure_pair without a baseline: its warm-up, L2 flush and sampling), the median. FLOP/s from depth 1 at the longer length (the planner's own
         count of a task's FLOPs), the host's time per task from the deepest plan at the shorter one (thousands of
         small tasks: the host is the bottleneck), a host accumulator's merge rate from its extra time over the
         device accumulator's at depth 1 and the longer length. Every timing is a row of the log."""
@@ -744,7 +745,6 @@ class Tuner:
         heads, d = (1, 32) if self.ctx.cpu else (8, 128)
         short, long = (32, 64) if self.ctx.cpu else STREAM_PLAN_NS
         deep = min(STREAM_PLAN_DEEP, max_depth(short, 7))
-        timer = make_timer(self.device)
         gen = torch.Generator(device=self.device).manual_seed(7)
 
         def inputs(n):
@@ -760,18 +760,14 @@ class Tuner:
             t0 = time.monotonic()
             args = (x["q"], x["k"], x["v"]) if mode == "fwd" else (x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"])
             run = stream.stream_forward if mode == "fwd" else stream.stream_backward
-            times = []
-            for i in range(4):                               # a warm call, then three timed
-                token = timer.start()
-                run(*args, c=7, itr=itr, acc=acc)
-                token = timer.stop(token)
-                timer.sync()
-                if i:
-                    times.append(timer.elapsed_ms(token) / 1e3)
+            res = measure_pair(Workload(run=lambda: run(*args, c=7, itr=itr, acc=acc)), None, kernel_name="cqsa",
+                               baseline_name=None, timing=self.timing, device=self.device).kernel
             self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
-            s = sorted(times)[1]
+            if res.status != "ok":
+                raise RuntimeError(f"plan {label}: {res.status}: {res.message}")
+            s = res.summary()["ms_median"] / 1e3
             self.rows.append({"section": "plan", "mode": mode, "n": x["q"].shape[2], "itr": itr, "acc": acc,
-                              "seconds": s, "samples": times})
+                              "seconds": s, "samples_ms": res.summary()["samples_ms"]})
             self._save()
             self.log(f"plan {label}: {s * 1e3:.3g} ms")
             return s

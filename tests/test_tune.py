@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -315,7 +316,8 @@ def test_the_plan_section_times_the_streaming_engine_and_writes_its_rates(tmp_pa
     for d in log["decisions"]:
         flops_per_s, task_host_s, merge_bps = d["value"]
         deep = rows[(d["key"], 32, 1, "device")]
-        assert task_host_s == deep["seconds"] / 7 and sorted(deep["samples"])[1] == deep["seconds"]
+        assert task_host_s == deep["seconds"] / 7
+        assert deep["seconds"] == pytest.approx(statistics.median(deep["samples_ms"]) / 1e3, rel=1e-6)
         assert flops_per_s > 0 and merge_bps > 0
     assert stream.plan_rates(target) == {d["key"]: tuple(d["value"]) for d in log["decisions"]}
 
