@@ -65,9 +65,9 @@ def _assert_close(got, ref, atol, rtol, what):
 # The output's and the gradients' relative RMS error against float64, per dtype. TOL's bound scales with the largest
 # |ref|, which the first rows set (row 0 is v's first row: |out| ~ 3) while the long rows' outputs are far smaller:
 # this bound is what sees a 1-2 % error confined to them (a relay's or an anchor's weight), and in bfloat16 a 1 %
-# error anywhere (relative RMS 1e-2). Measured on the H200 (GPU tests): bfloat16 <= 2.1e-3 (out), 2.7e-3 (gradients);
-# float16 <= 3.3e-4; float32 (tf32x3) <= 1.3e-6.
-REL_RMS_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 7e-3}
+# error anywhere (relative RMS 1e-2, twice bfloat16's bound). Measured on the H200 (GPU tests): bfloat16 <= 2.1e-3
+# (out), 2.7e-3 (gradients); float16 <= 3.3e-4; float32 (tf32x3) <= 1.3e-6.
+REL_RMS_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 5e-3}
 
 
 def _assert_rel_rms(got, ref, dtype, what):
@@ -304,7 +304,8 @@ def _one_percent_off(t):
     return t + 0.01 * (t - t.detach())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=["fp32", "fp16", "bf16"])
 def test_tolerances_catch_a_one_percent_error(dtype, device):
     """TOL and REL_RMS_TOL are tight enough to see a 1 % error: the call passes _check_fwd_bwd, while the same call
     with its output or one of dQ, dK, dV scaled by 1.01, or checked against a reference whose softmax scale is 1 %
