@@ -735,10 +735,11 @@ class Tuner:
         """Stream-CQSA's planner rates (kernels/cqsa/stream.py, PLAN_RATES: what plan_seconds ranks the plans under a
         budget with), per engine, from the engine timed at forced plans with no budget: fp16, B = 1, H = 8, D = 128,
         not causal, inputs on the device, one call (its whole run: host time included) timed alone by the
-        harness (measure_pair without a baseline: its warm-up, L2 flush and sampling), the median. FLOP/s from depth 1 at the longer length (the planner's own
-        count of a task's FLOPs), the host's time per task from the deepest plan at the shorter one (thousands of
-        small tasks: the host is the bottleneck), a host accumulator's merge rate from its extra time over the
-        device accumulator's at depth 1 and the longer length. Every timing is a row of the log."""
+        harness (measure_pair without a baseline: its warm-up, L2 flush and sampling), the median. FLOP/s from
+        depth 1 at the longer length (the planner's own count of a task's FLOPs), the host's time per task from
+        the deepest plan at the shorter one (thousands of small tasks: the host is the bottleneck), a host
+        accumulator's merge rate from its extra time over the device accumulator's at depth 1 and the longer
+        length. Every timing is a row of the log."""
         from kernels.cqsa import stream
         from kernels.cqsa.divide import max_depth
 
