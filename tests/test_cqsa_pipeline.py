@@ -13,7 +13,7 @@ from kernels.cqsa.divide import build_tasks
 from kernels._common import LN2
 from kernels.cqsa.kernel import launch_finalize
 from kernels.cqsa.schedule import task_schedule
-from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_forward
+from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_backward, stream_forward
 from kernels.reference import reference_attention
 
 F32_TOL = 1e-5
@@ -167,6 +167,54 @@ def test_kernel_merge_needs_less_memory_per_task():
     assert runs["kernel"][2].calibrations[0]["n_cap"] >= runs["torch"][2].calibrations[0]["n_cap"]
     for m, (out, _, st) in runs.items():
         assert st.peak_bytes <= budget and max_err(out, reference_attention(q, k, v)) <= F32_TOL
+
+
+# (merge, gather, causal, query / key-value heads, Nq, Nk, itr): the dQ and dK/dV kernels adding each task into the
+# accumulator in place, against the torch merge of partials; grouped-query with Nq != Nk, and the next level (49
+# tasks: a row's pieces from several sub-tasks). Gathered inputs read δ by the task's rows: they keep the torch merge.
+BWD_MODES = [("kernel", "auto", True, 2, 2, 45, 45, 2), ("kernel", "auto", True, 4, 2, 26, 53, 1),
+             ("kernel", "auto", False, 2, 1, 37, 37, 1), ("torch", "auto", True, 4, 2, 26, 53, 1),
+             ("kernel", "always", False, 2, 1, 37, 37, 1)]
+
+
+@pytest.mark.cpu_only("host_inputs")
+@pytest.mark.parametrize("merge,gather,causal,hq,hk,nq,nk,itr", BWD_MODES)
+def test_backward_merge_modes_are_exact(merge, gather, causal, hq, hk, nq, nk, itr):
+    torch.manual_seed(5)
+    q = rand((1, hq, nq, 32)).requires_grad_()
+    k, v = (rand((1, hk, nk, 32)).requires_grad_() for _ in range(2))
+    ref = reference_attention(q.double(), k.double(), v.double(), causal=causal)
+    do = torch.randn_like(ref)
+    gref = torch.autograd.grad(ref, (q, k, v), do)
+    x = [t.detach() for t in (q, k, v)]
+    out, lse, _ = stream_forward(*x, causal=causal, c=7, itr=1, precision="ieee")
+    refused = []
+
+    def hook(task, resident):           # one eviction beside a task in flight: requeued, merged once
+        if resident and not refused:
+            refused.append(task.path)
+            raise torch.OutOfMemoryError("injected")
+    dq, dk, dv, st = stream_backward(*x, out, lse, do.float(), causal=causal, c=7, itr=itr, merge=merge,
+                                     gather=gather, oom_hook=hook, n_cap_max=4, mem_budget=10 ** 9,
+                                     precision="ieee")
+    assert st.merge == (merge if gather == "auto" else "torch") and st.acc == "device"
+    assert len(st.evictions) == 1 and st.pairs_covered == nq * nk and st.n_tasks == 7 ** itr
+    for name, a, b in zip("qkv", (dq, dk, dv), gref):
+        assert a.shape == b.shape and max_err(a, b) <= F32_TOL, name
+
+
+@pytest.mark.cpu_only("host_inputs")
+def test_backward_kernel_merge_needs_no_partials():
+    n, d = 100, 32
+    q, k, v, do = (rand((1, 1, n, d)) for _ in range(4))
+    out, lse, _ = stream_forward(q, k, v, c=7, precision="ieee")
+    runs = {m: stream_backward(q, k, v, out, lse, do, c=7, mem_budget=10 ** 9, merge=m, precision="ieee")
+            for m in ("torch", "kernel")}
+    delta = {m: r[3].calibrations[0]["delta_bytes"] for m, r in runs.items()}
+    L = build_tasks(n, 7, 1)[0].L
+    assert delta["torch"] - delta["kernel"] == 4 * d * 3 * L           # the task's fp32 dQ, dK, dV partials
+    for a, b in zip(runs["torch"][:3], runs["kernel"][:3]):
+        assert max_err(a, b) <= F32_TOL
 
 
 def _fake_engine(N, chunk, fin_mode="rows"):

@@ -286,7 +286,9 @@ class _RankBwdEngine(_RankShare, _BwdEngine):
     def finalize(self):
         """Keep the fp32 partial gradients: they are summed across the group."""
         if self.cuda:
-            torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
+            cur = torch.cuda.current_stream(self.dev)
+            cur.wait_stream(self.merge_s)
+            cur.wait_stream(self.comp_s)       # merge="kernel": the kernels added the tasks there
         self.partials = self.acc.g
         self.acc = None
 

@@ -71,7 +71,8 @@ class StreamStats:
     peak_bytes: int | None = None
     times_s: dict = field(default_factory=lambda: dict(plan=0.0, gather=0.0, h2d=0.0, compute=0.0, merge=0.0,
                                                           d2h=0.0, finalize=0.0, wall=0.0))
-    # forward pipeline options in effect (see stream_forward) and the row-chunk finaliser's counts
+    # pipeline options in effect (stream_forward; the backward's merge: stream_backward) and the row-chunk
+    # finaliser's counts
     merge: str = "torch"
     finalize: str = "legacy"
     out_path: str | None = None             # direct | pinned | pageable (finalize != legacy)
@@ -124,11 +125,12 @@ def _rows(t: torch.Tensor, task: Task) -> torch.Tensor:
     return torch.cat([t[:, :, g:g + n] for g, n in zip(task.q.gstart.tolist(), task.q.length.tolist())], dim=2)
 
 
-def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16, into: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """δ = rowsum(dO ⊙ O) in fp32 where O lives (host inputs: on the host), chunked along N so no full fp32
-    copy of O is made."""
+    copy of O is made; written into `into` ([B,H,N] fp32 on O's device) when given."""
     B, H, N, _ = out.shape
-    delta = torch.empty((B, H, N), dtype=torch.float32, device=out.device)
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=out.device) if into is None else into
     for s in range(0, N, chunk):
         delta[:, :, s:s + chunk] = (do[:, :, s:s + chunk].float() * out[:, :, s:s + chunk].float()).sum(-1)
     return delta
@@ -295,18 +297,27 @@ class StableAccumulator:
 
 class GradAccumulator:
     """fp32 dQ [B,H,N,D] and dK, dV [B,heads_kv,n_kv,D] (default: H, N); a task's contribution is added once
-    (idempotent per path): dQ over its query pieces, dK and dV over its key pieces."""
+    (idempotent per path): dQ over its query pieces, dK and dV over its key pieces.
 
-    def __init__(self, B, H, N, D, device, heads_kv=None, n_kv=None):
+    One buffer in the dQ and dK/dV kernels' workspace layout (dQ at 0, dK at off_dk, dV at off_dv; with_delta:
+    δ [B,H,N] at off_delta), so the kernels can add a task into it directly (merge="kernel"); else `merge` adds
+    a task's partials with torch. `pin`: page-locked host memory (a host accumulator beside a GPU)."""
+
+    def __init__(self, B, H, N, D, device, heads_kv=None, n_kv=None, with_delta=False, pin=False):
         hk, nk = heads_kv or H, N if n_kv is None else n_kv
-        f32 = dict(dtype=torch.float32, device=device)
-        self.g = [torch.zeros((B, H, N, D), **f32), torch.zeros((B, hk, nk, D), **f32),
-                  torch.zeros((B, hk, nk, D), **f32)]
+        n_q, n_kv_el = B * H * N * D, B * hk * nk * D
+        self.off_dk, self.off_dv, self.off_delta = n_q, n_q + n_kv_el, n_q + 2 * n_kv_el
+        self.buf = torch.zeros(self.off_delta + (B * H * N if with_delta else 0), dtype=torch.float32,
+                               device=device, pin_memory=pin)
+        self.g = [self.buf[:n_q].view(B, H, N, D), self.buf[n_q:self.off_dv].view(B, hk, nk, D),
+                  self.buf[self.off_dv:self.off_delta].view(B, hk, nk, D)]
+        self.delta = self.buf[self.off_delta:].view(B, H, N) if with_delta else None
         self.done: set = set()
         self.dirty = False
 
     @staticmethod
     def nbytes(B, H, N, D, heads_kv=None, n_kv=None) -> int:
+        """The gradients' bytes (δ, when the buffer holds it, is counted with the per-row vectors)."""
         hk, nk = heads_kv or H, N if n_kv is None else n_kv
         return 4 * B * D * (H * N + 2 * hk * nk)
 
@@ -365,7 +376,7 @@ class _Engine(ABC):
         self.oom_hook, self.peak_hook = oom_hook, peak_hook
         self.coef = calib_coef
         self.n_cap_max = n_cap_max if n_cap_max is not None else (2 if self.cuda else 1)
-        # forward pipeline options (the backward engine ignores them): see stream_forward
+        # pipeline options: see stream_forward (the backward engine takes merge only: see _BwdEngine.configure)
         self.merge_mode = merge if merge != "auto" else ("kernel" if self.cuda else "torch")
         self.fin_mode = finalize if finalize != "auto" else "rows"
         self.host_out = host_out
@@ -423,6 +434,7 @@ class _Engine(ABC):
     def peak_estimate(self, acc_on_device: bool, itr: int) -> int:
         """Bytes the run would add to what the device holds, at depth itr: the larger of the task loop (resident
         state plus n_cap_max tasks in flight) and the finish (results written after the last task)."""
+        self.configure(acc_on_device)
         slots = self.n_cap_max if self.cuda else 1
         need = self.task_need(_depth_bound(self.N, self.c, itr), _depth_bound(self.Nk, self.c, itr))
         return max(self.resident_bytes(acc_on_device) + slots * need, self.finish_bytes(acc_on_device))
@@ -431,6 +443,7 @@ class _Engine(ABC):
         """A rough time for the run at depth itr, to rank the plans: the kernels' work or the host's per-task cost,
         whichever is longer (the host enqueues ahead of the GPU), plus the bytes crossing the host link (host
         inputs) and the partials merged on the host (a host accumulator), which the loop waits for."""
+        self.configure(acc_on_device)
         n_tasks = self.c ** itr
         flops, h2d, host_merge = self.task_traffic(_depth_bound(self.N, self.c, itr),
                                                    _depth_bound(self.Nk, self.c, itr), acc_on_device)
@@ -448,7 +461,6 @@ class _Engine(ABC):
         base = self.mem_now()
         fitting = []
         for acc in accs:
-            self.configure(acc == "device")
             for itr in range(self.itr_min, max(cap, self.itr_min) + 1):
                 if base + self.peak_estimate(acc == "device", itr) <= 0.95 * self.budget:
                     fitting.append((self.plan_seconds(acc == "device", itr), itr, acc))
@@ -551,7 +563,7 @@ class _Engine(ABC):
         return task.path in self.acc_done()
 
     def configure(self, acc_on_device: bool):
-        """Options that depend on where the accumulator lives (the backward engine has none)."""
+        """Options that depend on where the accumulator lives (what a task and the state cost depends on them)."""
 
     def escalate(self, task: Task, queue: deque, cap_depth: int):
         """n_cap is 1 and `task` still does not fit: go one level deeper (the paper's itr + 1)."""
@@ -1079,19 +1091,28 @@ class _BwdEngine(_Engine):
         q, k, v, _o, _lse, do = self.inputs
         return [(q, "q"), (k, "k"), (v, "k"), (do, "q")]
 
+    def configure(self, acc_on_device: bool):
+        # merge="kernel": the dQ and dK/dV kernels add each task into the device accumulator in their epilogue
+        # (tasks run one after another on the compute stream and a task holds each row once: no races). They read
+        # δ and lse by the rows they read q at, so δ must be whole in their workspace: inputs read in place only.
+        # Host inputs or a host accumulator: partials, merged by torch.
+        self.merge_eff = self.merge_mode if acc_on_device and self.inputs_in_place else "torch"
+
     def task_need(self, Lq: int, Lk: int) -> int:
         BHq, BHk, D, s = self.B * self.H, self.B * self.Hkv, self.D, self.dtype.itemsize
         inputs = 0 if self.inputs_in_place else (2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq)
-        return inputs + 4 * D * (Lq * BHq + 2 * Lk * BHk) + (2 << 20)
+        parts = 0 if self.merge_eff == "kernel" else 4 * D * (Lq * BHq + 2 * Lk * BHk)    # fp32 dQ, dK, dV
+        return inputs + parts + (2 << 20)
 
     def resident_bytes(self, acc_on_device: bool) -> int:
         B, H, N, D = self.B, self.H, self.N, self.D
         acc = GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk) if acc_on_device else 0
-        rows = 8 * B * H * N if self.inputs_in_place else 0          # δ and lse on the device
+        rows = 8 * B * H * N if self.inputs_in_place else 0          # δ (in the accumulator's buffer or not), lse
         return acc + rows + (4 << 20)
 
     def finish_bytes(self, acc_on_device: bool) -> int:
-        # dQ, dK, dV in the inputs' dtype, allocated after the last task; the casts go in slabs (final_chunk)
+        # dQ, dK, dV in the inputs' dtype, allocated after the last task; a device accumulator is cast into them
+        # in place, a host one's fp32 slabs fit what the budget leaves (final_chunk)
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
         grads = s * B * D * (H * N + 2 * self.Hkv * self.Nk) if self.src_device == self.dev else 0
         return self.resident_bytes(acc_on_device) + grads
@@ -1105,13 +1126,18 @@ class _BwdEngine(_Engine):
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
         q, k, v, o, lse, do = self.inputs
+        kernel_merge = self.merge_eff == "kernel"
+        self.stats.merge = self.merge_eff
+        # a host accumulator beside a GPU is page-locked: the partials land in it and its fp32 slabs go back
+        # (finalize) without a pageable bounce
         self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"),
-                                   self.Hkv, self.Nk)
+                                   self.Hkv, self.Nk, with_delta=kernel_merge, pin=self.cuda and not self.acc_on_device)
         if not self.cuda:
             self.ledger += GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk)
         # where O and dO live (host inputs: on the host); on the device, in slabs that fit what the budget leaves
         on_dev = o.device == self.dev
-        self.delta = row_delta(do, o, chunk=self.final_chunk(12 * B * H * D) if on_dev else 1 << 16)
+        self.delta = row_delta(do, o, chunk=self.final_chunk(12 * B * H * D) if on_dev else 1 << 16,
+                               into=self.acc.delta)
         self.lse = lse.contiguous()
         self.consts_dq = constexprs("dq", D, self.tiles, self.causal, self.prec, DELTA_FROM_O=False)
         self.consts_dkdv = constexprs("dkdv", D, self.tiles, self.causal, self.prec)
@@ -1130,23 +1156,45 @@ class _BwdEngine(_Engine):
             delta = self.to_dev_rows(self.delta, task)
         if self.cuda:
             self.comp_s.wait_stream(self.copy_s)
+        kernel_merge = self.merge_eff == "kernel"
         with self._stream_ctx(self.comp_s):
-            rq, iq = self.tables(task, self.tiles[4], "q")
-            rk, ik = self.tables(task, self.tiles[9], "k")
-            f32 = dict(dtype=torch.float32, device=self.dev)
-            parts = [torch.empty((B, H, Lq, D), **f32), torch.empty((B, self.Hkv, Lk, D), **f32),
-                     torch.empty((B, self.Hkv, Lk, D), **f32)]
+            rq, iq = self.tables(task, self.tiles[4], "q", out_global=kernel_merge)
+            rk, ik = self.tables(task, self.tiles[9], "k", out_global=kernel_merge)
+            parts = []
+            if not kernel_merge:
+                f32 = dict(dtype=torch.float32, device=self.dev)
+                parts = [torch.empty((B, H, Lq, D), **f32), torch.empty((B, self.Hkv, Lk, D), **f32),
+                         torch.empty((B, self.Hkv, Lk, D), **f32)]
             if not self.cuda:
                 self.ledger += h.need
             self.peak_seen = max(self.peak_seen, self.mem_now())
             c0 = self.timer.start(self.comp_s)
-            # one task: first = last = wave 0, so the kernels write the parts directly; δ is read from `delta`
-            # (the workspace argument), O is not needed
             n_rows = self.N if self.inputs_in_place else Lq
             kw = dict(n_rows=n_rows, causal_off=self.causal_off, qk_scale=self.qk_scale, sm_scale=self.scale)
-            launch_bwd_dq(q, k, v, delta, do, lse, delta, parts[0], iq, rq, n_out=Lq, consts=self.consts_dq, **kw)
-            launch_bwd_dkdv(q, k, v, do, lse, delta, parts[1], parts[2], ik, rk, n_out=Lk, consts=self.consts_dkdv,
-                            **kw)
+            if kernel_merge:
+                # the accumulator's buffer is the kernels' workspace: first = last = False adds the task's dQ, dK,
+                # dV to it at global rows; δ is read there too (off_delta), O is not needed
+                a = self.acc
+                if a.dirty:
+                    raise MergeError("cqsa: gradient accumulator is dirty after a failed merge")
+                try:
+                    launch_bwd_dq(q, k, v, a.buf, do, lse, a.buf, a.buf, iq, rq, n_out=self.N, consts=self.consts_dq,
+                                  first=False, last=False, off_delta=a.off_delta, **kw)
+                    launch_bwd_dkdv(q, k, v, do, lse, a.buf, a.buf, a.buf, ik, rk, n_out=self.Nk,
+                                    consts=self.consts_dkdv, first=False, last=False, off_delta=a.off_delta,
+                                    off_dk=a.off_dk, off_dv=a.off_dv, **kw)
+                except Exception as exc:
+                    a.dirty = True
+                    raise MergeError(f"cqsa: merging launch of task {task.path} failed: {exc}") from exc
+                a.done.add(task.path)
+                h.merged = True
+            else:
+                # one task: first = last = wave 0, so the kernels write the parts directly; δ is read from `delta`
+                # (the workspace argument), O is not needed
+                launch_bwd_dq(q, k, v, delta, do, lse, delta, parts[0], iq, rq, n_out=Lq, consts=self.consts_dq,
+                              **kw)
+                launch_bwd_dkdv(q, k, v, do, lse, delta, parts[1], parts[2], ik, rk, n_out=Lk,
+                                consts=self.consts_dkdv, **kw)
             self.timer.stop("compute", c0, self.comp_s)
             if self.cuda:
                 h.compute_done = torch.cuda.Event()
@@ -1158,6 +1206,15 @@ class _BwdEngine(_Engine):
         return h
 
     def retire(self, h: _Handle):
+        if self.merge_eff == "kernel":
+            if self.cuda:
+                h.compute_done.synchronize()      # the task's memory is free before the next admission
+            else:
+                self.ledger -= h.need
+            h.bufs = []
+            if h.merged:
+                self.note_merged(h.task)
+            return
         if self.cuda:
             self.merge_s.wait_event(h.compute_done)
         parts = h.parts
@@ -1199,17 +1256,32 @@ class _BwdEngine(_Engine):
         dev = self.src_device
         pin = dev.type == "cpu" and self.cuda
         if self.cuda:
-            torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
+            cur = torch.cuda.current_stream(self.dev)
+            cur.wait_stream(self.merge_s)
+            cur.wait_stream(self.comp_s)
+        acc_dev = self.acc.g[0].device
         d0 = self.timer.start()
         self.grads = []
         for g in self.acc.g:
             out = torch.empty(g.shape, dtype=self.dtype, device=dev, pin_memory=pin)
-            chunk = self.final_chunk(2 * self.B * g.shape[1] * self.D * self.dtype.itemsize)
-            for s0 in range(0, g.shape[2], chunk):
-                out[:, :, s0:s0 + chunk].copy_(g[:, :, s0:s0 + chunk].to(self.dtype), non_blocking=True)
+            if acc_dev == dev:                # copy_ casts in place: no temporaries
+                out.copy_(g)
+            else:
+                # contiguous slabs of the flat buffers (a slab across heads would be staged through pageable
+                # memory), cast on the GPU: a host accumulator's fp32 slabs cross to it, or the 16-bit results
+                # cross back to host outputs
+                to_gpu = dev.type == "cuda"
+                flat_g, flat_out = g.view(-1), out.view(-1)
+                step = self.D * self.final_chunk(self.D * (4 if to_gpu else self.dtype.itemsize))
+                for e0 in range(0, flat_g.numel(), step):
+                    slab = flat_g[e0:e0 + step]
+                    if to_gpu:
+                        flat_out[e0:e0 + step].copy_(slab.to(dev, non_blocking=True))
+                    else:
+                        flat_out[e0:e0 + step].copy_(slab.to(self.dtype), non_blocking=True)
             self.grads.append(out)
-        if dev != self.acc.g[0].device:
-            self.timer.stop("d2h", d0)
+        if dev != acc_dev:
+            self.timer.stop("h2d" if dev.type == "cuda" else "d2h", d0)
         self.acc = None
 
 
@@ -1288,7 +1360,13 @@ def stream_forward(q, k, v, *, causal=False, scale=None, c=7, itr=1, precision="
 def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr=1, precision="tf32x3",
                     config=None, **kw):
     """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine; dk, dv have k's
-    heads (each summed over its group of query heads)."""
+    heads (each summed over its group of query heads).
+
+    merge: "kernel" (default on CUDA) with inputs read in place and the accumulator on the device: the dQ and
+    dK/dV kernels add each task into the fp32 accumulator, which also holds δ (their workspace), as the forward's
+    epilogue does; no per-task partials, no merge pass. Otherwise (host inputs, a host accumulator, "torch"):
+    each task's fp32 partials, added per piece by torch. A host accumulator beside a GPU is page-locked and its
+    fp32 slabs are cast on the GPU at the end. The forward's finalize and host_out options do not apply."""
     eng = _BwdEngine("bwd", [q, k, v, out, lse, do], **_prepare(q, k, v, causal, scale, c, itr, precision, config,
                                                                   kw))
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
