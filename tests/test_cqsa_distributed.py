@@ -163,6 +163,7 @@ def test_streaming_share_refined_on_one_rank(three_ranks):
     for r in runs:
         eng = r["stats"]["engine"]
         assert r["stats"]["mode"] == "stream" and eng is not None
+        assert eng["merge"] == r["stats"]["engine_backward"]["merge"] == "kernel"
         # rank 1's engine was refused every first-level task and refined its share one level deeper
         assert (eng["itr_final"] == 2) == (r["rank"] == 1), eng
         assert (len(eng["escalations"]) > 0) == (r["rank"] == 1)
@@ -386,7 +387,7 @@ def _scenario(name, rank):
     if name == "causal_uneven":
         return _exact_run(100, True, dict(itr=1))
     if name == "stream_refined":
-        kw = dict(itr=1, mem_budget=1 << 30, refine="hybrid")
+        kw = dict(itr=1, mem_budget=1 << 30, refine="hybrid", merge="kernel")     # both engines' kernels merge
         if rank == 1:
             kw["oom_hook"] = _refuse_first_level
         return _exact_run(64, False, kw)

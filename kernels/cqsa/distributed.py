@@ -163,6 +163,7 @@ class DistStats:
     backward_s: dict = field(default_factory=dict)
     comm_bytes: dict = field(default_factory=dict)    # forward, backward: what this rank all-reduces
     engine: dict | None = None           # the streaming engine's stats (forward), when streaming
+    engine_backward: dict | None = None  # ... and the backward's
 
 
 @dataclass
@@ -330,7 +331,7 @@ def _local_backward(call: _Call, q, k, v, out, lse, do):
         eng = _RankBwdEngine("bwd", [q, k, v, out, lse, do], causal=call.causal, scale=call.scale, c=plan.c,
                              itr=plan.itr, precision=prec, tiles=resolve_tiles(D, q.dtype, dev.type),
                              **call.engine_opts).use_share(plan, call.rank)
-        eng.run()
+        call.stats.engine_backward = eng.run().as_dict()
         return eng.partials
     q, k, v, do = (_lastdim_contig(t) for t in (q, k, v, do))
     n = B * H * N * D

@@ -1128,8 +1128,8 @@ class _BwdEngine(_Engine):
         q, k, v, o, lse, do = self.inputs
         kernel_merge = self.merge_eff == "kernel"
         self.stats.merge = self.merge_eff
-        # a host accumulator beside a GPU is page-locked: the partials land in it and its fp32 slabs go back
-        # (finalize) without a pageable bounce
+        # a host accumulator beside a GPU is page-locked: its fp32 slabs cross back to the GPU at the end (finalize)
+        # without a pageable bounce, and its cached pages need no faulting in per call
         self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"),
                                    self.Hkv, self.Nk, with_delta=kernel_merge, pin=self.cuda and not self.acc_on_device)
         if not self.cuda:
