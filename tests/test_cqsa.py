@@ -772,12 +772,15 @@ def test_guardrail_raises_at_depth_cap_when_nothing_fits():
 
 
 def test_depth_cap_error_says_what_the_budget_counts():
-    """Under a budget, the depth-cap error says the budget counts what the process already holds on the device (an
-    absolute budget below that holding fits nothing at any depth)."""
+    """Under a budget, the depth-cap error (every task refused down to the deepest level) says the budget counts what
+    the process already holds on the device."""
     q, k, v = _inputs(20)
-    with pytest.raises(torch.OutOfMemoryError, match=r"depth cap .*the budget, 1000 B, counts the \d+ B the process "
-                                                      r"holds on the device"):
-        stream_forward(q, k, v, c=3, itr=1, mem_budget=1000, precision="ieee")
+
+    def refuse(task, resident):
+        raise torch.OutOfMemoryError("injected")
+    with pytest.raises(torch.OutOfMemoryError, match=r"depth cap .*the budget, 1000000000 B, counts the \d+ B the "
+                                                      r"process holds on the device"):
+        stream_forward(q, k, v, c=3, itr=1, mem_budget=10 ** 9, oom_hook=refuse, precision="ieee")
 
 
 def test_guardrail_steps_n_cap_down_without_escalating():
@@ -831,28 +834,45 @@ def _planner(engine, n, d, h, budget, held):
 def test_plan_is_the_fastest_that_fits_and_never_slower_with_more_budget(engine):
     """Under a budget the planner takes, of every (accumulator place, depth) whose peak fits, the one it ranks
     fastest; a larger budget fits more plans, so it never picks a slower one (the planner used to try the device
-    accumulator at every depth first, however many tasks the depth that fitted took)."""
+    accumulator at every depth first, however many tasks the depth that fitted took). Where nothing fits, the
+    results alone do not (they are the same at every depth): the call is refused before any work, not run past the
+    budget."""
     cls = getattr(stream_mod, engine)
     n, d, h, held = 16384, 128, 8, 100 << 20
-    seconds, places = [], set()
+    seconds, places, refused = [], set(), 0
     for budget in np.geomspace(0.12e9, 1.2e9, 40).astype(int).tolist():
         eng = _planner(cls, n, d, h, budget, held)
-        itr, acc = eng.plan()
-        eng.configure(acc == "device")
         fits = []
         for place in ("device", "host"):
-            eng.configure(place == "device")
             for depth in range(1, max_depth(n, 7) + 1):
                 if held + eng.peak_estimate(place == "device", depth) <= 0.95 * budget:
                     fits.append((eng.plan_seconds(place == "device", depth), depth, place))
-        if not fits:
-            assert (itr, acc) == (max_depth(n, 7), "host")
+        if not fits:        # the smallest budgets: the results alone do not fit, so the call is refused
+            eng.configure(False)
+            assert held + eng.finish_bytes(False) > 0.95 * budget
+            with pytest.raises(torch.OutOfMemoryError, match="cannot hold this call's results"):
+                eng.plan()
+            refused += 1
             continue
+        itr, acc = eng.plan()
         assert (itr, acc) == min(fits)[1:]
         seconds.append(min(fits)[0])
         places.add(acc)
     # the sweep crosses from the smallest budgets (nothing fits) through host plans to the device's depth 1
-    assert seconds == sorted(seconds, reverse=True) and places == {"host", "device"}
+    assert refused and seconds == sorted(seconds, reverse=True) and places == {"host", "device"}
+
+
+@pytest.mark.cpu_only
+def test_a_budget_that_cannot_hold_the_results_is_refused_in_one_line():
+    q, k, v, do = (rand((1, 2, 60, 32)) for _ in range(4))
+    out, lse, _ = stream_forward(q, k, v, c=7, precision="ieee")
+    for call in (lambda: stream_forward(q, k, v, c=7, mem_budget=40_000, finalize="legacy"),
+                 lambda: stream_backward(q, k, v, out, lse, do, c=7, mem_budget=40_000)):
+        with pytest.raises(torch.OutOfMemoryError) as err:
+            call()
+        msg = str(err.value)
+        assert "mem_budget=40000 B cannot hold this call's results" in msg and "\n" not in msg
+        assert int(msg.rsplit("budget of ", 1)[1].split()[0]) > 40_000
 
 
 @pytest.mark.cpu_only
@@ -991,7 +1011,7 @@ def test_registered_with_attnbench():
 
 def test_a_cells_mem_budget_streams_through_the_harness():
     # kernel_options: {mem_budget: B} reaches the call: the streaming engine runs under it, exact, forward and
-    # backward through the harness's workload; a budget too small for one task is the engine's own error
+    # backward through the harness's workload; a budget too small for the results is the engine's own error
     from attnbench.backends import attention_inputs, check_accuracy, get_backend, make_attention_workload
     b = get_backend("cqsa")
     err = check_accuracy(b, batch=1, heads=2, n=50, head_dim=32, dtype="float32", causal=True, device="cpu",
@@ -1006,7 +1026,7 @@ def test_a_cells_mem_budget_streams_through_the_harness():
     refs = torch.autograd.grad(reference_attention(q, k, v), (q, k, v), d_out.double())
     for grad, ref in zip(grads, refs):
         assert (grad.double() - ref).abs().max() < 1e-5 * ref.abs().max()
-    with pytest.raises(torch.OutOfMemoryError, match="the budget, 1000 B"):
+    with pytest.raises(torch.OutOfMemoryError, match="mem_budget=1000 B cannot hold this call's results"):
         make_attention_workload(b, **shape, options={"mem_budget": 1000}).run()
 
 

@@ -467,8 +467,17 @@ class _Engine(ABC):
         if fitting:
             _, itr, acc = min(fitting)
             return itr, acc
-        # nothing fits by the estimate: start at the deepest level; the guardrail raises if it really fails
-        return max(cap, self.itr_min), accs[-1]
+        # nothing fits by the estimate: start at the deepest level, where the guardrail raises if a task really
+        # fails. Unless the finish does not fit (the state and the results after the last task, the same at any
+        # depth): no task is guarded there, so refuse before any work rather than run past the budget
+        acc = accs[-1]
+        self.configure(acc == "device")
+        finish = self.finish_bytes(acc == "device")
+        if base + finish > 0.95 * self.budget:
+            raise OOM(f"cqsa: mem_budget={self.budget} B cannot hold this call's results: they need {finish} B "
+                      f"(accumulator on the {acc}) beside the {base} B the process holds on the device, and the "
+                      f"planner keeps 5 % for the allocator; a budget of {math.ceil((base + finish) / 0.95)} B would")
+        return max(cap, self.itr_min), acc
 
     # the loop ----------------------------------------------------------------------------------
     def run(self):
