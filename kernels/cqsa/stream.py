@@ -571,6 +571,34 @@ class _Engine(ABC):
     def merged(self, task) -> bool:
         return task.path in self.acc_done()
 
+    def merge_in_kernels(self, h: _Handle, launches):
+        """merge="kernel": `launches()` adds h's task into self.acc in the kernels' epilogue, once. A launch that
+        fails may have written part of it: the accumulator is then dirty, and every later merge refuses."""
+        if self.acc.dirty:
+            raise MergeError("cqsa: accumulator is dirty after a failed merge")
+        try:
+            launches()
+        except Exception as exc:
+            self.acc.dirty = True
+            raise MergeError(f"cqsa: merging launch of task {h.task.path} failed: {exc}") from exc
+        self.acc.done.add(h.task.path)
+        h.merged = True
+
+    def retire_merged_in_kernels(self, h: _Handle):
+        """merge="kernel": h's task merged itself. Wait for its kernels (its memory is free before the next
+        admission, so the budget check stays exact), then count it."""
+        if self.cuda:
+            h.compute_done.synchronize()
+        else:
+            self.ledger -= h.need
+        h.bufs = []
+        self.merged_done(h.task, h.merged, h.compute_done)
+
+    def merged_done(self, task: Task, merged: bool, event):
+        """A retired task's merge is complete: count it (merged is False for a second merge of one path, a no-op)."""
+        if merged:
+            self.note_merged(task)
+
     def configure(self, acc_on_device: bool):
         """Options that depend on where the accumulator lives (what a task and the state cost depends on them)."""
 
@@ -981,17 +1009,10 @@ class _FwdEngine(_Engine):
                 # every task's kernel runs on comp_s, one after another, and a task holds each global row
                 # once: the epilogue folds (m, l, acc) into the shared state without races
                 a = self.acc
-                if a.dirty:
-                    raise MergeError("cqsa: accumulator is dirty after a failed merge")
-                try:
-                    launch_fwd(q, k, v, a.buf, a.buf, a.buf, items, ranges, n_out=self.N, causal_off=self.causal_off,
-                               qk_scale=self.qk_scale, consts=self.consts[1], first=False, last=False,
-                               off_m=a.off_m, off_l=a.off_s)
-                except Exception as exc:
-                    a.dirty = True
-                    raise MergeError(f"cqsa: merging launch of task {task.path} failed: {exc}") from exc
-                a.done.add(task.path)
-                h.merged = True
+                self.merge_in_kernels(h, lambda: launch_fwd(
+                    q, k, v, a.buf, a.buf, a.buf, items, ranges, n_out=self.N, causal_off=self.causal_off,
+                    qk_scale=self.qk_scale, consts=self.consts[1], first=False, last=False, off_m=a.off_m,
+                    off_l=a.off_s))
             else:
                 launch_fwd(q, k, v, out_i, lse_i, lse_i, items, ranges, n_out=L, causal_off=self.causal_off,
                            qk_scale=self.qk_scale, consts=self.consts[0])
@@ -1007,12 +1028,7 @@ class _FwdEngine(_Engine):
 
     def retire(self, h: _Handle):
         if self.merge_eff == "kernel":
-            if self.cuda:
-                h.compute_done.synchronize()      # the task's inputs are free before the next admission
-            else:
-                self.ledger -= h.need
-            h.bufs = []
-            self.merged_done(h.task, h.merged, h.compute_done)
+            self.retire_merged_in_kernels(h)
             return
         out_i, lse_i = h.parts
         done = None
@@ -1056,6 +1072,7 @@ class _FwdEngine(_Engine):
         self.merged_done(h.task, merged, done)
 
     def merged_done(self, task: Task, merged: bool, event):
+        """Counts the task and hands its rows to the row finaliser (`event` marks its merge)."""
         if not merged:
             return
         self.note_merged(task)
@@ -1184,19 +1201,14 @@ class _BwdEngine(_Engine):
                 # the accumulator's buffer is the kernels' workspace: first = last = False adds the task's dQ, dK,
                 # dV to it at global rows; δ is read there too (off_delta), O is not needed
                 a = self.acc
-                if a.dirty:
-                    raise MergeError("cqsa: gradient accumulator is dirty after a failed merge")
-                try:
+
+                def launches():
                     launch_bwd_dq(q, k, v, a.buf, do, lse, a.buf, a.buf, iq, rq, n_out=self.N, consts=self.consts_dq,
                                   first=False, last=False, off_delta=a.off_delta, **kw)
                     launch_bwd_dkdv(q, k, v, do, lse, a.buf, a.buf, a.buf, ik, rk, n_out=self.Nk,
                                     consts=self.consts_dkdv, first=False, last=False, off_delta=a.off_delta,
                                     off_dk=a.off_dk, off_dv=a.off_dv, **kw)
-                except Exception as exc:
-                    a.dirty = True
-                    raise MergeError(f"cqsa: merging launch of task {task.path} failed: {exc}") from exc
-                a.done.add(task.path)
-                h.merged = True
+                self.merge_in_kernels(h, launches)
             else:
                 # one task: first = last = wave 0, so the kernels write the parts directly; δ is read from `delta`
                 # (the workspace argument), O is not needed
@@ -1216,13 +1228,7 @@ class _BwdEngine(_Engine):
 
     def retire(self, h: _Handle):
         if self.merge_eff == "kernel":
-            if self.cuda:
-                h.compute_done.synchronize()      # the task's memory is free before the next admission
-            else:
-                self.ledger -= h.need
-            h.bufs = []
-            if h.merged:
-                self.note_merged(h.task)
+            self.retire_merged_in_kernels(h)
             return
         if self.cuda:
             self.merge_s.wait_event(h.compute_done)
@@ -1258,8 +1264,7 @@ class _BwdEngine(_Engine):
         else:
             self.ledger -= h.need
         h.parts, h.bufs = [], []
-        if merged:
-            self.note_merged(h.task)
+        self.merged_done(h.task, merged, None)
 
     def finalize(self):
         dev = self.src_device
