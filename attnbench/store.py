@@ -307,6 +307,7 @@ class RunStore:
             done.append(f"attempts.jsonl: torn last record {_preview(torn)} set aside in {TORN_FILE}")
         return done
 
+
 def _write_whole(path: Path, text: str) -> None:
     """A file's whole text, fsync'd (a run's new logs, a header restored); RunWriteError where it cannot be."""
     try:

@@ -745,13 +745,14 @@ class Tuner:
 
         heads, d = (1, 32) if self.ctx.cpu else (8, 128)
         short, long = (32, 64) if self.ctx.cpu else STREAM_PLAN_NS
-        deep = min(STREAM_PLAN_DEEP, max_depth(short, 7))
+        c = 7                               # the engine's default divide: a plan at depth itr runs c ** itr tasks
+        deep = min(STREAM_PLAN_DEEP, max_depth(short, c))
         gen = torch.Generator(device=self.device).manual_seed(7)
 
         def inputs(n):
             q, k, v, do = (torch.randn((1, heads, n, d), generator=gen, device=self.device, dtype=torch.float16)
                            for _ in range(4))
-            out, lse, _ = stream.stream_forward(q, k, v, c=7)
+            out, lse, _ = stream.stream_forward(q, k, v, c=c)
             return dict(q=q, k=k, v=v, out=out, lse=lse, do=do)
 
         def seconds(mode, x, itr, acc, label) -> float | None:
@@ -761,7 +762,7 @@ class Tuner:
             t0 = time.monotonic()
             args = (x["q"], x["k"], x["v"]) if mode == "fwd" else (x["q"], x["k"], x["v"], x["out"], x["lse"], x["do"])
             run = stream.stream_forward if mode == "fwd" else stream.stream_backward
-            res = measure_pair(Workload(run=lambda: run(*args, c=7, itr=itr, acc=acc)), None, kernel_name="cqsa",
+            res = measure_pair(Workload(run=lambda: run(*args, c=c, itr=itr, acc=acc)), None, kernel_name="cqsa",
                                baseline_name=None, timing=self.timing, device=self.device).kernel
             self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
             if res.status != "ok":
@@ -775,7 +776,7 @@ class Tuner:
 
         x_short, x_long = inputs(short), inputs(long)
         for mode in ("fwd", "bwd"):
-            flops, merge_bytes = stream.plan_traffic(mode, x_long["q"], x_long["k"])     # a depth-1 task's
+            flops, merge_bytes = stream.plan_traffic(mode, x_long["q"], x_long["k"], c=c)     # a depth-1 task's
             t_dev = seconds(mode, x_long, 1, "device", f"{mode} N={long} depth 1, device accumulator")
             t_host = seconds(mode, x_long, 1, "host", f"{mode} N={long} depth 1, host accumulator")
             t_deep = seconds(mode, x_short, deep, "device", f"{mode} N={short} depth {deep}, device accumulator")
@@ -783,10 +784,10 @@ class Tuner:
             complete = None not in (t_dev, t_host, t_deep)
             value, why = current, "the timings did not finish: the rates stay"
             if complete:
-                value = [7 * flops / t_dev, t_deep / 7 ** deep, current[2]]
+                value = [c * flops / t_dev, t_deep / c ** deep, current[2]]
                 why = "[FLOP/s, host seconds a task, host-merge bytes/s] measured"
                 if t_host > t_dev:
-                    value[2] = 7 * merge_bytes / (t_host - t_dev)
+                    value[2] = c * merge_bytes / (t_host - t_dev)
                 else:
                     why += "; the host accumulator no slower than the device's: its merge rate stays"
             s = Sweep("plan", "cqsa", "plan_rates", mode, "float16", mode, (d,), heads, (short, long), [None],

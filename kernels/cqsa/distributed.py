@@ -275,10 +275,7 @@ class _RankShare:
 class _RankFwdEngine(_RankShare, _FwdEngine):
     def finalize(self):
         """Keep the raw (m, s, acc) state: the ranks' states merge across the group, not here."""
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.dev)
-            cur.wait_stream(self.merge_s)
-            cur.wait_stream(self.comp_s)
+        self.join_streams()
         self.state = self.acc
         self.acc = None
 
@@ -286,10 +283,7 @@ class _RankFwdEngine(_RankShare, _FwdEngine):
 class _RankBwdEngine(_RankShare, _BwdEngine):
     def finalize(self):
         """Keep the fp32 partial gradients: they are summed across the group."""
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.dev)
-            cur.wait_stream(self.merge_s)
-            cur.wait_stream(self.comp_s)       # merge="kernel": the kernels added the tasks there
+        self.join_streams()
         self.partials = self.acc.g
         self.acc = None
 

@@ -424,8 +424,25 @@ class _Engine(ABC):
         """Bytes held on the device while the results are written (after the last task: not on top of one)."""
 
     @abstractmethod
+    def input_bytes(self, Lq: int, Lk: int) -> int:
+        """Bytes of one task's inputs copied to the device (0 when the kernels read them in place)."""
+
+    @abstractmethod
+    def partial_bytes(self, Lq: int, Lk: int) -> int:
+        """Bytes of one task's fp32 partials (merged by torch; by the host with a host accumulator)."""
+
     def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
         """One task's (flops, bytes copied host -> device, bytes merged on the host)."""
+        flops = self.flops_per_entry * self.B * self.H * Lq * Lk * self.D * (0.5 if self.causal else 1.0)
+        return flops, self.input_bytes(Lq, Lk), (0 if acc_on_device else self.partial_bytes(Lq, Lk))
+
+    def join_streams(self, *more):
+        """The caller's stream waits for the engine's compute and merge streams (and `more`): what the tasks
+        wrote is ready for it."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.dev)
+            for s in (self.comp_s, self.merge_s, *more):
+                cur.wait_stream(s)
 
     def _stream_ctx(self, s):
         return torch.cuda.stream(s) if s is not None else _nullctx()
@@ -906,6 +923,7 @@ class _RowFinalizer:
 
 class _FwdEngine(_Engine):
     rates = "fwd"           # its PLAN_RATES
+    flops_per_entry = 4.0   # per (query, key, feature): S = QK^T and P V
 
     def gathered(self):
         q, k, v = self.inputs
@@ -931,13 +949,17 @@ class _FwdEngine(_Engine):
             cap = 1 << 15 if self.budget is None else int(max(256, min(1 << 15, 0.02 * self.budget // max(per, 1))))
             self.fin_chunk = max(1, min(cap, self.N))
 
+    def input_bytes(self, Lq: int, Lk: int) -> int:
+        return 0 if self.inputs_in_place else self.dtype.itemsize * self.D * self.B * (Lq * self.H + 2 * Lk * self.Hkv)
+
+    def partial_bytes(self, Lq: int, Lk: int) -> int:
+        return 4 * Lq * self.B * self.H * (self.D + 1)          # out_i, lse_i
+
     def task_need(self, Lq: int, Lk: int) -> int:
-        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
-        inputs = 0 if self.inputs_in_place else s * D * (Lq * BH + 2 * Lk * self.B * self.Hkv)
         if self.merge_eff == "kernel":         # the kernel merges into the accumulator: no partials
-            return inputs + (2 << 20)
-        # out_i, lse_i, merge temporaries (m1, a, w per row), tables, allocator rounding slack
-        return inputs + 4 * Lq * BH * D + 4 * Lq * BH + 12 * Lq * BH + (2 << 20)
+            return self.input_bytes(Lq, Lk) + (2 << 20)
+        # the partials, the merge's temporaries (m1, a, w per row), tables, allocator rounding slack
+        return self.input_bytes(Lq, Lk) + self.partial_bytes(Lq, Lk) + 12 * Lq * self.B * self.H + (2 << 20)
 
     def _state_bytes(self, acc_on_device: bool, with_out: bool) -> int:
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
@@ -955,12 +977,6 @@ class _FwdEngine(_Engine):
     def finish_bytes(self, acc_on_device: bool) -> int:
         # the legacy finaliser's slabs are sized to what is left of the budget (final_chunk)
         return self._state_bytes(acc_on_device, with_out=True)
-
-    def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
-        BH, D, s = self.B * self.H, self.D, self.dtype.itemsize
-        flops = 4.0 * BH * Lq * Lk * D * (0.5 if self.causal else 1.0)
-        h2d = 0 if self.inputs_in_place else s * D * (Lq * BH + 2 * Lk * self.B * self.Hkv)
-        return flops, h2d, (0 if acc_on_device else 4 * Lq * BH * (D + 1))
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
@@ -1084,11 +1100,7 @@ class _FwdEngine(_Engine):
         if self.fin is not None:
             t0 = time.perf_counter()
             self.fin.close(self.last_events)
-            if self.cuda:
-                cur = torch.cuda.current_stream(self.dev)
-                cur.wait_stream(self.fin_s)      # O (direct path) and the staging buffers are used on fin_s
-                cur.wait_stream(self.comp_s)
-                cur.wait_stream(self.merge_s)
+            self.join_streams(self.fin_s)        # O (direct path) and the staging buffers are used on fin_s
             self.timer.host["fin_tail"] += time.perf_counter() - t0
             self.fin = None
             self.acc = None
@@ -1098,9 +1110,7 @@ class _FwdEngine(_Engine):
         pin = out_dev.type == "cpu" and self.cuda
         self.out = torch.empty((B, H, N, D), dtype=self.dtype, device=out_dev, pin_memory=pin)
         self.lse = torch.empty((B, H, N), dtype=torch.float32, device=out_dev, pin_memory=pin)
-        if self.cuda:
-            torch.cuda.current_stream(self.dev).wait_stream(self.merge_s)
-            torch.cuda.current_stream(self.dev).wait_stream(self.comp_s)
+        self.join_streams()
         d0 = self.timer.start()
         BHD = self.B * self.H * self.D
         chunk = self.final_chunk(BHD * (4 + 2 * self.dtype.itemsize) + 16 * self.B * self.H)
@@ -1112,6 +1122,7 @@ class _FwdEngine(_Engine):
 
 class _BwdEngine(_Engine):
     rates = "bwd"           # its PLAN_RATES
+    flops_per_entry = 10.0  # 2.5x the forward's: S again, dV, dP, dQ, dK
 
     def gathered(self):     # q, dO (query side) and k, v (key side) are copied per task; lse and δ rows ride along
         q, k, v, _o, _lse, do = self.inputs
@@ -1124,11 +1135,17 @@ class _BwdEngine(_Engine):
         # Host inputs or a host accumulator: partials, merged by torch.
         self.merge_eff = self.merge_mode if acc_on_device and self.inputs_in_place else "torch"
 
+    def input_bytes(self, Lq: int, Lk: int) -> int:
+        # q, dO and k, v, with the task's lse and δ rows
+        BHq, BHk = self.B * self.H, self.B * self.Hkv
+        return 0 if self.inputs_in_place else 2 * self.dtype.itemsize * self.D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq
+
+    def partial_bytes(self, Lq: int, Lk: int) -> int:
+        return 4 * self.D * self.B * (Lq * self.H + 2 * Lk * self.Hkv)      # fp32 dQ, dK, dV
+
     def task_need(self, Lq: int, Lk: int) -> int:
-        BHq, BHk, D, s = self.B * self.H, self.B * self.Hkv, self.D, self.dtype.itemsize
-        inputs = 0 if self.inputs_in_place else (2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq)
-        parts = 0 if self.merge_eff == "kernel" else 4 * D * (Lq * BHq + 2 * Lk * BHk)    # fp32 dQ, dK, dV
-        return inputs + parts + (2 << 20)
+        parts = 0 if self.merge_eff == "kernel" else self.partial_bytes(Lq, Lk)
+        return self.input_bytes(Lq, Lk) + parts + (2 << 20)
 
     def resident_bytes(self, acc_on_device: bool) -> int:
         B, H, N, D = self.B, self.H, self.N, self.D
@@ -1142,12 +1159,6 @@ class _BwdEngine(_Engine):
         B, H, N, D, s = self.B, self.H, self.N, self.D, self.dtype.itemsize
         grads = s * B * D * (H * N + 2 * self.Hkv * self.Nk) if self.src_device == self.dev else 0
         return self.resident_bytes(acc_on_device) + grads
-
-    def task_traffic(self, Lq: int, Lk: int, acc_on_device: bool) -> tuple[float, int, int]:
-        BHq, BHk, D, s = self.B * self.H, self.B * self.Hkv, self.D, self.dtype.itemsize
-        flops = 10.0 * BHq * Lq * Lk * D * (0.5 if self.causal else 1.0)       # 2.5x the forward's
-        h2d = 0 if self.inputs_in_place else 2 * s * D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq
-        return flops, h2d, (0 if acc_on_device else 4 * D * (Lq * BHq + 2 * Lk * BHk))
 
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
@@ -1269,10 +1280,7 @@ class _BwdEngine(_Engine):
     def finalize(self):
         dev = self.src_device
         pin = dev.type == "cpu" and self.cuda
-        if self.cuda:
-            cur = torch.cuda.current_stream(self.dev)
-            cur.wait_stream(self.merge_s)
-            cur.wait_stream(self.comp_s)
+        self.join_streams()
         acc_dev = self.acc.g[0].device
         d0 = self.timer.start()
         self.grads = []
