@@ -1309,9 +1309,10 @@ def test_gpu_streaming_grouped_query_host_inputs():
 
 @pytest.mark.gpu
 def test_gpu_streamed_backward_in_the_kernels_on_the_device_or_merged_on_the_host():
-    """The backward's three routes on device inputs (causal, grouped-query, fp16): the dQ and dK/dV kernels adding
-    each task into the device accumulator (merge="kernel", the default), partials merged by torch there, and a
-    page-locked host accumulator whose fp32 slabs are cast on the GPU; each against SDPA's float32 gradients."""
+    """The backward's routes (causal, grouped-query, fp16): on device inputs the dQ and dK/dV kernels adding each
+    task into the device accumulator (merge="kernel", the default), partials merged by torch there, and a
+    page-locked host accumulator whose fp32 slabs are cast on the GPU; on pinned host inputs the kernels adding
+    each gathered task into the device accumulator, two tasks in flight; each against SDPA's float32 gradients."""
     n, hq, hk, d = 8192, 4, 2, 128
     q = torch.randn(1, hq, n, d, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(1, hk, n, d, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -1321,13 +1322,17 @@ def test_gpu_streamed_backward_in_the_kernels_on_the_device_or_merged_on_the_hos
     rep = hq // hk
     ref = _sdpa(x32[0], *(t.repeat_interleave(rep, dim=1) for t in x32[1:]), True, "EFFICIENT_ATTENTION")
     gref = torch.autograd.grad(ref, x32, do.float())
-    for merge, acc in (("kernel", "device"), ("torch", "device"), ("kernel", "host")):
-        dq, dk, dv, st = stream_backward(q, k, v, out, lse, do, causal=True, c=7, itr=2, merge=merge, acc=acc)
-        assert st.acc == acc and st.merge == (merge if acc == "device" else "torch")
-        assert st.pairs_covered == n * n and st.n_tasks == 49
+    host = [t.cpu().pin_memory() for t in (q, k, v, out, lse, do)]
+    for merge, acc, inputs in (("kernel", "device", "device"), ("torch", "device", "device"),
+                               ("kernel", "host", "device"), ("kernel", "device", "host")):
+        x = host if inputs == "host" else (q, k, v, out, lse, do)
+        dq, dk, dv, st = stream_backward(*x, causal=True, c=7, itr=2, merge=merge, acc=acc, n_cap_max=2)
+        assert st.acc == acc and st.inputs == inputs and st.merge == (merge if acc == "device" else "torch")
+        assert st.pairs_covered == n * n and st.n_tasks == 49 and max(st.n_cap_history) == 2
         for name, a, b in zip("qkv", (dq, dk, dv), gref):
             assert a.dtype == torch.float16 and a.shape == b.shape, name
-            assert max_err(a, b) <= 1e-2 and rel_rms(a, b) <= 2e-3, (merge, acc, name)
+            a = a.to(b.device)
+            assert max_err(a, b) <= 1e-2 and rel_rms(a, b) <= 2e-3, (merge, acc, inputs, name)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,8 @@ from kernels.cqsa.divide import build_tasks
 from kernels._common import LN2
 from kernels.cqsa.kernel import launch_finalize
 from kernels.cqsa.schedule import task_schedule
-from kernels.cqsa.stream import StableAccumulator, _RowFinalizer, stream_backward, stream_forward
+from kernels.cqsa.stream import (GradAccumulator, StableAccumulator, _RowFinalizer, _rows_to, row_delta,
+                                 stream_backward, stream_forward)
 from kernels.reference import reference_attention
 
 F32_TOL = 1e-5
@@ -171,10 +172,12 @@ def test_kernel_merge_needs_less_memory_per_task():
 
 # (merge, gather, causal, query / key-value heads, Nq, Nk, itr): the dQ and dK/dV kernels adding each task into the
 # accumulator in place, against the torch merge of partials; grouped-query with Nq != Nk, and the next level (49
-# tasks: a row's pieces from several sub-tasks). Gathered inputs read δ by the task's rows: they keep the torch merge.
+# tasks: a row's pieces from several sub-tasks). Gathered inputs (host inputs on a GPU) are read at the task's rows,
+# their δ from the accumulator's slot, and written at global rows.
 BWD_MODES = [("kernel", "auto", True, 2, 2, 45, 45, 2), ("kernel", "auto", True, 4, 2, 26, 53, 1),
              ("kernel", "auto", False, 2, 1, 37, 37, 1), ("torch", "auto", True, 4, 2, 26, 53, 1),
-             ("kernel", "always", False, 2, 1, 37, 37, 1)]
+             ("kernel", "always", False, 2, 1, 37, 37, 1), ("kernel", "always", True, 4, 2, 26, 53, 2),
+             ("torch", "always", True, 4, 2, 26, 53, 1)]
 
 
 @pytest.mark.cpu_only("host_inputs")
@@ -197,24 +200,36 @@ def test_backward_merge_modes_are_exact(merge, gather, causal, hq, hk, nq, nk, i
     dq, dk, dv, st = stream_backward(*x, out, lse, do.float(), causal=causal, c=7, itr=itr, merge=merge,
                                      gather=gather, oom_hook=hook, n_cap_max=4, mem_budget=10 ** 9,
                                      precision="ieee")
-    assert st.merge == (merge if gather == "auto" else "torch") and st.acc == "device"
+    assert st.merge == merge and st.acc == "device"
     assert len(st.evictions) == 1 and st.pairs_covered == nq * nk and st.n_tasks == 7 ** itr
     for name, a, b in zip("qkv", (dq, dk, dv), gref):
         assert a.shape == b.shape and max_err(a, b) <= F32_TOL, name
 
 
 @pytest.mark.cpu_only("host_inputs")
-def test_backward_kernel_merge_needs_no_partials():
+@pytest.mark.parametrize("gather", ["auto", "always"])
+def test_backward_kernel_merge_needs_no_partials(gather):
     n, d = 100, 32
     q, k, v, do = (rand((1, 1, n, d)) for _ in range(4))
     out, lse, _ = stream_forward(q, k, v, c=7, precision="ieee")
-    runs = {m: stream_backward(q, k, v, out, lse, do, c=7, mem_budget=10 ** 9, merge=m, precision="ieee")
-            for m in ("torch", "kernel")}
+    runs = {m: stream_backward(q, k, v, out, lse, do, c=7, mem_budget=10 ** 9, merge=m, gather=gather,
+                               precision="ieee") for m in ("torch", "kernel")}
     delta = {m: r[3].calibrations[0]["delta_bytes"] for m, r in runs.items()}
     L = build_tasks(n, 7, 1)[0].L
     assert delta["torch"] - delta["kernel"] == 4 * d * 3 * L           # the task's fp32 dQ, dK, dV partials
     for a, b in zip(runs["torch"][:3], runs["kernel"][:3]):
         assert max_err(a, b) <= F32_TOL
+
+
+def test_gradient_accumulator_holds_delta_for_every_row_or_one_task():
+    acc = GradAccumulator(2, 3, 10, 4, "cpu", delta_rows=10)          # read in place: δ of every row
+    assert acc.buf.numel() == acc.off_delta + 2 * 3 * 10 and acc.delta.shape == (2, 3, 10)
+    slot = acc.delta_slot(6)                                           # a gathered task's rows, [B,H,L] from off_delta
+    slot.copy_(torch.arange(36.0).view(2, 3, 6))
+    assert torch.equal(acc.buf[acc.off_delta:acc.off_delta + 36], torch.arange(36.0))
+    with pytest.raises(ValueError, match="does not fit"):
+        acc.delta_slot(11)
+    assert GradAccumulator(2, 3, 10, 4, "cpu").delta is None
 
 
 def _fake_engine(N, chunk, fin_mode="rows"):
@@ -246,3 +261,17 @@ def test_row_finaliser_refuses_double_counts_and_lost_tasks():
         fin.add(t, None)
     fin.close([])
     assert all(fin.enq) and fin.got == fin.need
+
+
+@pytest.mark.parametrize("layout", ["head_major", "token_major", "other"])
+def test_rows_cross_in_the_inputs_layout(layout):
+    """_rows_to (host O and dO crossing to the GPU for δ) copies a slab of rows in the source's layout, whatever it
+    is; row_delta's chunks sum to the whole δ."""
+    base = torch.randn(2, 30, 3, 8)
+    t = {"head_major": base.permute(0, 2, 1, 3).contiguous(), "token_major": base.permute(0, 2, 1, 3),
+         "other": base.permute(0, 2, 1, 3)[..., ::2]}[layout]
+    slab = _rows_to(t, 11, 7, torch.device("cpu"))
+    assert torch.equal(slab, t[:, :, 11:18]) and (slab.is_contiguous() or layout != "head_major")
+    do = torch.randn_like(t)
+    want = (do.double() * t.double()).sum(-1)
+    assert torch.allclose(row_delta(do, t, chunk=7, device="cpu").double(), want, atol=1e-5)

@@ -109,15 +109,21 @@ def _empty_like_layout(layout, B, H, L, D, dtype, device, pin=False):
 
 def _copy_pieces(dst, src, pieces: Pieces, layout: str, non_blocking: bool):
     """dst[..., local piece, :] <- src[..., global piece, :], in dense memcpy-able units."""
-    B, H = src.shape[0], src.shape[1]
     for g, l, n in zip(pieces.gstart.tolist(), pieces.lstart.tolist(), pieces.length.tolist()):
-        if layout == "token_major":
-            for b in range(B):
-                dst[b, :, l:l + n].copy_(src[b, :, g:g + n], non_blocking=non_blocking)
-        else:
-            for b in range(B):
-                for h in range(H):
-                    dst[b, h, l:l + n].copy_(src[b, h, g:g + n], non_blocking=non_blocking)
+        _copy_rows(dst, src, g, l, n, layout, non_blocking)
+
+
+def _copy_rows(dst, src, g: int, l: int, n: int, layout: str, non_blocking: bool):
+    """dst[:, :, l:l + n] <- src[:, :, g:g + n] in dense memcpy-able units: a batch's rows of every head
+    (token-major), or a head's rows (head-major)."""
+    B, H = src.shape[0], src.shape[1]
+    if layout == "token_major":
+        for b in range(B):
+            dst[b, :, l:l + n].copy_(src[b, :, g:g + n], non_blocking=non_blocking)
+    else:
+        for b in range(B):
+            for h in range(H):
+                dst[b, h, l:l + n].copy_(src[b, h, g:g + n], non_blocking=non_blocking)
 
 
 def _rows(t: torch.Tensor, task: Task) -> torch.Tensor:
@@ -125,15 +131,30 @@ def _rows(t: torch.Tensor, task: Task) -> torch.Tensor:
     return torch.cat([t[:, :, g:g + n] for g, n in zip(task.q.gstart.tolist(), task.q.length.tolist())], dim=2)
 
 
-def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16, into: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    """δ = rowsum(dO ⊙ O) in fp32 where O lives (host inputs: on the host), chunked along N so no full fp32
-    copy of O is made; written into `into` ([B,H,N] fp32 on O's device) when given."""
-    B, H, N, _ = out.shape
-    delta = torch.empty((B, H, N), dtype=torch.float32, device=out.device) if into is None else into
+def row_delta(do: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 16, into: torch.Tensor | None = None,
+              device=None) -> torch.Tensor:
+    """δ = rowsum(dO ⊙ O) in fp32, [B,H,N], chunked along N so no full fp32 copy of O is made; written into `into`
+    when given. Summed where O lives, or on `device`: host inputs beside a GPU cross to it a chunk at a time, in
+    the dense units a task's gather uses (asynchronously from page-locked memory), because the host's own sum,
+    with its fp32 temporaries, took longer than the rest of a call's setup (16-20 ms at 16K tokens, B=1, H=8,
+    D=128, on the H200's host: results/dev/cqsa/stream_backward_host_inputs_h200.json)."""
+    B, H, N, D = out.shape
+    dev = out.device if device is None else torch.device(device)
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=dev) if into is None else into
     for s in range(0, N, chunk):
-        delta[:, :, s:s + chunk] = (do[:, :, s:s + chunk].float() * out[:, :, s:s + chunk].float()).sum(-1)
+        n = min(chunk, N - s)
+        d_, o_ = (t[:, :, s:s + n] if t.device == dev else _rows_to(t, s, n, dev) for t in (do, out))
+        delta[:, :, s:s + n] = (d_.float() * o_.float()).sum(-1)
     return delta
+
+
+def _rows_to(t: torch.Tensor, start: int, n: int, device) -> torch.Tensor:
+    """t[:, :, start:start + n] copied to `device` in t's layout (dense units, as _copy_pieces copies)."""
+    lay = _layout(t)
+    lay = lay if lay != "other" else "head_major"
+    buf = _empty_like_layout(lay, t.shape[0], t.shape[1], n, t.shape[3], t.dtype, device)
+    _copy_rows(buf, t, start, 0, n, lay, non_blocking=True)
+    return buf
 
 
 # plan_seconds ranks the plans under a budget with each engine's rates: its kernels' FLOP/s, the host's time per task
@@ -299,21 +320,31 @@ class GradAccumulator:
     """fp32 dQ [B,H,N,D] and dK, dV [B,heads_kv,n_kv,D] (default: H, N); a task's contribution is added once
     (idempotent per path): dQ over its query pieces, dK and dV over its key pieces.
 
-    One buffer in the dQ and dK/dV kernels' workspace layout (dQ at 0, dK at off_dk, dV at off_dv; with_delta:
-    δ [B,H,N] at off_delta), so the kernels can add a task into it directly (merge="kernel"); else `merge` adds
-    a task's partials with torch. `pin`: page-locked host memory (a host accumulator beside a GPU)."""
+    One buffer in the dQ and dK/dV kernels' workspace layout (dQ at 0, dK at off_dk, dV at off_dv; δ of
+    `delta_rows` rows, [B,H,delta_rows], at off_delta), so the kernels can add a task into it directly
+    (merge="kernel"); else `merge` adds a task's partials with torch. The kernels read δ at the rows they read q
+    at: every row (delta_rows = N) when they read the inputs in place, a task's own rows (delta_slot) when its
+    inputs are gathered. `pin`: page-locked host memory (a host accumulator beside a GPU)."""
 
-    def __init__(self, B, H, N, D, device, heads_kv=None, n_kv=None, with_delta=False, pin=False):
+    def __init__(self, B, H, N, D, device, heads_kv=None, n_kv=None, delta_rows=0, pin=False):
         hk, nk = heads_kv or H, N if n_kv is None else n_kv
         n_q, n_kv_el = B * H * N * D, B * hk * nk * D
         self.off_dk, self.off_dv, self.off_delta = n_q, n_q + n_kv_el, n_q + 2 * n_kv_el
-        self.buf = torch.zeros(self.off_delta + (B * H * N if with_delta else 0), dtype=torch.float32,
-                               device=device, pin_memory=pin)
+        self.buf = torch.zeros(self.off_delta + B * H * delta_rows, dtype=torch.float32, device=device,
+                               pin_memory=pin)
         self.g = [self.buf[:n_q].view(B, H, N, D), self.buf[n_q:self.off_dv].view(B, hk, nk, D),
                   self.buf[self.off_dv:self.off_delta].view(B, hk, nk, D)]
-        self.delta = self.buf[self.off_delta:].view(B, H, N) if with_delta else None
+        self.delta_rows = delta_rows
+        self.delta = self.delta_slot(delta_rows) if delta_rows else None
         self.done: set = set()
         self.dirty = False
+
+    def delta_slot(self, rows: int) -> torch.Tensor:
+        """δ's place in the buffer as [B,H,rows] (the kernels read row r of head bh at off_delta + bh·rows + r)."""
+        if rows > self.delta_rows:
+            raise ValueError(f"cqsa: δ of {rows} rows does not fit the accumulator's {self.delta_rows}")
+        B, H = self.g[0].shape[:2]
+        return self.buf[self.off_delta:self.off_delta + B * H * rows].view(B, H, rows)
 
     @staticmethod
     def nbytes(B, H, N, D, heads_kv=None, n_kv=None) -> int:
@@ -758,14 +789,9 @@ class _Engine(ABC):
                 t.record_stream(torch.cuda.current_stream(self.dev))
         return r, w
 
-    def to_dev_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
-        """Per-query-row vector [B,H,Nq] -> the task's rows on the compute device (in-place inputs: whole)."""
-        if self.inputs_in_place:
-            return t
-        rows = _rows(t, task)
-        if self.cuda and rows.device.type == "cpu":
-            return rows.pin_memory().to(self.dev, non_blocking=True)
-        return rows.to(self.dev)
+    def task_rows(self, t: torch.Tensor, task: Task) -> torch.Tensor:
+        """Per-query-row vector [B,H,Nq] on the compute device -> the task's rows (in-place inputs: whole)."""
+        return t if self.inputs_in_place else _rows(t, task)
 
 
 class _nullctx:
@@ -1131,12 +1157,21 @@ class _BwdEngine(_Engine):
     def configure(self, acc_on_device: bool):
         # merge="kernel": the dQ and dK/dV kernels add each task into the device accumulator in their epilogue
         # (tasks run one after another on the compute stream and a task holds each row once: no races). They read
-        # δ and lse by the rows they read q at, so δ must be whole in their workspace: inputs read in place only.
-        # Host inputs or a host accumulator: partials, merged by torch.
-        self.merge_eff = self.merge_mode if acc_on_device and self.inputs_in_place else "torch"
+        # δ in their workspace, the accumulator's buffer, at the rows they read q at: all of it when the inputs are
+        # read in place, else a slot the task's δ rows are copied into (delta_rows). A host accumulator: partials,
+        # merged by torch.
+        self.merge_eff = self.merge_mode if acc_on_device else "torch"
+
+    def delta_rows(self) -> int:
+        """Rows of δ the accumulator's buffer holds for the kernels (GradAccumulator): every query row when they
+        read the inputs in place, else the longest task's (tasks only shrink below the first depth); none when
+        torch merges."""
+        if self.merge_eff != "kernel":
+            return 0
+        return self.N if self.inputs_in_place else _depth_bound(self.N, self.c, self.itr_min)
 
     def input_bytes(self, Lq: int, Lk: int) -> int:
-        # q, dO and k, v, with the task's lse and δ rows
+        # q, dO and k, v, with the task's lse and δ rows (gathered on the device)
         BHq, BHk = self.B * self.H, self.B * self.Hkv
         return 0 if self.inputs_in_place else 2 * self.dtype.itemsize * self.D * (Lq * BHq + Lk * BHk) + 8 * Lq * BHq
 
@@ -1150,7 +1185,8 @@ class _BwdEngine(_Engine):
     def resident_bytes(self, acc_on_device: bool) -> int:
         B, H, N, D = self.B, self.H, self.N, self.D
         acc = GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk) if acc_on_device else 0
-        rows = 8 * B * H * N if self.inputs_in_place else 0          # δ (in the accumulator's buffer or not), lse
+        # δ (in the accumulator's buffer or not) and lse, on the device; gathered inputs: a task's δ slot too
+        rows = 8 * B * H * N + (0 if self.inputs_in_place else 4 * B * H * self.delta_rows())
         return acc + rows + (4 << 20)
 
     def finish_bytes(self, acc_on_device: bool) -> int:
@@ -1163,19 +1199,20 @@ class _BwdEngine(_Engine):
     def setup(self):
         B, H, N, D = self.B, self.H, self.N, self.D
         q, k, v, o, lse, do = self.inputs
-        kernel_merge = self.merge_eff == "kernel"
         self.stats.merge = self.merge_eff
         # a host accumulator beside a GPU is page-locked: its fp32 slabs cross back to the GPU at the end (finalize)
         # without a pageable bounce, and its cached pages need no faulting in per call
         self.acc = GradAccumulator(B, H, N, D, self.dev if self.acc_on_device else torch.device("cpu"),
-                                   self.Hkv, self.Nk, with_delta=kernel_merge, pin=self.cuda and not self.acc_on_device)
+                                   self.Hkv, self.Nk, delta_rows=self.delta_rows(),
+                                   pin=self.cuda and not self.acc_on_device)
         if not self.cuda:
             self.ledger += GradAccumulator.nbytes(B, H, N, D, self.Hkv, self.Nk)
-        # where O and dO live (host inputs: on the host); on the device, in slabs that fit what the budget leaves
-        on_dev = o.device == self.dev
-        self.delta = row_delta(do, o, chunk=self.final_chunk(12 * B * H * D) if on_dev else 1 << 16,
-                               into=self.acc.delta)
-        self.lse = lse.contiguous()
+        # δ and lse on the compute device (host inputs: O and dO cross in slabs, δ is summed there), each task's
+        # rows gathered there; the slabs fit what the budget leaves (fp32 products, and fp16 copies of host O, dO)
+        slab = (12 if o.device == self.dev else 16) * B * H * D
+        self.delta = row_delta(do, o, chunk=self.final_chunk(slab), device=self.dev,
+                               into=self.acc.delta if self.inputs_in_place else None)
+        self.lse = lse.to(self.dev).contiguous()
         self.consts_dq = constexprs("dq", D, self.tiles, self.causal, self.prec, DELTA_FROM_O=False)
         self.consts_dkdv = constexprs("dkdv", D, self.tiles, self.causal, self.prec)
 
@@ -1189,8 +1226,8 @@ class _BwdEngine(_Engine):
         B, H, Lq, Lk, D = self.B, self.H, task.L, task.Lk, self.D
         q, k, v, do = self.load_inputs(h)
         with self._stream_ctx(self.copy_s):
-            lse = self.to_dev_rows(self.lse, task)
-            delta = self.to_dev_rows(self.delta, task)
+            lse = self.task_rows(self.lse, task)
+            delta = self.task_rows(self.delta, task)
         if self.cuda:
             self.comp_s.wait_stream(self.copy_s)
         kernel_merge = self.merge_eff == "kernel"
@@ -1210,8 +1247,12 @@ class _BwdEngine(_Engine):
             kw = dict(n_rows=n_rows, causal_off=self.causal_off, qk_scale=self.qk_scale, sm_scale=self.scale)
             if kernel_merge:
                 # the accumulator's buffer is the kernels' workspace: first = last = False adds the task's dQ, dK,
-                # dV to it at global rows; δ is read there too (off_delta), O is not needed
+                # dV to it at global rows; δ is read there too (off_delta), O is not needed. Gathered inputs are
+                # read at the task's rows, so its δ rows go to the buffer's slot first, on the compute stream: the
+                # task before it has read the slot by then
                 a = self.acc
+                if not self.inputs_in_place:
+                    a.delta_slot(Lq).copy_(delta)
 
                 def launches():
                     launch_bwd_dq(q, k, v, a.buf, do, lse, a.buf, a.buf, iq, rq, n_out=self.N, consts=self.consts_dq,
@@ -1384,11 +1425,12 @@ def stream_backward(q, k, v, out, lse, do, *, causal=False, scale=None, c=7, itr
     """Gradients (dq, dk, dv, stats) by the §4.2 form, task by task, under the same engine; dk, dv have k's
     heads (each summed over its group of query heads).
 
-    merge: "kernel" (default on CUDA) with inputs read in place and the accumulator on the device: the dQ and
-    dK/dV kernels add each task into the fp32 accumulator, which also holds δ (their workspace), as the forward's
-    epilogue does; no per-task partials, no merge pass. Otherwise (host inputs, a host accumulator, "torch"):
-    each task's fp32 partials, added per piece by torch. A host accumulator beside a GPU is page-locked and its
-    fp32 slabs are cast on the GPU at the end. The forward's finalize and host_out options do not apply."""
+    merge: "kernel" (default on CUDA) with the accumulator on the device: the dQ and dK/dV kernels add each task
+    into the fp32 accumulator, which also holds δ (their workspace: every row's with inputs read in place, the
+    task's rows with host inputs), as the forward's epilogue does; no per-task partials, no merge pass. Otherwise
+    (a host accumulator, "torch"): each task's fp32 partials, added per piece by torch. A host accumulator beside
+    a GPU is page-locked and its fp32 slabs are cast on the GPU at the end. The forward's finalize and host_out
+    options do not apply."""
     eng = _BwdEngine("bwd", [q, k, v, out, lse, do], **_prepare(q, k, v, causal, scale, c, itr, precision, config,
                                                                   kw))
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
