@@ -81,6 +81,37 @@ def _log2_lse(lse):
     return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
 
+@triton.jit
+def _item_rows(ITEMS, n_waves, BLOCK: tl.constexpr):
+    """This program's item of the joined waves (ITEMS [I, n_waves, 5]: row start, row end, the wave's range offset
+    and count, shift): its entry, its row bounds rs and re, shift (output row = input row - shift: global ->
+    task-local), and its BLOCK rows from rs with their mask."""
+    it = ITEMS + tl.program_id(0) * (n_waves * 5)
+    rs = tl.load(it)
+    re = tl.load(it + 1)
+    shift = tl.load(it + 4)
+    offs = rs + tl.arange(0, BLOCK)
+    return it, rs, re, shift, offs, offs < re
+
+
+@triton.jit
+def _head_base(b, h, s_b, s_h):
+    """Offset of (batch b, head h) in a strided [B, H, N, D] tensor, in 64 bits."""
+    return b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+
+
+@triton.jit
+def _wave_out(x, WS, OUT, base, rows, offs_d, ok, first, last, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A wave's fp32 output tile x plus what the waves before it left in the workspace WS (first == 0), stored to
+    OUT on the last wave, else back to WS (first = last = 0: accumulate in WS, the streaming engine's merge)."""
+    if first == 0:
+        x += _load_tile(WS, base, rows, HEAD_DIM, offs_d, ok, HEAD_DIM, BLOCK_D, True)
+    if last != 0:
+        _store_tile(OUT, base, rows, HEAD_DIM, offs_d, ok, x, HEAD_DIM, BLOCK_D)
+    else:
+        _store_tile(WS, base, rows, HEAD_DIM, offs_d, ok, x, HEAD_DIM, BLOCK_D)
+
+
 # first/last (which wave) are runtime flags, kept out of specialisation: one compiled kernel serves every
 # wave, instead of three variants compiled per configuration; so are the offsets that vary with the shape.
 @triton.jit(do_not_specialize=["first", "last", "off_m", "off_l", "causal_off"])
@@ -95,21 +126,15 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     so that the range end bounds the rows a tile reads (zero past it, masked by fold_keys like the pointer path).
     ITEMS [I, n_waves, 5]: a program folds the column ranges of its row block's item in each of the n_waves
     joined waves (schedule.join_waves: the same rows in each) in turn, in registers."""
-    item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    it = ITEMS + item * (n_waves * 5)
-    rs = tl.load(it)
-    re = tl.load(it + 1)
-    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
-    offs_m = rs + tl.arange(0, BLOCK_M)
+    it, rs, re, shift, offs_m, row_ok = _item_rows(ITEMS, n_waves, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < re
-    qbase = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    kbase = b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    qbase = _head_base(b, h, sqb, sqh)
+    kbase = _head_base(b, hk, skb, skh)
+    vbase = _head_base(b, hk, svb, svh)
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     acc, m_i, l_i = core.init_state(BLOCK_M, BLOCK_D)
     for w in range(n_waves):
@@ -208,22 +233,16 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     written at output rows (DQ [B,H,N_OUT,HEAD_DIM] contiguous). WS: fp32 workspace with the dQ accumulator
     [B,H,N_OUT,HEAD_DIM] at 0 and δ at off_delta; DELTA_FROM_O: the first wave computes δ and stores it.
     ITEMS [I, n_waves, 5]: joined waves, as in the forward."""
-    item = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // GROUP
-    it = ITEMS + item * (n_waves * 5)
-    rs = tl.load(it)
-    re = tl.load(it + 1)
-    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
-    offs_m = rs + tl.arange(0, BLOCK_M)
+    it, rs, re, shift, offs_m, row_ok = _item_rows(ITEMS, n_waves, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < re
-    qbase = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    kbase = b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    dbase = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+    qbase = _head_base(b, h, sqb, sqh)
+    kbase = _head_base(b, hk, skb, skh)
+    vbase = _head_base(b, hk, svb, svh)
+    dbase = _head_base(b, h, sdb, sdh)
     lbase = bh.to(tl.int64) * N_ROWS
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     do = _load_tile(DO, dbase, offs_m, sdn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
@@ -259,12 +278,7 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     dq = dq * sm_scale
     orow = offs_m - shift
     obase = bh.to(tl.int64) * N_OUT * HEAD_DIM
-    if first == 0:
-        dq += _load_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-    if last != 0:
-        _store_tile(DQ, obase, orow, HEAD_DIM, offs_d, row_ok, dq, HEAD_DIM, BLOCK_D)
-    else:
-        _store_tile(WS, obase, orow, HEAD_DIM, offs_d, row_ok, dq, HEAD_DIM, BLOCK_D)
+    _wave_out(dq, WS, DQ, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -321,27 +335,21 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
     summed here. LSE and δ (at WS + off_delta) are [B,Hq,N_ROWS]; DK, DV [B,HKV,N_OUT,HEAD_DIM] contiguous;
     the fp32 accumulators across waves at WS + off_dk and WS + off_dv, same shape. ITEMS [I, n_waves, 5]: joined
     waves, as in the forward."""
-    item = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HKV
     hk = bhk % HKV
-    it = ITEMS + item * (n_waves * 5)
-    rs = tl.load(it)
-    re = tl.load(it + 1)
-    shift = tl.load(it + 4)     # output row = input row - shift (global -> task-local)
-    offs_n = rs + tl.arange(0, BLOCK_N)
+    it, rs, re, shift, offs_n, row_ok = _item_rows(ITEMS, n_waves, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_n < re
-    kbase = b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    vbase = b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    kbase = _head_base(b, hk, skb, skh)
+    vbase = _head_base(b, hk, svb, svh)
     k = _load_tile(K, kbase, offs_n, skn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     v = _load_tile(V, vbase, offs_n, svn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        qbase = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        dbase = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+        qbase = _head_base(b, h, sqb, sqh)
+        dbase = _head_base(b, h, sdb, sdh)
         lbase = (b * HKV * GROUP + h).to(tl.int64) * N_ROWS
         for w in range(n_waves):
             roff = tl.load(it + w * 5 + 2)
@@ -369,15 +377,8 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
     dk = dk * sm_scale
     orow = offs_n - shift
     obase = bhk.to(tl.int64) * N_OUT * HEAD_DIM
-    if first == 0:
-        dk += _load_tile(WS + off_dk, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-        dv += _load_tile(WS + off_dv, obase, orow, HEAD_DIM, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-    if last != 0:
-        _store_tile(DK, obase, orow, HEAD_DIM, offs_d, row_ok, dk, HEAD_DIM, BLOCK_D)
-        _store_tile(DV, obase, orow, HEAD_DIM, offs_d, row_ok, dv, HEAD_DIM, BLOCK_D)
-    else:
-        _store_tile(WS + off_dk, obase, orow, HEAD_DIM, offs_d, row_ok, dk, HEAD_DIM, BLOCK_D)
-        _store_tile(WS + off_dv, obase, orow, HEAD_DIM, offs_d, row_ok, dv, HEAD_DIM, BLOCK_D)
+    _wave_out(dk, WS + off_dk, DK, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
+    _wave_out(dv, WS + off_dv, DV, obase, orow, offs_d, row_ok, first, last, HEAD_DIM, BLOCK_D)
 
 
 # --- tile configurations -----------------------------------------------------------------------------

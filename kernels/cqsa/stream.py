@@ -617,7 +617,7 @@ class _Engine(ABC):
         return self.stats
 
     def merged(self, task) -> bool:
-        return task.path in self.acc_done()
+        return task.path in self.acc.done
 
     def merge_in_kernels(self, h: _Handle, launches):
         """merge="kernel": `launches()` adds h's task into self.acc in the kernels' epilogue, once. A launch that
@@ -681,13 +681,18 @@ class _Engine(ABC):
         free = self.budget - self.mem_now() - (1 << 20)
         return int(max(256, min(1 << 16, free // max(bytes_per_token, 1))))
 
-    def admit_check(self, task: Task, need: int, resident: int):
+    def admit(self, task: Task, resident: int) -> _Handle:
+        """A handle for `task` if its bytes fit what the budget leaves beside what the process holds, else OOM
+        (`resident`, the tasks in flight, goes to the tests' oom_hook)."""
+        h = _Handle(task)
+        h.need = self.task_need(task.L, task.Lk)
         if self.oom_hook is not None:
             self.oom_hook(task, resident)          # may raise torch.OutOfMemoryError (tests)
-        need = int(need * self.need_scale)
+        need = int(h.need * self.need_scale)
         if self.budget is not None and self.mem_now() + need > self.budget:
             raise OOM(f"cqsa budget: task {task.path} needs {need} B, {self.mem_now()} B held, "
                       f"budget {self.budget} B")
+        return h
 
     def finish(self, origin, t_wall):
         st = self.stats
@@ -1026,13 +1031,8 @@ class _FwdEngine(_Engine):
             if not self.cuda and self.out_path != "direct":
                 self.ledger += _RowFinalizer.staging_bytes(B, H, D, self.dtype.itemsize, self.fin_chunk)
 
-    def acc_done(self):
-        return self.acc.done
-
     def launch(self, task: Task, resident: int) -> _Handle:
-        h = _Handle(task)
-        h.need = self.task_need(task.L, task.Lk)
-        self.admit_check(task, h.need, resident)
+        h = self.admit(task, resident)
         B, H, L, D = self.B, self.H, task.L, self.D
         q, k, v = self.load_inputs(h)
         if self.cuda:
@@ -1216,13 +1216,8 @@ class _BwdEngine(_Engine):
         self.consts_dq = constexprs("dq", D, self.tiles, self.causal, self.prec, DELTA_FROM_O=False)
         self.consts_dkdv = constexprs("dkdv", D, self.tiles, self.causal, self.prec)
 
-    def acc_done(self):
-        return self.acc.done
-
     def launch(self, task: Task, resident: int) -> _Handle:
-        h = _Handle(task)
-        h.need = self.task_need(task.L, task.Lk)
-        self.admit_check(task, h.need, resident)
+        h = self.admit(task, resident)
         B, H, Lq, Lk, D = self.B, self.H, task.L, task.Lk, self.D
         q, k, v, do = self.load_inputs(h)
         with self._stream_ctx(self.copy_s):
