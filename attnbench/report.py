@@ -120,10 +120,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     for kernel in sorted({s.kernel for s in summaries if not s.is_model}):
         group = [s for s in summaries if s.kernel == kernel and not s.is_model]
         out.append(f"\n### {kernel}: attention only\n")
-        out.append(sweep_table(group, spread=spread))
-        notes = notes_markdown(group)
-        if notes:
-            out.append("\n" + notes)
+        _table_and_notes(out, sweep_table(group, spread=spread), group)
         scaling = scaling_table(group)
         if scaling:
             out.append(f"\n{kernel}: time growth per doubling of N (N√N gives 2.83, N² gives 4.00):\n")
@@ -131,10 +128,7 @@ def build_report(run_dirs, out_md=None, plots_dir=None, *, results_root="results
     models = [s for s in summaries if s.is_model]
     if models:
         out.append("\n### Full models (n = image size)\n")
-        out.append(model_table(models, spread=spread))
-        notes = notes_markdown(models)
-        if notes:
-            out.append("\n" + notes)
+        _table_and_notes(out, model_table(models, spread=spread), models)
 
     # -- replicas (--replicate) --------------------------------------------------------------------------------
     replicas = replica_section(runs)
@@ -303,6 +297,14 @@ def model_table(summaries: list[CellSummary], spread: str = "column") -> str:
         row += [s.mem, s.trend]
         rows.append(row)
     return md_table(header, rows)
+
+
+def _table_and_notes(out: list[str], table: str, summaries: list[CellSummary]) -> None:
+    """A results table, then its cells' notes where there are any."""
+    out.append(table)
+    notes = notes_markdown(summaries)
+    if notes:
+        out.append("\n" + notes)
 
 
 def notes_markdown(summaries: list[CellSummary]) -> str:
