@@ -520,9 +520,8 @@ def cqsa_finalize_kernel(ACC, MST, SST, O, LSE, g0, n, N, H, sob, soh, son, slb,
     has = s > 0
     s_safe = tl.where(has, s, 1.0)
     lse = tl.where(has, m * mscale + tl.log(s_safe), float("-inf"))
-    _store_tile(O, b.to(tl.int64) * sob + h.to(tl.int64) * soh, offs, son, offs_d, ok, acc / s_safe[:, None],
-                HEAD_DIM, BLOCK_D)
-    tl.store(LSE + b.to(tl.int64) * slb + h.to(tl.int64) * slh + offs.to(tl.int64), lse, mask=ok)
+    _store_tile(O, _head_base(b, h, sob, soh), offs, son, offs_d, ok, acc / s_safe[:, None], HEAD_DIM, BLOCK_D)
+    tl.store(LSE + _head_base(b, h, slb, slh) + offs.to(tl.int64), lse, mask=ok)
 
 
 FINAL_BLOCK = 32
