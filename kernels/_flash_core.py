@@ -76,6 +76,12 @@ def row_source(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def head_base(b, h, s_b, s_h):
+    """Offset of (batch b, head h) in a strided [B, H, N, D] tensor, in 64 bits: an offset past 2**31 elements."""
+    return b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+
+
+@triton.jit
 def load_tile(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
     """A [R, BLOCK_D] tile at ptrs (every kernel's pointer loads of Q, K, V and dO rows): zero in the padding
     columns >= HEAD_DIM and, when MASK_ROWS, in the rows where row_ok is False. The compile-time cases keep the
@@ -238,10 +244,10 @@ def _flash_core_fwd(Q, K, V, Out,
     h = bh % H
     hk = h // GROUP                          # grouped-query: the kv head this query head reads, in place
     r0 = qb * BLOCK_M
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    q_base = Q + head_base(b, h, sqb, sqh)
+    k_base = K + head_base(b, hk, skb, skh)
+    v_base = V + head_base(b, hk, svb, svh)
+    o_base = Out + head_base(b, h, sob, soh)
     q_src = row_source(q_base, n_q, sqn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     k_src = row_source(k_base, n_k, skn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)
     v_src = row_source(v_base, n_k, svn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_DESC)

@@ -95,12 +95,6 @@ def _item_rows(ITEMS, n_waves, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _head_base(b, h, s_b, s_h):
-    """Offset of (batch b, head h) in a strided [B, H, N, D] tensor, in 64 bits."""
-    return b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
-
-
-@triton.jit
 def _wave_out(x, WS, OUT, base, rows, offs_d, ok, first, last, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A wave's fp32 output tile x plus what the waves before it left in the workspace WS (first == 0), stored to
     OUT on the last wave, else back to WS (first = last = 0: accumulate in WS, the streaming engine's merge)."""
@@ -132,9 +126,9 @@ def cqsa_fwd_kernel(Q, K, V, OUT, LSE, STATE, ITEMS, RANGES,
     hk = h // GROUP
     it, rs, re, shift, offs_m, row_ok = _item_rows(ITEMS, n_waves, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    qbase = _head_base(b, h, sqb, sqh)
-    kbase = _head_base(b, hk, skb, skh)
-    vbase = _head_base(b, hk, svb, svh)
+    qbase = core.head_base(b, h, sqb, sqh)
+    kbase = core.head_base(b, hk, skb, skh)
+    vbase = core.head_base(b, hk, svb, svh)
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     acc, m_i, l_i = core.init_state(BLOCK_M, BLOCK_D)
     for w in range(n_waves):
@@ -239,10 +233,10 @@ def cqsa_bwd_dq_kernel(Q, K, V, O, DO, LSE, WS, DQ, ITEMS, RANGES,
     hk = h // GROUP
     it, rs, re, shift, offs_m, row_ok = _item_rows(ITEMS, n_waves, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    qbase = _head_base(b, h, sqb, sqh)
-    kbase = _head_base(b, hk, skb, skh)
-    vbase = _head_base(b, hk, svb, svh)
-    dbase = _head_base(b, h, sdb, sdh)
+    qbase = core.head_base(b, h, sqb, sqh)
+    kbase = core.head_base(b, hk, skb, skh)
+    vbase = core.head_base(b, hk, svb, svh)
+    dbase = core.head_base(b, h, sdb, sdh)
     lbase = bh.to(tl.int64) * N_ROWS
     q = _load_tile(Q, qbase, offs_m, sqn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     do = _load_tile(DO, dbase, offs_m, sdn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
@@ -340,16 +334,16 @@ def cqsa_bwd_dkdv_kernel(Q, K, V, DO, LSE, WS, DK, DV, ITEMS, RANGES,
     hk = bhk % HKV
     it, rs, re, shift, offs_n, row_ok = _item_rows(ITEMS, n_waves, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kbase = _head_base(b, hk, skb, skh)
-    vbase = _head_base(b, hk, svb, svh)
+    kbase = core.head_base(b, hk, skb, skh)
+    vbase = core.head_base(b, hk, svb, svh)
     k = _load_tile(K, kbase, offs_n, skn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     v = _load_tile(V, vbase, offs_n, svn, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        qbase = _head_base(b, h, sqb, sqh)
-        dbase = _head_base(b, h, sdb, sdh)
+        qbase = core.head_base(b, h, sqb, sqh)
+        dbase = core.head_base(b, h, sdb, sdh)
         lbase = (b * HKV * GROUP + h).to(tl.int64) * N_ROWS
         for w in range(n_waves):
             roff = tl.load(it + w * 5 + 2)
@@ -520,8 +514,8 @@ def cqsa_finalize_kernel(ACC, MST, SST, O, LSE, g0, n, N, H, sob, soh, son, slb,
     has = s > 0
     s_safe = tl.where(has, s, 1.0)
     lse = tl.where(has, m * mscale + tl.log(s_safe), float("-inf"))
-    _store_tile(O, _head_base(b, h, sob, soh), offs, son, offs_d, ok, acc / s_safe[:, None], HEAD_DIM, BLOCK_D)
-    tl.store(LSE + _head_base(b, h, slb, slh) + offs.to(tl.int64), lse, mask=ok)
+    _store_tile(O, core.head_base(b, h, sob, soh), offs, son, offs_d, ok, acc / s_safe[:, None], HEAD_DIM, BLOCK_D)
+    tl.store(LSE + core.head_base(b, h, slb, slh) + offs.to(tl.int64), lse, mask=ok)
 
 
 FINAL_BLOCK = 32

@@ -22,7 +22,7 @@ import triton.language as tl
 # the flash core's helpers by their own names, not as module attributes: torch.compile's inductor re-emits a
 # user kernel's source with the helpers it calls by name, and cannot follow `module.helper` (kernels/_ops.py,
 # decompose_when_traced)
-from .._flash_core import fold_keys, init_state, load_rows, load_tile, normalize, row_source, store_rows
+from .._flash_core import fold_keys, head_base, init_state, load_rows, load_tile, normalize, row_source, store_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)   # constexpr: triton 3.6 refuses plain globals inside kernels
 # _FP32_SCALARS: each kernel casts its float arguments to fp32 and uses tl.cast, not .to, on integer arguments.
@@ -162,7 +162,7 @@ def _write_core_output(Out, Lse, m, z, s, bh, b, h, r0, sob, soh, son, NQ,
                        USE_DESC: tl.constexpr, STORE_LSE: tl.constexpr):
     """_write_output for the core's path: out through the same descriptor / pointer helpers as its loads, lse
     through a pointer offset by r0 (never a vector built on r0: the core's row_index)."""
-    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    o_base = Out + head_base(b, h, sob, soh)
     o_dst = row_source(o_base, NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     store_rows(o_dst, r0, normalize(s, z).to(Out.dtype.element_ty), NQ, son, HEAD_DIM, BLOCK_M, BLOCK_D,
                USE_DESC)
@@ -178,7 +178,7 @@ def _write_output(Out, Lse, m, z, s, bh, b, h, rows, sob, soh, son, NQ,
     """out = s / z (0 for a row with no visible key) and lse = m + log2 z (+inf there) for rows < NQ."""
     offs_d = tl.arange(0, BLOCK_D)
     out = tl.where(z[:, None] > 0, s / tl.where(z > 0, z, 1.0)[:, None], 0.0)
-    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    o_base = Out + head_base(b, h, sob, soh)
     _store_rows(o_base + rows[:, None] * son + offs_d[None, :], out.to(Out.dtype.element_ty), rows, NQ, offs_d,
                 HEAD_DIM, BLOCK_D)
     if STORE_LSE:
@@ -216,7 +216,7 @@ def _store_summary(Sbuf, Out, m_i, z_i, s_i, part, qb, bh, b, h, r0, QB, BH, NRO
     # one store whose destination is chosen by value, not a branch: a branch after the loop undoes the warp-
     # specialized core's partitions (sm_90 compile check: 4 warps instead of 12, 512 bytes spilled at D=128)
     first = part == 0
-    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + r0 * son
+    o_base = Out + head_base(b, h, sob, soh) + r0 * son
     s_base = _partials(Sbuf, NROWS, Out) + (((part - 1) * QB + qb) * BH + bh).to(tl.int64) * BLOCK_M * HEAD_DIM
     dst = tl.where(first, o_base, s_base)
     row_stride = tl.where(first, son, HEAD_DIM).to(tl.int64)
@@ -274,9 +274,9 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
     bh = tl.program_id(1)
     part = tl.program_id(2)
     b, h, hk, off, r0, lo, hi = phase1_block(qb, bh, part, H, GROUP, NQ, NK, q0, W, BLOCK_M, CAUSAL)
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    q_base = Q + head_base(b, h, sqb, sqh)
+    k_base = K + head_base(b, hk, skb, skh)
+    v_base = V + head_base(b, hk, svb, svh)
     if SCALE_IN_EXP:
         if FINAL:
             m_i, z_i, s_i = _core_scan(q_base, k_base, v_base, sqn, skn, svn, lo, hi, r0, NQ, NK, off, qk_scale,
@@ -300,7 +300,7 @@ def _elsa_phase1(Q, K, V, Bias, Sbuf, Out, Lse,
                            HEAD_DIM, BLOCK_D, BLOCK_M)
     else:
         rows = r0 + tl.arange(0, BLOCK_M)
-        b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
+        b_base = Bias + head_base(b, h, sbb, sbh)
         if FINAL:
             m_i, z_i, s_i = _scan_partition(q_base, k_base, v_base, b_base, sqn, skn, svn, sbi, sbj, rows, lo, hi,
                                             r0, NQ, NK, off, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
@@ -387,7 +387,7 @@ def _elsa_phase2(Sbuf, Out, Lse,
     z_base = Sbuf + tl.cast(NROWS, tl.int64)
     s_base = _partials(Sbuf, NROWS, Out)
     rows = q0 + qb * BLOCK_M + i0 + offs_r
-    o_ptrs = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :]
+    o_ptrs = Out + head_base(b, h, sob, soh) + rows[:, None] * son + offs_d[None, :]
     o_mask = rows[:, None] < NQ
     if BLOCK_D != HEAD_DIM:
         o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
@@ -473,11 +473,11 @@ def _dq_rows(qb, bh, Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
     rows = r0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = rows < NQ
-    q = load_tile(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None] * sqn + offs_d[None, :],
+    q = load_tile(Q + head_base(b, h, sqb, sqh) + rows[:, None] * sqn + offs_d[None, :],
                   ok, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = load_tile(dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + rows[:, None] * sdn + offs_d[None, :],
+    do = load_tile(dOut + head_base(b, h, sdb, sdh) + rows[:, None] * sdn + offs_d[None, :],
                    ok, offs_d, HEAD_DIM, BLOCK_D, True)
-    o = load_tile(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None] * son + offs_d[None, :],
+    o = load_tile(Out + head_base(b, h, sob, soh) + rows[:, None] * son + offs_d[None, :],
                   ok, offs_d, HEAD_DIM, BLOCK_D, True)
     st = bh.to(tl.int64) * NQ + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -487,9 +487,9 @@ def _dq_rows(qb, bh, Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
     qs = q
     if FOLD_Q:
         qs = q * qk_scale
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
+    k_base = K + head_base(b, hk, skb, skh)
+    v_base = V + head_base(b, hk, svb, svh)
+    b_base = Bias + head_base(b, h, sbb, sbh)
     ds_base = dS + bh.to(tl.int64) * NQ * NK          # [B*H, NQ, NK], only when BIAS_GRAD
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = NK
@@ -507,7 +507,7 @@ def _dq_rows(qb, bh, Q, K, V, Out, dOut, Lse, Delta, dQ, Bias, dS,
                        k_base, v_base, skn, svn, b_base, sbi, sbj, ds_base,
                        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, HAS_BIAS, BIAS_GRAD, FOLD_Q, SCALE_IN_EXP, DOT_PREC)
     dq = acc * sm_scale
-    _store_rows(dQ + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh + rows[:, None] * sgn + offs_d[None, :],
+    _store_rows(dQ + head_base(b, h, sgb, sgh) + rows[:, None] * sgn + offs_d[None, :],
                 dq.to(dQ.dtype.element_ty), rows, NQ, offs_d, HEAD_DIM, BLOCK_D)
 
 
@@ -573,10 +573,10 @@ def _dkdv_head(dk, dv, ks, v, cols, lo, safe_lo, b, h, H, NQ, NK, off, qk_scale,
                CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD_Q: tl.constexpr,
                SCALE_IN_EXP: tl.constexpr, DOT_PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     """dK, dV of one key block += the contributions of query head h (its masked diagonal tiles, then the rest)."""
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    do_base = dOut + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
-    o_base = Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-    b_base = Bias + b.to(tl.int64) * sbb + h.to(tl.int64) * sbh
+    q_base = Q + head_base(b, h, sqb, sqh)
+    do_base = dOut + head_base(b, h, sdb, sdh)
+    o_base = Out + head_base(b, h, sob, soh)
+    b_base = Bias + head_base(b, h, sbb, sbh)
     st0 = (b * H + h).to(tl.int64) * NQ
     if CAUSAL:
         for i0 in range(lo, safe_lo, BLOCK_M):
@@ -612,9 +612,9 @@ def _dkdv_keys(kb, bhk, Q, K, V, Out, dOut, Lse, Delta, dK, dV, Bias,
     c0 = kb * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + cols[:, None] * skn + offs_d[None, :],
+    k = load_tile(K + head_base(b, hk, skb, skh) + cols[:, None] * skn + offs_d[None, :],
                   cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_tile(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + cols[:, None] * svn + offs_d[None, :],
+    v = load_tile(V + head_base(b, hk, svb, svh) + cols[:, None] * svn + offs_d[None, :],
                   cols < NK, offs_d, HEAD_DIM, BLOCK_D, True)
     ks = k
     if FOLD_Q:
@@ -640,9 +640,9 @@ def _dkdv_keys(kb, bhk, Q, K, V, Out, dOut, Lse, Delta, dK, dV, Bias,
                             sbb, sbh, sbi, sbj, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, HAS_BIAS, FOLD_Q,
                             SCALE_IN_EXP, DOT_PREC, DELTA_FROM_O)
     dk = dk * sm_scale
-    _store_rows(dK + b.to(tl.int64) * skgb + hk.to(tl.int64) * skgh + cols[:, None] * skgn + offs_d[None, :],
+    _store_rows(dK + head_base(b, hk, skgb, skgh) + cols[:, None] * skgn + offs_d[None, :],
                 dk.to(dK.dtype.element_ty), cols, NK, offs_d, HEAD_DIM, BLOCK_D)
-    _store_rows(dV + b.to(tl.int64) * svgb + hk.to(tl.int64) * svgh + cols[:, None] * svgn + offs_d[None, :],
+    _store_rows(dV + head_base(b, hk, svgb, svgh) + cols[:, None] * svgn + offs_d[None, :],
                 dv.to(dV.dtype.element_ty), cols, NK, offs_d, HEAD_DIM, BLOCK_D)
 
 
