@@ -2,19 +2,26 @@
 
 TRITON_INTERPRET must be set before triton is imported anywhere, hence here, at collection time.
 """
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-# Subprocesses (the CLI tests) import this checkout, whatever is installed: the repo root leads PYTHONPATH.
+# Subprocesses (the CLI tests) import this checkout, whatever is installed: the repo root leads PYTHONPATH (after
+# tests/interpreter_site on a machine without CUDA, below, which holds only a sitecustomize).
 _REPO = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the interpreter's speed-ups (that file says which and why), here and in every process the tests start
+    _INTERPRETER_SITE = Path(__file__).resolve().parent / "interpreter_site"
+    os.environ["PYTHONPATH"] = os.pathsep.join((str(_INTERPRETER_SITE), os.environ["PYTHONPATH"]))
+    _spec = importlib.util.spec_from_file_location("interpreter_speed_ups", _INTERPRETER_SITE / "sitecustomize.py")
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 
 
 # pytest's default selection runs on a CUDA machine too, where the Triton interpreter is off (above) and host

@@ -173,7 +173,7 @@ def test_missing_file(tmp_path):
 def run_cli(*args, env_extra=None):
     import os
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    env = dict(os.environ, COLUMNS="200")       # PYTHONPATH: this checkout first (conftest.py)
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "attnbench", *args], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=300)

@@ -348,7 +348,7 @@ def test_real_measurement_on_cpu_gives_finite_ratios(tmp_path):
 
 
 def cli(*args, cwd=REPO, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    env = dict(os.environ, COLUMNS="200")       # PYTHONPATH: this checkout first (conftest.py)
     env.pop("TRITON_INTERPRET", None)
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "attnbench", *args], capture_output=True, text=True, cwd=cwd,

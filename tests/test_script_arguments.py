@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*argv):
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable)       # PYTHONPATH: this checkout first (conftest.py)
     return subprocess.run(list(argv), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 

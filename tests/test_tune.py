@@ -24,7 +24,7 @@ tune = _tune_module()
 
 
 def run_tune(*args, timeout=900):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ)      # PYTHONPATH: this checkout first (conftest.py)
     env.pop("TRITON_INTERPRET", None)       # the script sets it itself for --device cpu
     return subprocess.run([sys.executable, str(REPO / "scripts" / "tune.py"), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO)

@@ -1,0 +1,30 @@
+"""tests/interpreter_site: the Triton interpreter's speed-ups are in effect in the tests' process and in the processes
+they start, where a script sets TRITON_INTERPRET itself too (its own jit functions stay interpreted). A Triton whose
+interpreter is built differently would leave them off without a word, and the CPU suite would take about twice as long:
+these fail then."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cpu_only
+
+STATE = ("from triton.runtime import interpreter; "
+         "print(interpreter._patch_lang.__name__, interpreter.interpreter_builder.options.sanitize_overflow)")
+
+
+def test_in_the_tests_process():
+    from triton.runtime import interpreter
+
+    assert interpreter._patch_lang.__name__ == "swap_once"
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
+
+
+def test_in_a_script_that_sets_triton_interpret_itself():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os; os.environ['TRITON_INTERPRET'] = '1'; import torch; import kernels._flash_core as core; "
+            f"{STATE}; print(type(core.init_state).__name__, type(core.tl.zeros).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["swap_once", "False", "InterpretedFunction", "InterpretedFunction"], proc.stdout
