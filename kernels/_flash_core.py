@@ -4,6 +4,7 @@ pointer path for the Triton CPU interpreter and wherever descriptors cannot be u
 
 Triton helpers (call them from a kernel; every tile size and switch is a constexpr):
 
+    base = Q + head_base(b, h, sqb, sqh)                           # a head's place, in 64 bits
     acc, m, l = init_state(BLOCK_M, BLOCK_D)                      # the identity: m = -inf, l = 0, acc = 0
     src = row_source(base, n_rows, row_stride, HEAD_DIM, BLOCK, BLOCK_D, USE_DESC)   # one head's rows
     q = load_rows(src, r0, n_rows, row_stride, ...)                # [BLOCK, BLOCK_D], zero outside
@@ -77,7 +78,7 @@ def row_source(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def head_base(b, h, s_b, s_h):
-    """Offset of (batch b, head h) in a strided [B, H, N, D] tensor, in 64 bits: an offset past 2**31 elements."""
+    """Offset of (batch b, head h) in a strided [B, H, N, D] tensor, in 64 bits: a tensor may hold 2**31 elements."""
     return b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
 
 
