@@ -83,8 +83,7 @@ def test_errors_without_a_process_group_are_one_line(device):
 # --- under torchrun ------------------------------------------------------------------------------------
 
 def _child_env():
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, OMP_NUM_THREADS="1")       # PYTHONPATH: this checkout first (conftest.py)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     return env
