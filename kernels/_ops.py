@@ -179,9 +179,12 @@ def decompose_when_traced(lib: torch.library.Library, name: str, traced_body) ->
     cannot compile a kernel it is handed)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
-    from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     def rule(mode, func, types, args, kwargs):
+        # imported here, not at registration: it imports torch._dynamo (2-3 s on a CPU), which a process that never
+        # traces (the CLI, every eager user) need not pay for; a trace pays it once, if its tracer has not already
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
         if _TRACED_LAUNCHES and not custom_triton_ops_decomposition_disabled() and \
                 all(t in (_Tensor, FunctionalTensor) or issubclass(t, FakeTensor) for t in types):
             with mode:
