@@ -10,14 +10,15 @@ import pytest
 
 pytestmark = pytest.mark.cpu_only
 
-STATE = ("from triton.runtime import interpreter; "
-         "print(interpreter._patch_lang.__name__, interpreter.interpreter_builder.options.sanitize_overflow)")
+STATE = ("from triton.runtime import interpreter; print(interpreter._patch_lang.__name__, "
+         "interpreter._get_np_dtype.__name__, interpreter.interpreter_builder.options.sanitize_overflow)")
 
 
 def test_in_the_tests_process():
     from triton.runtime import interpreter
 
     assert interpreter._patch_lang.__name__ == "swap_once"
+    assert interpreter._get_np_dtype.__name__ == "np_dtype"
     assert interpreter.interpreter_builder.options.sanitize_overflow is False
 
 
@@ -27,4 +28,5 @@ def test_in_a_script_that_sets_triton_interpret_itself():
             f"{STATE}; print(type(core.init_state).__name__, type(core.tl.zeros).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["swap_once", "False", "InterpretedFunction", "InterpretedFunction"], proc.stdout
+    want = ["swap_once", "np_dtype", "False", "InterpretedFunction", "InterpretedFunction"]
+    assert proc.stdout.split() == want, proc.stdout

@@ -1,5 +1,8 @@
 """The tools in scripts/: a bad option value is one line naming it and exit 2, before any work (attnbench.arguments),
-not a traceback once the measuring is done; the shell wrappers likewise."""
+not a traceback once the measuring is done; the shell wrappers likewise. The bad options go to each script's main()
+in this process (a new one would spend seconds importing torch to print one line). Each script also starts as a
+user starts it, once somewhere in the tests: the tools that need a GPU below, ncu_summary's and model_step_profile's
+bad option below, the others in their own tests."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from scripts_loader import load_script
 
 from attnbench import arguments
 
@@ -77,16 +81,32 @@ def test_output_paths(tmp_path):
     ("calibrate.py", ["--tolerance", "-1"], "argument --tolerance: '-1'"),
     ("model_step_profile.py", ["{file}/p.json", "--device", "cpu"], "argument out:"),
 ])
-def test_a_bad_option_is_one_line_and_exit_2(tmp_path, script, argv, message):
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path, capsys, script, argv, message):
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     (tmp_path / "bad_points").mkdir()
     (tmp_path / "bad_points" / "table_points.json").write_text("{bad")
     argv = [a.replace("{file}", str(a_file)).replace("{tmp}", str(tmp_path)) for a in argv]
-    proc = _run(sys.executable, str(REPO / "scripts" / script), *argv)
+    try:        # as `sys.exit(main())` under __main__; an exception would fail the test, as a traceback would
+        code = load_script(script.removesuffix(".py")).main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("ncu_summary.py", ["--d", "-1"], "argument --d: '-1': need"),
+    ("model_step_profile.py", ["{file}/p.json", "--device", "cpu"], "argument out:"),
+])
+def test_a_bad_option_from_a_started_script(tmp_path, script, argv, message):
+    (tmp_path / "a_file").write_text("")
+    proc = _run(sys.executable, str(REPO / "scripts" / script), *[a.replace("{file}", str(tmp_path / "a_file"))
+                                                                    for a in argv])
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    assert message in lines[0] and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present")

@@ -1,5 +1,5 @@
-"""Two speed-ups of the Triton CPU interpreter for the tests, where its kernel runs are most of the suite's time.
-Neither changes what a kernel computes. tests/conftest.py applies them to the tests' own process and, on a machine
+"""Three speed-ups of the Triton CPU interpreter for the tests, where its kernel runs are most of the suite's time.
+None changes what a kernel computes. tests/conftest.py applies them to the tests' own process and, on a machine
 without CUDA, puts this folder first on the PYTHONPATH of the processes they start (the scripts and the CLI), where
 Python runs this file at start-up. Where a Triton's interpreter is built differently, it is left as it is.
 
@@ -10,6 +10,9 @@ Python runs this file at start-up. Where a Triton's interpreter is built differe
   when every language module the helper sees (triton.language, triton.language.core) is swapped already in this
   launch. (The interpreter never puts back a helper's own swap, so a module it swapped stays swapped to the launch's
   end, and beyond, with or without this.)
+- **Each numpy dtype looked up once.** The interpreter maps a Triton dtype to its numpy one by building a table of
+  twenty entries at every call (a splat, a cast, a load: about a twentieth of a kernel test). The map is fixed, so
+  its answer per element type is kept.
 - **No int32 overflow checks.** The interpreter checks every 32-bit integer add, subtract and multiply for overflow
   (about a quarter of the rest). A GPU build makes no such check outside debug mode, and at the sizes a CPU test
   runs (N <= 256) no index comes near 2**31: the kernels' offsets that can are 64-bit, and the GPU tests run those
@@ -50,18 +53,35 @@ def _swap_the_language_once_a_launch(interpreter) -> None:
     interpreter._patch_lang = swap_once
 
 
+def _each_numpy_dtype_looked_up_once(interpreter) -> None:
+    lookup = interpreter._get_np_dtype
+    known = {}
+
+    def np_dtype(tt_dtype):
+        # a block's numpy dtype is its element type's; a pointer's (uint64) is found before the table is built
+        key = tt_dtype.element_ty if tt_dtype.is_block() else tt_dtype
+        if key.is_ptr():
+            return lookup(key)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = lookup(key)
+        return found
+
+    interpreter._get_np_dtype = np_dtype
+
+
 def _no_overflow_checks(interpreter) -> None:
     builder = interpreter.interpreter_builder
     builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def speed_up(interpreter) -> None:
-    """Both speed-ups on the module triton.runtime.interpreter, each where this Triton has what it changes; once (a
+    """The speed-ups on the module triton.runtime.interpreter, each where this Triton has what it changes; once (a
     pytest-xdist worker starts with this file run at start-up, then its conftest.py runs it again)."""
     if getattr(interpreter, "_sped_up_for_the_tests", False):
         return
     interpreter._sped_up_for_the_tests = True
-    for one in (_swap_the_language_once_a_launch, _no_overflow_checks):
+    for one in (_swap_the_language_once_a_launch, _each_numpy_dtype_looked_up_once, _no_overflow_checks):
         try:
             one(interpreter)
         except (AttributeError, TypeError):
