@@ -296,12 +296,11 @@ def test_graph_points_pair_only_with_graph_points(tmp_path):
 
 
 @pytest.mark.parametrize("edit", [dict(kernel="pasa"), dict(dtype="bfloat16"), dict(head_dim=128), dict(heads=16)])
-def test_a_point_id_naming_another_problem_in_the_current_run_is_refused(tmp_path, edit):
+def test_a_point_id_naming_another_problem_in_the_current_run_is_refused(tmp_path, capsys, edit):
     """A cell edited between the runs (its kernel, dtype or shape) keeps its point ids: the gate refuses to compare
     its ratios as one point's (one line, exit 2), where it would have called the change SLOWER or SAME."""
     from attnbench.gate import NotComparable, check_comparable
     from attnbench.store import load_run
-    from test_runner import cli
 
     base = [dict(p, head_dim=64, heads=8) for p in _pts(BASE)]
     b = make_run(tmp_path, base, name="nightly", seed=0)
@@ -311,9 +310,7 @@ def test_a_point_id_naming_another_problem_in_the_current_run_is_refused(tmp_pat
     with pytest.raises(NotComparable, match=rf"point elsa_fp16_fwd_vs_flash@16384 measured a different problem "
                                             rf"in each run \({column} .* 1 such point"):
         check_comparable(load_run(b), load_run(c))
-    proc = cli("gate", "--baseline", str(b), "--current", str(c))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "different problem" in proc.stderr
+    assert_one_line(run_cli(capsys, "gate", "--baseline", b, "--current", c), 2, "different problem")
     check_comparable(load_run(b), load_run(b))          # a run against itself (and unedited cells) passes
 
 

@@ -179,12 +179,12 @@ def run_cli(*args, env_extra=None):
                           timeout=300)
 
 
-def test_cli_validation_error_is_one_line_exit_2(tmp_path):
+def test_cli_validation_error_is_one_line_exit_2(tmp_path, capsys):
+    from test_faults import assert_one_line
+    from test_faults import cli as cli_here
+
     path = write(tmp_path, matrix_text(GOOD_CELL.replace("dtype: float16", "dtype: fp8")))
-    proc = run_cli("run-matrix", str(path), "--device", "cpu", "--dry-run")
-    assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "field 'dtype'" in lines[0] and "Traceback" not in proc.stderr
+    assert_one_line(cli_here(capsys, "run-matrix", path, "--device", "cpu", "--dry-run"), 2, "field 'dtype'")
 
 
 def test_cli_dry_run_prints_plan_without_gpu(tmp_path):

@@ -177,15 +177,18 @@ checks:
     ('  - {id: C1, kind: correctness, kernel: nokernel, shapes: [[1, 2, 64, 32, float32]], max_abs: {float32: 1.0e-5}}',
      "check 'C1': field 'kernel' = 'nokernel': unknown backend"),
 ])
-def test_a_check_that_could_only_end_in_error_is_refused_before_measuring(tmp_path, check, problem):
+def test_a_check_that_could_only_end_in_error_is_refused_before_measuring(tmp_path, capsys, check, problem):
     """A rule naming a length the cell does not sweep, or a correctness check of an unknown backend, would be an
     ERROR once every point was measured: the file is refused when it is read (one line, exit 2), as run-matrix's."""
     path = tmp_path / "sc.yaml"
     path.write_text(SMALL_SPOT_CHECK + check + "\n")
     with pytest.raises(MatrixError, match="^" + re.escape(f"{path}: {problem}")):
         load_spot_check(path, device="cpu")
-    proc = cli("spot-check", str(path), "--device", "cpu", "--results-root", str(tmp_path / "runs"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and problem in proc.stderr
+    from test_faults import assert_one_line
+    from test_faults import cli as run_cli
+
+    assert_one_line(run_cli(capsys, "spot-check", path, "--device", "cpu", "--results-root", tmp_path / "runs"), 2,
+                    problem)
     assert not (tmp_path / "runs").exists()
 
 

@@ -64,17 +64,28 @@ def test_tune_runs_on_the_cpu_and_writes_only_where_asked(tmp_path, kernel, sect
     assert {p: p.read_bytes() for p in (REPO / "kernels").glob("*/tuning.json")} == before
 
 
-def test_tune_refuses_unknown_sections_and_a_missing_gpu():
-    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "fwd99")
-    assert proc.returncode == 2 and "fwd99" in proc.stderr and "known: fwd16" in proc.stderr
-    proc = run_tune("--kernel", "cron_root", "--device", "cpu", "--sections", "cross", "--cross-timing", "graph")
-    assert proc.returncode == 2 and "--cross-timing graph needs a GPU" in proc.stderr
+def tune_here(capsys, *args) -> tuple[int, str]:
+    """tune.py's main() in this process (the refusals below come before any work): its exit code and stderr."""
+    capsys.readouterr()
+    try:
+        code = tune.main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def test_tune_refuses_unknown_sections_and_a_missing_gpu(capsys):
+    code, err = tune_here(capsys, "--kernel", "elsa", "--device", "cpu", "--sections", "fwd99")
+    assert code == 2 and "fwd99" in err and "known: fwd16" in err
+    code, err = tune_here(capsys, "--kernel", "cron_root", "--device", "cpu", "--sections", "cross",
+                          "--cross-timing", "graph")
+    assert code == 2 and "--cross-timing graph needs a GPU" in err
     if not torch.cuda.is_available():
-        proc = run_tune("--kernel", "elsa", "--sections", "fwd16")
-        assert proc.returncode == 3 and "--device cpu" in proc.stderr
+        code, err = tune_here(capsys, "--kernel", "elsa", "--sections", "fwd16")
+        assert code == 3 and "--device cpu" in err
 
 
-def test_dims_limits_every_head_dim_sweep_to_those_named():
+def test_dims_limits_every_head_dim_sweep_to_those_named(capsys):
     """--dims: a section sweeps only the head dims named, whichever element of its items holds D (ELSA's (dtype
     class, D), Cron Root's (D, heads)); on the CPU the first of those; a bad list is one line and exit 2."""
     gpu = tune.Context("cuda", head_dims=(128,))
@@ -84,14 +95,12 @@ def test_dims_limits_every_head_dim_sweep_to_those_named():
     assert tune.Context("cuda").dims([64, 128]) == [64, 128]
     assert tune.Context("cpu", head_dims=(128,)).dims([64, 128]) == [128]
     assert tune.Context("cpu").dims([64, 128]) == [64]
-    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--dims", "128,x")
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: argument --dims: '128,x': need a comma list of positive integers")
-    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--dims", "0")
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: argument --dims: '0': need a comma list of " \
-        "positive integers"
-    proc = run_tune("--kernel", "elsa", "--device", "cpu", "--dims", "100")
-    assert proc.returncode == 2 and "--dims: 100: head dims are multiples of 8 from 16 to 256" in proc.stderr
+    code, err = tune_here(capsys, "--kernel", "elsa", "--device", "cpu", "--sections", "gluonbwd", "--dims", "128,x")
+    assert code == 2 and err.strip() == "error: argument --dims: '128,x': need a comma list of positive integers"
+    code, err = tune_here(capsys, "--kernel", "elsa", "--device", "cpu", "--dims", "0")
+    assert code == 2 and err.strip() == "error: argument --dims: '0': need a comma list of positive integers"
+    code, err = tune_here(capsys, "--kernel", "elsa", "--device", "cpu", "--dims", "100")
+    assert code == 2 and "--dims: 100: head dims are multiples of 8 from 16 to 256" in err
 
 
 @pytest.mark.parametrize("kernel, section, extra, expected", [
@@ -100,7 +109,8 @@ def test_dims_limits_every_head_dim_sweep_to_those_named():
     ("cqsa", "gluonbwd", ("--dims", "128"), [("gluon_bwd_min_work", "128,0"), ("gluon_bwd_min_work", "128,1")]),
     ("pasa", "core", (), [("core_min_work", "64,1")]),
 ])
-def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, kernel, section, extra, expected):
+def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, capsys, kernel, section, extra,
+                                                                     expected):
     """ELSA's and CQSA's gluonbwd and PASA's core sections on the CPU (no Gluon there): one decision per key they
     tune there (the first head dim, or the one --dims names, both causal settings; PASA's first key), each keeping
     its entry and saying why, nothing timed, nothing written."""
@@ -110,9 +120,9 @@ def test_a_gluon_crossover_section_stays_where_the_kernel_cannot_run(tmp_path, k
 
     current = {"elsa": config.GLUON_BWD_MIN_WORK, "cqsa": cqsa.GLUON_BWD_MIN_WORK, "pasa": ops.CORE_MIN_WORK}[kernel]
     target = tmp_path / "tuning.json"
-    proc = run_tune("--kernel", kernel, "--device", "cpu", "--sections", section, "--write", str(target),
-                    "--out", str(tmp_path / "log"), *extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, err = tune_here(capsys, "--kernel", kernel, "--device", "cpu", "--sections", section, "--write",
+                          str(target), "--out", str(tmp_path / "log"), *extra)
+    assert code == 0, err[-3000:]
     log = json.loads((tmp_path / "log" / f"tune_{kernel}.json").read_text())
     want = []
     for table, key in expected:
