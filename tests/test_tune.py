@@ -65,7 +65,8 @@ def test_tune_runs_on_the_cpu_and_writes_only_where_asked(tmp_path, kernel, sect
 
 
 def tune_here(capsys, *args) -> tuple[int, str]:
-    """tune.py's main() in this process (the refusals below come before any work): its exit code and stderr."""
+    """tune.py's main() in this process, its exit code and stderr: for runs that time nothing (refusals, sections
+    that stay where their kernel cannot run), where a new process would spend its time importing torch."""
     capsys.readouterr()
     try:
         code = tune.main(list(args))
