@@ -1,4 +1,4 @@
-"""Three speed-ups of the Triton CPU interpreter for the tests, where its kernel runs are most of the suite's time.
+"""Four speed-ups of the Triton CPU interpreter for the tests, where its kernel runs are most of the suite's time.
 None changes what a kernel computes. tests/conftest.py applies them to the tests' own process and, on a machine
 without CUDA, puts this folder first on the PYTHONPATH of the processes they start (the scripts and the CLI), where
 Python runs this file at start-up. Where a Triton's interpreter is built differently, it is left as it is.
@@ -13,6 +13,11 @@ Python runs this file at start-up. Where a Triton's interpreter is built differe
 - **Each numpy dtype looked up once.** The interpreter maps a Triton dtype to its numpy one by building a table of
   twenty entries at every call (a splat, a cast, a load: about a twentieth of a kernel test). The map is fixed, so
   its answer per element type is kept.
+- **Each block type's fields worked out once.** Every interpreted operation makes the block types of its results,
+  and each construction unwraps the shape, checks its powers of two and formats the type's name (about a fifth of an
+  ELSA kernel test). A block type's fields are fixed by its element type and shape, so they are kept per pair and
+  shared by the types built from it (nothing changes a block type's fields once built); the first construction of
+  a pair runs Triton's own code, and so does any pair that cannot be a key.
 - **No int32 overflow checks.** The interpreter checks every 32-bit integer add, subtract and multiply for overflow
   (about a quarter of the rest). A GPU build makes no such check outside debug mode, and at the sizes a CPU test
   runs (N <= 256) no index comes near 2**31: the kernels' offsets that can are 64-bit, and the GPU tests run those
@@ -70,6 +75,28 @@ def _each_numpy_dtype_looked_up_once(interpreter) -> None:
     interpreter._get_np_dtype = np_dtype
 
 
+def _block_types_built_once(interpreter) -> None:
+    block_type = sys.modules["triton.language.core"].block_type
+    build = block_type.__init__
+    known = {}          # (element type's name, shape) -> the fields the constructor sets from them
+
+    def init(self, element_ty, shape):
+        try:
+            key = (element_ty.name, tuple(shape))
+            self.shape, self.numel, self.name = known[key]
+        except (KeyError, TypeError, AttributeError):   # a new pair, or one that cannot be a key: Triton's own
+            build(self, element_ty, shape)
+            try:
+                known[key] = (self.shape, self.numel, self.name)
+            except (TypeError, UnboundLocalError):
+                pass
+            return
+        self.element_ty = element_ty
+
+    init.__name__, init.triton_init = "init_once_a_shape", build
+    block_type.__init__ = init
+
+
 def _no_overflow_checks(interpreter) -> None:
     builder = interpreter.interpreter_builder
     builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
@@ -81,7 +108,8 @@ def speed_up(interpreter) -> None:
     if getattr(interpreter, "_sped_up_for_the_tests", False):
         return
     interpreter._sped_up_for_the_tests = True
-    for one in (_swap_the_language_once_a_launch, _each_numpy_dtype_looked_up_once, _no_overflow_checks):
+    for one in (_swap_the_language_once_a_launch, _each_numpy_dtype_looked_up_once, _block_types_built_once,
+                _no_overflow_checks):
         try:
             one(interpreter)
         except (AttributeError, TypeError):
