@@ -17,7 +17,7 @@ Python runs this file at start-up. Where a Triton's interpreter is built differe
   and each construction unwraps the shape, checks its powers of two and formats the type's name (about a fifth of an
   ELSA kernel test). A block type's fields are fixed by its element type and shape, so they are kept per pair and
   shared by the types built from it (nothing changes a block type's fields once built); the first construction of
-  a pair runs Triton's own code, and so does any pair that cannot be a key.
+  a pair runs Triton's own code, and so does any pair that cannot be a key and any subclass (Gluon's).
 - **No int32 overflow checks.** The interpreter checks every 32-bit integer add, subtract and multiply for overflow
   (about a quarter of the rest). A GPU build makes no such check outside debug mode, and at the sizes a CPU test
   runs (N <= 256) no index comes near 2**31: the kernels' offsets that can are 64-bit, and the GPU tests run those
@@ -76,21 +76,22 @@ def _each_numpy_dtype_looked_up_once(interpreter) -> None:
 
 
 def _block_types_built_once(interpreter) -> None:
-    block_type = sys.modules["triton.language.core"].block_type
+    block_type = sys.modules.get("triton.language.core").block_type
     build = block_type.__init__
-    known = {}          # (element type's name, shape) -> the fields the constructor sets from them
+    known = {}          # (element type's name, shape) -> the fields the constructor set from them, all of them
 
     def init(self, element_ty, shape):
-        try:
-            key = (element_ty.name, tuple(shape))
-            self.shape, self.numel, self.name = known[key]
-        except (KeyError, TypeError, AttributeError):   # a new pair, or one that cannot be a key: Triton's own
+        try:        # a subclass's own fields are not this constructor's (Gluon's distributed_type): Triton's
+            key = (element_ty.name, tuple(shape)) if type(self) is block_type else None
+            fields = known.get(key)
+        except (TypeError, AttributeError):         # a pair that cannot be a key
+            key = fields = None
+        if fields is None:                          # Triton's own constructor (and its errors)
             build(self, element_ty, shape)
-            try:
-                known[key] = (self.shape, self.numel, self.name)
-            except (TypeError, UnboundLocalError):
-                pass
+            if key is not None:
+                known[key] = dict(vars(self))
             return
+        self.__dict__.update(fields)
         self.element_ty = element_ty
 
     init.__name__, init.triton_init = "init_once_a_shape", build
