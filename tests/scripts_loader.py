@@ -15,3 +15,12 @@ def load_script(name: str):
     sys.modules[spec.name] = mod       # dataclasses look their module up while the file runs
     spec.loader.exec_module(mod)
     return mod
+
+
+def exit_code(module, argv: list[str]) -> int:
+    """What `python scripts/<name>.py ARGV` exits with (`sys.exit(main())`), from module.main(argv) run in this
+    process; an exception escapes, as the traceback a user would see."""
+    try:
+        return module.main(argv) or 0
+    except SystemExit as exit_:
+        return exit_.code

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from scripts_loader import load_script
+from scripts_loader import exit_code, load_script
 
 from attnbench import arguments
 
@@ -87,10 +87,7 @@ def test_a_bad_option_is_one_line_and_exit_2(tmp_path, capsys, script, argv, mes
     (tmp_path / "bad_points").mkdir()
     (tmp_path / "bad_points" / "table_points.json").write_text("{bad")
     argv = [a.replace("{file}", str(a_file)).replace("{tmp}", str(tmp_path)) for a in argv]
-    try:        # as `sys.exit(main())` under __main__; an exception would fail the test, as a traceback would
-        code = load_script(script.removesuffix(".py")).main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
+    code = exit_code(load_script(script.removesuffix(".py")), argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]

@@ -16,6 +16,8 @@ from attnbench.spotcheck import (
 )
 from attnbench.store import load_run
 from test_analysis import make_run
+from test_faults import assert_one_line
+from test_faults import cli as run_cli      # the real entry point, in this process
 from test_runner import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,8 +119,6 @@ def _cpu_spot_run(tmp_path):
 
 
 def test_rescore_reads_the_file_for_the_device_the_run_was_measured_on(tmp_path, capsys):
-    from test_faults import cli as run_cli
-
     path, run = _cpu_spot_run(tmp_path)
     for device in ([], ["--device", "cpu"]):
         result = run_cli(capsys, "spot-check", path, *device, "--rescore", run)
@@ -136,9 +136,6 @@ def test_rescore_reads_the_file_for_the_device_the_run_was_measured_on(tmp_path,
     (["--gpu", "0", "--results-root", "{tmp}"], ["--rescore", "--gpu", "--results-root"]),
 ])
 def test_rescore_checks_its_options_and_refuses_those_that_mean_nothing(tmp_path, capsys, args, culprits):
-    from test_faults import assert_one_line
-    from test_faults import cli as run_cli
-
     path, run = _cpu_spot_run(tmp_path)
     fill = lambda text: text.replace("{run}", str(run)).replace("{tmp}", str(tmp_path))   # noqa: E731
     assert_one_line(run_cli(capsys, "spot-check", path, "--rescore", run, *map(fill, args)), 2, *culprits)
@@ -146,9 +143,6 @@ def test_rescore_checks_its_options_and_refuses_those_that_mean_nothing(tmp_path
 
 
 def test_rescore_into_a_run_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
-    from test_faults import assert_one_line
-    from test_faults import cli as run_cli
-
     path, run = _cpu_spot_run(tmp_path)
     write_text = Path.write_text
 
@@ -184,9 +178,6 @@ def test_a_check_that_could_only_end_in_error_is_refused_before_measuring(tmp_pa
     path.write_text(SMALL_SPOT_CHECK + check + "\n")
     with pytest.raises(MatrixError, match="^" + re.escape(f"{path}: {problem}")):
         load_spot_check(path, device="cpu")
-    from test_faults import assert_one_line
-    from test_faults import cli as run_cli
-
     assert_one_line(run_cli(capsys, "spot-check", path, "--device", "cpu", "--results-root", tmp_path / "runs"), 2,
                     problem)
     assert not (tmp_path / "runs").exists()
@@ -302,9 +293,6 @@ def test_schema_errors(check, message):
 ])
 def test_a_cell_a_run_matrix_refuses_is_refused_in_a_spot_check_file(tmp_path, capsys, cells, problem):
     """A cell that is not a mapping was dropped silently, an id that is a list crashed (unhashable): both one line."""
-    from test_faults import assert_one_line
-    from test_faults import cli as run_cli
-
     path = tmp_path / "sc.yaml"
     path.write_text("defaults: {kernel: elsa, baseline: math, dtype: float32, mode: fwd, heads: 2, head_dim: 32}\n"
                     f"cells: {cells}\n")

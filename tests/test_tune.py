@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts_loader import load_script
+from scripts_loader import exit_code, load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,10 +68,7 @@ def tune_here(capsys, *args) -> tuple[int, str]:
     """tune.py's main() in this process, its exit code and stderr: for runs that time nothing (refusals, sections
     that stay where their kernel cannot run), where a new process would spend its time importing torch."""
     capsys.readouterr()
-    try:
-        code = tune.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
+    code = exit_code(tune, list(args))
     return code, capsys.readouterr().err
 
 
